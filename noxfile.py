@@ -1,0 +1,125 @@
+"""Graph Mode's test matrix. ``nox`` runs everything CI needs; ``nox -t TAG`` selects a layer.
+
+Each layer's session installs only that distribution and the layers below it. The torch-free
+layers run twice: in an environment where torch is not installed at all, and with torch.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "uv"
+nox.options.error_on_missing_interpreters = True
+
+ROOT = Path(__file__).parent
+PACKAGES = {  # distribution -> the distributions it needs, bottom layer first
+    "gm-config": ["gm-config"],
+    "gm-passes": ["gm-config", "gm-passes"],
+    "gm-trace": ["gm-config", "gm-passes", "gm-trace"],
+    "gm-trainer": ["gm-config", "gm-passes", "gm-trace", "gm-trainer"],
+}
+TORCH_FREE = ("gm-config", "gm-passes")
+
+# The CPU build only. A plain "torch" would pull a multi-GB CUDA build; with the local version
+# pinned, a machine without the CPU wheel at hand fails fast instead. Override for other setups.
+TORCH_SPEC = os.environ.get("GM_TORCH_SPEC", "torch==2.13.0+cpu")
+
+# pip finds the local CPU wheel through PIP_FIND_LINKS; give uv the same place.
+if os.environ.get("PIP_FIND_LINKS") and not os.environ.get("UV_FIND_LINKS"):
+    os.environ["UV_FIND_LINKS"] = os.environ["PIP_FIND_LINKS"]
+
+NO_TORCH_CHECK = """
+try:
+    import torch
+except ImportError:
+    print("torch is not installed in this session: OK")
+else:
+    raise SystemExit("torch must not be importable in a no-torch session")
+"""
+
+
+def _paths(*names: str) -> list[str]:
+    return [str(ROOT / "packages" / name) for name in names]
+
+
+def _install_layer(session: nox.Session, dist: str, *, torch: bool) -> None:
+    if torch:
+        session.install(TORCH_SPEC)
+    session.install(*_paths(*PACKAGES[dist]), "pytest>=8")
+
+
+def _pytest(session: nox.Session, dist: str) -> None:
+    session.run(
+        "pytest", str(ROOT / "packages" / dist / "tests"), "-q",
+        "-p", "no:cacheprovider", *session.posargs,
+    )
+
+
+for _dist in TORCH_FREE:
+    @nox.session(name=f"{_dist}(no-torch)", tags=[_dist, "no-torch"])
+    def _no_torch(session: nox.Session, dist: str = _dist) -> None:
+        """The torch-free layer in an environment where torch is not installed."""
+        _install_layer(session, dist, torch=False)
+        session.run("python", "-c", NO_TORCH_CHECK)
+        _pytest(session, dist)
+
+    @nox.session(name=f"{_dist}(torch)", tags=[_dist, "torch"])
+    def _with_torch(session: nox.Session, dist: str = _dist) -> None:
+        """The torch-free layer beside torch: its passes also run on real torch.fx graphs."""
+        _install_layer(session, dist, torch=True)
+        _pytest(session, dist)
+
+
+for _dist in ("gm-trace", "gm-trainer"):
+    @nox.session(name=_dist, tags=[_dist, "torch"])
+    def _torch_layer(session: nox.Session, dist: str = _dist) -> None:
+        """A torch layer with the layers below it."""
+        _install_layer(session, dist, torch=True)
+        _pytest(session, dist)
+
+
+@nox.session(tags=["boundary", "no-torch"])
+def boundary(session: nox.Session) -> None:
+    """Import-linter contracts, and every torch-free module imported without torch."""
+    session.install("import-linter>=2.0", "pyyaml>=6.0")
+    # Sources only: the contracts read import statements, so the torch layers need no torch.
+    session.install("--no-deps", *_paths(*PACKAGES["gm-trainer"]))
+    session.run("python", "-c", NO_TORCH_CHECK)
+    session.run("lint-imports", "--config", str(ROOT / "pyproject.toml"))
+    session.run("python", str(ROOT / "tools" / "check_torch_free.py"), *TORCH_FREE)
+
+
+@nox.session(tags=["lint"])
+def lint(session: nox.Session) -> None:
+    """ruff: lint and formatting."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", str(ROOT))
+    session.run("ruff", "format", "--check", str(ROOT))
+
+
+@nox.session(tags=["wheels"])
+def wheels(session: nox.Session) -> None:
+    """Each distribution builds alone, and its wheel installs alone with its declared deps."""
+    dist_dir = Path(session.create_tmp()) / "dist"
+    shutil.rmtree(dist_dir, ignore_errors=True)
+    for dist in PACKAGES:
+        session.run("uv", "build", "--package", dist, "--out-dir", str(dist_dir), external=True)
+    for dist, needs in PACKAGES.items():
+        venv = Path(session.create_tmp()) / f"venv-{dist}"
+        shutil.rmtree(venv, ignore_errors=True)
+        session.run("uv", "venv", "--quiet", str(venv), external=True)
+        pip = ("uv", "pip", "install", "--quiet", "--python", str(venv / "bin" / "python"))
+        if dist not in TORCH_FREE:
+            session.run(*pip, TORCH_SPEC, external=True)
+        # Pin the layers to the wheels just built, never to a same-named index package.
+        wheels_needed = [str(next(dist_dir.glob(f"{d.replace('-', '_')}-*.whl"))) for d in needs]
+        session.run(*pip, *wheels_needed, external=True)
+        session.run("uv", "pip", "check", "--python", str(venv / "bin" / "python"), external=True)
+        module = dist.replace("-", "_")
+        session.run(str(venv / "bin" / "python"), "-c", f"import {module}", external=True)
+    for wheel in sorted(dist_dir.glob("*.whl")):
+        session.log(f"{wheel.name}: {wheel.stat().st_size / 1024:.1f} KiB")

@@ -1,0 +1,20 @@
+"""Graph Mode configuration: ``PassConfig``, ``PassPlan`` and the sharding YAML contract.
+
+This distribution never imports torch, so configuration can be built, validated and
+serialised anywhere.
+"""
+
+from gm_config.errors import ConfigError
+from gm_config.pass_config import PassConfig
+from gm_config.pass_plan import FSDPModuleConfig, PassPlan
+from gm_config.yaml_plan import LEGACY_KEYS, create_sharding_plan_from_yaml, sharding_plan_from_dict
+
+__all__ = [
+    "LEGACY_KEYS",
+    "ConfigError",
+    "FSDPModuleConfig",
+    "PassConfig",
+    "PassPlan",
+    "create_sharding_plan_from_yaml",
+    "sharding_plan_from_dict",
+]

@@ -1,0 +1,86 @@
+"""``PassConfig``: which graph passes run and with which parallel sizes (seed §4.1).
+
+A pure dataclass: it never probes ``torch.distributed``. Whether distribution is initialised
+is decided by the passes at run time, so this module stays importable without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gm_config.errors import ConfigError
+
+
+def _is_int(value: object) -> bool:
+    # bool is a subclass of int, but ``fsdp_degree: true`` is a mistake, not a degree.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class PassConfig:
+    """Parallel configuration that drives the pass pipeline.
+
+    Validated on construction; call :meth:`validate` again after mutating a field.
+    """
+
+    enable_overlap: bool = True
+    """Run the ``overlap`` pass, which moves each ``wait_tensor`` later so that communication
+    overlaps independent compute."""
+
+    fsdp_enabled: bool = True
+    """Run the ``fsdp`` pass. Set False for pure TP graph mode. The pass itself exits early,
+    leaving the graph untouched, when torch.distributed is not initialised or the world is 1."""
+
+    fsdp_degree: int | None = None
+    """Size of the FSDP group. ``None`` is filled in at run time: from the mesh's shard dimension
+    when a mesh context is given, else the world size."""
+
+    tp_size: int = 1
+    """Tensor-parallel size. Informational: TP collectives live in the model's forward."""
+
+    sequence_parallel: bool = False
+    """Sequence parallelism along the TP axis. Informational."""
+
+    loss_parallel: bool = False
+    """Loss parallelism along the TP axis. Informational."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` (a ``ValueError``) naming the first bad field."""
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.type == "bool" and not isinstance(value, bool):
+                raise ConfigError(
+                    f"PassConfig.{field.name} must be a bool (true/false), got {value!r}"
+                )
+        if not _is_int(self.tp_size) or self.tp_size < 1:
+            raise ConfigError(f"PassConfig.tp_size must be an int >= 1, got {self.tp_size!r}")
+        if self.fsdp_degree is not None and (
+            not _is_int(self.fsdp_degree) or self.fsdp_degree < 1
+        ):
+            raise ConfigError(
+                "PassConfig.fsdp_degree must be None (fill in at run time) or a positive int, "
+                f"got {self.fsdp_degree!r}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict of every field, suitable for YAML/JSON."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, where: str = "PassConfig") -> PassConfig:
+        """Build from a mapping; unknown keys are an error (a typo must not be ignored)."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{where} must be a mapping of field: value, got {data!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(
+                f"{where}: unknown key(s) {unknown}; accepted keys are {sorted(known)}"
+            )
+        return cls(**dict(data))

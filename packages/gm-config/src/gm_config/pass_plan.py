@@ -1,0 +1,84 @@
+"""``PassPlan``: which modules are sharded, by exact FQN or fnmatch pattern (seed §4.2)."""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+from gm_config.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class FSDPModuleConfig:
+    """How one planned module (or every module a pattern matches) is sharded.
+
+    Only the key it was registered under is recorded for now; per-module options are added
+    together with the pass that consumes them.
+    """
+
+    key: str
+    """The exact FQN or the fnmatch pattern this entry was registered under."""
+
+    is_pattern: bool = False
+    """True when ``key`` is an fnmatch pattern rather than an exact FQN."""
+
+
+@dataclass
+class PassPlan:
+    """Declarative sharding plan: a registry of exact FQNs plus ordered fnmatch patterns.
+
+    Lookup is exact first, then the first matching pattern in insertion order.
+    """
+
+    fsdp_modules: dict[str, FSDPModuleConfig] = field(default_factory=dict)
+    """Exact module FQN -> config."""
+
+    fsdp_patterns: dict[str, FSDPModuleConfig] = field(default_factory=dict)
+    """fnmatch pattern -> config, searched in insertion order."""
+
+    fsdp_enabled: bool = True
+    """False turns sharding off for this plan even when modules are listed."""
+
+    def add_module(self, fqn: str) -> PassPlan:
+        """Register an exact module FQN (``""`` is the root module). Returns self to chain."""
+        _check_key(fqn, "module FQN")
+        self.fsdp_modules[fqn] = FSDPModuleConfig(key=fqn)
+        return self
+
+    def add_pattern(self, pattern: str) -> PassPlan:
+        """Register an fnmatch pattern over module FQNs. Returns self to chain."""
+        _check_key(pattern, "pattern")
+        if not pattern:
+            raise ConfigError("PassPlan pattern must be a non-empty string, got ''")
+        self.fsdp_patterns[pattern] = FSDPModuleConfig(key=pattern, is_pattern=True)
+        return self
+
+    def lookup(self, fqn: str) -> FSDPModuleConfig | None:
+        """The config for module ``fqn``: exact entry first, else the first matching pattern."""
+        exact = self.fsdp_modules.get(fqn)
+        if exact is not None:
+            return exact
+        for pattern, config in self.fsdp_patterns.items():
+            if fnmatch.fnmatchcase(fqn, pattern):
+                return config
+        return None
+
+    def merge(self, other: PassPlan) -> PassPlan:
+        """A new plan holding both; ``other`` wins on a key clash. Neither input is changed.
+
+        Patterns of ``self`` keep their order; new patterns of ``other`` follow them.
+        """
+        return PassPlan(
+            fsdp_modules={**self.fsdp_modules, **other.fsdp_modules},
+            fsdp_patterns={**self.fsdp_patterns, **other.fsdp_patterns},
+            fsdp_enabled=other.fsdp_enabled,
+        )
+
+    def is_empty(self) -> bool:
+        """True when neither a module nor a pattern is registered."""
+        return not self.fsdp_modules and not self.fsdp_patterns
+
+
+def _check_key(value: object, what: str) -> None:
+    if not isinstance(value, str):
+        raise ConfigError(f"PassPlan {what} must be a string, got {value!r}")

@@ -1,0 +1,35 @@
+"""Graph Mode pass infrastructure: ``GraphPass``, ``PassPipeline`` and the pass registry.
+
+Never imports torch. Passes that need torch live in other distributions and are found by
+name through the entry-point group ``gm_passes.passes``.
+"""
+
+from gm_passes.base import GraphPass, PassContext, PassResult
+from gm_passes.base_passes import CanonicalizeGraph, DeadCodeElimination
+from gm_passes.pipeline import CANONICAL_ORDER, PassPipeline, PassRecord, selected_passes
+from gm_passes.registry import (
+    ENTRY_POINT_GROUP,
+    PassNotFoundError,
+    available_passes,
+    get_pass,
+    register_pass,
+    unregister_pass,
+)
+
+__all__ = [
+    "CANONICAL_ORDER",
+    "ENTRY_POINT_GROUP",
+    "CanonicalizeGraph",
+    "DeadCodeElimination",
+    "GraphPass",
+    "PassContext",
+    "PassNotFoundError",
+    "PassPipeline",
+    "PassRecord",
+    "PassResult",
+    "available_passes",
+    "get_pass",
+    "register_pass",
+    "selected_passes",
+    "unregister_pass",
+]

@@ -1,0 +1,63 @@
+"""The pass contract: ``GraphPass``, the shared ``PassContext`` and ``PassResult``.
+
+Passes receive a ``torch.fx.GraphModule`` but this module never imports torch: a pass works
+through the object it is given (see :mod:`gm_passes.graph_ops` for the few node queries that
+the torch-free passes need).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NamedTuple
+
+from gm_config import PassConfig, PassPlan
+
+
+class PassResult(NamedTuple):
+    """What a pass returns: the (possibly new) graph module and whether it changed it."""
+
+    graph_module: Any
+    modified: bool
+
+
+@dataclass
+class PassContext:
+    """Everything a pass may read, and the one place where passes record what they did."""
+
+    config: PassConfig
+    """The pass configuration the pipeline was built from."""
+
+    plan: PassPlan | None = None
+    """The declarative sharding plan; ``None`` means "shard every parameter"."""
+
+    model: Any = None
+    """The live ``nn.Module`` whose state the graph's leading placeholders mirror."""
+
+    process_groups: dict[str, str] = field(default_factory=lambda: {"fsdp": "fsdp"})
+    """Role -> name under which the process group was registered (``"fsdp"`` -> ``"fsdp"``)."""
+
+    stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per pass name, the statistics it recorded (counts, bytes, schedules)."""
+
+    def record(self, pass_name: str, **values: Any) -> None:
+        """Merge ``values`` into the statistics of ``pass_name``."""
+        self.stats.setdefault(pass_name, {}).update(values)
+
+
+class GraphPass(abc.ABC):
+    """A graph-to-graph transformation registered under a unique ``name``.
+
+    Subclasses implement :meth:`run`; they may rewrite the graph in place and return it, or
+    return a new graph module. Construction takes no arguments: everything configurable comes
+    from the :class:`PassContext`.
+    """
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def run(self, graph_module: Any, ctx: PassContext) -> PassResult:
+        """Transform ``graph_module`` and report whether anything changed."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
