@@ -54,12 +54,17 @@ def _install_layer(session: nox.Session, dist: str, *, torch: bool) -> None:
 
 def _pytest(session: nox.Session, dist: str) -> None:
     session.run(
-        "pytest", str(ROOT / "packages" / dist / "tests"), "-q",
-        "-p", "no:cacheprovider", *session.posargs,
+        "pytest",
+        str(ROOT / "packages" / dist / "tests"),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        *session.posargs,
     )
 
 
 for _dist in TORCH_FREE:
+
     @nox.session(name=f"{_dist}(no-torch)", tags=[_dist, "no-torch"])
     def _no_torch(session: nox.Session, dist: str = _dist) -> None:
         """The torch-free layer in an environment where torch is not installed."""
@@ -75,6 +80,7 @@ for _dist in TORCH_FREE:
 
 
 for _dist in ("gm-trace", "gm-trainer"):
+
     @nox.session(name=_dist, tags=[_dist, "torch"])
     def _torch_layer(session: nox.Session, dist: str = _dist) -> None:
         """A torch layer with the layers below it."""

@@ -60,9 +60,7 @@ class PassConfig:
                 )
         if not _is_int(self.tp_size) or self.tp_size < 1:
             raise ConfigError(f"PassConfig.tp_size must be an int >= 1, got {self.tp_size!r}")
-        if self.fsdp_degree is not None and (
-            not _is_int(self.fsdp_degree) or self.fsdp_degree < 1
-        ):
+        if self.fsdp_degree is not None and (not _is_int(self.fsdp_degree) or self.fsdp_degree < 1):
             raise ConfigError(
                 "PassConfig.fsdp_degree must be None (fill in at run time) or a positive int, "
                 f"got {self.fsdp_degree!r}"

@@ -48,9 +48,7 @@ def create_sharding_plan_from_yaml(path: str | os.PathLike[str]) -> PassPlan:
     except yaml.YAMLError as e:
         raise ConfigError(f"{source}: not valid YAML: {e}") from None
     if data is None:
-        raise ConfigError(
-            f"{source}: the file is empty; expected a mapping with an 'fsdp' section"
-        )
+        raise ConfigError(f"{source}: the file is empty; expected a mapping with an 'fsdp' section")
     return sharding_plan_from_dict(data, source=source)
 
 
@@ -70,9 +68,7 @@ def sharding_plan_from_dict(data: Any, *, source: str = "<sharding>") -> PassPla
     if section is None:
         section = {}
     if not isinstance(section, Mapping):
-        raise ConfigError(
-            f"{source}: 'fsdp' must be a mapping, got {type(section).__name__}"
-        )
+        raise ConfigError(f"{source}: 'fsdp' must be a mapping, got {type(section).__name__}")
     _check_keys(section, _SECTION_KEYS, f"{source}: fsdp")
 
     plan = PassPlan()

@@ -56,7 +56,9 @@ class PassPipeline:
         self.context: PassContext | None = None
 
     @classmethod
-    def from_config(cls, pass_config: PassConfig, pass_plan: PassPlan | None = None) -> PassPipeline:
+    def from_config(
+        cls, pass_config: PassConfig, pass_plan: PassPlan | None = None
+    ) -> PassPipeline:
         """The canonical pipeline for this configuration, passes looked up by name."""
         pass_config.validate()
         passes = [
