@@ -76,7 +76,7 @@ class PassConfig:
         if not isinstance(data, Mapping):
             raise ConfigError(f"{where} must be a mapping of field: value, got {data!r}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - known, key=str)  # YAML keys may be ints too
         if unknown:
             raise ConfigError(
                 f"{where}: unknown key(s) {unknown}; accepted keys are {sorted(known)}"

@@ -59,7 +59,7 @@ def sharding_plan_from_dict(data: Any, *, source: str = "<sharding>") -> PassPla
             f"{source}: the top level must be a mapping with an 'fsdp' section, "
             f"got {type(data).__name__}"
         )
-    unknown = sorted(set(data) - {"fsdp"})
+    unknown = sorted(set(data) - {"fsdp"}, key=str)
     if unknown:
         raise ConfigError(f"{source}: unknown top-level key(s) {unknown}; accepted: ['fsdp']")
     if "fsdp" not in data:
@@ -94,7 +94,7 @@ def _check_keys(mapping: Mapping[str, Any], accepted: frozenset[str], where: str
             UserWarning,
             stacklevel=4,
         )
-    unknown = sorted(set(mapping) - accepted - LEGACY_KEYS)
+    unknown = sorted(set(mapping) - accepted - LEGACY_KEYS, key=str)
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; accepted: {sorted(accepted)}")
 

@@ -14,18 +14,28 @@ COLLECTIVE_NAMESPACES = ("_c10d_functional.", "c10d_functional.", "c10d.")
 
 
 def op_name(node: Any) -> str:
-    """``aten.mm.default`` for an op overload, the qualified name for a Python callable."""
+    """``aten.mm.default`` for an op overload, ``aten.mm`` for an overload packet, the
+    qualified name for a Python callable."""
     target = node.target
     if isinstance(target, str):
         return target
-    if hasattr(target, "_schema"):
+    if hasattr(target, "_schema") or hasattr(target, "_qualified_op_name"):
         return str(target)
     return getattr(target, "__qualname__", None) or getattr(target, "__name__", repr(target))
 
 
+def _base_name(node: Any) -> str:
+    """The op's own name: ``wait_tensor`` for ``_c10d_functional.wait_tensor.default``, for
+    the overload packet ``_c10d_functional.wait_tensor`` and ``add_`` for ``x.add_(y)``."""
+    parts = op_name(node).split(".")
+    if node.op == "call_method" or hasattr(node.target, "_qualified_op_name"):
+        return parts[-1]
+    return parts[-2] if len(parts) >= 2 else ""
+
+
 def is_wait(node: Any) -> bool:
     """True for a ``wait_tensor`` that completes an asynchronous collective."""
-    return node.op == "call_function" and op_name(node).split(".")[-2:-1] == ["wait_tensor"]
+    return node.op == "call_function" and _base_name(node) == "wait_tensor"
 
 
 def is_collective(node: Any) -> bool:
@@ -35,14 +45,14 @@ def is_collective(node: Any) -> bool:
 
 def mutates_an_input(node: Any) -> bool:
     """True for in-place ops (``copy_``, ``add_``) and ops whose schema writes an argument."""
-    if node.op != "call_function":
+    if node.op not in ("call_function", "call_method"):
         return False
     schema = getattr(node.target, "_schema", None)
     if schema is not None and getattr(schema, "is_mutable", False):
         return True
-    parts = op_name(node).split(".")
-    # aten.<name>.<overload>: an in-place op's name ends with "_" (but not "__dunder__").
-    return len(parts) >= 2 and parts[-2].endswith("_") and not parts[-2].endswith("__")
+    # An in-place op's name ends with "_" (but not "__dunder__").
+    name = _base_name(node)
+    return name.endswith("_") and not name.endswith("__")
 
 
 def has_side_effects(node: Any) -> bool:

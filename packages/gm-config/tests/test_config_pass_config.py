@@ -1,0 +1,206 @@
+"""``PassConfig``: fields, defaults, validation and the dict round trip (seed §4.1)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from gm_config import ConfigError, PassConfig
+
+DEFAULTS = {
+    "enable_overlap": True,
+    "fsdp_enabled": True,
+    "fsdp_degree": None,
+    "tp_size": 1,
+    "sequence_parallel": False,
+    "loss_parallel": False,
+}
+BOOL_FIELDS = ["enable_overlap", "fsdp_enabled", "sequence_parallel", "loss_parallel"]
+
+
+def test_fields_are_exactly_the_documented_ones_in_order():
+    assert [f.name for f in dataclasses.fields(PassConfig)] == list(DEFAULTS)
+
+
+def test_defaults():
+    config = PassConfig()
+    for name, default in DEFAULTS.items():
+        assert getattr(config, name) == default, name
+        assert type(getattr(config, name)) is type(default), name
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+    with pytest.raises(ValueError):
+        PassConfig(tp_size=0)
+
+
+def test_valid_non_default_values_are_kept():
+    config = PassConfig(
+        enable_overlap=False,
+        fsdp_enabled=False,
+        fsdp_degree=4,
+        tp_size=2,
+        sequence_parallel=True,
+        loss_parallel=True,
+    )
+    assert config.to_dict() == {
+        "enable_overlap": False,
+        "fsdp_enabled": False,
+        "fsdp_degree": 4,
+        "tp_size": 2,
+        "sequence_parallel": True,
+        "loss_parallel": True,
+    }
+
+
+@pytest.mark.parametrize("tp_size", [0, -1, -8])
+def test_tp_size_below_one_is_rejected(tp_size):
+    with pytest.raises(ConfigError) as info:
+        PassConfig(tp_size=tp_size)
+    message = str(info.value)
+    assert "PassConfig.tp_size" in message
+    assert repr(tp_size) in message
+    assert ">= 1" in message
+
+
+@pytest.mark.parametrize("tp_size", [True, 2.0, "2", None])
+def test_tp_size_must_be_a_real_int(tp_size):
+    with pytest.raises(ConfigError) as info:
+        PassConfig(tp_size=tp_size)
+    assert "PassConfig.tp_size" in str(info.value)
+    assert repr(tp_size) in str(info.value)
+
+
+@pytest.mark.parametrize("degree", [1, 2, 3, 64])
+def test_fsdp_degree_positive_int_is_accepted(degree):
+    assert PassConfig(fsdp_degree=degree).fsdp_degree == degree
+
+
+@pytest.mark.parametrize("degree", [0, -2, True, False, 2.0, "4", [2]])
+def test_fsdp_degree_must_be_none_or_a_positive_int(degree):
+    # ``True`` is an int subclass in Python, but ``fsdp_degree: true`` is a mistake, not 1.
+    with pytest.raises(ConfigError) as info:
+        PassConfig(fsdp_degree=degree)
+    message = str(info.value)
+    assert "PassConfig.fsdp_degree" in message
+    assert repr(degree) in message
+    assert "None" in message and "positive int" in message
+
+
+@pytest.mark.parametrize("field", BOOL_FIELDS)
+@pytest.mark.parametrize("value", [1, 0, "true", "False", None, 1.0])
+def test_bool_fields_only_accept_bools(field, value):
+    with pytest.raises(ConfigError) as info:
+        PassConfig(**{field: value})
+    message = str(info.value)
+    assert f"PassConfig.{field}" in message
+    assert repr(value) in message
+    assert "bool" in message
+
+
+@pytest.mark.parametrize("field", BOOL_FIELDS)
+def test_bool_fields_accept_both_bools(field):
+    assert getattr(PassConfig(**{field: True}), field) is True
+    assert getattr(PassConfig(**{field: False}), field) is False
+
+
+@pytest.mark.parametrize(
+    ("field", "bad"),
+    [("tp_size", 0), ("fsdp_degree", True), ("fsdp_degree", 0), ("loss_parallel", "yes")],
+)
+def test_validate_catches_a_mutation(field, bad):
+    config = PassConfig()
+    config.validate()  # a fresh default config is valid
+    setattr(config, field, bad)
+    with pytest.raises(ConfigError, match=f"PassConfig.{field}"):
+        config.validate()
+
+
+def test_validate_accepts_a_valid_mutation():
+    config = PassConfig()
+    config.fsdp_degree = 8
+    config.tp_size = 4
+    config.validate()
+    assert (config.fsdp_degree, config.tp_size) == (8, 4)
+
+
+def test_to_dict_is_a_plain_dict_of_every_field():
+    data = PassConfig(fsdp_degree=2).to_dict()
+    assert type(data) is dict
+    assert data == {**DEFAULTS, "fsdp_degree": 2}
+
+
+def test_to_dict_is_a_copy():
+    config = PassConfig()
+    data = config.to_dict()
+    data["tp_size"] = 99
+    assert config.tp_size == 1
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        PassConfig(),
+        PassConfig(enable_overlap=False, fsdp_degree=4),
+        PassConfig(fsdp_enabled=False, tp_size=2, sequence_parallel=True, loss_parallel=True),
+    ],
+)
+def test_round_trip_through_dict_and_yaml(config):
+    assert PassConfig.from_dict(config.to_dict()) == config
+    dumped = yaml.safe_dump(config.to_dict())
+    assert PassConfig.from_dict(yaml.safe_load(dumped)) == config
+
+
+def test_from_dict_fills_missing_keys_with_defaults():
+    config = PassConfig.from_dict({"tp_size": 2})
+    assert config == PassConfig(tp_size=2)
+    assert PassConfig.from_dict({}) == PassConfig()
+
+
+def test_from_dict_does_not_change_its_input():
+    data = {"tp_size": 2, "fsdp_degree": 4}
+    PassConfig.from_dict(data)
+    assert data == {"tp_size": 2, "fsdp_degree": 4}
+
+
+def test_from_dict_rejects_an_unknown_key_naming_it():
+    with pytest.raises(ConfigError) as info:
+        PassConfig.from_dict({"tp_size": 2, "fsdp_degre": 4})
+    message = str(info.value)
+    assert "fsdp_degre" in message
+    assert "unknown" in message
+    # ... and says what would have been accepted.
+    for name in DEFAULTS:
+        assert name in message
+
+
+def test_from_dict_names_every_unknown_key():
+    with pytest.raises(ConfigError) as info:
+        PassConfig.from_dict({"overlap": True, "tp": 2, "tp_size": 1})
+    assert "overlap" in str(info.value)
+    assert "'tp'" in str(info.value)
+
+
+def test_from_dict_unknown_keys_of_mixed_types_are_still_a_config_error():
+    # A YAML mapping can have int keys; the error must stay a ConfigError, not a TypeError.
+    with pytest.raises(ConfigError, match="unknown"):
+        PassConfig.from_dict({1: True, "tp": 2})
+
+
+def test_from_dict_uses_where_in_its_messages():
+    with pytest.raises(ConfigError, match=r"^train\.yaml: pass_config"):
+        PassConfig.from_dict({"bogus": 1}, where="train.yaml: pass_config")
+
+
+@pytest.mark.parametrize("data", [["tp_size", 1], "tp_size: 1", None, 3])
+def test_from_dict_rejects_a_non_mapping(data):
+    with pytest.raises(ConfigError, match="mapping"):
+        PassConfig.from_dict(data)
+
+
+def test_from_dict_validates_values():
+    with pytest.raises(ConfigError, match=r"PassConfig\.fsdp_degree.*True"):
+        PassConfig.from_dict({"fsdp_degree": True})
