@@ -1,0 +1,521 @@
+"""The joint-graph tracer: bitwise parity with eager, the calling convention, and its errors."""
+
+from __future__ import annotations
+
+import copy
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
+
+from gm_trace.testing import (
+    MLP,
+    ConvBN,
+    DropoutMLP,
+    TinyGPT,
+    ce_loss,
+    lm_loss,
+    make_classification_batch,
+    make_image_batch,
+    make_lm_batch,
+    make_regression_batch,
+    mse_loss,
+)
+from gm_trace.tracer import (
+    GraphCaptureError,
+    GraphOutputs,
+    GraphSignatureError,
+    OutputSpec,
+    grad_output_node,
+    run_traced_graph,
+    trace_model_graph,
+)
+
+CASES: dict[str, tuple[Callable[[], nn.Module], Callable[..., Tensor], Callable[[int], Any]]] = {
+    "mlp": (MLP, mse_loss, lambda step: make_regression_batch(seed=step)),
+    "dropout_mlp": (DropoutMLP, ce_loss, lambda step: make_classification_batch(seed=step)),
+    "conv_bn": (ConvBN, ce_loss, lambda step: make_image_batch(seed=step)),
+    "tiny_gpt": (TinyGPT, lm_loss, lambda step: make_lm_batch(seed=step)),
+}
+
+
+def _build(name: str) -> tuple[nn.Module, Callable[..., Tensor], Callable[[int], Any]]:
+    factory, train_fn, batch = CASES[name]
+    torch.manual_seed(0)
+    return factory(), train_fn, batch
+
+
+def _eager_grads(model: nn.Module, train_fn: Callable[..., Tensor], batch: Any) -> Tensor:
+    model.zero_grad(set_to_none=True)
+    loss = train_fn(model, *batch)
+    loss.backward()
+    return loss.detach()
+
+
+def _assert_grads_equal(eager: nn.Module, out: GraphOutputs) -> None:
+    with_grad = {fqn for fqn, p in eager.named_parameters() if p.grad is not None}
+    assert set(out.grads) == with_grad
+    for fqn, p in eager.named_parameters():
+        if p.grad is not None:
+            assert torch.equal(out.grads[fqn], p.grad), fqn
+
+
+# --------------------------------------------------------------------------- parity with eager
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_five_adam_steps_are_bitwise_equal_to_eager(name: str) -> None:
+    eager, train_fn, batch = _build(name)
+    graph_model = copy.deepcopy(eager)
+    gm = trace_model_graph(graph_model, train_fn, *batch(0))
+    opt_eager = torch.optim.Adam(eager.parameters(), lr=1e-2)
+    opt_graph = torch.optim.Adam(graph_model.parameters(), lr=1e-2)
+
+    for step in range(5):
+        torch.manual_seed(100 + step)  # same dropout masks for both
+        loss = _eager_grads(eager, train_fn, batch(step))
+        torch.manual_seed(100 + step)
+        out = run_traced_graph(gm, graph_model, *batch(step))
+
+        assert torch.equal(out.loss, loss)
+        _assert_grads_equal(eager, out)
+        for fqn, grad in out.grads.items():
+            graph_model.get_parameter(fqn).grad = grad
+        opt_eager.step()
+        opt_graph.step()
+        opt_eager.zero_grad()
+        opt_graph.zero_grad()
+
+        for (fqn, a), b in zip(eager.state_dict().items(), graph_model.state_dict().values()):
+            assert torch.equal(a, b), f"step {step}: {fqn}"
+
+
+def test_batchnorm_running_stats_update_the_live_model() -> None:
+    eager, train_fn, batch = _build("conv_bn")
+    graph_model = copy.deepcopy(eager)
+    gm = trace_model_graph(graph_model, train_fn, *batch(0))
+    assert gm.mutated_fqns == [
+        "bn1.running_mean",
+        "bn1.running_var",
+        "bn1.num_batches_tracked",
+        "bn2.running_mean",
+        "bn2.running_var",
+        "bn2.num_batches_tracked",
+    ]
+    assert not graph_model.bn1.running_mean.any()  # tracing did not touch the live buffers
+
+    for step in range(3):
+        _eager_grads(eager, train_fn, batch(step))
+        run_traced_graph(gm, graph_model, *batch(step))
+    for fqn, buf in eager.named_buffers():
+        assert torch.equal(graph_model.get_buffer(fqn), buf), fqn
+    assert graph_model.bn2.num_batches_tracked.item() == 3
+    assert graph_model.bn1.running_mean.abs().sum() > 0
+    # The mutated-state outputs are described and indexed like the gradients.
+    index = gm.mutated_output_index["bn1.running_var"]
+    assert gm.output_specs[index] == OutputSpec("mutated", "bn1.running_var")
+    assert gm.graph.output_node().args[0][index].meta["gm_mutated"] is True
+
+
+def test_dropout_masks_follow_the_global_rng() -> None:
+    model, train_fn, batch = _build("dropout_mlp")
+    x, y = batch(0)
+    torch.manual_seed(7)
+    before = torch.rand(4)
+    torch.manual_seed(7)
+    gm = trace_model_graph(model, train_fn, x, y)
+    assert torch.equal(torch.rand(4), before), "tracing must not consume the global RNG"
+
+    torch.manual_seed(3)
+    eager_loss = train_fn(model, x, y)
+    torch.manual_seed(3)
+    first = run_traced_graph(gm, model, x, y).loss
+    second = run_traced_graph(gm, model, x, y).loss  # RNG advanced: new masks
+    assert torch.equal(first, eager_loss.detach())
+    assert not torch.equal(first, second)
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+def test_tied_embedding_gets_exactly_one_gradient() -> None:
+    eager, train_fn, batch = _build("tiny_gpt")
+    assert eager.lm_head.weight is eager.tok_emb.weight
+    gm = trace_model_graph(eager, train_fn, *batch(0))
+
+    assert gm.param_aliases == {"lm_head.weight": "tok_emb.weight"}
+    assert gm.grad_fqns.count("tok_emb.weight") == 1
+    assert "lm_head.weight" not in gm.state_fqns + gm.grad_fqns
+    assert grad_output_node(gm, "lm_head.weight") is grad_output_node(gm, "tok_emb.weight")
+
+    out = run_traced_graph(gm, eager, *batch(0))
+    _eager_grads(eager, train_fn, batch(0))
+    assert torch.equal(out.grads["tok_emb.weight"], eager.tok_emb.weight.grad)
+
+
+def test_frozen_parameter_stays_an_input_without_gradient() -> None:
+    eager, train_fn, batch = _build("mlp")
+    eager.fc1.weight.requires_grad_(False)
+    gm = trace_model_graph(eager, train_fn, *batch(0))
+
+    assert "fc1.weight" in gm.state_fqns
+    assert "fc1.weight" not in gm.grad_fqns
+    assert gm.frozen_param_fqns == ["fc1.weight"]
+    placeholder = gm.graph.find_nodes(op="placeholder")[gm.state_fqns.index("fc1.weight")]
+    assert placeholder.meta["gm_trainable"] is False
+    with pytest.raises(KeyError, match=r"fc1\.weight"):
+        grad_output_node(gm, "fc1.weight")
+
+    out = run_traced_graph(gm, eager, *batch(0))
+    _eager_grads(eager, train_fn, batch(0))
+    _assert_grads_equal(eager, out)
+
+
+class _WithUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(16, 8)
+        self.unused = nn.Linear(16, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.used(x)
+
+
+def test_unused_parameter_gets_no_gradient_like_eager() -> None:
+    torch.manual_seed(0)
+    model = _WithUnused()
+    gm = trace_model_graph(model, mse_loss, *make_regression_batch())
+    assert gm.unused_param_fqns == ["unused.weight", "unused.bias"]
+    out = run_traced_graph(gm, model, *make_regression_batch())
+    _eager_grads(model, mse_loss, make_regression_batch())
+    assert model.unused.weight.grad is None
+    _assert_grads_equal(model, out)
+
+
+class _Biases(nn.Module):
+    """``x + b1 + b2``: autograd hands back ONE tensor as the gradient of both biases, and
+    ``b3.sum()`` gives an expanded (stride-0) gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b1 = nn.Parameter(torch.zeros(8))
+        self.b2 = nn.Parameter(torch.zeros(8))
+        self.b3 = nn.Parameter(torch.ones(3, 4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.b1 + self.b2 + self.b3.sum()
+
+
+def test_gradients_own_their_memory_and_follow_parameter_layout() -> None:
+    model = _Biases()
+    x, y = torch.randn(8), torch.randn(8)
+    gm = trace_model_graph(model, mse_loss, x, y)
+    out = run_traced_graph(gm, model, x, y)
+    _eager_grads(model, mse_loss, (x, y))
+    _assert_grads_equal(model, out)
+    ptrs = {g.untyped_storage().data_ptr() for g in out.grads.values()}
+    assert len(ptrs) == 3
+    for fqn, grad in out.grads.items():
+        assert grad.stride() == model.get_parameter(fqn).stride()
+        grad.add_(1.0)  # accumulating in place must work
+
+
+# --------------------------------------------------------------------------- graph metadata
+
+
+def test_state_placeholders_lead_in_fixed_order_without_get_attr() -> None:
+    model, train_fn, batch = _build("conv_bn")
+    gm = trace_model_graph(model, train_fn, *batch(0))
+
+    params = [fqn for fqn, _ in model.named_parameters()]
+    buffers = [fqn for fqn, _ in model.named_buffers()]
+    assert gm.state_fqns == params + buffers
+    assert gm.state_is_param == [True] * len(params) + [False] * len(buffers)
+
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    assert len(placeholders) == len(gm.state_fqns) + 2
+    assert [n.meta["gm_fqn"] for n in placeholders[: len(gm.state_fqns)]] == gm.state_fqns
+    assert [n.meta["gm_role"] for n in placeholders] == (
+        ["param"] * len(params) + ["buffer"] * len(buffers) + ["input", "input"]
+    )
+    assert [n.meta["gm_path"] for n in placeholders[-2:]] == ["input", "label"]
+    assert not [n for n in gm.graph.nodes if n.op == "get_attr"]
+    assert not [name for name, _ in gm.named_parameters()]
+    assert not [name for name, _ in gm.named_buffers()]
+
+
+def test_outputs_are_loss_then_grads_then_mutated_state() -> None:
+    model, train_fn, batch = _build("conv_bn")
+    gm = trace_model_graph(model, train_fn, *batch(0))
+    assert gm.output_specs[0] == OutputSpec("loss")
+    assert [s.fqn for s in gm.output_specs if s.kind == "grad"] == gm.grad_fqns
+    assert [s.fqn for s in gm.output_specs if s.kind == "mutated"] == gm.mutated_fqns
+    assert [s.kind for s in gm.output_specs] == (
+        ["loss"] + ["grad"] * len(gm.grad_fqns) + ["mutated"] * len(gm.mutated_fqns)
+    )
+    for fqn, index in gm.grad_output_index.items():
+        assert gm.output_specs[index] == OutputSpec("grad", fqn)
+        assert fqn in grad_output_node(gm, fqn).meta["gm_grad_of"]
+    # Running the raw graph follows the same convention.
+    live = [*model.parameters(), *model.buffers()]
+    with torch.no_grad():
+        outputs = gm(*live, *batch(0))
+    assert len(outputs) == len(gm.output_specs)
+    assert outputs[gm.mutated_output_index["bn1.running_mean"]] is model.bn1.running_mean
+
+
+def test_graph_attributes_survive_deepcopy() -> None:
+    model, train_fn, batch = _build("conv_bn")
+    gm = trace_model_graph(model, train_fn, *batch(0))
+    clone = copy.deepcopy(gm)
+    for name in ("state_fqns", "grad_fqns", "grad_output_index", "mutated_fqns", "output_specs"):
+        assert getattr(clone, name) == getattr(gm, name), name
+    assert clone.input_signature == gm.input_signature
+    out = run_traced_graph(clone, model, *batch(0))
+    assert set(out.grads) == set(gm.grad_fqns)
+
+
+def test_backward_nodes_are_marked_and_inherit_forward_metadata() -> None:
+    model, train_fn, batch = _build("tiny_gpt")
+    gm = trace_model_graph(model, train_fn, *batch(0))
+    compute = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    phases = [n.meta["gm_phase"] for n in compute]
+    assert set(phases) == {"forward", "backward"}
+    # One forward block followed by one backward block.
+    first_backward = phases.index("backward")
+    assert all(p == "forward" for p in phases[:first_backward])
+    assert all(p == "backward" for p in phases[first_backward:])
+
+    out_nodes = gm.graph.output_node().args[0]
+    assert out_nodes[0].meta["gm_phase"] == "forward"  # the loss
+    for fqn in gm.grad_fqns:
+        assert grad_output_node(gm, fqn).meta["gm_phase"] == "backward"
+
+    def by_target(name: str) -> list[torch.fx.Node]:
+        return [n for n in compute if name in str(n.target)]
+
+    (fwd_attn, _) = by_target("flash_attention_for_cpu.default")
+    bwd_attn = by_target("flash_attention_for_cpu_backward")
+    assert fwd_attn.meta["gm_phase"] == "forward"
+    assert all(n.meta["gm_phase"] == "backward" for n in bwd_attn)
+    assert "layers.0.attn" in fwd_attn.meta["nn_module_stack"]
+    # The backward of layer 0's attention inherits layer 0's module stack and source line.
+    (bwd0,) = [n for n in bwd_attn if "layers.0.attn" in n.meta.get("nn_module_stack", {})]
+    assert "scaled_dot_product_attention" in bwd0.meta["stack_trace"]
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def test_non_tensor_leaves_are_baked_in_and_part_of_the_signature() -> None:
+    def train_fn(model: nn.Module, inp: dict[str, Any], y: Tensor) -> Tensor:
+        out = model(inp["x"]) * inp["scale"]
+        if inp["reduce"] == "sum":  # a constant: fine under tracing
+            return F.mse_loss(out, y, reduction="sum")
+        return F.mse_loss(out, y)
+
+    model, _, batch = _build("mlp")
+    x, y = batch(0)
+    inp = {"x": x, "scale": 0.5, "reduce": "sum", "extra": [None, True, 3]}
+    gm = trace_model_graph(model, train_fn, inp, y)
+    assert len(gm.graph.find_nodes(op="placeholder")) == len(gm.state_fqns) + 2
+
+    out = run_traced_graph(gm, model, inp, y)
+    eager = train_fn(model, inp, y)
+    assert torch.equal(out.loss, eager.detach())
+    with pytest.raises(GraphSignatureError, match=r"input\['scale'\]: traced float 0\.5"):
+        run_traced_graph(gm, model, {**inp, "scale": 2.0}, y)
+
+
+class _Opaque:
+    pass
+
+
+def test_unsupported_leaf_type_names_its_path_and_the_fixes() -> None:
+    model, train_fn, batch = _build("mlp")
+    x, y = batch(0)
+    with pytest.raises(TypeError) as info:
+        trace_model_graph(model, train_fn, {"x": x, "mask": [x, _Opaque()]}, y)
+    message = str(info.value)
+    assert "input['mask'][1]" in message
+    assert "_Opaque" in message
+    assert "closure" in message
+    assert "register_pytree_node" in message
+    with pytest.raises(TypeError, match=r"label\[0\] is a builtins\.function"):
+        trace_model_graph(model, train_fn, x, [lambda: None])
+
+
+def test_pre_hook_runs_before_the_inputs_are_checked() -> None:
+    class Pair:
+        def __init__(self, a: Tensor, b: Tensor) -> None:
+            self.a, self.b = a, b
+
+    def register() -> None:
+        pytree.register_pytree_node(
+            Pair, lambda p: ([p.a, p.b], None), lambda leaves, _: Pair(*leaves)
+        )
+
+    def train_fn(model: nn.Module, pair: Pair, y: Tensor) -> Tensor:
+        return F.mse_loss(model(pair.a) + model(pair.b), y)
+
+    model, _, batch = _build("mlp")
+    x, y = batch(0)
+    pair = Pair(x, x * 2)
+    try:
+        with pytest.raises(TypeError, match="Pair"):
+            trace_model_graph(model, train_fn, pair, y)
+        gm = trace_model_graph(model, train_fn, pair, y, pre_hook=register)
+        out = run_traced_graph(gm, model, pair, y)
+        assert torch.equal(out.loss, train_fn(model, pair, y).detach())
+    finally:
+        pytree._deregister_pytree_node(Pair)
+
+
+# --------------------------------------------------------------------------- capture errors
+
+
+class _ItemModel(MLP):
+    def forward(self, x: Tensor) -> Tensor:
+        scale = x.abs().max().item()
+        return super().forward(x) / scale
+
+
+class _BranchModel(MLP):
+    def forward(self, x: Tensor) -> Tensor:
+        if x.sum() > 0:
+            return super().forward(x)
+        return -super().forward(x)
+
+
+def _masked_loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    out = model(x)
+    return out[out > 0].sum()
+
+
+@pytest.mark.parametrize(
+    ("model_cls", "train_fn", "code", "op"),
+    [
+        (_ItemModel, mse_loss, "scale = x.abs().max().item()", "_local_scalar_dense"),
+        (_BranchModel, mse_loss, "if x.sum() > 0:", "_local_scalar_dense"),
+        (MLP, _masked_loss, "return out[out > 0].sum()", "nonzero"),
+    ],
+)
+def test_data_dependent_python_names_the_op_and_user_line(
+    model_cls: type[nn.Module], train_fn: Callable[..., Tensor], code: str, op: str
+) -> None:
+    model = model_cls()
+    with pytest.raises(GraphCaptureError) as info:
+        trace_model_graph(model, train_fn, *make_regression_batch())
+    message = str(info.value)
+    assert re.search(r"test_tracer\.py:\d+\n\s+" + re.escape(code), message), message
+    assert op in message
+    assert "tensor-only" in message and "out of train_fn" in message
+    assert info.value.__suppress_context__  # the torch-internal traceback is not the story
+
+
+@pytest.mark.parametrize(
+    ("returned", "pattern"),
+    [
+        (lambda out: 3.5, r"returned a float: 3\.5"),
+        (lambda out: (out.sum(), out.mean()), r"returned a tuple of 2: \(Tensor\(shape=\(\)"),
+        (lambda out: None, "returned a NoneType"),
+        (lambda out: (out - 1).pow(2), r"shape \(8, 8\) and dtype torch\.float32"),
+        (lambda out: out.argmax(), r"shape \(\) and dtype torch\.int64"),
+        (lambda out: out.detach().sum(), "does not depend on any trainable parameter"),
+    ],
+)
+def test_bad_loss_names_what_train_fn_returned(
+    returned: Callable[[Tensor], Any], pattern: str
+) -> None:
+    model, _, batch = _build("mlp")
+    with pytest.raises(GraphCaptureError, match=pattern):
+        trace_model_graph(model, lambda m, x, y: returned(m(x)), *batch(0))
+
+
+@pytest.mark.parametrize(
+    ("change", "pattern"),
+    [
+        (
+            lambda x, y: (x[:4], y[:4]),
+            r"input: traced Tensor\(shape=\(8, 16\).*got Tensor\(shape=\(4, 16\)",
+        ),
+        (lambda x, y: (x.double(), y), r"dtype=torch\.float32.*got .*dtype=torch\.float64"),
+        (lambda x, y: ((x,), y), "pytree structure"),
+        (lambda x, y: (x, 1.0), r"label: traced Tensor.*got float 1\.0"),
+    ],
+)
+def test_signature_mismatch_shows_both_signatures(
+    change: Callable[[Tensor, Tensor], tuple[Any, Any]], pattern: str
+) -> None:
+    model, train_fn, batch = _build("mlp")
+    gm = trace_model_graph(model, train_fn, *batch(0))
+    with pytest.raises(GraphSignatureError) as info:
+        run_traced_graph(gm, model, *change(*batch(0)))
+    message = str(info.value)
+    assert re.search(pattern, message, re.DOTALL), message
+    assert "Traced signature:" in message and "Called with:" in message
+
+
+def test_running_on_a_model_without_the_traced_state_is_an_error() -> None:
+    model, train_fn, batch = _build("mlp")
+    gm = trace_model_graph(model, train_fn, *batch(0))
+    with pytest.raises(GraphSignatureError, match=r"'fc1\.weight'"):
+        run_traced_graph(gm, nn.Module(), *batch(0))
+
+
+# --------------------------------------------------------------------------- tracing context
+
+
+def test_tracing_restores_global_state_even_on_error() -> None:
+    assert torch.autograd.is_multithreading_enabled()
+    model, train_fn, batch = _build("mlp")
+    trace_model_graph(model, train_fn, *batch(0))
+    assert torch.autograd.is_multithreading_enabled()
+    with pytest.raises(GraphCaptureError):
+        trace_model_graph(_ItemModel(), train_fn, *batch(0))
+    assert torch.autograd.is_multithreading_enabled()
+    assert not torch.compiler._is_non_strict_tracing()
+
+
+def test_missing_engine_patch_warns_and_still_traces(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(torch.compiler, "_patch_engine_backward")
+    eager, train_fn, batch = _build("mlp")
+    with pytest.warns(RuntimeWarning, match="_patch_engine_backward"):
+        gm = trace_model_graph(eager, train_fn, *batch(0))
+    out = run_traced_graph(gm, eager, *batch(0))
+    _eager_grads(eager, train_fn, batch(0))
+    _assert_grads_equal(eager, out)
+    assert grad_output_node(gm, "fc1.weight").meta["gm_phase"] == "backward"
+
+
+def _gelu_mlp(x: Tensor) -> Tensor:
+    return F.gelu(x) * 2.0
+
+
+class _CompiledInside(MLP):
+    def __init__(self, compiled: Callable[[Tensor], Tensor] | None) -> None:
+        super().__init__()
+        self.act = compiled or _gelu_mlp
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc3(self.act(self.fc2(self.act(self.fc1(x)))))
+
+
+def test_torch_compile_wrapped_functions_are_traced_through() -> None:
+    compiled = torch.compile(_gelu_mlp, backend="eager")  # loads dynamo (a few seconds, once)
+    torch.manual_seed(0)
+    model = _CompiledInside(compiled)
+    reference = copy.deepcopy(model)
+    reference.act = _gelu_mlp
+    gm = trace_model_graph(model, mse_loss, *make_regression_batch())
+    assert any("gelu" in str(n.target) for n in gm.graph.nodes)
+    out = run_traced_graph(gm, model, *make_regression_batch())
+    _eager_grads(reference, mse_loss, make_regression_batch())
+    _assert_grads_equal(reference, out)
+    assert sys.modules["torch._dynamo"].config.error_on_nested_fx_trace is True
