@@ -1,7 +1,47 @@
 """Graph Mode torch layer: the joint forward+backward tracer and the torch graph passes.
 
-Work in progress: the tracer and the FSDP/overlap passes land in their own releases; nothing
-is exported yet.
+- :func:`trace_model_graph` / :func:`run_traced_graph` capture and run a whole training step.
+- ``fsdp`` (:class:`FSDPPass`) and ``overlap`` (:class:`AutoOverlapPass`) are registered with
+  ``gm_passes`` through the entry-point group ``gm_passes.passes``.
 """
 
-__all__: list[str] = []
+from gm_trace.fsdp import (
+    CollectiveMismatchError,
+    FSDPConfigError,
+    FSDPPass,
+    RowShard,
+    full_parameter,
+    row_shards,
+)
+from gm_trace.groups import register_process_group, resolve_process_group
+from gm_trace.overlap import AutoOverlapPass
+from gm_trace.tracer import (
+    GraphCaptureError,
+    GraphOutputs,
+    GraphSignatureError,
+    InputSignature,
+    OutputSpec,
+    grad_output_node,
+    run_traced_graph,
+    trace_model_graph,
+)
+
+__all__ = [
+    "AutoOverlapPass",
+    "CollectiveMismatchError",
+    "FSDPConfigError",
+    "FSDPPass",
+    "GraphCaptureError",
+    "GraphOutputs",
+    "GraphSignatureError",
+    "InputSignature",
+    "OutputSpec",
+    "RowShard",
+    "full_parameter",
+    "grad_output_node",
+    "register_process_group",
+    "resolve_process_group",
+    "row_shards",
+    "run_traced_graph",
+    "trace_model_graph",
+]

@@ -1,0 +1,69 @@
+"""Small helpers for passes that add nodes to a traced graph.
+
+Every node a pass inserts gets ``meta["val"]`` (a fake tensor) computed by running the op on
+its inputs' fake values, so later passes can read shapes, dtypes and bytes of any node.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+
+
+def fake_mode_of(graph: fx.Graph) -> FakeTensorMode:
+    """The fake mode the tracer used (found on any placeholder's value), or a fresh one."""
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and hasattr(val, "fake_mode"):
+            return val.fake_mode
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _fake_value(mode: FakeTensorMode, arg: Any) -> Any:
+    return arg.meta["val"] if isinstance(arg, fx.Node) else arg
+
+
+def call(graph: fx.Graph, mode: FakeTensorMode, op: Any, *args: Any, **meta: Any) -> fx.Node:
+    """Insert ``op(*args)`` at the graph's current insertion point, with ``meta["val"]``."""
+    node = graph.call_function(op, args)
+    fake_args = [_fake_value(mode, a) for a in args]
+    with unset_fake_temporarily(), mode:
+        node.meta["val"] = op(*fake_args)
+    node.meta.update(meta)
+    return node
+
+
+def fake_tensor(mode: FakeTensorMode, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A fake tensor of ``shape`` with the dtype and device of ``like``."""
+    with unset_fake_temporarily(), mode:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+def tensor_bytes(node: fx.Node) -> int:
+    """Bytes of the tensor a node produces (0 when it has no tensor value)."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    return 0
+
+
+def pad_rows(graph: fx.Graph, mode: FakeTensorMode, node: fx.Node, extra: int) -> fx.Node:
+    """Append ``extra`` zero rows along dim 0 (a no-op when ``extra`` is 0)."""
+    if extra == 0:
+        return node
+    ndim = node.meta["val"].dim()
+    # constant_pad_nd lists (before, after) pairs from the LAST dim backwards.
+    return call(graph, mode, aten.constant_pad_nd.default, node, [0, 0] * (ndim - 1) + [0, extra])
+
+
+def take_rows(graph: fx.Graph, mode: FakeTensorMode, node: fx.Node, rows: int, **meta: Any):
+    """The first ``rows`` rows along dim 0 (a no-op when that is all of them)."""
+    if node.meta["val"].shape[0] == rows:
+        return node
+    return call(graph, mode, aten.slice.Tensor, node, 0, 0, rows, **meta)

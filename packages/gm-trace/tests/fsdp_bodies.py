@@ -1,0 +1,189 @@
+"""Rank bodies for the FSDP tests: module-level functions, importable by spawned ranks."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from gm_config import PassConfig, PassPlan
+from gm_passes import PassPipeline
+from gm_passes.graph_ops import is_collective, is_wait, op_name
+from gm_trace.fsdp import CollectiveMismatchError, FSDPConfigError, row_shards
+from gm_trace.testing import (
+    MLP,
+    TinyGPT,
+    lm_loss,
+    make_lm_batch,
+    make_regression_batch,
+    mse_loss,
+)
+from gm_trace.testing.parity import assert_full_params_close
+from gm_trace.tracer import run_traced_graph, trace_model_graph
+
+STEPS = 10
+LR = 1e-2
+
+
+def uneven_model(world: int) -> torch.nn.Module:
+    """Linear layers whose dim 0 is 7, 17, 4*world+1 and 5 (an empty shard on 4 ranks)."""
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 7),
+        torch.nn.Linear(7, 17),
+        torch.nn.Linear(17, 4 * world + 1),
+        torch.nn.Linear(4 * world + 1, 5),
+    )
+
+
+def build(kind: str, world: int) -> tuple[torch.nn.Module, object, object]:
+    """model, train_fn, batch(step) -> global (input, label)."""
+    torch.manual_seed(0)
+    if kind == "mlp":
+        model = MLP(16, 32, 8)
+        return model, mse_loss, lambda step: make_regression_batch(8, 16, 8, seed=step)
+    if kind == "gpt":
+        model = TinyGPT(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
+        return model, lm_loss, lambda step: make_lm_batch(8, 16, 64, seed=step)
+    if kind == "uneven":
+        model = uneven_model(world)
+        return model, mse_loss, lambda step: make_regression_batch(8, 6, 5, seed=step)
+    raise ValueError(kind)
+
+
+def _local(batch: tuple[torch.Tensor, torch.Tensor], rank: int, world: int):
+    per = batch[0].shape[0] // world
+    return tuple(t[rank * per : (rank + 1) * per] for t in batch)
+
+
+def compile_fsdp(model, train_fn, sample, config: PassConfig, plan: PassPlan | None = None):
+    gm = trace_model_graph(model, train_fn, *sample)
+    pipeline = PassPipeline.from_config(config, plan)
+    gm = pipeline.run(gm, model=model)
+    return gm, pipeline
+
+
+def parity(rank: int, world: int, kind: str, overlap: bool, plan_patterns: tuple[str, ...]):
+    """10 Adam steps of graph FSDP on the local slice == eager on the global batch."""
+    model, train_fn, batch = build(kind, world)
+    reference = copy.deepcopy(model)
+    plan = None
+    if plan_patterns:
+        plan = PassPlan()
+        for pattern in plan_patterns:
+            plan.add_pattern(pattern)
+    gm, pipeline = compile_fsdp(
+        model, train_fn, _local(batch(0), rank, world), PassConfig(enable_overlap=overlap), plan
+    )
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    ref_optimizer = torch.optim.Adam(reference.parameters(), lr=LR)
+    worst_loss = 0.0
+    for step in range(STEPS):
+        global_batch = batch(step)
+        ref_loss = train_fn(reference, *global_batch)
+        ref_loss.backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+
+        out = run_traced_graph(gm, model, *_local(global_batch, rank, world))
+        for fqn, grad in out.grads.items():
+            model.get_parameter(fqn).grad = grad
+        optimizer.step()
+        optimizer.zero_grad()
+        loss = out.loss.clone()
+        dist.all_reduce(loss)
+        loss /= world
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-6, atol=1e-6)
+        worst_loss = max(worst_loss, (loss - ref_loss).abs().item())
+
+    worst_param = assert_full_params_close(model, reference)
+    stats = pipeline.context.stats["fsdp"]
+    return {"loss": worst_loss, "param": worst_param, "stats": stats}
+
+
+def uneven_shards(rank: int, world: int):
+    """Per-rank shard shapes follow torch.chunk; parameter bytes are the chunk sizes."""
+    model, train_fn, batch = build("uneven", world)
+    full = {fqn: p.detach().clone() for fqn, p in model.named_parameters()}
+    compile_fsdp(model, train_fn, _local(batch(0), rank, world), PassConfig())
+    for fqn, param in model.named_parameters():
+        chunks = torch.chunk(full[fqn], world)
+        expected = chunks[rank] if rank < len(chunks) else full[fqn][:0]
+        assert param.shape == expected.shape, (fqn, param.shape, expected.shape)
+        assert torch.equal(param.detach(), expected), fqn
+        assert param.untyped_storage().nbytes() == expected.numel() * expected.element_size()
+    return {fqn: tuple(p.shape) for fqn, p in model.named_parameters()}
+
+
+def collective_counts(rank: int, world: int):
+    """Exactly one AG and one RS per sharded parameter, one AR per replicated trainable one,
+    each collective's only user a wait. Partial plan: blocks sharded, the rest replicated."""
+    model, train_fn, batch = build("gpt", world)
+    plan = PassPlan().add_pattern("layers.*")
+    gm, pipeline = compile_fsdp(
+        model, train_fn, _local(batch(0), rank, world), PassConfig(enable_overlap=False), plan
+    )
+    kinds: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if is_collective(node) and not is_wait(node):
+            kind = op_name(node).split(".")[1]
+            kinds[kind] = kinds.get(kind, 0) + 1
+            assert len(node.users) == 1 and is_wait(next(iter(node.users))), node
+            assert node.next is next(iter(node.users)), "wait must directly follow its collective"
+    stats = pipeline.context.stats["fsdp"]
+    sharded = {fqn for fqn, _ in model.named_parameters() if fqn.startswith("layers.")}
+    replicated = {fqn for fqn, _ in model.named_parameters()} - sharded
+    assert set(stats["sharded"]) == sharded, stats["sharded"]
+    assert set(stats["replicated"]) == replicated, stats["replicated"]
+    return kinds, len(sharded), len(replicated)
+
+
+def degree_mismatch(rank: int, world: int):
+    model, train_fn, batch = build("mlp", world)
+    try:
+        compile_fsdp(model, train_fn, _local(batch(0), rank, world), PassConfig(fsdp_degree=3))
+    except FSDPConfigError as exc:
+        return str(exc)
+    raise AssertionError("fsdp_degree=3 on a 2-rank group was accepted")
+
+
+def different_graphs(rank: int, world: int):
+    """Rank 1 traces a wider model: every rank must raise, none may hang."""
+    torch.manual_seed(0)
+    model = MLP(16, 32 if rank == 0 else 48, 8)
+    sample = make_regression_batch(4, 16, 8)
+    try:
+        compile_fsdp(model, mse_loss, sample, PassConfig())
+    except CollectiveMismatchError as exc:
+        return str(exc)
+    raise AssertionError("ranks with different graphs were not detected")
+
+
+def plan_checks(rank: int, world: int):
+    model, train_fn, batch = build("gpt", world)
+    sample = _local(batch(0), rank, world)
+    try:
+        compile_fsdp(model, train_fn, sample, PassConfig(), PassPlan().add_module("layers.9"))
+    except FSDPConfigError as exc:
+        missing = str(exc)
+    else:
+        raise AssertionError("a plan naming a missing module was accepted")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = PassPlan().add_pattern("layers.*").add_pattern("decoder.*")
+        compile_fsdp(model, train_fn, sample, PassConfig(), plan)
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    return missing, messages, sorted(row_shards(model))
+
+
+def fail_on_rank_one(rank: int, world: int):
+    """Rank 1 raises; rank 0 waits in a collective that will never complete."""
+    if rank == 1:
+        raise ValueError("boom on purpose")
+    dist.barrier()
+    return rank
+
+
+def ranks_and_threads(rank: int, world: int):
+    return rank, dist.get_world_size(), torch.get_num_threads()

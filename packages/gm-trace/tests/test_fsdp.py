@@ -1,0 +1,97 @@
+"""FSDPPass on real gloo process groups, against eager single-process training."""
+
+from __future__ import annotations
+
+import fsdp_bodies as bodies
+import pytest
+import torch
+
+from gm_config import PassConfig
+from gm_passes import PassPipeline
+from gm_trace.fsdp import RowShard, select_sharded_params
+from gm_trace.testing import MLP, TinyGPT, make_regression_batch, mse_loss
+from gm_trace.tracer import trace_model_graph
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+def test_parity_with_eager_on_the_global_batch(kind, world, dist_pool):
+    results = dist_pool(world).run(bodies.parity, kind, True, ())
+    for result in results:
+        assert result["loss"] <= 1e-6 and result["param"] <= 1e-5
+        assert result["stats"]["replicated_params"] == 0
+
+
+def test_uneven_dim0_and_empty_shards_train_every_row(dist_pool):
+    results = dist_pool(4).run(bodies.parity, "uneven", True, ())
+    assert results[0]["stats"]["sharded_params"] == 8
+    shapes = dist_pool(4).run(bodies.uneven_shards)
+    # 5 rows on 4 ranks: chunks of 2, 2, 1 and an empty shard on rank 3.
+    assert [s["3.weight"][0] for s in shapes] == [2, 2, 1, 0]
+    assert [s["2.weight"][0] for s in shapes] == [5, 5, 5, 2]  # 17 rows
+
+
+def test_partial_plan_shards_blocks_and_replicates_the_rest(dist_pool):
+    results = dist_pool(2).run(bodies.parity, "gpt", False, ("layers.*",))
+    assert all(r["stats"]["replicated_params"] > 0 for r in results)
+    (kinds, n_sharded, n_replicated), _ = dist_pool(2).run(bodies.collective_counts)
+    assert kinds == {
+        "all_gather_into_tensor": n_sharded,
+        "reduce_scatter_tensor": n_sharded,
+        "all_reduce": n_replicated,
+    }
+
+
+def test_fsdp_degree_must_match_the_group(dist_pool):
+    messages = dist_pool(2).run(bodies.degree_mismatch)
+    assert "fsdp_degree=3" in messages[0] and "2 ranks" in messages[0]
+
+
+def test_ranks_tracing_different_graphs_fail_on_every_rank(dist_pool):
+    messages = dist_pool(2).run(bodies.different_graphs)
+    for message in messages:
+        assert "different collective sequences" in message
+        assert "group rank 1" in message
+
+
+def test_plan_errors_and_warnings(dist_pool):
+    (missing, warned, sharded), _ = dist_pool(2).run(bodies.plan_checks)
+    assert "'layers.9'" in missing and "does not have" in missing
+    assert any("'decoder.*' matches no module" in m for m in warned)
+    assert sharded and all(fqn.startswith("layers.") for fqn in sharded)
+
+
+def test_single_process_leaves_the_graph_untouched():
+    torch.manual_seed(0)
+    model = MLP()
+    gm = trace_model_graph(model, mse_loss, *make_regression_batch())
+    before = gm.code
+    shapes = [p.shape for p in model.parameters()]
+    pipeline = PassPipeline.from_config(PassConfig(), None)
+    gm = pipeline.run(gm, model=model)
+    assert "skipped" in pipeline.context.stats["fsdp"]
+    assert "_c10d_functional" not in gm.code and "_c10d_functional" not in before
+    assert [p.shape for p in model.parameters()] == shapes
+
+
+@pytest.mark.parametrize(
+    ("rows", "degree", "expected"),
+    [(7, 2, [4, 3]), (17, 4, [5, 5, 5, 2]), (5, 4, [2, 2, 1, 0]), (1, 4, [1, 0, 0, 0])],
+)
+def test_row_shards_follow_torch_chunk(rows, degree, expected):
+    shards = [RowShard(rows, degree, r) for r in range(degree)]
+    assert [s.local_rows for s in shards] == expected
+    assert [s.start for s in shards] == [min(r * shards[0].chunk, rows) for r in range(degree)]
+    assert all(s.padded_rows == s.chunk * degree >= rows for s in shards)
+
+
+def test_plan_selection_includes_ancestors_and_tied_aliases():
+    model = TinyGPT(n_layers=2)
+    from gm_config import PassPlan
+
+    selected = select_sharded_params(model, PassPlan().add_module("layers"))
+    assert selected == {f for f, _ in model.named_parameters() if f.startswith("layers.")}
+    everything = select_sharded_params(model, None)
+    assert "lm_head.weight" in everything and "tok_emb.weight" in everything
