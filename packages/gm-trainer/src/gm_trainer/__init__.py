@@ -1,9 +1,23 @@
 """Graph Mode trainer: ``GraphTrainer`` and the ``gm-train`` command.
 
-Work in progress: the trainer lands in its own release. The configuration API is re-exported
-so that a training script needs one import.
+A training script needs one import::
+
+    from gm_trainer import GraphTrainer, PassConfig, PassPlan
 """
 
 from gm_config import PassConfig, PassPlan, create_sharding_plan_from_yaml
+from gm_trainer.device import default_device, detect_device_type, init_distributed
+from gm_trainer.optim import OptimizerConfig
+from gm_trainer.trainer import GraphTrainer, TrainingError
 
-__all__ = ["PassConfig", "PassPlan", "create_sharding_plan_from_yaml"]
+__all__ = [
+    "GraphTrainer",
+    "OptimizerConfig",
+    "PassConfig",
+    "PassPlan",
+    "TrainingError",
+    "create_sharding_plan_from_yaml",
+    "default_device",
+    "detect_device_type",
+    "init_distributed",
+]

@@ -1,0 +1,426 @@
+"""``GraphTrainer``: compile a training step into one graph and drive it (seed §5, §10).
+
+compile (lazily on the first batch, or explicitly):
+  1. the user's pytree pre-hook, 2. the FSDP mesh and its ``"fsdp"`` group, 3. trace the joint
+  graph, 4-5. the pass pipeline from ``PassConfig`` / ``PassPlan`` (which shards the live model),
+  6. the optimizer, built on the sharded parameters.
+train: ``train_step`` runs the graph and ACCUMULATES gradients on the live parameters;
+``optimizer_step`` clips by the global norm, steps and zeroes the gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import resource
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch.distributed.device_mesh import init_device_mesh
+
+from gm_config import PassConfig, PassPlan
+from gm_passes import PassPipeline
+from gm_trace.fsdp import row_shards
+from gm_trace.groups import register_process_group
+from gm_trace.tracer import InputSignature, run_traced_graph, trace_model_graph
+from gm_trainer.device import default_device, detect_device_type
+from gm_trainer.optim import OptimizerConfig, clip_to_norm, global_grad_norm
+
+FSDP_GROUP_NAME = "fsdp"
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on: a non-finite loss, ranks out of step, a graph cache overflow."""
+
+
+class GraphTrainer:
+    """Train ``model`` with ``train_fn(model, input, label) -> loss`` as one captured graph.
+
+    Args:
+        model: an ordinary ``nn.Module``; under FSDP its parameters become local shards.
+        train_fn: computes the scalar loss; traced once per input signature.
+        pass_config: which passes run; ``fsdp_degree`` is filled in from the mesh when None.
+        pass_plan: which modules are sharded (``None``: every parameter).
+        optimizer_config: an :class:`OptimizerConfig` or a dict of its fields (``lr``,
+            ``betas``, ``eps``, ``weight_decay``, ``grad_clip``, ``name`` or ``factory``).
+        device: where the model and batches live; default npu -> cuda -> cpu.
+        mesh_context: an external mesh (TP + FSDP); not supported in this release.
+        graph_cache_size: how many input signatures (graphs) may be compiled.
+        graph_dump_dir: rank 0 writes the graph before and after each pass here.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        train_fn: Callable[[torch.nn.Module, Any, Any], torch.Tensor],
+        pass_config: PassConfig | None = None,
+        pass_plan: PassPlan | None = None,
+        optimizer_config: OptimizerConfig | dict[str, Any] | None = None,
+        device: torch.device | str | None = None,
+        mesh_context: Any = None,
+        *,
+        graph_cache_size: int = 8,
+        graph_dump_dir: str | Path | None = None,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not callable(train_fn):
+            raise TypeError(
+                f"train_fn must be callable (model, input, label) -> loss, got {train_fn!r}"
+            )
+        if mesh_context is not None:
+            raise NotImplementedError(
+                "mesh_context (TP + FSDP) is not supported in this release; "
+                "leave it None for a 1-D FSDP mesh over the world"
+            )
+        if not isinstance(graph_cache_size, int) or graph_cache_size < 1:
+            raise ValueError(f"graph_cache_size must be an int >= 1, got {graph_cache_size!r}")
+        pass_config = pass_config if pass_config is not None else PassConfig()
+        pass_config.validate()
+        # A copy: fsdp_degree is filled in from the mesh without touching the caller's config.
+        self.pass_config = dataclasses.replace(pass_config)
+        self.pass_plan = pass_plan
+        self.optimizer_config = OptimizerConfig.from_dict(optimizer_config)
+        self.device = torch.device(device) if device is not None else default_device()
+        self.model = model.to(self.device)
+        self.train_fn = train_fn
+        self.graph_cache_size = graph_cache_size
+        self.graph_dump_dir = Path(graph_dump_dir) if graph_dump_dir is not None else None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.fsdp_group: dist.ProcessGroup | None = None
+        self.step = 0
+        self.pipelines: list[PassPipeline] = []
+        self._graphs: dict[InputSignature, torch.fx.GraphModule] = {}
+        self._pytree_pre_hook: Callable[[], None] | None = None
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if distributed else 0
+        self.world_size = dist.get_world_size() if distributed else 1
+
+    # ------------------------------------------------------------------ set-up
+
+    def set_pytree_pre_hook(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` before the first trace, e.g. to register model-specific pytree nodes."""
+        if not callable(hook):
+            raise TypeError(f"the pytree pre-hook must be callable, got {hook!r}")
+        self._pytree_pre_hook = hook
+
+    def to(self, device: torch.device | str) -> GraphTrainer:
+        """Move the model, and every later batch, to ``device`` (only before compiling)."""
+        device = torch.device(device)
+        if self._graphs and device != self.device:
+            raise RuntimeError(
+                f"cannot move a compiled GraphTrainer from {self.device} to {device}: the "
+                "optimizer state lives there; call to() before the first batch"
+            )
+        self.device = device
+        self.model.to(device)
+        return self
+
+    @property
+    def fsdp_active(self) -> bool:
+        """True when gradients are synchronised over an FSDP group of more than one rank."""
+        return self.fsdp_group is not None
+
+    def compile(self, sample_input: Any, sample_label: Any) -> torch.fx.GraphModule:
+        """Trace and transform the graph for this input signature (cached per signature)."""
+        sample_input, sample_label = self._to_device(sample_input), self._to_device(sample_label)
+        signature = InputSignature.of(sample_input, sample_label)
+        if signature in self._graphs:
+            return self._graphs[signature]
+        if len(self._graphs) >= self.graph_cache_size:
+            raise TrainingError(
+                f"a new input signature would be graph #{len(self._graphs) + 1}, but "
+                f"graph_cache_size={self.graph_cache_size}:\n{signature.describe()}\n"
+                "pad batches to a few fixed shapes, or raise graph_cache_size"
+            )
+        first = not self._graphs
+        if first:
+            self._init_device_mesh()
+        gm = trace_model_graph(
+            self.model,
+            self.train_fn,
+            sample_input,
+            sample_label,
+            pre_hook=self._pytree_pre_hook if first else None,
+            **self._full_state_shapes(),
+        )
+        pipeline = PassPipeline.from_config(self.pass_config, self.pass_plan)
+        gm = pipeline.run(
+            gm, model=self.model, fsdp_group_name=FSDP_GROUP_NAME, dump_dir=self._dump_dir()
+        )
+        self.pipelines.append(pipeline)
+        if self.optimizer is None:
+            self.optimizer = self.optimizer_config.build(list(self.model.parameters()))
+        self._graphs[signature] = gm
+        return gm
+
+    def _init_device_mesh(self) -> None:
+        fsdp_wanted = self.pass_config.fsdp_enabled and (
+            self.pass_plan is None or self.pass_plan.fsdp_enabled
+        )
+        if not fsdp_wanted or self.world_size == 1:
+            return
+        mesh = init_device_mesh(
+            detect_device_type(), (self.world_size,), mesh_dim_names=(FSDP_GROUP_NAME,)
+        )
+        self.fsdp_group = mesh.get_group(FSDP_GROUP_NAME)
+        register_process_group(FSDP_GROUP_NAME, self.fsdp_group)
+        if self.pass_config.fsdp_degree is None:
+            self.pass_config.fsdp_degree = self.fsdp_group.size()
+
+    def _full_state_shapes(self) -> dict[str, Any]:
+        # After the first compile the live parameters are shards; a retrace needs full shapes.
+        shards = row_shards(self.model)
+        if not shards:
+            return {}
+        shapes = {
+            fqn: torch.Size((shard.rows, *self.model.get_parameter(fqn).shape[1:]))
+            for fqn, shard in shards.items()
+        }
+        return {"state_shapes": shapes}
+
+    def _dump_dir(self) -> Path | None:
+        if self.graph_dump_dir is None or self.rank != 0:
+            return None
+        return self.graph_dump_dir / f"signature-{len(self._graphs)}"
+
+    # ------------------------------------------------------------------ steps
+
+    def train_step(self, input: Any, label: Any) -> torch.Tensor:
+        """Run forward + backward for one (micro-)batch and ADD its gradients to ``.grad``.
+
+        Returns this rank's loss (detached). Compiles on the first call and on a new input
+        signature; under FSDP every rank must present the same signature.
+        """
+        input, label = self._to_device(input), self._to_device(label)
+        signature = InputSignature.of(input, label)
+        if self.fsdp_active:
+            self._agree_on_signature(signature)
+        gm = self._graphs.get(signature) or self.compile(input, label)
+        outputs = run_traced_graph(gm, self.model, input, label)
+        self._accumulate(gm, outputs.grads)
+        return outputs.loss.detach()
+
+    def _agree_on_signature(self, signature: InputSignature) -> None:
+        # One tiny all-reduce per step: a rank that recompiles alone would otherwise issue
+        # collectives the others never match, and hang.
+        digest = hashlib.sha256((str(signature.spec) + signature.describe()).encode()).digest()
+        value = int.from_bytes(digest[:7], "big")
+        probe = torch.tensor([value, -value], dtype=torch.int64, device=self._collective_device())
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=self.fsdp_group)
+        if probe[0].item() != value or probe[1].item() != -value:
+            raise TrainingError(
+                f"rank {self.rank}: ranks disagree on the batch signature; every FSDP rank must "
+                f"get batches of the same shapes and dtypes. This rank has:\n{signature.describe()}"
+            )
+
+    def _accumulate(self, gm: torch.fx.GraphModule, grads: dict[str, torch.Tensor]) -> None:
+        expected = set(gm.grad_fqns)
+        if set(grads) != expected:
+            raise TrainingError(
+                f"the graph returned gradients for {sorted(grads)} but the model expects "
+                f"{sorted(expected)}; missing {sorted(expected - set(grads))}, "
+                f"unexpected {sorted(set(grads) - expected)}"
+            )
+        for fqn in gm.grad_fqns:
+            param, grad = self.model.get_parameter(fqn), grads[fqn]
+            if grad.shape != param.shape:
+                raise TrainingError(
+                    f"gradient of {fqn!r} has shape {tuple(grad.shape)} but the parameter has "
+                    f"{tuple(param.shape)}"
+                )
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad.add_(grad)
+
+    def grad_norm(self) -> float:
+        """The global 2-norm of the current gradients, as on the unsharded model."""
+        return self._grad_norm_tensor().item()
+
+    def _grad_norm_tensor(self) -> torch.Tensor:
+        shards = row_shards(self.model)
+        sharded, replicated = [], []
+        for fqn, param in self.model.named_parameters():
+            if param.grad is not None:
+                (sharded if fqn in shards else replicated).append(param.grad)
+        return global_grad_norm(sharded, replicated, self.fsdp_group)
+
+    def optimizer_step(self) -> float:
+        """Clip by the global norm (when configured), step, zero the gradients.
+
+        Returns the global gradient norm before clipping.
+        """
+        if self.optimizer is None:
+            raise RuntimeError("optimizer_step() before the first train_step(): nothing to step")
+        norm = self._grad_norm_tensor()
+        if self.optimizer_config.grad_clip is not None:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            clip_to_norm(grads, norm, self.optimizer_config.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return norm.item()
+
+    # ------------------------------------------------------------------ loop
+
+    def train(
+        self,
+        dataloader: Iterable[Any],
+        max_steps: int | None = None,
+        log_interval: int | None = None,
+        log_fn: Callable[[dict[str, Any]], None] | None = None,
+        accumulation_steps: int = 1,
+    ) -> list[dict[str, Any]]:
+        """Train on ``(input, label)`` batches; one optimizer step per ``accumulation_steps``.
+
+        Returns one record per optimizer step (``step``, ``loss`` — the mean over ranks and
+        micro-batches —, ``grad_norm``, ``step_time_s``, ``tokens_per_s``, ``samples_per_s``,
+        ``memory_mb``, ``lr``); rank 0 passes every ``log_interval``-th to ``log_fn`` (default:
+        print). Stops at ``max_steps`` optimizer steps or when the data ends.
+        """
+        _check_count("max_steps", max_steps, allow_none=True)
+        _check_count("log_interval", log_interval, allow_none=True)
+        _check_count("accumulation_steps", accumulation_steps, allow_none=False)
+        if log_interval is not None and log_fn is None:
+            log_fn = _print_record
+        records: list[dict[str, Any]] = []
+        losses: list[torch.Tensor] = []
+        tokens = samples = 0
+        started = time.perf_counter()
+        saw_batch = False
+        for batch in dataloader:
+            saw_batch = True
+            input, label = _split_batch(batch)
+            losses.append(self.train_step(input, label))
+            tokens += _count_tokens(input)
+            samples += _batch_size(input)
+            if len(losses) < accumulation_steps:
+                continue
+            loss = self._mean_loss(losses)
+            if not math.isfinite(loss):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise TrainingError(
+                    f"the loss is {loss} at step {self.step + 1}; training stopped and no "
+                    "optimizer update was applied for this step (check the learning rate, "
+                    "the data and the loss function)"
+                )
+            if accumulation_steps > 1:
+                self._scale_grads(1.0 / accumulation_steps)
+            grad_norm = self.optimizer_step()
+            elapsed = time.perf_counter() - started
+            records.append(self._record(loss, grad_norm, elapsed, tokens, samples))
+            if log_fn is not None and self.rank == 0 and self.step % (log_interval or 1) == 0:
+                log_fn(records[-1])
+            losses, tokens, samples = [], 0, 0
+            started = time.perf_counter()
+            if max_steps is not None and len(records) >= max_steps:
+                break
+        if not saw_batch:
+            raise ValueError(
+                "the dataloader yielded no batches, so there is nothing to train; check its "
+                "length, batch size and drop_last"
+            )
+        if losses:
+            warnings.warn(
+                f"the data ended after {len(losses)} of {accumulation_steps} accumulation "
+                "micro-batches; their gradients stay accumulated, no optimizer step was taken",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return records
+
+    def _mean_loss(self, losses: list[torch.Tensor]) -> float:
+        total = torch.stack([loss.float() for loss in losses]).mean().reshape(1)
+        if self.fsdp_active:
+            total = total.to(self._collective_device())
+            dist.all_reduce(total, group=self.fsdp_group)
+            total /= self.fsdp_group.size()
+        return total.item()
+
+    def _scale_grads(self, factor: float) -> None:
+        for param in self.model.parameters():
+            if param.grad is not None:
+                param.grad.mul_(factor)
+
+    def _record(
+        self, loss: float, grad_norm: float, elapsed: float, tokens: int, samples: int
+    ) -> dict[str, Any]:
+        ranks = self.fsdp_group.size() if self.fsdp_active else 1
+        return {
+            "step": self.step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "step_time_s": elapsed,
+            "tokens_per_s": tokens * ranks / elapsed,
+            "samples_per_s": samples * ranks / elapsed,
+            "memory_mb": _peak_memory_mb(self.device),
+            "lr": self.optimizer.param_groups[0].get("lr", float("nan")),
+        }
+
+    def pass_summary(self) -> str:
+        """Per compiled signature, each pass's time and whether it changed the graph."""
+        return "\n\n".join(
+            f"signature {i}:\n{pipeline.summary()}" for i, pipeline in enumerate(self.pipelines)
+        )
+
+    def _to_device(self, tree: Any) -> Any:
+        return pytree.tree_map(
+            lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x, tree
+        )
+
+    def _collective_device(self) -> torch.device:
+        return torch.device("cpu") if self.device.type == "cpu" else self.device
+
+
+def _check_count(name: str, value: Any, *, allow_none: bool) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        accepted = "a positive int or None" if allow_none else "a positive int"
+        raise ValueError(f"{name} must be {accepted}, got {value!r}")
+
+
+def _split_batch(batch: Any) -> tuple[Any, Any]:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise TypeError(
+        f"each batch must be an (input, label) pair, got {type(batch).__name__}"
+        + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+    )
+
+
+def _first_tensor(tree: Any) -> torch.Tensor | None:
+    return next((x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)), None)
+
+
+def _count_tokens(input: Any) -> int:
+    first = _first_tensor(input)
+    return first.numel() if first is not None else 0
+
+
+def _batch_size(input: Any) -> int:
+    first = _first_tensor(input)
+    return first.shape[0] if first is not None and first.dim() > 0 else 1
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    # ru_maxrss is in KiB on Linux: the peak resident memory of this process.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _print_record(record: dict[str, Any]) -> None:
+    print(
+        f"step {record['step']:>5}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}"
+        f"  {record['tokens_per_s']:.0f} tok/s  {record['memory_mb']:.0f} MiB",
+        flush=True,
+    )

@@ -1,0 +1,201 @@
+"""GraphTrainer against eager PyTorch: FSDP parity, accumulation, recompiles, bad inputs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import trainer_bodies as bodies
+
+from gm_config import PassConfig
+from gm_trace.testing import MLP, lm_loss, make_lm_batch, make_regression_batch, mse_loss
+from gm_trace.tracer import GraphCaptureError
+from gm_trainer.device import default_device, detect_device_type
+from gm_trainer.optim import OptimizerConfig
+from gm_trainer.trainer import GraphTrainer, TrainingError
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp_training_equals_eager_on_the_global_batch(world, dist_pool):
+    results = dist_pool(world).run(bodies.fsdp_parity, [8] * bodies.STEPS)
+    full_numel = sum(p.numel() for p in bodies.tiny_gpt().parameters())
+    local_numels = [numel for numel, _, _ in results]
+    assert sum(local_numels) == full_numel  # every rank holds its shard, nothing more
+    assert max(local_numels) < full_numel / world + 64 * world
+    assert results[0][2] == results[1][2]  # every rank reports the same global loss
+
+
+@pytest.mark.distributed
+def test_smaller_last_batch_recompiles_under_fsdp(dist_pool):
+    results = dist_pool(2).run(bodies.fsdp_parity, [8, 8, 8, 4])
+    assert all(n_graphs == 2 for _, n_graphs, _ in results)
+
+
+@pytest.mark.distributed
+def test_ranks_with_different_batch_shapes_fail_on_every_rank(dist_pool):
+    for message in dist_pool(2).run(bodies.disagreeing_shapes):
+        assert "disagree on the batch signature" in message
+
+
+def _mlp_reference(batches, lr=1e-2):
+    torch.manual_seed(0)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.Adam(reference.parameters(), lr=lr)
+    for x, y in batches:
+        mse_loss(reference, x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, reference
+
+
+def test_accumulation_of_k_micro_batches_equals_one_step_on_the_k_times_batch():
+    big = [make_regression_batch(12, seed=s) for s in range(3)]
+    model, reference = _mlp_reference(big)
+    micro = [tuple(t[i : i + 4] for t in batch) for batch in big for i in (0, 4, 8)]
+    trainer = GraphTrainer(model, mse_loss, PassConfig(), optimizer_config={"lr": 1e-2})
+    records = trainer.train(micro, accumulation_steps=3)
+    assert len(records) == 3 and trainer.step == 3
+    for p, ref in zip(trainer.model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_train_step_accumulates_until_optimizer_step():
+    torch.manual_seed(0)
+    trainer = GraphTrainer(MLP(), mse_loss, PassConfig())
+    x, y = make_regression_batch()
+    trainer.train_step(x, y)
+    first = [p.grad.clone() for p in trainer.model.parameters()]
+    trainer.train_step(x, y)
+    for p, g in zip(trainer.model.parameters(), first):
+        torch.testing.assert_close(p.grad, 2 * g)
+    trainer.optimizer_step()
+    assert all(p.grad is None for p in trainer.model.parameters())
+
+
+def test_smaller_last_batch_recompiles_and_matches_eager():
+    batches = [make_regression_batch(8, seed=s) for s in range(3)] + [
+        make_regression_batch(5, seed=9)
+    ]
+    model, reference = _mlp_reference(batches)
+    trainer = GraphTrainer(model, mse_loss, PassConfig(), optimizer_config={"lr": 1e-2})
+    trainer.train(batches)
+    assert len(trainer.pipelines) == 2
+    for p, ref in zip(trainer.model.parameters(), reference.parameters()):
+        assert torch.equal(p, ref)
+
+
+def test_graph_cache_bound_is_enforced():
+    torch.manual_seed(0)
+    trainer = GraphTrainer(MLP(), mse_loss, PassConfig(), graph_cache_size=1)
+    trainer.train_step(*make_regression_batch(8))
+    with pytest.raises(TrainingError, match=r"graph #2, but graph_cache_size=1"):
+        trainer.train_step(*make_regression_batch(4))
+    with pytest.raises(ValueError, match="graph_cache_size must be an int >= 1, got 0"):
+        GraphTrainer(MLP(), mse_loss, graph_cache_size=0)
+
+
+def test_nan_loss_stops_with_the_step_number_and_applies_no_update():
+    torch.manual_seed(0)
+    trainer = GraphTrainer(MLP(), mse_loss, PassConfig(), optimizer_config={"lr": 1e-2})
+    good = make_regression_batch(seed=1)
+    x, y = make_regression_batch(seed=2)
+    bad = (x, torch.full_like(y, float("nan")))
+    trainer.train([good, good])
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(TrainingError, match=r"loss is nan at step 3; .*no optimizer update"):
+        trainer.train([bad])
+    assert trainer.step == 2
+    for p, b in zip(trainer.model.parameters(), before):
+        assert torch.equal(p, b) and p.grad is None
+
+
+def test_bad_train_fn_and_loop_arguments_have_clear_errors():
+    torch.manual_seed(0)
+    batch = make_regression_batch()
+    with pytest.raises(GraphCaptureError, match="scalar"):
+        GraphTrainer(MLP(), lambda m, x, y: m(x) - y).train_step(*batch)
+    with pytest.raises(GraphCaptureError, match="tuple"):
+        GraphTrainer(MLP(), lambda m, x, y: (mse_loss(m, x, y),)).train_step(*batch)
+    trainer = GraphTrainer(MLP(), mse_loss)
+    with pytest.raises(ValueError, match="the dataloader yielded no batches"):
+        trainer.train([])
+    with pytest.raises(ValueError, match="max_steps must be a positive int or None, got 0"):
+        trainer.train([batch], max_steps=0)
+    with pytest.raises(TypeError, match=r"\(input, label\) pair, got tuple of length 3"):
+        trainer.train([(*batch, 1)])
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module"):
+        GraphTrainer(lambda x: x, mse_loss)
+
+
+def test_max_steps_and_log_records():
+    torch.manual_seed(0)
+    seen = []
+    trainer = GraphTrainer(MLP(), mse_loss, optimizer_config={"lr": 1e-3})
+    batches = [make_regression_batch(seed=s) for s in range(6)]
+    records = trainer.train(batches, max_steps=4, log_interval=2, log_fn=seen.append)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [r["step"] for r in seen] == [2, 4]
+    expected = {
+        "step",
+        "loss",
+        "grad_norm",
+        "step_time_s",
+        "tokens_per_s",
+        "samples_per_s",
+        "memory_mb",
+        "lr",
+    }
+    assert set(records[0]) == expected
+    assert records[0]["samples_per_s"] > 0 and records[0]["memory_mb"] > 0
+
+
+def test_grad_clip_single_process_matches_clip_grad_norm():
+    batches = [make_lm_batch(4, 16, 64, seed=s) for s in range(3)]
+    model = bodies.tiny_gpt()
+    ref_losses, ref_norms, reference = bodies.eager_reference(
+        model, batches, lr=1e-2, grad_clip=0.05
+    )
+    trainer = GraphTrainer(model, lm_loss, optimizer_config={"lr": 1e-2, "grad_clip": 0.05})
+    records = trainer.train(batches)
+    assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=1e-6)
+    assert [r["grad_norm"] for r in records] == pytest.approx(ref_norms, rel=1e-5)
+    for p, ref in zip(trainer.model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_optimizer_by_name_factory_and_errors():
+    torch.manual_seed(0)
+    sgd = GraphTrainer(
+        MLP(), mse_loss, optimizer_config={"name": "SGD", "lr": 0.1, "kwargs": {"momentum": 0.9}}
+    )
+    sgd.train_step(*make_regression_batch())
+    assert isinstance(sgd.optimizer, torch.optim.SGD)
+    assert sgd.optimizer.param_groups[0]["momentum"] == 0.9
+    made = GraphTrainer(
+        MLP(), mse_loss, optimizer_config={"factory": lambda ps: torch.optim.AdamW(ps, lr=3e-4)}
+    )
+    made.train_step(*make_regression_batch())
+    assert isinstance(made.optimizer, torch.optim.AdamW)
+    with pytest.raises(ValueError, match="unknown optimizer 'adamm'"):
+        OptimizerConfig(name="adamm")
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['learning_rate'\]"):
+        OptimizerConfig.from_dict({"learning_rate": 1.0})
+    with pytest.raises(ValueError, match="grad_clip must be None or > 0, got -1"):
+        OptimizerConfig(grad_clip=-1)
+
+
+def test_device_detection_and_pytree_pre_hook():
+    assert detect_device_type() == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert default_device().type == detect_device_type()
+    calls = []
+    torch.manual_seed(0)
+    trainer = GraphTrainer(MLP(), mse_loss)
+    trainer.set_pytree_pre_hook(lambda: calls.append("hook"))
+    trainer.train_step(*make_regression_batch(8))
+    trainer.train_step(*make_regression_batch(4))  # a recompile does not re-run the hook
+    assert calls == ["hook"]
+    with pytest.raises(NotImplementedError, match="mesh_context"):
+        GraphTrainer(MLP(), mse_loss, mesh_context=object())
