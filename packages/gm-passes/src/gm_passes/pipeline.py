@@ -78,9 +78,14 @@ class PassPipeline:
         *,
         model: Any = None,
         fsdp_group_name: str = "fsdp",
+        process_groups: dict[str, str] | None = None,
         dump_dir: str | os.PathLike[str] | None = None,
     ) -> Any:
         """Run every pass in order and return the final graph module.
+
+        ``process_groups``: more roles -> registered group names, e.g.
+        ``{"fsdp_replicate": "fsdp_replicate"}`` for HSDP; ``fsdp_group_name`` names the
+        ``"fsdp"`` role.
 
         ``dump_dir``: when given, the graph before the first pass and after each pass is
         written there as readable code (``00-traced.txt``, ``01-dce.txt`` …). Nothing is
@@ -90,7 +95,7 @@ class PassPipeline:
             config=self.config,
             plan=self.plan,
             model=model,
-            process_groups={"fsdp": fsdp_group_name},
+            process_groups={"fsdp": fsdp_group_name, **(process_groups or {})},
         )
         self.context = ctx
         self.records = []

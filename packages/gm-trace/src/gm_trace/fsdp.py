@@ -139,7 +139,11 @@ class FSDPPass(GraphPass):
             )
         rank = dist.get_rank(group)
         selected = select_sharded_params(ctx.model, ctx.plan)
-        rewrite = _Rewrite(graph_module, group_name, degree, rank)
+        replicate = None
+        if "fsdp_replicate" in ctx.process_groups:
+            name = ctx.process_groups["fsdp_replicate"]
+            replicate = (name, resolve_process_group(name).size())
+        rewrite = _Rewrite(graph_module, group_name, degree, rank, replicate)
         stats = rewrite.apply(ctx.model, selected)
         graph_module.graph.lint()
         graph_module.recompile()
@@ -151,13 +155,23 @@ class FSDPPass(GraphPass):
 class _Rewrite:
     """The graph surgery of one FSDP pass run."""
 
-    def __init__(self, gm: fx.GraphModule, group_name: str, degree: int, rank: int) -> None:
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        group_name: str,
+        degree: int,
+        rank: int,
+        replicate: tuple[str, int] | None = None,
+    ) -> None:
         self.gm = gm
         self.graph = gm.graph
         self.mode = fake_mode_of(gm.graph)
         self.group_name = group_name
         self.degree = degree
         self.rank = rank
+        self.replicate_name = replicate[0] if replicate else None
+        # Mean over every data-parallel rank: the shard group times its replicas (HSDP).
+        self.divisor = degree * (replicate[1] if replicate else 1)
         self.counts: dict[str, int] = {}
         self.bytes: dict[str, int] = {}
 
@@ -213,7 +227,7 @@ class _Rewrite:
             gm_fsdp=placeholder.meta["gm_fqn"],
         )
         self._count("all_gather", gathered)
-        waited = call(self.graph, self.mode, c10d.wait_tensor.default, gathered)
+        waited = self._wait(gathered)
         full = take_rows(self.graph, self.mode, waited, shard.rows, gm_comm_epilogue=True)
         placeholder.replace_all_uses_with(
             full, delete_user_cb=lambda user: user is not _first(padded, gathered)
@@ -221,11 +235,10 @@ class _Rewrite:
 
     def _reduce_scatter(self, index: int, shard: RowShard) -> None:
         grad = _output_at(self.graph, index)
-        with self.graph.inserting_after(grad):
+        # Inserting before a fixed anchor keeps the new nodes in order, right after ``grad``.
+        with self.graph.inserting_before(grad.next):
             padded = pad_rows(self.graph, self.mode, grad, shard.padded_rows - shard.rows)
-        with self.graph.inserting_after(padded):
-            scaled = call(self.graph, self.mode, aten.div.Tensor, padded, self.degree)
-        with self.graph.inserting_after(scaled):
+            scaled = call(self.graph, self.mode, aten.div.Tensor, padded, self.divisor)
             scattered = call(
                 self.graph,
                 self.mode,
@@ -235,27 +248,33 @@ class _Rewrite:
                 self.degree,
                 self.group_name,
             )
-        with self.graph.inserting_after(scattered):
-            waited = call(self.graph, self.mode, c10d.wait_tensor.default, scattered)
-        with self.graph.inserting_after(waited):
+            self._count("reduce_scatter", scaled)
+            reduced = self._across_replicas(self._wait(scattered))
             local = take_rows(
-                self.graph, self.mode, waited, shard.local_rows, gm_comm_epilogue=True
+                self.graph, self.mode, reduced, shard.local_rows, gm_comm_epilogue=True
             )
-        self._count("reduce_scatter", scaled)
         _set_output_at(self.graph, index, local)
 
     def _all_reduce(self, index: int) -> None:
         grad = _output_at(self.graph, index)
-        with self.graph.inserting_after(grad):
-            scaled = call(self.graph, self.mode, aten.div.Tensor, grad, self.degree)
-        with self.graph.inserting_after(scaled):
-            reduced = call(
-                self.graph, self.mode, c10d.all_reduce.default, scaled, "sum", self.group_name
-            )
-        with self.graph.inserting_after(reduced):
-            waited = call(self.graph, self.mode, c10d.wait_tensor.default, reduced)
-        self._count("all_reduce", scaled)
-        _set_output_at(self.graph, index, waited)
+        with self.graph.inserting_before(grad.next):
+            scaled = call(self.graph, self.mode, aten.div.Tensor, grad, self.divisor)
+            reduced = self._across_replicas(self._all_reduce_over(scaled, self.group_name))
+        _set_output_at(self.graph, index, reduced)
+
+    def _across_replicas(self, node: fx.Node) -> fx.Node:
+        """HSDP: sum the already-reduced shard over the replicate group too."""
+        if self.replicate_name is None:
+            return node
+        return self._all_reduce_over(node, self.replicate_name)
+
+    def _all_reduce_over(self, node: fx.Node, group_name: str) -> fx.Node:
+        reduced = call(self.graph, self.mode, c10d.all_reduce.default, node, "sum", group_name)
+        self._count("all_reduce", node)
+        return self._wait(reduced)
+
+    def _wait(self, node: fx.Node) -> fx.Node:
+        return call(self.graph, self.mode, c10d.wait_tensor.default, node)
 
 
 def _first(padded: fx.Node, gathered: fx.Node) -> fx.Node:
