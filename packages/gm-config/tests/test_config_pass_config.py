@@ -16,6 +16,8 @@ DEFAULTS = {
     "tp_size": 1,
     "sequence_parallel": False,
     "loss_parallel": False,
+    "bucket_cap_mb": 25.0,
+    "prefetch_blocks": 1,
 }
 BOOL_FIELDS = ["enable_overlap", "fsdp_enabled", "sequence_parallel", "loss_parallel"]
 
@@ -45,6 +47,8 @@ def test_valid_non_default_values_are_kept():
         tp_size=2,
         sequence_parallel=True,
         loss_parallel=True,
+        bucket_cap_mb=None,
+        prefetch_blocks=None,
     )
     assert config.to_dict() == {
         "enable_overlap": False,
@@ -53,6 +57,8 @@ def test_valid_non_default_values_are_kept():
         "tp_size": 2,
         "sequence_parallel": True,
         "loss_parallel": True,
+        "bucket_cap_mb": None,
+        "prefetch_blocks": None,
     }
 
 
@@ -204,3 +210,22 @@ def test_from_dict_rejects_a_non_mapping(data):
 def test_from_dict_validates_values():
     with pytest.raises(ConfigError, match=r"PassConfig\.fsdp_degree.*True"):
         PassConfig.from_dict({"fsdp_degree": True})
+
+
+@pytest.mark.parametrize("value", [0, -1.5, True, "25"])
+def test_bucket_cap_must_be_none_or_positive(value):
+    with pytest.raises(
+        ConfigError, match=r"bucket_cap_mb must be None \(no bucketing\) or a number > 0"
+    ):
+        PassConfig(bucket_cap_mb=value)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "2"])
+def test_prefetch_blocks_must_be_none_or_a_non_negative_int(value):
+    with pytest.raises(ConfigError, match=r"prefetch_blocks must be None .* or an int >= 0"):
+        PassConfig(prefetch_blocks=value)
+
+
+def test_prefetch_zero_and_small_bucket_caps_are_valid():
+    config = PassConfig(prefetch_blocks=0, bucket_cap_mb=0.5)
+    assert (config.prefetch_blocks, config.bucket_cap_mb) == (0, 0.5)

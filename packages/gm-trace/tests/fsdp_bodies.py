@@ -64,7 +64,7 @@ def compile_fsdp(model, train_fn, sample, config: PassConfig, plan: PassPlan | N
     return gm, pipeline
 
 
-def parity(rank: int, world: int, kind: str, overlap: bool, plan_patterns: tuple[str, ...]):
+def parity(rank: int, world: int, kind: str, overrides: dict, plan_patterns: tuple[str, ...]):
     """10 Adam steps of graph FSDP on the local slice == eager on the global batch."""
     model, train_fn, batch = build(kind, world)
     reference = copy.deepcopy(model)
@@ -74,7 +74,7 @@ def parity(rank: int, world: int, kind: str, overlap: bool, plan_patterns: tuple
         for pattern in plan_patterns:
             plan.add_pattern(pattern)
     gm, pipeline = compile_fsdp(
-        model, train_fn, _local(batch(0), rank, world), PassConfig(enable_overlap=overlap), plan
+        model, train_fn, _local(batch(0), rank, world), PassConfig(**overrides), plan
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     ref_optimizer = torch.optim.Adam(reference.parameters(), lr=LR)
@@ -116,14 +116,13 @@ def uneven_shards(rank: int, world: int):
     return {fqn: tuple(p.shape) for fqn, p in model.named_parameters()}
 
 
-def collective_counts(rank: int, world: int):
-    """Exactly one AG and one RS per sharded parameter, one AR per replicated trainable one,
-    each collective's only user a wait. Partial plan: blocks sharded, the rest replicated."""
+def collective_counts(rank: int, world: int, bucket_cap_mb: float | None):
+    """Collectives per kind, each followed directly by its wait (no overlap pass), for a
+    partial plan: blocks sharded, the rest replicated."""
     model, train_fn, batch = build("gpt", world)
     plan = PassPlan().add_pattern("layers.*")
-    gm, pipeline = compile_fsdp(
-        model, train_fn, _local(batch(0), rank, world), PassConfig(enable_overlap=False), plan
-    )
+    config = PassConfig(enable_overlap=False, bucket_cap_mb=bucket_cap_mb)
+    gm, pipeline = compile_fsdp(model, train_fn, _local(batch(0), rank, world), config, plan)
     kinds: dict[str, int] = {}
     for node in gm.graph.nodes:
         if is_collective(node) and not is_wait(node):
@@ -136,7 +135,7 @@ def collective_counts(rank: int, world: int):
     replicated = {fqn for fqn, _ in model.named_parameters()} - sharded
     assert set(stats["sharded"]) == sharded, stats["sharded"]
     assert set(stats["replicated"]) == replicated, stats["replicated"]
-    return kinds, len(sharded), len(replicated)
+    return kinds, len(sharded), len(replicated), stats["buckets"]
 
 
 def degree_mismatch(rank: int, world: int):
@@ -187,3 +186,25 @@ def fail_on_rank_one(rank: int, world: int):
 
 def ranks_and_threads(rank: int, world: int):
     return rank, dist.get_world_size(), torch.get_num_threads()
+
+
+def schedule(rank: int, world: int, prefetch_blocks: int | None):
+    """The overlap pass's schedule and memory estimate for TinyGPT (no plan: 5 blocks)."""
+    model, train_fn, batch = build("gpt", world)
+    gm, pipeline = compile_fsdp(
+        model, train_fn, _local(batch(0), rank, world), PassConfig(prefetch_blocks=prefetch_blocks)
+    )
+    first_compute = next(
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and not is_collective(n)
+        and not n.meta.get("gm_comm_prologue")
+        and not n.meta.get("gm_comm_epilogue")
+    )
+    issued_up_front = 0
+    for node in gm.graph.nodes:
+        if node is first_compute:
+            break
+        issued_up_front += is_collective(node) and not is_wait(node)
+    return issued_up_front, pipeline.context.stats["overlap"]

@@ -18,14 +18,14 @@ pytestmark = pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("kind", ["mlp", "gpt"])
 def test_parity_with_eager_on_the_global_batch(kind, world, dist_pool):
-    results = dist_pool(world).run(bodies.parity, kind, True, ())
+    results = dist_pool(world).run(bodies.parity, kind, {}, ())
     for result in results:
         assert result["loss"] <= 1e-6 and result["param"] <= 1e-5
         assert result["stats"]["replicated_params"] == 0
 
 
 def test_uneven_dim0_and_empty_shards_train_every_row(dist_pool):
-    results = dist_pool(4).run(bodies.parity, "uneven", True, ())
+    results = dist_pool(4).run(bodies.parity, "uneven", {}, ())
     assert results[0]["stats"]["sharded_params"] == 8
     shapes = dist_pool(4).run(bodies.uneven_shards)
     # 5 rows on 4 ranks: chunks of 2, 2, 1 and an empty shard on rank 3.
@@ -34,14 +34,27 @@ def test_uneven_dim0_and_empty_shards_train_every_row(dist_pool):
 
 
 def test_partial_plan_shards_blocks_and_replicates_the_rest(dist_pool):
-    results = dist_pool(2).run(bodies.parity, "gpt", False, ("layers.*",))
+    results = dist_pool(2).run(bodies.parity, "gpt", {"enable_overlap": False}, ("layers.*",))
     assert all(r["stats"]["replicated_params"] > 0 for r in results)
-    (kinds, n_sharded, n_replicated), _ = dist_pool(2).run(bodies.collective_counts)
+    # Before bucketing: one AG and one RS per sharded parameter, one AR per replicated one.
+    (kinds, n_sharded, n_replicated, _), _ = dist_pool(2).run(bodies.collective_counts, None)
     assert kinds == {
         "all_gather_into_tensor": n_sharded,
         "reduce_scatter_tensor": n_sharded,
         "all_reduce": n_replicated,
     }
+    # Bucketed: one AG and one RS per block (2 layers), whatever the parameter count.
+    (kinds, _, _, buckets), _ = dist_pool(2).run(bodies.collective_counts, 25.0)
+    assert kinds == {
+        "all_gather_into_tensor": 2,
+        "reduce_scatter_tensor": 2,
+        "all_reduce": n_replicated,
+    }
+    assert [{fqn.split(".")[1] for fqn in bucket} for bucket in buckets] == [{"0"}, {"1"}]
+    # A cap below one block's bytes splits it, never merging across blocks.
+    (kinds, _, _, buckets), _ = dist_pool(2).run(bodies.collective_counts, 0.01)
+    assert 2 < kinds["all_gather_into_tensor"] < n_sharded
+    assert all(len({fqn.split(".")[1] for fqn in bucket}) == 1 for bucket in buckets)
 
 
 def test_fsdp_degree_must_match_the_group(dist_pool):
@@ -95,3 +108,32 @@ def test_plan_selection_includes_ancestors_and_tied_aliases():
     assert selected == {f for f, _ in model.named_parameters() if f.startswith("layers.")}
     everything = select_sharded_params(model, None)
     assert "lm_head.weight" in everything and "tok_emb.weight" in everything
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"bucket_cap_mb": None, "prefetch_blocks": None},
+        {"bucket_cap_mb": 0.01, "prefetch_blocks": 0},
+        {"bucket_cap_mb": 25.0, "prefetch_blocks": 2},
+    ],
+    ids=["per-param-upfront", "small-buckets-just-in-time", "blocks-prefetch-2"],
+)
+def test_parity_holds_for_every_overlap_schedule(overrides, dist_pool):
+    results = dist_pool(2).run(bodies.parity, "gpt", overrides, ())
+    assert all(r["loss"] <= 1e-6 and r["param"] <= 1e-5 for r in results)
+
+
+def test_prefetch_bounds_gathers_in_flight_and_waits_overlap_compute(dist_pool):
+    (upfront, eager_stats), _ = dist_pool(2).run(bodies.schedule, None)
+    (ahead_one, bounded_stats), _ = dist_pool(2).run(bodies.schedule, 1)
+    gathers = [r for r in eager_stats["schedule"] if r["kind"] == "all_gather_into_tensor"]
+    assert upfront == len(gathers) == 5  # tok_emb, pos_emb, layers.0, layers.1, norm
+    assert ahead_one == 1  # only the first block's gather precedes compute
+    bounded = [r for r in bounded_stats["schedule"] if r["kind"] == "all_gather_into_tensor"]
+    assert all(r["overlapped_compute_nodes"] > 0 for r in bounded[1:])
+    scatters = [r for r in bounded_stats["schedule"] if r["kind"] == "reduce_scatter_tensor"]
+    assert len(scatters) == 5 and all(r["overlapped_compute_nodes"] > 0 for r in scatters[:-1])
+    assert sum(r["bytes"] for r in bounded) == sum(r["bytes"] for r in gathers)
+    after = bounded_stats["peak_memory_bytes_after"]
+    assert after <= eager_stats["peak_memory_bytes_after"]

@@ -47,6 +47,16 @@ class PassConfig:
     loss_parallel: bool = False
     """Loss parallelism along the TP axis. Informational."""
 
+    bucket_cap_mb: float | None = 25.0
+    """Merge the all-gathers (and, separately, the reduce-scatters) of one block — a planned
+    module, or without a plan a numbered child such as ``layers.3`` — into one collective
+    over a flat buffer of at most this many MiB. ``None``: one collective per parameter."""
+
+    prefetch_blocks: int | None = 1
+    """Issue a block's all-gather while the block this many places before it computes
+    (``0``: just before the block itself). Bounds the full parameters in flight. ``None``:
+    every all-gather at the start of the step. Needs ``enable_overlap``."""
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -64,6 +74,23 @@ class PassConfig:
             raise ConfigError(
                 "PassConfig.fsdp_degree must be None (fill in at run time) or a positive int, "
                 f"got {self.fsdp_degree!r}"
+            )
+
+        if self.bucket_cap_mb is not None and (
+            isinstance(self.bucket_cap_mb, bool)
+            or not isinstance(self.bucket_cap_mb, (int, float))
+            or not self.bucket_cap_mb > 0
+        ):
+            raise ConfigError(
+                "PassConfig.bucket_cap_mb must be None (no bucketing) or a number > 0, "
+                f"got {self.bucket_cap_mb!r}"
+            )
+        if self.prefetch_blocks is not None and (
+            not _is_int(self.prefetch_blocks) or self.prefetch_blocks < 0
+        ):
+            raise ConfigError(
+                "PassConfig.prefetch_blocks must be None (gather everything up front) or an "
+                f"int >= 0, got {self.prefetch_blocks!r}"
             )
 
     def to_dict(self) -> dict[str, Any]:

@@ -144,12 +144,71 @@ class FSDPPass(GraphPass):
             name = ctx.process_groups["fsdp_replicate"]
             replicate = (name, resolve_process_group(name).size())
         rewrite = _Rewrite(graph_module, group_name, degree, rank, replicate)
-        stats = rewrite.apply(ctx.model, selected)
+        cap = ctx.config.bucket_cap_mb
+        cap_bytes = None if cap is None else int(cap * 2**20)
+        stats = rewrite.apply(ctx.model, selected, ctx.plan, cap_bytes)
         graph_module.graph.lint()
         graph_module.recompile()
         check_collective_agreement(graph_module, group)
         ctx.record(self.name, degree=degree, group=group_name, **stats)
         return PassResult(graph_module, True)
+
+
+@dataclass
+class _ShardedParam:
+    """One parameter the pass shards, and where its gradient leaves the graph."""
+
+    fqn: str
+    placeholder: fx.Node
+    shard: RowShard
+    inner: tuple[int, ...]
+    grad_index: int | None
+
+    @property
+    def piece_numel(self) -> int:
+        """Elements this parameter adds to each rank's piece of a flat bucket."""
+        return self.shard.chunk * math.prod(self.inner)
+
+
+def block_of(fqn: str, plan: PassPlan | None) -> str:
+    """The block a parameter is bucketed with.
+
+    With a plan: the OUTERMOST planned module that contains it (``layers.3`` for
+    ``layers.3.attn.wq.weight`` under the pattern ``layers.*``). Without one, or outside every
+    planned module: the path up to the first numbered child (``layers.3``), else the top-level
+    child (``tok_emb``). Only names decide, so every rank decides the same.
+    """
+    owners = _owners(fqn)
+    if plan is not None and not plan.is_empty():
+        planned = [owner for owner in owners if plan.lookup(owner) is not None]
+        if planned:
+            return planned[-1]
+    parts = fqn.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return parts[0] if len(parts) > 1 else ""
+
+
+def plan_buckets(
+    params: list[_ShardedParam], blocks: dict[str, str], cap_bytes: int | None
+) -> list[list[_ShardedParam]]:
+    """Consecutive parameters of one block, split where a bucket would pass ``cap_bytes``.
+
+    ``cap_bytes=None``: one bucket per parameter.
+    """
+    buckets: list[list[_ShardedParam]] = []
+    size = 0
+    for param in params:
+        nbytes = param.piece_numel * param.placeholder.meta["val"].element_size()
+        same_block = buckets and blocks[buckets[-1][-1].fqn] == blocks[param.fqn]
+        if cap_bytes is not None and same_block and size + nbytes <= cap_bytes:
+            buckets[-1].append(param)
+            size += nbytes
+        else:
+            buckets.append([param])
+            size = nbytes
+    return buckets
 
 
 class _Rewrite:
@@ -179,66 +238,106 @@ class _Rewrite:
         self.counts[kind] = self.counts.get(kind, 0) + 1
         self.bytes[kind] = self.bytes.get(kind, 0) + tensor_bytes(node)
 
-    def apply(self, model: torch.nn.Module, selected: set[str]) -> dict[str, Any]:
-        params = {
-            node.meta["gm_fqn"]: node
-            for node in self.graph.find_nodes(op="placeholder")
-            if node.meta.get("gm_role") == "param"
-        }
+    def apply(
+        self,
+        model: torch.nn.Module,
+        selected: set[str],
+        plan: PassPlan | None,
+        cap_bytes: int | None,
+    ) -> dict[str, Any]:
         aliases = self.gm.param_aliases
         grads = self.gm.grad_output_index
-        sharded, replicated = [], []
-        first_compute = next(n for n in self.graph.nodes if n.op != "placeholder")
-        for fqn, node in params.items():
+        sharded: list[_ShardedParam] = []
+        replicated: list[str] = []
+        for node in self.graph.find_nodes(op="placeholder"):
+            if node.meta.get("gm_role") != "param":
+                continue
+            fqn, val = node.meta["gm_fqn"], node.meta["val"]
             names = {fqn} | {a for a, canonical in aliases.items() if canonical == fqn}
-            if names & selected and node.meta["val"].dim() >= 1:
-                shard = RowShard(node.meta["val"].shape[0], self.degree, self.rank)
-                with self.graph.inserting_before(first_compute):
-                    self._gather(node, shard)
-                if fqn in grads:
-                    self._reduce_scatter(grads[fqn], shard)
-                _shard_live_param(model, fqn, shard)
-                sharded.append(fqn)
+            if names & selected and val.dim() >= 1:
+                shard = RowShard(val.shape[0], self.degree, self.rank)
+                sharded.append(
+                    _ShardedParam(fqn, node, shard, tuple(val.shape[1:]), grads.get(fqn))
+                )
             elif fqn in grads:
-                self._all_reduce(grads[fqn])
                 replicated.append(fqn)
+
+        blocks = {p.fqn: block_of(p.fqn, plan) for p in sharded}
+        buckets = plan_buckets(sharded, blocks, cap_bytes)
+        first_compute = next(n for n in self.graph.nodes if n.op != "placeholder")
+        for bucket in buckets:
+            with self.graph.inserting_before(first_compute):
+                self._gather(bucket)
+            with_grads = [p for p in bucket if p.grad_index is not None]
+            if with_grads:
+                self._reduce_scatter(with_grads)
+            for param in bucket:
+                _shard_live_param(model, param.fqn, param.shard)
+        for fqn in replicated:
+            self._all_reduce(grads[fqn])
         return {
             "sharded_params": len(sharded),
             "replicated_params": len(replicated),
-            "sharded": sharded,
+            "sharded": [p.fqn for p in sharded],
             "replicated": replicated,
+            "buckets": [[p.fqn for p in bucket] for bucket in buckets],
             "collectives": dict(self.counts),
             "bytes_per_step": dict(self.bytes),
         }
 
-    def _gather(self, placeholder: fx.Node, shard: RowShard) -> None:
-        full_val = placeholder.meta["val"]
-        local_shape = (shard.local_rows, *full_val.shape[1:])
-        placeholder.meta["val"] = fake_tensor(self.mode, local_shape, full_val)
-        placeholder.meta.pop("tensor_meta", None)
-        padded = pad_rows(self.graph, self.mode, placeholder, shard.chunk - shard.local_rows)
+    def _gather(self, bucket: list[_ShardedParam]) -> None:
+        """One all-gather of the bucket's padded shards, flattened and concatenated; each
+        full parameter is cut back out of the ``[degree, piece]`` result."""
+        flats = []
+        for param in bucket:
+            full_val = param.placeholder.meta["val"]
+            local_shape = (param.shard.local_rows, *param.inner)
+            param.placeholder.meta["val"] = fake_tensor(self.mode, local_shape, full_val)
+            param.placeholder.meta.pop("tensor_meta", None)
+            padded = pad_rows(
+                self.graph,
+                self.mode,
+                param.placeholder,
+                param.shard.chunk - param.shard.local_rows,
+                gm_comm_prologue=True,
+            )
+            flats.append(self._op(aten.reshape.default, padded, [-1], prologue=True))
+        flat = flats[0] if len(flats) == 1 else self._op(aten.cat.default, flats, prologue=True)
         gathered = call(
             self.graph,
             self.mode,
             c10d.all_gather_into_tensor.default,
-            padded,
+            flat,
             self.degree,
             self.group_name,
-            gm_fsdp=placeholder.meta["gm_fqn"],
+            gm_bucket=[p.fqn for p in bucket],
         )
         self._count("all_gather", gathered)
-        waited = self._wait(gathered)
-        full = take_rows(self.graph, self.mode, waited, shard.rows, gm_comm_epilogue=True)
-        placeholder.replace_all_uses_with(
-            full, delete_user_cb=lambda user: user is not _first(padded, gathered)
-        )
+        grid = self._op(aten.reshape.default, self._wait(gathered), [self.degree, -1])
+        for param, piece in zip(bucket, self._split(grid, bucket, dim=1)):
+            full = self._op(aten.reshape.default, piece, [param.shard.padded_rows, *param.inner])
+            full = take_rows(self.graph, self.mode, full, param.shard.rows, gm_comm_epilogue=True)
+            # Compute reads the full parameter; only the all-gather's prologue reads the shard.
+            param.placeholder.replace_all_uses_with(
+                full, delete_user_cb=lambda user: not user.meta.get("gm_comm_prologue")
+            )
 
-    def _reduce_scatter(self, index: int, shard: RowShard) -> None:
-        grad = _output_at(self.graph, index)
-        # Inserting before a fixed anchor keeps the new nodes in order, right after ``grad``.
-        with self.graph.inserting_before(grad.next):
-            padded = pad_rows(self.graph, self.mode, grad, shard.padded_rows - shard.rows)
-            scaled = call(self.graph, self.mode, aten.div.Tensor, padded, self.divisor)
+    def _reduce_scatter(self, bucket: list[_ShardedParam]) -> None:
+        """One reduce-scatter over the bucket's padded gradients laid out ``[degree, piece]``,
+        issued as soon as the last of them is computed."""
+        grads = [_output_at(self.graph, p.grad_index) for p in bucket]
+        order = {node: i for i, node in enumerate(self.graph.nodes)}
+        last = max(grads, key=order.__getitem__)
+        with self.graph.inserting_before(last.next):
+            rows = []
+            for param, grad in zip(bucket, grads):
+                padded = pad_rows(
+                    self.graph, self.mode, grad, param.shard.padded_rows - param.shard.rows
+                )
+                rows.append(self._op(aten.reshape.default, padded, [self.degree, -1]))
+            grid = rows[0] if len(rows) == 1 else self._op(aten.cat.default, rows, 1)
+            flat = self._op(aten.reshape.default, grid, [-1])
+            scaled = call(self.graph, self.mode, aten.div.Tensor, flat, self.divisor)
             scattered = call(
                 self.graph,
                 self.mode,
@@ -247,13 +346,32 @@ class _Rewrite:
                 "sum",
                 self.degree,
                 self.group_name,
+                gm_bucket=[p.fqn for p in bucket],
             )
             self._count("reduce_scatter", scaled)
             reduced = self._across_replicas(self._wait(scattered))
-            local = take_rows(
-                self.graph, self.mode, reduced, shard.local_rows, gm_comm_epilogue=True
-            )
-        _set_output_at(self.graph, index, local)
+            for param, piece in zip(bucket, self._split(reduced, bucket, dim=0)):
+                local = self._op(aten.reshape.default, piece, [param.shard.chunk, *param.inner])
+                local = take_rows(
+                    self.graph, self.mode, local, param.shard.local_rows, gm_comm_epilogue=True
+                )
+                _set_output_at(self.graph, param.grad_index, local)
+
+    def _split(self, node: fx.Node, bucket: list[_ShardedParam], dim: int) -> list[fx.Node]:
+        """Each parameter's piece of a bucket buffer along ``dim``."""
+        if len(bucket) == 1:
+            return [node]
+        pieces, offset = [], 0
+        for param in bucket:
+            end = offset + param.piece_numel
+            pieces.append(self._op(aten.slice.Tensor, node, dim, offset, end))
+            offset = end
+        return pieces
+
+    def _op(self, op: Any, *args: Any, prologue: bool = False) -> fx.Node:
+        # Reshapes and slices around a collective: the overlap pass moves them with it.
+        role = "gm_comm_prologue" if prologue else "gm_comm_epilogue"
+        return call(self.graph, self.mode, op, *args, **{role: True})
 
     def _all_reduce(self, index: int) -> None:
         grad = _output_at(self.graph, index)
@@ -275,11 +393,6 @@ class _Rewrite:
 
     def _wait(self, node: fx.Node) -> fx.Node:
         return call(self.graph, self.mode, c10d.wait_tensor.default, node)
-
-
-def _first(padded: fx.Node, gathered: fx.Node) -> fx.Node:
-    # The node that reads the placeholder directly: the pad when there is one.
-    return padded if padded.op != "placeholder" else gathered
 
 
 def _output_at(graph: fx.Graph, index: int) -> fx.Node:

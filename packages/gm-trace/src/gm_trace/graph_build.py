@@ -25,14 +25,10 @@ def fake_mode_of(graph: fx.Graph) -> FakeTensorMode:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def _fake_value(mode: FakeTensorMode, arg: Any) -> Any:
-    return arg.meta["val"] if isinstance(arg, fx.Node) else arg
-
-
 def call(graph: fx.Graph, mode: FakeTensorMode, op: Any, *args: Any, **meta: Any) -> fx.Node:
     """Insert ``op(*args)`` at the graph's current insertion point, with ``meta["val"]``."""
     node = graph.call_function(op, args)
-    fake_args = [_fake_value(mode, a) for a in args]
+    fake_args = fx.node.map_arg(args, lambda n: n.meta["val"])
     with unset_fake_temporarily(), mode:
         node.meta["val"] = op(*fake_args)
     node.meta.update(meta)
@@ -53,13 +49,16 @@ def tensor_bytes(node: fx.Node) -> int:
     return 0
 
 
-def pad_rows(graph: fx.Graph, mode: FakeTensorMode, node: fx.Node, extra: int) -> fx.Node:
+def pad_rows(
+    graph: fx.Graph, mode: FakeTensorMode, node: fx.Node, extra: int, **meta: Any
+) -> fx.Node:
     """Append ``extra`` zero rows along dim 0 (a no-op when ``extra`` is 0)."""
     if extra == 0:
         return node
     ndim = node.meta["val"].dim()
     # constant_pad_nd lists (before, after) pairs from the LAST dim backwards.
-    return call(graph, mode, aten.constant_pad_nd.default, node, [0, 0] * (ndim - 1) + [0, extra])
+    pad = [0, 0] * (ndim - 1) + [0, extra]
+    return call(graph, mode, aten.constant_pad_nd.default, node, pad, **meta)
 
 
 def take_rows(graph: fx.Graph, mode: FakeTensorMode, node: fx.Node, rows: int, **meta: Any):

@@ -1,18 +1,32 @@
 """``AutoOverlapPass``: let communication run while independent compute does (seed §8).
 
-Collectives are issued where the FSDP pass put them; this pass moves each ``wait_tensor`` (and
-the cheap epilogue the FSDP pass marked after it, such as trimming padding) down to just
-before the first node that needs its result. Everything between issue and wait overlaps
-with the collective. Only waits move, so the order in which collectives are ISSUED — which
-must be identical on every rank — never changes.
+Two moves, both decided from graph structure only, so every rank decides the same:
+
+1. Wait sinking. Each ``wait_tensor`` — with the cheap epilogue the FSDP pass marked after it
+   (cutting a bucket apart, trimming padding) — moves down to just before the first node that
+   needs its result. Everything in between overlaps with the collective.
+2. Prefetch (``PassConfig.prefetch_blocks = k``). All-gathers are ordered by when their block
+   is first needed; the all-gather of block ``i`` (with its prologue) is issued just before
+   block ``i - k`` starts computing, so at most ``k + 1`` gathered blocks are in flight ahead
+   of compute. ``None`` leaves every all-gather at the start of the step.
+
+The collective issue order may change, identically on every rank; the pass re-checks that
+ranks agree before the graph first runs.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch.distributed as dist
 import torch.fx as fx
 
 from gm_passes import GraphPass, PassContext, PassResult
-from gm_passes.graph_ops import is_collective, is_wait
+from gm_passes.graph_ops import is_collective, is_wait, op_name
+from gm_trace.fsdp import check_collective_agreement
+from gm_trace.graph_build import tensor_bytes
+from gm_trace.groups import resolve_process_group
+from gm_trace.memory import estimate_peak_memory
 
 
 def _sinkable(node: fx.Node) -> bool:
@@ -26,31 +40,107 @@ def _first_user(node: fx.Node) -> fx.Node:
     return cursor
 
 
+def _collective_kind(node: fx.Node) -> str:
+    return op_name(node).split(".")[1]
+
+
+def _sink_waits(graph: fx.Graph) -> int:
+    moved = 0
+    # Reverse order: an epilogue node sinks first, then its wait sinks right before it.
+    for node in reversed(list(graph.nodes)):
+        if not _sinkable(node) or not node.users:
+            continue
+        target = _first_user(node)
+        if target is not node.next:
+            target.prepend(node)
+            moved += 1
+    return moved
+
+
+def _prologue(node: fx.Node) -> list[fx.Node]:
+    """The marked nodes that only prepare ``node``'s input (pad, flatten, concat), in order."""
+    chain: list[fx.Node] = []
+    for arg in node.all_input_nodes:
+        if arg.meta.get("gm_comm_prologue"):
+            chain.extend(_prologue(arg))
+            chain.append(arg)
+    return chain
+
+
+def _first_compute_after(wait: fx.Node) -> fx.Node:
+    """The first node after a sunk wait (and its epilogue) that is real work."""
+    cursor = wait.next
+    while _sinkable(cursor):
+        cursor = cursor.next
+    return cursor
+
+
+def _prefetch(graph: fx.Graph, blocks_ahead: int) -> int:
+    gathers = [
+        n
+        for n in graph.nodes
+        if is_collective(n) and _collective_kind(n) == "all_gather_into_tensor"
+    ]
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    needed_at = {}
+    for gather in gathers:
+        waits = [u for u in gather.users if is_wait(u)]
+        if waits:
+            needed_at[gather] = _first_compute_after(waits[0])
+    by_need = sorted(needed_at, key=lambda g: order[needed_at[g]])
+    moved = 0
+    for i, gather in enumerate(by_need):
+        if i < blocks_ahead:
+            continue  # the first blocks are needed at once: gather them at the start
+        # Issue before the FIRST node of block i-k's wait chain, so that block's own gather
+        # wait is not delayed behind this one.
+        anchor = needed_at[by_need[i - blocks_ahead]]
+        while anchor.prev.op != "placeholder" and _sinkable(anchor.prev):
+            anchor = anchor.prev
+        for node in [*_prologue(gather), gather]:
+            anchor.prepend(node)
+        moved += 1
+    return moved
+
+
 class AutoOverlapPass(GraphPass):
-    """Sink every ``wait_tensor`` to just before its first user."""
+    """Sink waits to their first user and prefetch all-gathers (see module docstring)."""
 
     name = "overlap"
 
     def run(self, graph_module: fx.GraphModule, ctx: PassContext) -> PassResult:
-        moved = 0
-        # Reverse order: an epilogue node sinks first, then its wait sinks right before it.
-        for node in reversed(list(graph_module.graph.nodes)):
-            if not _sinkable(node) or not node.users:
-                continue
-            target = _first_user(node)
-            if target is not node.next:
-                target.prepend(node)
-                moved += 1
-        schedule = collective_schedule(graph_module)
-        ctx.record(self.name, waits_moved=moved, schedule=schedule)
-        if moved:
-            graph_module.graph.lint()
+        graph = graph_module.graph
+        peak_before = estimate_peak_memory(graph_module)
+        moved = _sink_waits(graph)
+        prefetched = 0
+        if ctx.config.prefetch_blocks is not None:
+            prefetched = _prefetch(graph, ctx.config.prefetch_blocks)
+        changed = bool(moved or prefetched)
+        if changed:
+            graph.lint()
             graph_module.recompile()
-        return PassResult(graph_module, moved > 0)
+            if dist.is_available() and dist.is_initialized() and _has_collectives(graph):
+                group = resolve_process_group(ctx.process_groups.get("fsdp", "fsdp"))
+                check_collective_agreement(graph_module, group)
+        schedule = collective_schedule(graph_module)
+        ctx.record(
+            self.name,
+            waits_moved=moved,
+            gathers_prefetched=prefetched,
+            schedule=schedule,
+            peak_memory_bytes_before=peak_before,
+            peak_memory_bytes_after=estimate_peak_memory(graph_module),
+        )
+        return PassResult(graph_module, changed)
 
 
-def collective_schedule(graph_module: fx.GraphModule) -> list[dict[str, object]]:
-    """Per collective: its node, its wait, and how many compute nodes run in between."""
+def _has_collectives(graph: fx.Graph) -> bool:
+    return any(is_collective(n) for n in graph.nodes)
+
+
+def collective_schedule(graph_module: fx.GraphModule) -> list[dict[str, Any]]:
+    """Per collective, in issue order: its kind, node and wait names, the compute nodes that
+    run between issue and wait, the bytes it moves and the parameters of its bucket."""
     nodes = list(graph_module.graph.nodes)
     order = {node: i for i, node in enumerate(nodes)}
     # computed_before[i]: compute (non-communication) nodes among nodes[:i].
@@ -63,8 +153,29 @@ def collective_schedule(graph_module: fx.GraphModule) -> list[dict[str, object]]
         waits = [u for u in node.users if is_wait(u)] if is_collective(node) else []
         if not waits or is_wait(node):
             continue
-        overlapped = computed_before[order[waits[0]]] - computed_before[order[node] + 1]
+        moved = node if _collective_kind(node) == "all_gather_into_tensor" else node.args[0]
         schedule.append(
-            {"collective": node.name, "wait": waits[0].name, "overlapped_compute_nodes": overlapped}
+            {
+                "kind": _collective_kind(node),
+                "collective": node.name,
+                "wait": waits[0].name,
+                "overlapped_compute_nodes": computed_before[order[waits[0]]]
+                - computed_before[order[node] + 1],
+                "bytes": tensor_bytes(moved),
+                "bucket": list(node.meta.get("gm_bucket", [])),
+            }
         )
     return schedule
+
+
+def format_schedule(schedule: list[dict[str, Any]]) -> str:
+    """The schedule as an aligned text table, one collective per line."""
+    lines = [f"{'collective':<28} {'kind':<24} {'overlap':>7} {'KiB':>9}  bucket"]
+    for row in schedule:
+        bucket = row["bucket"]
+        members = f"{bucket[0]} (+{len(bucket) - 1})" if len(bucket) > 1 else "".join(bucket)
+        lines.append(
+            f"{row['collective']:<28} {row['kind']:<24} {row['overlapped_compute_nodes']:>7} "
+            f"{row['bytes'] / 1024:>9.1f}  {members}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,83 @@
+"""A static peak-memory estimate of a graph: liveness of the tensors its nodes produce.
+
+Each node that allocates holds its bytes from the node that creates it until the last node
+that reads it or any view of it; views, waits and in-place ops allocate nothing. Inputs
+(parameters, buffers, batch) are live for the whole graph; so are outputs from their
+creation. An estimate for comparing schedules, not a promise about an allocator.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from gm_passes.graph_ops import is_wait, mutates_an_input, op_name
+from gm_trace.graph_build import tensor_bytes
+
+#: Ops whose result shares its input's storage.
+VIEW_OPS = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "slice",
+        "select",
+        "t",
+        "transpose",
+        "permute",
+        "expand",
+        "unsqueeze",
+        "squeeze",
+        "as_strided",
+        "alias",
+        "detach",
+        "split",
+        "split_with_sizes",
+        "unbind",
+        "chunk",
+        "narrow",
+        "getitem",
+        "unflatten",
+        "flatten",
+    }
+)
+
+
+def _aliases_input(node: fx.Node) -> bool:
+    if node.op != "call_function" or not node.all_input_nodes:
+        return False
+    name = op_name(node).split(".")
+    base = name[-2] if len(name) >= 2 else name[-1]
+    return is_wait(node) or mutates_an_input(node) or base in VIEW_OPS or name[-1] == "getitem"
+
+
+def estimate_peak_memory(graph_module: fx.GraphModule) -> int:
+    """The largest total of live tensor bytes at any point of the graph's execution."""
+    nodes = list(graph_module.graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
+    owner: dict[fx.Node, fx.Node] = {}  # node -> the node whose allocation it reads
+    for node in nodes:
+        owner[node] = owner[node.all_input_nodes[0]] if _aliases_input(node) else node
+    end = len(nodes)
+    last_use = {node: order[node] for node in nodes}
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            root = owner[arg]
+            last_use[root] = max(last_use[root], order[node])
+    output = graph_module.graph.output_node()
+    for arg in output.all_input_nodes:
+        last_use[owner[arg]] = end
+    # Sweep: +bytes at allocation, -bytes after last use.
+    delta = [0] * (end + 2)
+    for node in nodes:
+        if owner[node] is not node:
+            continue
+        nbytes = tensor_bytes(node)
+        start = 0 if node.op == "placeholder" else order[node]
+        stop = end if node.op == "placeholder" else last_use[node]
+        delta[start] += nbytes
+        delta[stop + 1] -= nbytes
+    peak = live = 0
+    for change in delta:
+        live += change
+        peak = max(peak, live)
+    return peak
