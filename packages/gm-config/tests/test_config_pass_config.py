@@ -18,8 +18,15 @@ DEFAULTS = {
     "loss_parallel": False,
     "bucket_cap_mb": 25.0,
     "prefetch_blocks": 1,
+    "reshard_after_forward": False,
 }
-BOOL_FIELDS = ["enable_overlap", "fsdp_enabled", "sequence_parallel", "loss_parallel"]
+BOOL_FIELDS = [
+    "enable_overlap",
+    "fsdp_enabled",
+    "sequence_parallel",
+    "loss_parallel",
+    "reshard_after_forward",
+]
 
 
 def test_fields_are_exactly_the_documented_ones_in_order():
@@ -49,6 +56,7 @@ def test_valid_non_default_values_are_kept():
         loss_parallel=True,
         bucket_cap_mb=None,
         prefetch_blocks=None,
+        reshard_after_forward=True,
     )
     assert config.to_dict() == {
         "enable_overlap": False,
@@ -59,6 +67,7 @@ def test_valid_non_default_values_are_kept():
         "loss_parallel": True,
         "bucket_cap_mb": None,
         "prefetch_blocks": None,
+        "reshard_after_forward": True,
     }
 
 

@@ -297,7 +297,7 @@ def test_legacy_key_in_the_fsdp_section_warns_and_is_ignored(write_yaml, key):
     assert plan == PassPlan().add_module("a")
 
 
-@pytest.mark.parametrize("key", sorted(LEGACY_KEYS))
+@pytest.mark.parametrize("key", sorted(LEGACY_KEYS - {"reshard_after_forward"}))
 @pytest.mark.parametrize(("list_key", "entry_key"), [("modules", "name"), ("patterns", "pattern")])
 def test_legacy_key_in_an_entry_warns_and_is_ignored(write_yaml, key, list_key, entry_key):
     path = write_yaml(f"fsdp:\n  {list_key}:\n    - {entry_key}: a\n      {key}: false\n")
@@ -308,6 +308,26 @@ def test_legacy_key_in_an_entry_warns_and_is_ignored(write_yaml, key, list_key, 
     registry = plan.fsdp_modules if list_key == "modules" else plan.fsdp_patterns
     assert list(registry) == ["a"]
     assert plan.fsdp_enabled is True
+
+
+@pytest.mark.parametrize(("list_key", "entry_key"), [("modules", "name"), ("patterns", "pattern")])
+def test_reshard_after_forward_per_entry_is_consumed(write_yaml, list_key, entry_key):
+    path = write_yaml(
+        f"fsdp:\n  {list_key}:\n    - {entry_key}: a\n      reshard_after_forward: true\n"
+        f"    - {entry_key}: b\n"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = create_sharding_plan_from_yaml(path)
+    registry = plan.fsdp_modules if list_key == "modules" else plan.fsdp_patterns
+    assert registry["a"].reshard_after_forward is True
+    assert registry["b"].reshard_after_forward is None
+
+
+def test_reshard_after_forward_per_entry_must_be_a_bool(write_yaml):
+    path = write_yaml("fsdp:\n  modules:\n    - name: a\n      reshard_after_forward: 1\n")
+    with pytest.raises(ConfigError, match=r"fsdp.modules\[0\]: 'reshard_after_forward' must be"):
+        create_sharding_plan_from_yaml(path)
 
 
 def test_legacy_keys_do_not_excuse_unknown_keys(write_yaml):

@@ -233,11 +233,17 @@ def trace_passes():
             recorder.calls.append((self.name, graph_module, ctx))
             return PassResult(graph_module, False)
 
-    prior = {n: registry._registered.get(n) for n in ("fsdp", "overlap")}
+    class DummyReshard(DummyOverlap):
+        name = "reshard"
+
+    prior = {n: registry._registered.get(n) for n in ("fsdp", "reshard", "overlap")}
     register_pass(DummyFSDP)
+    register_pass(DummyReshard)
     register_pass(DummyOverlap)
     try:
-        yield SimpleNamespace(fsdp=DummyFSDP, overlap=DummyOverlap, calls=recorder.calls)
+        yield SimpleNamespace(
+            fsdp=DummyFSDP, reshard=DummyReshard, overlap=DummyOverlap, calls=recorder.calls
+        )
     finally:
         for name, cls in prior.items():
             unregister_pass(name)
@@ -260,6 +266,6 @@ def only_gm_passes_entry_points(monkeypatch):
         return found
 
     monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
-    for name in ("fsdp", "overlap"):
+    for name in ("fsdp", "reshard", "overlap"):
         if name in registry._registered:
             monkeypatch.delitem(registry._registered, name)

@@ -21,7 +21,7 @@ ALL = ["dce", "canonicalize", "fsdp", "overlap"]
 
 
 def test_canonical_order():
-    assert CANONICAL_ORDER == ("dce", "canonicalize", "fsdp", "overlap")
+    assert CANONICAL_ORDER == ("dce", "canonicalize", "fsdp", "reshard", "overlap")
 
 
 # --- which passes, in which order -----------------------------------------------------------
@@ -62,6 +62,33 @@ def test_plan_enabled_gates_fsdp(trace_passes, plan, expected):
     pipeline = PassPipeline.from_config(PassConfig(), plan)
     assert pipeline.names == expected
     assert pipeline.plan is plan
+
+
+@pytest.mark.parametrize(
+    ("config", "plan", "expected"),
+    [
+        (
+            PassConfig(reshard_after_forward=True),
+            None,
+            ["dce", "canonicalize", "fsdp", "reshard", "overlap"],
+        ),
+        (
+            PassConfig(),
+            PassPlan().add_pattern("layers.*", reshard_after_forward=True),
+            ["dce", "canonicalize", "fsdp", "reshard", "overlap"],
+        ),
+        (PassConfig(), PassPlan().add_pattern("layers.*", reshard_after_forward=False), ALL),
+        (
+            PassConfig(reshard_after_forward=True, fsdp_enabled=False),
+            None,
+            ["dce", "canonicalize", "overlap"],
+        ),
+    ],
+)
+def test_reshard_joins_after_fsdp_when_config_or_plan_asks(trace_passes, config, plan, expected):
+    assert PassPipeline.from_config(config, plan).names == expected
+    reasons = dict(selected_passes(config, plan))
+    assert ("reshard" in reasons) == ("reshard" in expected)
 
 
 def test_disabled_config_wins_over_an_enabled_plan(trace_passes):

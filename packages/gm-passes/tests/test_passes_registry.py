@@ -193,6 +193,7 @@ def test_providers_of_the_canonical_passes():
         "dce": "gm-passes",
         "canonicalize": "gm-passes",
         "fsdp": "gm-trace",
+        "reshard": "gm-trace",
         "overlap": "gm-trace",
     }
 

@@ -137,3 +137,14 @@ def test_prefetch_bounds_gathers_in_flight_and_waits_overlap_compute(dist_pool):
     assert sum(r["bytes"] for r in bounded) == sum(r["bytes"] for r in gathers)
     after = bounded_stats["peak_memory_bytes_after"]
     assert after <= eager_stats["peak_memory_bytes_after"]
+
+
+def test_reshard_after_forward_is_exact_and_lowers_the_peak(dist_pool):
+    runs, _ = dist_pool(2).run(bodies.reshard)
+    # TinyGPT without a plan has 5 blocks; all but pos_emb are read in backward (the tied
+    # tok_emb through the LM head).
+    assert runs["off"]["gathers"] == 5 and runs["off"]["regathered"] == []
+    assert runs["on"]["gathers"] == 5 + len(runs["on"]["regathered"]) == 9
+    assert runs["on"]["peak"] < runs["off"]["peak"]
+    blocks = {fqn.split(".")[1] for bucket in runs["plan"]["regathered"] for fqn in bucket}
+    assert blocks == {"0", "1"}  # only the planned layers re-gather

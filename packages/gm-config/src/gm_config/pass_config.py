@@ -57,6 +57,11 @@ class PassConfig:
     (``0``: just before the block itself). Bounds the full parameters in flight. ``None``:
     every all-gather at the start of the step. Needs ``enable_overlap``."""
 
+    reshard_after_forward: bool = False
+    """Free each all-gathered parameter after its last forward use and all-gather it again
+    before its first backward use: lower peak memory for one more all-gather per block.
+    A planned module's own ``reshard_after_forward`` (PassPlan / YAML) overrides this."""
+
     def __post_init__(self) -> None:
         self.validate()
 

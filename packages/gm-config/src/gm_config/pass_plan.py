@@ -10,17 +10,26 @@ from gm_config.errors import ConfigError
 
 @dataclass(frozen=True)
 class FSDPModuleConfig:
-    """How one planned module (or every module a pattern matches) is sharded.
-
-    Only the key it was registered under is recorded for now; per-module options are added
-    together with the pass that consumes them.
-    """
+    """How one planned module (or every module a pattern matches) is sharded."""
 
     key: str
     """The exact FQN or the fnmatch pattern this entry was registered under."""
 
     is_pattern: bool = False
     """True when ``key`` is an fnmatch pattern rather than an exact FQN."""
+
+    reshard_after_forward: bool | None = None
+    """Re-gather this module's parameters for backward instead of keeping them from forward;
+    ``None`` follows ``PassConfig.reshard_after_forward``."""
+
+    def __post_init__(self) -> None:
+        if self.reshard_after_forward is not None and not isinstance(
+            self.reshard_after_forward, bool
+        ):
+            raise ConfigError(
+                f"reshard_after_forward of {self.key!r} must be true, false or unset, "
+                f"got {self.reshard_after_forward!r}"
+            )
 
 
 @dataclass
@@ -39,18 +48,22 @@ class PassPlan:
     fsdp_enabled: bool = True
     """False turns sharding off for this plan even when modules are listed."""
 
-    def add_module(self, fqn: str) -> PassPlan:
+    def add_module(self, fqn: str, *, reshard_after_forward: bool | None = None) -> PassPlan:
         """Register an exact module FQN (``""`` is the root module). Returns self to chain."""
         _check_key(fqn, "module FQN")
-        self.fsdp_modules[fqn] = FSDPModuleConfig(key=fqn)
+        self.fsdp_modules[fqn] = FSDPModuleConfig(
+            key=fqn, reshard_after_forward=reshard_after_forward
+        )
         return self
 
-    def add_pattern(self, pattern: str) -> PassPlan:
+    def add_pattern(self, pattern: str, *, reshard_after_forward: bool | None = None) -> PassPlan:
         """Register an fnmatch pattern over module FQNs. Returns self to chain."""
         _check_key(pattern, "pattern")
         if not pattern:
             raise ConfigError("PassPlan pattern must be a non-empty string, got ''")
-        self.fsdp_patterns[pattern] = FSDPModuleConfig(key=pattern, is_pattern=True)
+        self.fsdp_patterns[pattern] = FSDPModuleConfig(
+            key=pattern, is_pattern=True, reshard_after_forward=reshard_after_forward
+        )
         return self
 
     def lookup(self, fqn: str) -> FSDPModuleConfig | None:

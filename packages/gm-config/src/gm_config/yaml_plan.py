@@ -22,11 +22,15 @@ import yaml
 from gm_config.errors import ConfigError
 from gm_config.pass_plan import PassPlan
 
-#: Keys of earlier releases that no pass consumes yet. Accepted with a warning so that old
-#: files keep loading; they regain meaning together with the pass that reads them.
+#: Keys of earlier releases that no pass consumes (``reshard_after_forward`` only at the
+#: section level: per module it is consumed). Accepted with a warning so that old files keep
+#: loading.
 LEGACY_KEYS = frozenset({"reshard_after_forward", "use_cpu_offload", "wrap_separately"})
 
 _SECTION_KEYS = frozenset({"enabled", "modules", "patterns"})
+
+#: Per-module options a module or pattern entry may carry.
+_ENTRY_OPTIONS = ("reshard_after_forward",)
 
 
 def create_sharding_plan_from_yaml(path: str | os.PathLike[str]) -> PassPlan:
@@ -73,9 +77,11 @@ def sharding_plan_from_dict(data: Any, *, source: str = "<sharding>") -> PassPla
 
     plan = PassPlan()
     for i, entry in enumerate(_entry_list(section, "modules", source)):
-        plan.add_module(_entry_value(entry, "name", f"{source}: fsdp.modules[{i}]"))
+        where = f"{source}: fsdp.modules[{i}]"
+        plan.add_module(_entry_value(entry, "name", where), **_entry_options(entry, where))
     for i, entry in enumerate(_entry_list(section, "patterns", source)):
-        plan.add_pattern(_entry_value(entry, "pattern", f"{source}: fsdp.patterns[{i}]"))
+        where = f"{source}: fsdp.patterns[{i}]"
+        plan.add_pattern(_entry_value(entry, "pattern", where), **_entry_options(entry, where))
 
     enabled = section.get("enabled")
     if enabled is None:
@@ -87,7 +93,7 @@ def sharding_plan_from_dict(data: Any, *, source: str = "<sharding>") -> PassPla
 
 
 def _check_keys(mapping: Mapping[str, Any], accepted: frozenset[str], where: str) -> None:
-    legacy = sorted(set(mapping) & LEGACY_KEYS)
+    legacy = sorted(set(mapping) & LEGACY_KEYS - accepted)
     if legacy:
         warnings.warn(
             f"{where}: {legacy} accepted but ignored: no pass consumes them yet",
@@ -113,10 +119,18 @@ def _entry_list(section: Mapping[str, Any], key: str, source: str) -> list[Any]:
 def _entry_value(entry: Any, key: str, where: str) -> str:
     if not isinstance(entry, Mapping):
         raise ConfigError(f"{where}: expected a mapping like {{{key}: ...}}, got {entry!r}")
-    _check_keys(entry, frozenset({key}), where)
+    _check_keys(entry, frozenset({key, *_ENTRY_OPTIONS}), where)
     if key not in entry:
         raise ConfigError(f"{where}: missing '{key}'")
     value = entry[key]
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{where}: '{key}' must be a non-empty string, got {value!r}")
     return value
+
+
+def _entry_options(entry: Mapping[str, Any], where: str) -> dict[str, Any]:
+    options = {name: entry[name] for name in _ENTRY_OPTIONS if name in entry}
+    for name, value in options.items():
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: '{name}' must be true or false, got {value!r}")
+    return options

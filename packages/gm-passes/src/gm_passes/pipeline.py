@@ -13,9 +13,9 @@ from gm_config import PassConfig, PassPlan
 from gm_passes.base import GraphPass, PassContext
 from gm_passes.registry import get_pass
 
-#: dce -> canonicalize -> [fsdp] -> [overlap]. The backend slot that would follow is reserved
-#: and not wired in this release.
-CANONICAL_ORDER: tuple[str, ...] = ("dce", "canonicalize", "fsdp", "overlap")
+#: dce -> canonicalize -> [fsdp] -> [reshard] -> [overlap]. The backend slot that would follow
+#: is reserved and not wired in this release.
+CANONICAL_ORDER: tuple[str, ...] = ("dce", "canonicalize", "fsdp", "reshard", "overlap")
 
 
 @dataclass
@@ -31,13 +31,22 @@ class PassRecord:
 def selected_passes(config: PassConfig, plan: PassPlan | None = None) -> list[tuple[str, str]]:
     """``(pass name, the setting that asked for it)`` in canonical order."""
     fsdp_on = config.fsdp_enabled and (plan is None or plan.fsdp_enabled)
+    reshard_on = fsdp_on and (config.reshard_after_forward or _plan_reshards(plan))
     wanted = {
         "dce": "the base pipeline",
         "canonicalize": "the base pipeline",
         "fsdp": "PassConfig.fsdp_enabled" if fsdp_on else None,
+        "reshard": "reshard_after_forward (PassConfig or PassPlan)" if reshard_on else None,
         "overlap": "PassConfig.enable_overlap" if config.enable_overlap else None,
     }
     return [(name, wanted[name]) for name in CANONICAL_ORDER if wanted[name]]
+
+
+def _plan_reshards(plan: PassPlan | None) -> bool:
+    if plan is None:
+        return False
+    entries = [*plan.fsdp_modules.values(), *plan.fsdp_patterns.values()]
+    return any(entry.reshard_after_forward for entry in entries)
 
 
 class PassPipeline:

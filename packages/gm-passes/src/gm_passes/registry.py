@@ -16,6 +16,7 @@ PROVIDERS: dict[str, str] = {
     "dce": "gm-passes",
     "canonicalize": "gm-passes",
     "fsdp": "gm-trace",
+    "reshard": "gm-trace",
     "overlap": "gm-trace",
 }
 

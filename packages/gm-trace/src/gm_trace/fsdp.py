@@ -317,6 +317,7 @@ class _Rewrite:
         for param, piece in zip(bucket, self._split(grid, bucket, dim=1)):
             full = self._op(aten.reshape.default, piece, [param.shard.padded_rows, *param.inner])
             full = take_rows(self.graph, self.mode, full, param.shard.rows, gm_comm_epilogue=True)
+            full.meta["gm_full_param"] = param.fqn
             # Compute reads the full parameter; only the all-gather's prologue reads the shard.
             param.placeholder.replace_all_uses_with(
                 full, delete_user_cb=lambda user: not user.meta.get("gm_comm_prologue")
@@ -445,6 +446,14 @@ def collective_sequence(graph_module: fx.GraphModule) -> list[str]:
         dtype = str(val.dtype) if isinstance(val, torch.Tensor) else None
         lines.append(f"{op_name(node)} {shape} {dtype} {list(node.args[1:])}")
     return lines
+
+
+def verify_ranks_agree(graph_module: fx.GraphModule, ctx: PassContext) -> None:
+    """:func:`check_collective_agreement` over the pipeline's ``"fsdp"`` group, for passes
+    that add or reorder collectives after the fsdp pass checked them."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        group = resolve_process_group(ctx.process_groups.get("fsdp", "fsdp"))
+        check_collective_agreement(graph_module, group)
 
 
 def check_collective_agreement(graph_module: fx.GraphModule, group: dist.ProcessGroup) -> None:

@@ -42,12 +42,17 @@ VIEW_OPS = frozenset(
 )
 
 
-def _aliases_input(node: fx.Node) -> bool:
+def is_view(node: fx.Node) -> bool:
+    """True for an op whose result shares its (first) input's storage."""
     if node.op != "call_function" or not node.all_input_nodes:
         return False
     name = op_name(node).split(".")
     base = name[-2] if len(name) >= 2 else name[-1]
-    return is_wait(node) or mutates_an_input(node) or base in VIEW_OPS or name[-1] == "getitem"
+    return base in VIEW_OPS or name[-1] == "getitem"
+
+
+def _aliases_input(node: fx.Node) -> bool:
+    return is_view(node) or is_wait(node) or mutates_an_input(node)
 
 
 def estimate_peak_memory(graph_module: fx.GraphModule) -> int:

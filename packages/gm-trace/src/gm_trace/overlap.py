@@ -18,14 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
 import torch.fx as fx
 
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_passes.graph_ops import is_collective, is_wait, op_name
-from gm_trace.fsdp import check_collective_agreement
+from gm_trace.fsdp import verify_ranks_agree
 from gm_trace.graph_build import tensor_bytes
-from gm_trace.groups import resolve_process_group
 from gm_trace.memory import estimate_peak_memory
 
 
@@ -119,9 +117,8 @@ class AutoOverlapPass(GraphPass):
         if changed:
             graph.lint()
             graph_module.recompile()
-            if dist.is_available() and dist.is_initialized() and _has_collectives(graph):
-                group = resolve_process_group(ctx.process_groups.get("fsdp", "fsdp"))
-                check_collective_agreement(graph_module, group)
+            if _has_collectives(graph):
+                verify_ranks_agree(graph_module, ctx)
         schedule = collective_schedule(graph_module)
         ctx.record(
             self.name,
