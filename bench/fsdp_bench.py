@@ -1,0 +1,232 @@
+"""Graph mode against eager PyTorch and eager FSDP2, measured side by side in one run.
+
+Run: ``python bench/fsdp_bench.py [--layers 4 12] [--steps 8] [--out bench/results/fsdp.json]``
+(or ``nox -s bench``). CPU, gloo, one thread per rank. Prints a markdown table and writes JSON.
+
+1. single process: eager (autograd + Adam) vs graph mode — median step time.
+2. 2 ranks: FSDP2 (``fully_shard`` per block + root) vs graph-mode FSDP with overlap off, overlap
+   on, and bucketing + prefetch — median step time, peak resident memory per rank (growth over
+   the process's baseline), collectives and bytes per step.
+3. trace + pass time of graph mode at 2, 4, 8, 16 layers (2 ranks).
+
+Each distributed configuration runs in fresh rank processes, so peak memory is its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from gm_config import PassConfig
+from gm_trace.testing import TinyGPT, lm_loss, make_lm_batch
+from gm_trace.testing.distributed import DistributedPool
+
+DIM, HEADS, SEQ, VOCAB, BATCH_PER_RANK = 128, 4, 128, 256, 8
+GRAPH_CONFIGS = {
+    "graph: overlap off": {"enable_overlap": False, "bucket_cap_mb": None, "prefetch_blocks": None},
+    "graph: overlap on": {"enable_overlap": True, "bucket_cap_mb": None, "prefetch_blocks": None},
+    "graph: buckets, all up front": {"prefetch_blocks": None},
+    "graph: buckets+prefetch 1": {"prefetch_blocks": 1},
+    "graph: buckets+prefetch 2": {"prefetch_blocks": 2},
+    "graph: buckets+prefetch 1+reshard": {"prefetch_blocks": 1, "reshard_after_forward": True},
+}
+
+
+def _model(n_layers: int) -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(vocab_size=VOCAB, dim=DIM, n_layers=n_layers, n_heads=HEADS, max_seq_len=SEQ)
+
+
+def _batches(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [make_lm_batch(batch, SEQ, VOCAB, seed=s) for s in range(steps)]
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field))
+
+
+def _reset_peak_rss() -> None:
+    # Writing 5 to clear_refs resets the peak resident set size (VmHWM) on Linux.
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _timed_steps(step_fn, batches, warmup: int) -> float:
+    times = []
+    for i, batch in enumerate(batches):
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        step_fn(batch)
+        if dist.is_initialized():
+            dist.barrier()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _eager_step(model, optimizer):
+    def step(batch):
+        lm_loss(model, *batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step
+
+
+def _graph_step(trainer):
+    def step(batch):
+        trainer.train_step(*batch)
+        trainer.optimizer_step()
+
+    return step
+
+
+def single_process(n_layers: int, steps: int) -> dict[str, float]:
+    from gm_trainer import GraphTrainer
+
+    torch.set_num_threads(1)
+    batches = _batches(steps, BATCH_PER_RANK)
+    model = _model(n_layers)
+    eager = copy.deepcopy(model)
+    eager_s = _timed_steps(_eager_step(eager, torch.optim.Adam(eager.parameters())), batches, 2)
+    trainer = GraphTrainer(model, lm_loss, PassConfig())
+    graph_s = _timed_steps(_graph_step(trainer), batches, 2)
+    return {"eager_s": eager_s, "graph_s": graph_s, "ratio": graph_s / eager_s}
+
+
+def distributed_config(rank: int, world: int, n_layers: int, steps: int, config: str):
+    """One configuration on fresh ranks: median step time, peak RSS growth, comm volume."""
+    import gc
+
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from gm_trainer import GraphTrainer
+
+    gc.collect()
+    baseline = _rss_kib("VmRSS")
+    _reset_peak_rss()
+    batches = [
+        tuple(t[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK] for t in batch)
+        for batch in _batches(steps, BATCH_PER_RANK * world)
+    ]
+    model = _model(n_layers)
+    result: dict[str, float] = {}
+    if config.startswith("fsdp2"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        reshard = config == "fsdp2"  # FSDP2's default; "fsdp2 keep" keeps gathered params
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        step = _eager_step(model, torch.optim.Adam(model.parameters()))
+        with CommDebugMode() as comm:
+            step(batches[0])
+        result["collectives_per_step"] = comm.get_total_counts()
+        step_s = _timed_steps(step, batches, 2)
+    else:
+        trainer = GraphTrainer(model, lm_loss, PassConfig(**GRAPH_CONFIGS[config]))
+        step = _graph_step(trainer)
+        step_s = _timed_steps(step, batches, 2)
+        stats = trainer.pipelines[0].context.stats["fsdp"]
+        result["collectives_per_step"] = sum(stats["collectives"].values())
+        result["bytes_per_step"] = sum(stats["bytes_per_step"].values())
+    result["step_s"] = step_s
+    result["peak_rss_growth_mb"] = (_rss_kib("VmHWM") - baseline) / 1024
+    return result
+
+
+def trace_and_pass_time(rank: int, world: int, layers: list[int]) -> dict[int, float]:
+    from gm_trainer import GraphTrainer
+
+    seconds = {}
+    GraphTrainer(_model(1), lm_loss, PassConfig()).compile(*make_lm_batch(2, SEQ, VOCAB))  # warm
+    for n_layers in layers:
+        trainer = GraphTrainer(_model(n_layers), lm_loss, PassConfig())
+        batch = make_lm_batch(BATCH_PER_RANK, SEQ, VOCAB)
+        start = time.perf_counter()
+        trainer.compile(*batch)
+        seconds[n_layers] = time.perf_counter() - start
+    return seconds
+
+
+def _fsdp2_bytes(n_layers: int, regather: bool) -> int:
+    # FSDP2: an all-gather in forward, with reshard_after_forward again in backward for every
+    # block but the root, and one reduce-scatter: the full parameter bytes moved.
+    model = _model(n_layers)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    blocks = sum(p.numel() * p.element_size() for p in model.layers.parameters())
+    return 2 * params + (blocks if regather else 0)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[4, 12])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--out", default="bench/results/fsdp.json")
+    args = parser.parse_args()
+
+    report: dict[str, object] = {"torch": torch.__version__, "single": {}, "fsdp": {}}
+    for n_layers in args.layers:
+        report["single"][n_layers] = single_process(n_layers, args.steps)
+        rows = {}
+        for config in ["fsdp2", "fsdp2 keep", *GRAPH_CONFIGS]:
+            with DistributedPool(2) as pool:
+                per_rank = pool.run(distributed_config, n_layers, args.steps, config, timeout=900)
+            rows[config] = {
+                "step_s": max(r["step_s"] for r in per_rank),
+                "peak_rss_growth_mb": max(r["peak_rss_growth_mb"] for r in per_rank),
+                "collectives_per_step": per_rank[0]["collectives_per_step"],
+                "bytes_per_step": per_rank[0].get(
+                    "bytes_per_step", _fsdp2_bytes(n_layers, regather=config == "fsdp2")
+                ),
+            }
+        report["fsdp"][n_layers] = rows
+    with DistributedPool(2) as pool:
+        report["trace_s"] = pool.run(trace_and_pass_time, [2, 4, 8, 16], timeout=900)[0]
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(format_report(report))
+    print(f"\nwritten to {out}")
+    return 0
+
+
+def format_report(report: dict) -> str:
+    lines = ["| layers | eager s/step | graph s/step | graph / eager |", "|---|---|---|---|"]
+    for n, r in report["single"].items():
+        lines.append(f"| {n} | {r['eager_s']:.4f} | {r['graph_s']:.4f} | {r['ratio']:.2f} |")
+    lines += [
+        "",
+        "| layers | config | s/step | vs FSDP2 | peak RSS growth MiB | vs FSDP2 | collectives/step "
+        "| MiB/step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for n, rows in report["fsdp"].items():
+        base = rows["fsdp2"]
+        for config, r in rows.items():
+            lines.append(
+                f"| {n} | {config} | {r['step_s']:.4f} | {r['step_s'] / base['step_s']:.2f} "
+                f"| {r['peak_rss_growth_mb']:.1f} "
+                f"| {r['peak_rss_growth_mb'] / max(base['peak_rss_growth_mb'], 1e-9):.2f} "
+                f"| {r['collectives_per_step']} | {r['bytes_per_step'] / 2**20:.1f} |"
+            )
+    lines += ["", "| layers | trace + passes s (2 ranks) |", "|---|---|"]
+    lines += [f"| {n} | {s:.2f} |" for n, s in report["trace_s"].items()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
