@@ -129,3 +129,11 @@ def wheels(session: nox.Session) -> None:
         session.run(str(venv / "bin" / "python"), "-c", f"import {module}", external=True)
     for wheel in sorted(dist_dir.glob("*.whl")):
         session.log(f"{wheel.name}: {wheel.stat().st_size / 1024:.1f} KiB")
+
+
+@nox.session(tags=["bench"], default=False)
+def bench(session: nox.Session) -> None:
+    """Benchmarks (not run by CI): graph mode vs eager and FSDP2, and trace time."""
+    _install_layer(session, "gm-trainer", torch=True)
+    session.run("python", str(ROOT / "bench" / "fsdp_bench.py"), *session.posargs)
+    session.run("python", str(ROOT / "bench" / "trace_time.py"))
