@@ -1,0 +1,16 @@
+"""The ``gm-train`` job: configuration, byte-level data, the run folder and the command.
+
+``gm_trainer.job.cli:main`` is the ``gm-train`` console script; :func:`load_config` reads the
+same YAML it takes.
+"""
+
+from gm_trainer.job.config import (
+    DataConfig,
+    JobConfig,
+    LoggingConfig,
+    ModelConfig,
+    TrainConfig,
+    load_config,
+)
+
+__all__ = ["DataConfig", "JobConfig", "LoggingConfig", "ModelConfig", "TrainConfig", "load_config"]

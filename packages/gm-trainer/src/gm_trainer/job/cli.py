@@ -1,0 +1,147 @@
+"""``gm-train [CONFIG.yaml] [--nproc N] [section.key=value ...]``: train a model in graph mode.
+
+Outside torchrun it starts ``N`` local ranks itself through torch's elastic launcher (default:
+one per accelerator, else 2 CPU ranks on gloo); under torchrun it is one rank of the job the
+environment describes. The configuration is validated before any rank starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import uuid
+from collections.abc import Sequence
+
+from gm_config import ConfigError
+from gm_trainer.job.config import JobConfig, load_config
+from gm_trainer.job.run_folder import resolve_run_dir
+
+EPILOG = """\
+examples:
+  gm-train                                   the embedded default job on local ranks
+  gm-train my.yaml --nproc 4 train.steps=50  a config file, 4 ranks, one override
+  torchrun --nproc-per-node 8 -m gm_trainer.job.cli my.yaml
+  gm-train --print-config > my.yaml          start a config from the defaults
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser."""
+    parser = argparse.ArgumentParser(
+        prog="gm-train",
+        description="Train a model in graph mode (one joint fwd+bwd graph, FSDP by passes).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "args",
+        nargs="*",
+        metavar="CONFIG.yaml | section.key=value",
+        help="an optional config file (default: the embedded one) and dotted overrides whose "
+        "values are parsed as YAML, e.g. train.steps=20 parallel.enable_overlap=false",
+    )
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="local ranks to launch (default: one per accelerator, else 2 CPU ranks); "
+        "ignored under torchrun",
+    )
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved configuration as YAML and exit",
+    )
+    return parser
+
+
+def default_nproc() -> int:
+    """One rank per accelerator; 2 CPU ranks (gloo) when there is none."""
+    import torch
+
+    from gm_trainer.device import detect_device_type
+
+    kind = detect_device_type()
+    if kind == "cpu":
+        return 2
+    return getattr(torch, kind).device_count()
+
+
+def _under_launcher() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console-script entry point; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_intermixed_args(argv)
+    paths = [a for a in args.args if "=" not in a]
+    overrides = [a for a in args.args if "=" in a]
+    if len(paths) > 1:
+        parser.error(f"at most one config file, got {paths}")
+    if args.nproc is not None and args.nproc < 1:
+        parser.error(f"--nproc must be >= 1, got {args.nproc}")
+    launched = _under_launcher()
+    try:
+        config = load_config(paths[0] if paths else None, overrides)
+        world_size = int(os.environ["WORLD_SIZE"]) if launched else args.nproc or default_nproc()
+        config.check_world_size(world_size)
+    except ConfigError as e:
+        if not launched or os.environ.get("RANK") == "0":
+            print(f"gm-train: error: {e}", file=sys.stderr)
+        return 2
+    # Resolved once, before the ranks start, so that they agree on it (only rank 0 writes).
+    config.logging.run_dir = str(resolve_run_dir(config.logging.run_dir))
+    if args.print_config:
+        print(config.to_yaml(), end="")
+        return 0
+    if launched or world_size == 1:
+        from gm_trainer.job.runner import run_rank
+
+        run_rank(config.to_dict())
+        return 0
+    return launch(config, world_size)
+
+
+def launch(config: JobConfig, nproc: int) -> int:
+    """Run :func:`~gm_trainer.job.runner.run_rank` on ``nproc`` local ranks; exit status."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from gm_trainer.job.runner import run_rank
+
+    # As torchrun does: ranks sharing a machine must not each start one thread per core.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    launch_config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"gm-train-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",  # torchrun --standalone: the store picks a free port
+        max_restarts=0,  # a restarted rank would start training from scratch
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    try:
+        elastic_launch(launch_config, run_rank)(config.to_dict())
+    except ChildFailedError as e:
+        # The launcher has already logged the rank's traceback; end with the one line that matters.
+        rank, failure = e.get_first_failure()
+        message = failure.message
+        if isinstance(message, dict):  # an error file written by @record
+            message = message.get("message", "")
+        lines = [line for line in str(message).splitlines() if line.strip()]
+        cause = lines[-1].strip() if lines else f"exit code {failure.exitcode}"
+        print(f"gm-train: error: rank {rank} failed: {cause}", file=sys.stderr)
+        return 1
+    except SignalException as e:
+        print(f"gm-train: stopped by signal {e.sigval.name}", file=sys.stderr)
+        return 128 + int(e.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,417 @@
+"""The ``gm-train`` job configuration: one dataclass per YAML section.
+
+Every section rejects unknown keys with a :class:`~gm_config.ConfigError` that names the key
+path and the accepted keys, checks types (an ``int`` field refuses ``"8"`` and ``true``) and
+validates ranges in ``__post_init__``. Defaults live here; ``default.yaml`` writes them out.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import yaml
+
+from gm_config import ConfigError, PassConfig, PassPlan, sharding_plan_from_dict
+
+#: The embedded default job, shipped inside the wheel.
+DEFAULT_CONFIG_PATH = Path(__file__).with_name("default.yaml")
+
+SECTIONS = ("parallel", "sharding", "model", "data", "train", "logging")
+
+
+# --------------------------------------------------------------------------- field checks
+
+
+_TYPE_WORDS = {
+    "int": "an integer",
+    "float": "a number",
+    "bool": "true or false",
+    "str": "a string",
+    "tuple[float, float]": "a list of two numbers",
+}
+
+
+def _coerce(value: Any, type_name: str, where: str) -> Any:
+    """Check ``value`` against the annotation string ``type_name``; return it normalised."""
+    optional = type_name.endswith(" | None")
+    base = type_name.removesuffix(" | None")
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{where} must not be null (expected {base})")
+    if base == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif base == "float":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads ``3e-3`` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif base == "bool":
+        if isinstance(value, bool):
+            return value
+    elif base == "str":
+        if isinstance(value, str):
+            return value
+    elif base == "tuple[float, float]":
+        if isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 2:
+            return tuple(_coerce(v, "float", f"{where}[{i}]") for i, v in enumerate(value))
+    else:  # pragma: no cover - a new annotation without a checker is a programming error
+        raise TypeError(f"no checker for annotation {type_name!r} of {where}")
+    accepted = _TYPE_WORDS.get(base, base)
+    raise ConfigError(f"{where} must be {accepted}{' or null' if optional else ''}, got {value!r}")
+
+
+class _Section:
+    """Mixin: type-check the fields of a section dataclass, then call ``validate``."""
+
+    section: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            where = f"{self.section}.{f.name}"
+            setattr(self, f.name, _coerce(getattr(self, f.name), str(f.type), where))
+        self.validate()
+
+    def validate(self) -> None:
+        """Range and cross-field checks; raise :class:`ConfigError`."""
+
+    def _positive(self, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{self.section}.{name} must be > 0, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Any:
+        """Build the section from a mapping; a missing section (``None``) is all defaults."""
+        return _build(cls, data, cls.section)
+
+
+def _build(cls: Any, data: Any, where: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where} must be a mapping of key: value, got {data!r}")
+    accepted = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(str(k) for k in set(data) - set(accepted))
+    if unknown:
+        paths = [f"{where}.{k}" for k in unknown]
+        raise ConfigError(f"unknown key(s) {paths}; {where} accepts {accepted}")
+    return cls(**dict(data))
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class ModelConfig(_Section):
+    """The GPT-style byte-level language model (``gm_trace.testing.models.TinyGPT``)."""
+
+    section: ClassVar[str] = "model"
+
+    vocab_size: int = 256
+    """Vocabulary size. The data is raw bytes, so at least 256."""
+
+    dim: int = 128
+    """Width of the residual stream."""
+
+    n_layers: int = 4
+    """Number of transformer blocks."""
+
+    n_heads: int = 4
+    """Attention heads per block; must divide ``dim``."""
+
+    seq_len: int = 128
+    """Tokens per training sequence (also the model's maximum sequence length)."""
+
+    def validate(self) -> None:
+        self._positive("vocab_size", "dim", "n_layers", "n_heads", "seq_len")
+        if self.vocab_size < 256:
+            raise ConfigError(
+                f"model.vocab_size must be >= 256 (tokens are raw bytes), got {self.vocab_size}"
+            )
+        if self.dim % self.n_heads:
+            raise ConfigError(
+                f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}"
+            )
+
+
+@dataclass
+class DataConfig(_Section):
+    """The byte-level corpus."""
+
+    section: ClassVar[str] = "data"
+
+    corpus: str | None = None
+    """A text file, or a directory searched recursively for files matching ``glob``.
+    ``null``: the Python standard library's source directory, present wherever Python is."""
+
+    glob: str = "*.py"
+    """File-name pattern (fnmatch) used when ``corpus`` is a directory."""
+
+    max_bytes: int | None = 8_000_000
+    """Read at most this many bytes of the corpus (files in sorted order); ``null``: all."""
+
+    seed: int = 0
+    """Seed of the generator that samples the training windows."""
+
+    def validate(self) -> None:
+        self._positive("max_bytes")
+        if not self.glob:
+            raise ConfigError("data.glob must be a non-empty pattern such as '*.py'")
+        if self.corpus is not None and not Path(self.corpus).exists():
+            raise ConfigError(f"data.corpus: {self.corpus} does not exist")
+
+
+@dataclass
+class TrainConfig(_Section):
+    """Optimisation: steps, batch, optimizer."""
+
+    section: ClassVar[str] = "train"
+
+    steps: int = 200
+    """Optimizer steps."""
+
+    global_batch_size: int = 16
+    """Sequences per optimizer step summed over all ranks and micro-batches; must be divisible
+    by ``world_size * accumulation``."""
+
+    accumulation: int = 1
+    """Micro-batches accumulated per optimizer step."""
+
+    lr: float = 1e-3
+    """Learning rate (constant)."""
+
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam betas."""
+
+    eps: float = 1e-8
+    """Adam epsilon."""
+
+    weight_decay: float = 0.0
+    """Weight decay."""
+
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this value; ``null``: no clipping."""
+
+    optimizer: str = "adam"
+    """``adam`` or the name of any ``torch.optim`` optimizer class (e.g. ``AdamW``)."""
+
+    seed: int = 0
+    """Seed of the model's initial weights (identical on every rank)."""
+
+    def validate(self) -> None:
+        self._positive("steps", "global_batch_size", "accumulation", "lr", "eps", "grad_clip")
+        if self.weight_decay < 0:
+            raise ConfigError(f"train.weight_decay must be >= 0, got {self.weight_decay}")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"train.betas must both lie in [0, 1), got {list(self.betas)}")
+        from gm_trainer.optim import OptimizerConfig  # the trainer's own check of the name
+
+        try:
+            OptimizerConfig.from_dict(self.optimizer_config())
+        except ValueError as e:
+            raise ConfigError(f"train.optimizer={self.optimizer!r}: {e}") from None
+
+    def optimizer_config(self) -> dict[str, Any]:
+        """The ``optimizer_config`` dict that ``GraphTrainer`` takes."""
+        return {
+            "name": self.optimizer,
+            "lr": self.lr,
+            "betas": self.betas,
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+            "grad_clip": self.grad_clip,
+        }
+
+
+@dataclass
+class LoggingConfig(_Section):
+    """Console metrics and the run folder."""
+
+    section: ClassVar[str] = "logging"
+
+    interval: int = 10
+    """Log (print, and append to ``metrics.jsonl``) every this many optimizer steps."""
+
+    run_dir: str = "runs/{timestamp}"
+    """Run folder; ``{timestamp}`` becomes the start time (``YYYYmmdd-HHMMSS``)."""
+
+    def validate(self) -> None:
+        self._positive("interval")
+        if not self.run_dir:
+            raise ConfigError("logging.run_dir must be a non-empty path")
+
+
+# --------------------------------------------------------------------------- the job
+
+
+@dataclass
+class JobConfig:
+    """The whole ``gm-train`` configuration. Build it with :func:`load_config`."""
+
+    parallel: PassConfig = field(default_factory=PassConfig)
+    """The :class:`~gm_config.PassConfig` fields (which passes run, FSDP degree, ...)."""
+
+    sharding: dict[str, Any] | None = None
+    """The sharding YAML contract (``{"fsdp": {...}}``); ``None``: every parameter sharded."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model to train."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """The corpus and how it is sampled."""
+
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Steps, batch and optimizer."""
+
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Console metrics and the run folder."""
+
+    def __post_init__(self) -> None:
+        self.pass_plan()  # validate the sharding section now, not on the ranks
+
+    def pass_plan(self) -> PassPlan | None:
+        """The :class:`~gm_config.PassPlan` of the ``sharding`` section, or ``None``."""
+        if self.sharding is None:
+            return None
+        return sharding_plan_from_dict(self.sharding, source="sharding")
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise :class:`ConfigError` unless the job can run on ``world_size`` ranks.
+
+        gm-train builds one FSDP group over all ranks (no TP, no HSDP mesh), and only the fsdp
+        pass synchronises gradients, so several ranks need it on.
+        """
+        t, p = self.train, self.parallel
+        if t.global_batch_size % (world_size * t.accumulation):
+            raise ConfigError(
+                f"train.global_batch_size={t.global_batch_size} must be divisible by "
+                f"world_size * train.accumulation = {world_size} * {t.accumulation}"
+            )
+        if p.fsdp_degree is not None and p.fsdp_degree != world_size:
+            raise ConfigError(
+                f"parallel.fsdp_degree={p.fsdp_degree}: gm-train shards over all "
+                f"{world_size} rank(s); use null or {world_size}"
+            )
+        if p.tp_size != 1:
+            raise ConfigError(
+                f"parallel.tp_size={p.tp_size}: gm-train's model has no tensor parallelism; use 1"
+            )
+        plan = self.pass_plan()
+        if world_size > 1 and not (p.fsdp_enabled and (plan is None or plan.fsdp_enabled)):
+            raise ConfigError(
+                "parallel.fsdp_enabled / sharding.fsdp.enabled is off, but with "
+                f"{world_size} ranks only the fsdp pass keeps them in sync; turn it on "
+                "or use --nproc 1"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (lists, not tuples) that :meth:`from_dict` reads back unchanged."""
+        out: dict[str, Any] = {"parallel": self.parallel.to_dict()}
+        out["sharding"] = copy.deepcopy(self.sharding)
+        for name in ("model", "data", "train", "logging"):
+            section = dataclasses.asdict(getattr(self, name))
+            out[name] = {k: list(v) if isinstance(v, tuple) else v for k, v in section.items()}
+        return out
+
+    def to_yaml(self) -> str:
+        """The resolved configuration as YAML, every default written out."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> JobConfig:
+        """Build from a parsed document; every section is optional."""
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"the configuration must be a mapping of sections, got {data!r}")
+        unknown = sorted(str(k) for k in set(data) - set(SECTIONS))
+        if unknown:
+            raise ConfigError(
+                f"unknown top-level key(s) {unknown}; accepted sections are {list(SECTIONS)}"
+            )
+        try:
+            parallel = _build(PassConfig, data.get("parallel"), "parallel")
+        except ConfigError as e:
+            if str(e).startswith("unknown key"):
+                raise
+            raise ConfigError(f"parallel: {e}") from None  # PassConfig's own field checks
+        return cls(
+            parallel=parallel,
+            sharding=data.get("sharding"),
+            model=ModelConfig.from_dict(data.get("model")),
+            data=DataConfig.from_dict(data.get("data")),
+            train=TrainConfig.from_dict(data.get("train")),
+            logging=LoggingConfig.from_dict(data.get("logging")),
+        )
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Return a copy of ``data`` with each ``dotted.key=value`` set (value parsed as YAML).
+
+    Missing sections are created; unknown keys are left for :meth:`JobConfig.from_dict` to
+    reject, so that an override and a file report the same error.
+    """
+    out = copy.deepcopy(dict(data))
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        parts = key.split(".")
+        if not sep or not all(parts):
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML: {e}") from None
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                path = ".".join(parts[: i + 1])
+                raise ConfigError(f"override {item!r}: {path} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def read_yaml(path: str | Path) -> Any:
+    """``yaml.safe_load`` of a file, with a :class:`ConfigError` for a missing or bad file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, expected a YAML file") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> JobConfig:
+    """Read ``path`` (``None``: the embedded default), apply overrides, validate.
+
+    Errors are :class:`ConfigError` prefixed with the file they came from.
+    """
+    data = read_yaml(path if path is not None else DEFAULT_CONFIG_PATH)
+    source = path if path is not None else "the embedded default config"
+    try:
+        if data is not None and not isinstance(data, Mapping):
+            raise ConfigError(f"the file must hold a mapping of sections, got {data!r}")
+        return JobConfig.from_dict(apply_overrides(data or {}, overrides))
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None

@@ -1,0 +1,94 @@
+"""Rank 0's console: a live progress line on a terminal, metric lines always."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, TextIO, TypeVar
+
+T = TypeVar("T")
+
+
+def format_record(record: Mapping[str, Any], total_steps: int) -> str:
+    """One metrics line: step, loss, throughput, grad norm, memory, step time."""
+    width = len(str(total_steps))
+    return (
+        f"step {record['step']:>{width}}/{total_steps}"
+        f" | loss {record['loss']:.4f}"
+        f" | {record['tokens_per_s']:,.0f} tok/s"
+        f" | grad_norm {record['grad_norm']:.3f}"
+        f" | mem {record['memory_mb']:,.0f} MB"
+        f" | {record['step_time_s'] * 1e3:,.0f} ms/step"
+        f" | lr {record['lr']:.2e}"
+    )
+
+
+class Progress:
+    """Metric lines go to ``out``; on a TTY ``err`` also shows a live ``step i/N`` line."""
+
+    def __init__(
+        self,
+        total_steps: int,
+        *,
+        out: TextIO | None = None,
+        err: TextIO | None = None,
+        live: bool | None = None,
+    ) -> None:
+        self.total = total_steps
+        self.out = out or sys.stdout
+        self.err = err or sys.stderr
+        self.live = self.err.isatty() if live is None else live
+        self.step = 0
+        self._t_first: float | None = None  # after step 1: excludes graph capture
+        self._shown = 0.0
+
+    def track(self, batches: Iterable[T], accumulation: int) -> Iterator[T]:
+        """Yield ``batches`` unchanged, counting an optimizer step every ``accumulation``."""
+        for i, batch in enumerate(batches):
+            if i and i % accumulation == 0:  # asking for this batch means a step finished
+                self.advance(i // accumulation)
+            yield batch
+
+    def advance(self, step: int) -> None:
+        """Record that ``step`` optimizer steps are done; redraw at most 10 times a second."""
+        self.step = step
+        now = time.perf_counter()
+        if step == 1 or self._t_first is None:
+            self._t_first = now
+        if self.live and (now - self._shown > 0.1 or step == self.total):
+            self._shown = now
+            self._draw()
+
+    def log(self, record: Mapping[str, Any]) -> None:
+        """Print one metrics line (above the live line)."""
+        self.step = max(self.step, int(record["step"]))  # logged before the next batch is asked
+        self.write(format_record(record, self.total))
+
+    def write(self, line: str) -> None:
+        """Print a line to ``out`` without garbling the live line."""
+        if self.live:
+            self.err.write("\r\x1b[K")
+        self.out.write(line + "\n")
+        self.out.flush()
+        if self.live:
+            self._draw()
+
+    def close(self) -> None:
+        """Finish the live line; later lines are plain."""
+        if self.live:
+            self._draw()
+            self.err.write("\n")
+            self.err.flush()
+            self.live = False
+
+    def _draw(self) -> None:
+        done = self.step / self.total if self.total else 1.0
+        bar = "#" * int(done * 30)
+        line = f"{self.step}/{self.total} [{bar:<30}] {done:4.0%}"
+        if self._t_first is not None and self.step > 1:
+            per_step = (time.perf_counter() - self._t_first) / (self.step - 1)
+            eta = per_step * (self.total - self.step)
+            line += f"  {per_step * 1e3:,.0f} ms/step  ETA {eta:,.0f}s"
+        self.err.write("\r\x1b[K" + line)
+        self.err.flush()

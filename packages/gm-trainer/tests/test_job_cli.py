@@ -1,0 +1,162 @@
+"""The ``gm-train`` command: argument handling, fail-fast errors, and one real 2-rank job."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gm_trainer.job.cli import main
+
+# A model small enough for two CPU ranks on a small machine, big enough to learn bytes.
+TINY = [
+    "model.n_layers=1",
+    "model.dim=32",
+    "model.n_heads=2",
+    "model.seq_len=32",
+    "data.max_bytes=200000",
+    "train.global_batch_size=16",
+    "train.lr=3e-3",
+]
+
+
+def gm_train(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``gm-train`` in a fresh interpreter, as a user would."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)  # never mistake the test for a torchrun rank
+    return subprocess.run(
+        [sys.executable, "-m", "gm_trainer.job.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+# --------------------------------------------------------------------------- in process
+
+
+def test_print_config_resolves_everything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["--print-config", "--nproc", "2", "train.steps=3", "model.dim=64"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["train"]["steps"] == 3 and printed["model"]["dim"] == 64
+    assert printed["data"]["corpus"] is None
+    assert printed["logging"]["run_dir"].startswith("runs/")
+    assert "{timestamp}" not in printed["logging"]["run_dir"]
+    assert not (tmp_path / "runs").exists()  # printing creates nothing
+
+
+def test_config_file_and_overrides_in_any_order(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("train: {steps: 5, lr: 0.01}\nlogging: {run_dir: out}\n")
+    assert main(["train.lr=0.5", str(path), "--nproc", "2", "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["train"] == {**printed["train"], "steps": 5, "lr": 0.5}
+    assert printed["logging"]["run_dir"] == "out"
+
+
+def test_bad_config_returns_2_and_names_the_key(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--nproc", "2", "train.stepz=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gm-train: error:") and "train.stepz" in err and "'steps'" in err
+
+
+def test_batch_not_divisible_by_the_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--nproc", "3", "train.global_batch_size=16"]) == 2
+    assert "train.global_batch_size=16 must be divisible by" in capsys.readouterr().err
+
+
+def test_under_torchrun_only_rank_0_reports(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "1")
+    assert main(["train.global_batch_size=6"]) == 2  # 6 does not split over 4 ranks
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert main(["train.global_batch_size=6"]) == 2
+    assert "world_size * train.accumulation = 4 * 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["a.yaml", "b.yaml"], "at most one config file"),
+        (["--nproc", "0"], "--nproc must be >= 1"),
+        (["--nproc", "two"], "invalid int value"),
+    ],
+)
+def test_usage_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- subprocess
+
+
+def test_bad_config_fails_fast_before_any_rank_starts(tmp_path: Path) -> None:
+    (tmp_path / "job.yaml").write_text("model:\n  n_layer: 2\n")
+    start = time.perf_counter()
+    result = gm_train("job.yaml", "--nproc", "2", cwd=tmp_path, timeout=60)
+    elapsed = time.perf_counter() - start
+    assert result.returncode == 2, result.stderr
+    assert "model.n_layer" in result.stderr and "'n_layers'" in result.stderr
+    assert "job.yaml" in result.stderr
+    assert elapsed < 20, f"took {elapsed:.1f}s: the config must be checked before launching"
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.distributed
+def test_two_rank_job_learns_and_fills_the_run_folder(tmp_path: Path) -> None:
+    steps = 30
+    result = gm_train(
+        "--nproc",
+        "2",
+        *TINY,
+        f"train.steps={steps}",
+        "logging.interval=1",
+        "logging.run_dir=run",
+        cwd=tmp_path,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = tmp_path / "run"
+
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    for key in ("loss", "grad_norm", "step_time_s", "tokens_per_s", "memory_mb", "lr"):
+        assert all(isinstance(r[key], float) for r in records), key
+    losses = [r["loss"] for r in records]
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.8 * first, f"loss did not fall: first-5 mean {first:.3f}, last-5 {last:.3f}"
+    assert records[0]["tokens_per_s"] > 0
+
+    png = (run / "loss.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    assert config["model"]["dim"] == 32 and config["train"]["steps"] == steps
+    assert config["parallel"]["enable_overlap"] is True  # defaults filled in
+    graphs = [p for p in (run / "graphs").rglob("*") if p.is_file()]
+    assert graphs, "no graph was dumped"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == steps
+    assert summary["final_loss"] == losses[-1] and summary["first_loss"] == losses[0]
+
+    # Rank 0 alone printed the metric lines.
+    metric_lines = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert len(metric_lines) == steps
+    assert "loss" in metric_lines[-1] and "tok/s" in metric_lines[-1]

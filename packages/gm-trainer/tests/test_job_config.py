@@ -1,0 +1,389 @@
+"""The gm-train job pieces: configuration, byte-level data and the run folder."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from gm_config import ConfigError, PassConfig
+from gm_trainer.job.config import DEFAULT_CONFIG_PATH, JobConfig, apply_overrides, load_config
+from gm_trainer.job.data import ByteBatches, corpus_files, default_corpus, load_corpus
+from gm_trainer.job.progress import Progress, format_record
+from gm_trainer.job.run_folder import RunFolder, resolve_run_dir, summarize
+
+
+def write(tmp_path: Path, text: str, name: str = "job.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+def error_of(overrides: list[str], path: Path | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return str(info.value)
+
+
+# --------------------------------------------------------------------------- defaults
+
+
+def test_embedded_default_yaml_spells_out_the_dataclass_defaults() -> None:
+    assert load_config() == JobConfig()
+    # Every key written out, so that the file documents the whole schema.
+    written = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
+    defaults = JobConfig().to_dict()
+    for section in ("sharding", "model", "data", "train", "logging"):
+        assert written[section] == defaults[section], f"default.yaml must spell out {section}"
+    # PassConfig grows with the passes: every field listed must exist with its default value.
+    for key, value in written["parallel"].items():
+        assert defaults["parallel"][key] == value, f"default.yaml: parallel.{key}"
+
+
+def test_defaults() -> None:
+    c = JobConfig()
+    assert c.parallel == PassConfig()
+    assert c.sharding is None and c.pass_plan() is None
+    assert c.model.vocab_size == 256
+    assert c.data.corpus is None
+    assert c.logging.run_dir == "runs/{timestamp}"
+    assert c.train.optimizer_config() == {
+        "name": "adam",
+        "lr": c.train.lr,
+        "betas": (0.9, 0.95),
+        "eps": 1e-8,
+        "weight_decay": 0.0,
+        "grad_clip": 1.0,
+    }
+
+
+def test_partial_file_fills_the_rest_with_defaults(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+        model: {n_layers: 2}
+        train: {lr: 1e-3, grad_clip: null}   # YAML 1.1 reads 1e-3 as a string: accepted
+        sharding:
+          fsdp:
+            patterns: [{pattern: "layers.*"}]
+        """,
+    )
+    c = load_config(path)
+    assert c.model.n_layers == 2 and c.model.dim == JobConfig().model.dim
+    assert c.train.lr == 1e-3 and c.train.grad_clip is None
+    plan = c.pass_plan()
+    assert plan is not None and plan.fsdp_enabled and plan.lookup("layers.0") is not None
+
+
+def test_empty_file_is_the_defaults(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, "")) == JobConfig()
+
+
+def test_resolved_yaml_round_trips(tmp_path: Path) -> None:
+    c = load_config(None, ["train.steps=7", "sharding.fsdp.modules=[{name: tok_emb}]"])
+    again = load_config(write(tmp_path, c.to_yaml()))
+    assert again == c
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+def test_overrides_are_yaml_values() -> None:
+    c = load_config(
+        None,
+        [
+            "train.steps=20",
+            "model.n_layers=2",
+            "parallel.enable_overlap=false",
+            "parallel.fsdp_degree=2",
+            "train.lr=3e-4",
+            "train.betas=[0.8, 0.9]",
+            "data.corpus=.",
+            "data.max_bytes=null",
+        ],
+    )
+    assert c.train.steps == 20 and c.model.n_layers == 2
+    assert c.parallel.enable_overlap is False and c.parallel.fsdp_degree == 2
+    assert c.train.lr == 3e-4 and c.train.betas == (0.8, 0.9)
+    assert c.data.corpus == "." and c.data.max_bytes is None
+
+
+def test_override_beats_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "train: {steps: 5}\n")
+    assert load_config(path, ["train.steps=9"]).train.steps == 9
+
+
+def test_apply_overrides_leaves_input_alone() -> None:
+    data = {"train": {"steps": 1}}
+    assert apply_overrides(data, ["train.steps=2"]) == {"train": {"steps": 2}}
+    assert data == {"train": {"steps": 1}}
+
+
+@pytest.mark.parametrize("bad", ["train.steps", "=3", "train..steps=3", ".steps=1"])
+def test_malformed_override(bad: str) -> None:
+    assert "must look like section.key=value" in error_of([bad])
+
+
+def test_override_into_a_value() -> None:
+    assert "train.steps is a value, not a section" in error_of(["train.steps.x=1"])
+
+
+# --------------------------------------------------------------------------- unknown keys
+
+
+@pytest.mark.parametrize(
+    ("override", "path", "accepted"),
+    [
+        ("modle.dim=3", "['modle']", "'model'"),
+        ("parallel.overlap=true", "parallel.overlap", "'enable_overlap'"),
+        ("model.layers=3", "model.layers", "'n_layers'"),
+        ("data.path=x", "data.path", "'corpus'"),
+        ("train.stepz=3", "train.stepz", "'steps'"),
+        ("logging.dir=x", "logging.dir", "'run_dir'"),
+        ("sharding.fsdp.modulez=[]", "sharding: fsdp", "'modules'"),
+        ("sharding.shard=1", "sharding", "'fsdp'"),
+    ],
+)
+def test_unknown_key_names_its_path_and_the_accepted_keys(
+    override: str, path: str, accepted: str
+) -> None:
+    message = error_of([override])
+    assert "unknown" in message and path in message and accepted in message, message
+
+
+def test_unknown_key_in_a_file_names_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "train:\n  steps: 3\n  warmup: 2\n")
+    message = error_of([], path)
+    assert str(path) in message and "train.warmup" in message and "'steps'" in message
+
+
+def test_unknown_key_in_a_sharding_entry(tmp_path: Path) -> None:
+    path = write(tmp_path, "sharding:\n  fsdp:\n    modules: [{nam: layers.0}]\n")
+    message = error_of([], path)
+    assert "fsdp.modules[0]" in message and "nam" in message
+
+
+# --------------------------------------------------------------------------- bad values
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("train.steps=0", "train.steps must be > 0"),
+        ("train.steps=abc", "train.steps must be an integer"),
+        ("train.steps=2.5", "train.steps must be an integer"),
+        ("train.steps=true", "train.steps must be an integer"),
+        ("train.lr=-1", "train.lr must be > 0"),
+        ("train.lr=fast", "train.lr must be a number"),
+        ("train.accumulation=0", "train.accumulation must be > 0"),
+        ("train.betas=[0.9]", "train.betas must be a list of two numbers"),
+        ("train.betas=[0.9, 1.5]", "train.betas must both lie in [0, 1)"),
+        ("train.weight_decay=-0.1", "train.weight_decay must be >= 0"),
+        ("train.grad_clip=0", "train.grad_clip must be > 0"),
+        ("train.optimizer=adamm", "train.optimizer='adamm': unknown optimizer"),
+        ("train.steps=null", "train.steps must not be null"),
+        ("model.dim=30", "model.dim=30 must be divisible by model.n_heads=4"),
+        ("model.vocab_size=100", "model.vocab_size must be >= 256"),
+        ("model.seq_len=-4", "model.seq_len must be > 0"),
+        ("data.corpus=/no/such/corpus", "data.corpus: /no/such/corpus does not exist"),
+        ("data.max_bytes=0", "data.max_bytes must be > 0"),
+        ("data.glob=''", "data.glob must be a non-empty pattern"),
+        ("logging.interval=0", "logging.interval must be > 0"),
+        ("parallel.tp_size=0", "parallel: PassConfig.tp_size must be an int >= 1"),
+        ("parallel.enable_overlap=maybe", "parallel: PassConfig.enable_overlap must be a bool"),
+        ("sharding.fsdp.enabled=yes please", "fsdp.enabled must be true or false"),
+        ("train=3", "train must be a mapping"),
+    ],
+)
+def test_bad_value_is_a_clear_error(override: str, expected: str) -> None:
+    assert expected in error_of([override])
+
+
+def test_other_optimizer_names_are_accepted() -> None:
+    assert load_config(None, ["train.optimizer=AdamW"]).train.optimizer == "AdamW"
+    assert load_config(None, ["train.optimizer=sgd"]).train.optimizer == "sgd"
+
+
+@pytest.mark.parametrize(
+    "text", ["- a list\n", "just text\n", "train: [1, 2]\n", "train: {steps: 3\n"]
+)
+def test_bad_documents(tmp_path: Path, text: str) -> None:
+    with pytest.raises(ConfigError):
+        load_config(write(tmp_path, text))
+
+
+def test_missing_file() -> None:
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config("/no/such/job.yaml")
+
+
+def test_global_batch_must_divide_over_ranks_and_micro_batches() -> None:
+    c = load_config(None, ["train.global_batch_size=12", "train.accumulation=2"])
+    c.check_world_size(2)
+    c.check_world_size(3)
+    with pytest.raises(ConfigError) as info:
+        c.check_world_size(4)
+    assert "train.global_batch_size=12 must be divisible by" in str(info.value)
+    assert "4 * 2" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["parallel.fsdp_degree=1"], "gm-train shards over all 2 rank(s)"),
+        (["parallel.tp_size=2"], "parallel.tp_size=2"),
+        (["parallel.fsdp_enabled=false"], "only the fsdp pass keeps them in sync"),
+        (["sharding.fsdp.enabled=false"], "only the fsdp pass keeps them in sync"),
+    ],
+)
+def test_what_gm_train_cannot_run_on_two_ranks(overrides: list[str], expected: str) -> None:
+    c = load_config(None, overrides)
+    with pytest.raises(ConfigError) as info:
+        c.check_world_size(2)
+    assert expected in str(info.value)
+
+
+def test_single_rank_runs_without_fsdp() -> None:
+    load_config(None, ["parallel.fsdp_enabled=false"]).check_world_size(1)
+    load_config(None, ["parallel.fsdp_degree=2"]).check_world_size(2)
+
+
+# --------------------------------------------------------------------------- data
+
+
+@pytest.fixture(scope="module")
+def corpus() -> torch.Tensor:
+    return load_corpus(None, "*.py", 200_000)
+
+
+def test_default_corpus_is_the_standard_library(corpus: torch.Tensor) -> None:
+    root = default_corpus()
+    assert (root / "os.py").is_file()
+    assert corpus.dtype == torch.uint8 and corpus.numel() == 200_000
+    first = next(corpus_files(root, "*.py"))
+    assert bytes(corpus[:64].tolist()) == first.read_bytes()[:64]
+
+
+def test_corpus_from_a_file_and_a_directory(tmp_path: Path) -> None:
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a.txt").write_bytes(b"alpha ")
+    (tmp_path / "b" / "c.txt").write_bytes(b"gamma")
+    (tmp_path / "skip.py").write_bytes(b"never")
+    assert bytes(load_corpus(tmp_path, "*.txt").tolist()) == b"alpha gamma"
+    assert bytes(load_corpus(tmp_path, "*.txt", max_bytes=3).tolist()) == b"alp"
+    assert bytes(load_corpus(tmp_path / "skip.py").tolist()) == b"never"
+    with pytest.raises(ConfigError, match="no bytes read"):
+        load_corpus(tmp_path, "*.md")
+
+
+def _batches(corpus: torch.Tensor, rank: int = 0, world_size: int = 1, seed: int = 0) -> list:
+    return list(
+        ByteBatches(
+            corpus,
+            seq_len=16,
+            batch_size=8,
+            num_batches=3,
+            rank=rank,
+            world_size=world_size,
+            seed=seed,
+        )
+    )
+
+
+def test_batches_are_deterministic_next_token_pairs(corpus: torch.Tensor) -> None:
+    first, again = _batches(corpus), _batches(corpus)
+    assert len(first) == 3
+    for (x, y), (x2, y2) in zip(first, again):
+        assert x.shape == y.shape == (8, 16) and x.dtype == y.dtype == torch.int64
+        assert torch.equal(x, x2) and torch.equal(y, y2)
+        assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the next byte
+        assert int(x.max()) < 256
+    assert not torch.equal(first[0][0], first[1][0])  # a fresh sample every batch
+    assert not torch.equal(first[0][0], _batches(corpus, seed=1)[0][0])
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_rank_slices_concatenate_to_the_global_batch(corpus: torch.Tensor, world_size: int) -> None:
+    whole = _batches(corpus)
+    per_rank = [_batches(corpus, r, world_size) for r in range(world_size)]
+    for step, (x, y) in enumerate(whole):
+        assert torch.equal(torch.cat([b[step][0] for b in per_rank]), x)
+        assert torch.equal(torch.cat([b[step][1] for b in per_rank]), y)
+
+
+def test_batches_reject_bad_shapes(corpus: torch.Tensor) -> None:
+    with pytest.raises(ConfigError, match="not divisible by world size 3"):
+        ByteBatches(corpus, seq_len=4, batch_size=8, num_batches=1, world_size=3)
+    with pytest.raises(ConfigError, match="fewer than seq_len"):
+        ByteBatches(corpus[:4], seq_len=4, batch_size=1, num_batches=1)
+
+
+# --------------------------------------------------------------------------- run folder
+
+
+def _record(step: int, loss: float) -> dict:
+    return {
+        "step": step,
+        "loss": loss,
+        "grad_norm": 1.5,
+        "step_time_s": 0.25,
+        "tokens_per_s": 1000.0,
+        "samples_per_s": 8.0,
+        "memory_mb": 321.0,
+        "lr": 1e-3,
+    }
+
+
+def test_run_dir_timestamp(tmp_path: Path) -> None:
+    first = resolve_run_dir(str(tmp_path / "runs" / "{timestamp}"), now=0)
+    first.mkdir(parents=True)
+    second = resolve_run_dir(str(tmp_path / "runs" / "{timestamp}"), now=0)
+    assert second.name == first.name + "-2"
+    assert resolve_run_dir(str(tmp_path / "fixed")) == tmp_path / "fixed"
+
+
+def test_run_folder_files(tmp_path: Path) -> None:
+    folder = RunFolder(tmp_path / "run")
+    folder.write_config(JobConfig().to_yaml())
+    records = [_record(s, 5.0 / s) for s in range(1, 6)]
+    for r in records:
+        folder.append_metrics(r)
+    summary = folder.finish(records, world_size=2)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == records
+    png = (tmp_path / "run" / "loss.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
+    assert json.loads((tmp_path / "run" / "summary.json").read_text()) == summary
+    assert summary["first_loss"] == 5.0 and summary["final_loss"] == 1.0
+    assert summary["steps"] == 5 and summary["world_size"] == 2
+    assert load_config(tmp_path / "run" / "config.yaml") == JobConfig()
+    # A reused folder starts a fresh metrics file and graph folder.
+    folder.graphs_dir.mkdir()
+    (folder.graphs_dir / "old.txt").write_text("x")
+    RunFolder(tmp_path / "run")
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == ""
+    assert not folder.graphs_dir.exists()
+
+
+def test_summary_skips_the_compile_step_for_time_per_step() -> None:
+    records = [_record(1, 3.0), _record(2, 2.0), _record(3, 1.0)]
+    records[0]["step_time_s"] = 9.0
+    assert summarize(records)["time_per_step_s"] == 0.25
+    assert summarize([])["steps"] == 0
+
+
+def test_progress_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    line = format_record(_record(7, 2.5), total_steps=100)
+    for part in ("step   7/100", "loss 2.5000", "1,000 tok/s", "grad_norm 1.500", "mem 321 MB"):
+        assert part in line
+    progress = Progress(4, live=False)
+    assert list(progress.track(range(8), accumulation=2)) == list(range(8))
+    assert progress.step == 3  # the 4th step ends after the iterator is exhausted
+    progress.log(_record(4, 1.0))
+    progress.close()
+    out, err = capsys.readouterr()
+    assert "step 4/4" in out and err == ""
