@@ -137,3 +137,10 @@ def bench(session: nox.Session) -> None:
     _install_layer(session, "gm-trainer", torch=True)
     session.run("python", str(ROOT / "bench" / "fsdp_bench.py"), *session.posargs)
     session.run("python", str(ROOT / "bench" / "trace_time.py"))
+
+
+@nox.session(tags=["train"], default=False)
+def train(session: nox.Session) -> None:
+    """The main job: ``nox -s train -- [CONFIG.yaml] [--nproc N] [section.key=value ...]``."""
+    _install_layer(session, "gm-trainer", torch=True)
+    session.run("gm-train", *session.posargs)
