@@ -12,6 +12,7 @@ from gm_config import PassConfig
 from gm_trace.testing import MLP, lm_loss, make_lm_batch, make_regression_batch, mse_loss
 from gm_trace.tracer import GraphCaptureError
 from gm_trainer.device import default_device, detect_device_type
+from gm_trainer.mesh import MeshError
 from gm_trainer.optim import OptimizerConfig
 from gm_trainer.trainer import GraphTrainer, TrainingError
 
@@ -197,5 +198,5 @@ def test_device_detection_and_pytree_pre_hook():
     trainer.train_step(*make_regression_batch(8))
     trainer.train_step(*make_regression_batch(4))  # a recompile does not re-run the hook
     assert calls == ["hook"]
-    with pytest.raises(NotImplementedError, match="mesh_context"):
+    with pytest.raises(MeshError, match="has neither a fsdp_non_moe_mesh nor a device_mesh"):
         GraphTrainer(MLP(), mse_loss, mesh_context=object())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -111,22 +111,32 @@ def global_grad_norm(
     sharded: list[torch.Tensor],
     replicated: list[torch.Tensor],
     group: dist.ProcessGroup | None,
+    *,
+    sharded_tp: Sequence[torch.Tensor] = (),
+    replicated_tp: Sequence[torch.Tensor] = (),
+    tp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """The 2-norm of all gradients as if the model were unsharded.
 
-    Shards are disjoint pieces: their squared norms are summed over the group (one
-    all-reduce). Replicated gradients are identical on every rank and count once.
+    ``sharded`` / ``replicated``: gradients of FSDP-sharded / FSDP-replicated parameters.
+    Shards are disjoint pieces: their squared norms are summed over ``group``. Replicated
+    gradients are identical on every rank and count once. ``sharded_tp`` / ``replicated_tp``:
+    the same for tensor-parallel-sharded parameters, whose TP slices are disjoint too: their
+    squared norms are also summed over ``tp_group``. At most one all-reduce per group.
     """
 
-    def squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    def squares(grads: Sequence[torch.Tensor]) -> torch.Tensor:
         if not grads:
             return torch.zeros((), dtype=torch.float64)
         return torch.stack([g.detach().double().pow(2).sum().cpu() for g in grads]).sum()
 
-    total = squares(sharded)
+    over_fsdp = torch.stack([squares(sharded), squares(sharded_tp)])
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(total, group=group)
-    return (total + squares(replicated)).sqrt()
+        dist.all_reduce(over_fsdp, group=group)
+    over_tp = over_fsdp[1] + squares(replicated_tp)
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(over_tp, group=tp_group)
+    return (over_fsdp[0] + over_tp + squares(replicated)).sqrt()
 
 
 def clip_to_norm(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:

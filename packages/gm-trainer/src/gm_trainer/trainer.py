@@ -31,7 +31,9 @@ from gm_trace.fsdp import row_shards
 from gm_trace.groups import register_process_group
 from gm_trace.tracer import InputSignature, run_traced_graph, trace_model_graph
 from gm_trainer.device import default_device, detect_device_type
+from gm_trainer.mesh import REPLICATE_GROUP_NAME, MeshError, ResolvedMesh, resolve_mesh_context
 from gm_trainer.optim import OptimizerConfig, clip_to_norm, global_grad_norm
+from gm_trainer.tp import TP_GROUP_NAME, tp_shard_dims
 
 FSDP_GROUP_NAME = "fsdp"
 
@@ -51,7 +53,10 @@ class GraphTrainer:
         optimizer_config: an :class:`OptimizerConfig` or a dict of its fields (``lr``,
             ``betas``, ``eps``, ``weight_decay``, ``grad_clip``, ``name`` or ``factory``).
         device: where the model and batches live; default npu -> cuda -> cpu.
-        mesh_context: an external mesh (TP + FSDP); not supported in this release.
+        mesh_context: an external mesh for TP + FSDP (a :class:`~gm_trainer.MeshContext` or any
+            object with its ``device_mesh`` / ``fsdp_non_moe_mesh``): FSDP shards over its
+            ``fsdp_shard`` dim, HSDP all-reduces over ``fsdp_replicate``; the TP collectives are
+            the model's own. ``None``: a 1-D FSDP mesh over the world.
         graph_cache_size: how many input signatures (graphs) may be compiled.
         graph_dump_dir: rank 0 writes the graph before and after each pass here.
     """
@@ -75,10 +80,16 @@ class GraphTrainer:
             raise TypeError(
                 f"train_fn must be callable (model, input, label) -> loss, got {train_fn!r}"
             )
+        # §5.1: an external mesh is checked now (no collective), its groups registered at compile.
+        self._mesh: ResolvedMesh | None = None
         if mesh_context is not None:
-            raise NotImplementedError(
-                "mesh_context (TP + FSDP) is not supported in this release; "
-                "leave it None for a 1-D FSDP mesh over the world"
+            self._mesh = resolve_mesh_context(mesh_context)
+            self._mesh.checked_config(pass_config or PassConfig())
+        elif pass_config is not None and pass_config.tp_size > 1:
+            raise MeshError(
+                f"PassConfig.tp_size={pass_config.tp_size} needs a mesh_context: without one "
+                "FSDP would shard over the whole world, across the TP ranks; pass "
+                f"mesh_context=MeshContext.build(tp={pass_config.tp_size})"
             )
         if not isinstance(graph_cache_size, int) or graph_cache_size < 1:
             raise ValueError(f"graph_cache_size must be an int >= 1, got {graph_cache_size!r}")
@@ -96,6 +107,7 @@ class GraphTrainer:
         self.optimizer: torch.optim.Optimizer | None = None
         self.fsdp_group: dist.ProcessGroup | None = None
         self.step = 0
+        self.data_position = 0  # micro-batches train() has consumed; checkpointed
         self.pipelines: list[PassPipeline] = []
         self._graphs: dict[InputSignature, torch.fx.GraphModule] = {}
         self._pytree_pre_hook: Callable[[], None] | None = None
@@ -153,7 +165,11 @@ class GraphTrainer:
         )
         pipeline = PassPipeline.from_config(self.pass_config, self.pass_plan)
         gm = pipeline.run(
-            gm, model=self.model, fsdp_group_name=FSDP_GROUP_NAME, dump_dir=self._dump_dir()
+            gm,
+            model=self.model,
+            fsdp_group_name=FSDP_GROUP_NAME,
+            process_groups=self._process_group_roles(),
+            dump_dir=self._dump_dir(),
         )
         self.pipelines.append(pipeline)
         if self.optimizer is None:
@@ -165,6 +181,9 @@ class GraphTrainer:
         fsdp_wanted = self.pass_config.fsdp_enabled and (
             self.pass_plan is None or self.pass_plan.fsdp_enabled
         )
+        if self._mesh is not None:
+            self._init_external_mesh(self._mesh, fsdp_wanted)
+            return
         if not fsdp_wanted or self.world_size == 1:
             return
         mesh = init_device_mesh(
@@ -174,6 +193,40 @@ class GraphTrainer:
         register_process_group(FSDP_GROUP_NAME, self.fsdp_group)
         if self.pass_config.fsdp_degree is None:
             self.pass_config.fsdp_degree = self.fsdp_group.size()
+
+    def _init_external_mesh(self, mesh: ResolvedMesh, fsdp_wanted: bool) -> None:
+        for field, value in mesh.checked_config(self.pass_config).items():
+            setattr(self.pass_config, field, value)
+        if mesh.tp_group is not None:
+            # One name on every rank: the FSDP pass compares collective sequences, names included.
+            register_process_group(TP_GROUP_NAME, mesh.tp_group)
+        if mesh.dp_size == 1:
+            # Pure TP: nothing to shard over, and an unregistered "fsdp" would mean the world.
+            self.pass_config.fsdp_enabled = False
+            return
+        if not fsdp_wanted:
+            return
+        self.fsdp_group = mesh.fsdp_group
+        register_process_group(FSDP_GROUP_NAME, mesh.fsdp_group)
+        if mesh.replicate_group is not None:
+            register_process_group(REPLICATE_GROUP_NAME, mesh.replicate_group)
+
+    def _process_group_roles(self) -> dict[str, str]:
+        """Group roles beyond ``"fsdp"`` for the passes: the HSDP replicate group, TP."""
+        roles: dict[str, str] = {}
+        if self._mesh is None:
+            return roles
+        if self._mesh.replicate_group is not None and self.fsdp_active:
+            roles["fsdp_replicate"] = REPLICATE_GROUP_NAME
+        if self._mesh.tp_group is not None:
+            roles["tp"] = TP_GROUP_NAME
+        return roles
+
+    def _data_parallel_size(self) -> int:
+        """Ranks that read different data: the FSDP group times its HSDP replicas (not TP)."""
+        if not self.fsdp_active:
+            return 1
+        return self._mesh.dp_size if self._mesh is not None else self.fsdp_group.size()
 
     def _full_state_shapes(self) -> dict[str, Any]:
         # After the first compile the live parameters are shards; a retrace needs full shapes.
@@ -201,7 +254,7 @@ class GraphTrainer:
         """
         input, label = self._to_device(input), self._to_device(label)
         signature = InputSignature.of(input, label)
-        if self.fsdp_active:
+        if self.world_size > 1:
             self._agree_on_signature(signature)
         gm = self._graphs.get(signature) or self.compile(input, label)
         outputs = run_traced_graph(gm, self.model, input, label)
@@ -209,15 +262,15 @@ class GraphTrainer:
         return outputs.loss.detach()
 
     def _agree_on_signature(self, signature: InputSignature) -> None:
-        # One tiny all-reduce per step: a rank that recompiles alone would otherwise issue
-        # collectives the others never match, and hang.
+        # One tiny all-reduce over the world per step: a rank that recompiles alone would
+        # otherwise issue collectives (FSDP, HSDP or TP) the others never match, and hang.
         digest = hashlib.sha256((str(signature.spec) + signature.describe()).encode()).digest()
         value = int.from_bytes(digest[:7], "big")
         probe = torch.tensor([value, -value], dtype=torch.int64, device=self._collective_device())
-        dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=self.fsdp_group)
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX)
         if probe[0].item() != value or probe[1].item() != -value:
             raise TrainingError(
-                f"rank {self.rank}: ranks disagree on the batch signature; every FSDP rank must "
+                f"rank {self.rank}: ranks disagree on the batch signature; every rank must "
                 f"get batches of the same shapes and dtypes. This rank has:\n{signature.describe()}"
             )
 
@@ -247,11 +300,23 @@ class GraphTrainer:
 
     def _grad_norm_tensor(self) -> torch.Tensor:
         shards = row_shards(self.model)
-        sharded, replicated = [], []
+        tp_group = self._mesh.tp_group if self._mesh is not None else None
+        tp_sharded = tp_shard_dims(self.model) if tp_group is not None else {}
+        # (FSDP-sharded?, TP-sharded?) -> gradients
+        buckets: dict[tuple[bool, bool], list[torch.Tensor]] = {
+            (s, t): [] for s in (True, False) for t in (True, False)
+        }
         for fqn, param in self.model.named_parameters():
             if param.grad is not None:
-                (sharded if fqn in shards else replicated).append(param.grad)
-        return global_grad_norm(sharded, replicated, self.fsdp_group)
+                buckets[fqn in shards, fqn in tp_sharded].append(param.grad)
+        return global_grad_norm(
+            buckets[True, False],
+            buckets[False, False],
+            self.fsdp_group,
+            sharded_tp=buckets[True, True],
+            replicated_tp=buckets[False, True],
+            tp_group=tp_group,
+        )
 
     def optimizer_step(self) -> float:
         """Clip by the global norm (when configured), step, zero the gradients.
@@ -300,6 +365,7 @@ class GraphTrainer:
             saw_batch = True
             input, label = _split_batch(batch)
             losses.append(self.train_step(input, label))
+            self.data_position += 1
             tokens += _count_tokens(input)
             samples += _batch_size(input)
             if len(losses) < accumulation_steps:
@@ -339,10 +405,12 @@ class GraphTrainer:
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> float:
         total = torch.stack([loss.float() for loss in losses]).mean().reshape(1)
-        if self.fsdp_active:
+        if self.world_size > 1:
+            # Over the world: TP ranks of one replica hold the same loss, so the world mean
+            # is the data-parallel mean (FSDP and HSDP replicas alike).
             total = total.to(self._collective_device())
-            dist.all_reduce(total, group=self.fsdp_group)
-            total /= self.fsdp_group.size()
+            dist.all_reduce(total)
+            total /= self.world_size
         return total.item()
 
     def _scale_grads(self, factor: float) -> None:
@@ -353,7 +421,7 @@ class GraphTrainer:
     def _record(
         self, loss: float, grad_norm: float, elapsed: float, tokens: int, samples: int
     ) -> dict[str, Any]:
-        ranks = self.fsdp_group.size() if self.fsdp_active else 1
+        ranks = self._data_parallel_size()
         return {
             "step": self.step,
             "loss": loss,
@@ -378,6 +446,27 @@ class GraphTrainer:
 
     def _collective_device(self) -> torch.device:
         return torch.device("cpu") if self.device.type == "cpu" else self.device
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Model, optimizer, step, data position and RNG state for ``torch.distributed.checkpoint``.
+
+        Sharded tensors are DTensors (Shard(0) on the FSDP mesh) viewing the live shards. See
+        :func:`gm_trainer.checkpoint.trainer_state_dict`; ``save_checkpoint`` saves atomically.
+        """
+        from gm_trainer.checkpoint import trainer_state_dict
+
+        return trainer_state_dict(self, extra)
+
+    def load_state_dict(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Restore a :meth:`state_dict` (any world size) after compiling; returns its ``extra``.
+
+        See :func:`gm_trainer.checkpoint.load_trainer_state_dict`.
+        """
+        from gm_trainer.checkpoint import load_trainer_state_dict
+
+        return load_trainer_state_dict(self, state)
 
 
 def _check_count(name: str, value: Any, *, allow_none: bool) -> None:

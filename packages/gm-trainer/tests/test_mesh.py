@@ -1,0 +1,131 @@
+"""MeshContext and TP + FSDP: graph mode adds the FSDP dimension to a tensor-parallel model.
+
+Four real gloo ranks; the model is the one of ``examples/automodel_tp``.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import mesh_bodies as bodies
+import pytest
+import torch
+from torch import nn
+
+from gm_config import PassConfig
+from gm_trace.testing import MLP, mse_loss
+from gm_trainer import GraphTrainer, MeshContext
+from gm_trainer.mesh import MeshError
+from gm_trainer.tp import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    parallelize_linears,
+    tp_shard_dims,
+)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("tp", "dp_replicate"),
+    [
+        pytest.param(2, 1, id="tp2-fsdp2"),
+        pytest.param(1, 2, id="hsdp2x2"),
+        pytest.param(4, 1, id="tp4-no-fsdp"),
+    ],
+)
+def test_training_equals_eager_on_the_global_batch(tp, dp_replicate, dist_pool):
+    results = dist_pool(4).run(bodies.parity, tp, dp_replicate)
+    first = results[0]
+    print(
+        f"tp={tp} dp_replicate={dp_replicate}: max |loss diff| {first['max_loss_diff']:.2e}, "
+        f"max rel grad-norm diff {first['max_norm_rel_diff']:.2e}, "
+        f"max |weight diff| {max(r['max_weight_diff'] for r in results):.2e}"
+    )
+    # Every rank holds 1/(tp x fsdp) of each TP-split weight (asserted per parameter in the
+    # body) and 1/fsdp of the rest: the attention and MLP linears of both blocks are split.
+    assert len(first["split"]) == (14 if tp > 1 else 0)
+
+
+@pytest.mark.distributed
+def test_example_main_runs_and_counts_data_parallel_ranks(dist_pool):
+    results = dist_pool(4).run(bodies.run_example, ["--steps", "3"])
+    assert all(r["losses"] == results[0]["losses"] for r in results)
+    for r in results:
+        # tokens/s counts the 2 data-parallel ranks, not the 4 of the world (2 are TP peers).
+        assert r["tokens_per_step"] == pytest.approx([r["global_tokens"]] * 3, rel=1e-6)
+
+
+@pytest.mark.distributed
+def test_global_grad_norm_sums_shards_over_fsdp_and_tp(dist_pool):
+    for norm, expected in dist_pool(4).run(bodies.grad_norm_buckets):
+        assert norm == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.distributed
+def test_bad_meshes_and_configs_have_clear_errors(dist_pool):
+    results = dist_pool(4).run(bodies.bad_meshes)
+    expected = {
+        "no_fsdp_dim": r"device_mesh has dims \('pp', 'tp'\); .*'fsdp_shard'.*'dp'",
+        "tp_mismatch": r"rank 0: device_mesh\['tp'\] holds ranks \[0, 1\] but "
+        r"fsdp_non_moe_mesh\['tp'\] holds ranks \[0, 2\]",
+        "fsdp_degree": r"fsdp_degree=4 but the mesh's 'fsdp_shard' dim has 2 ranks",
+        "tp_size": r"tp_size=4 but the mesh's 'tp' dim has 2 ranks",
+        "sequence_parallel": r"sequence_parallel=True but the mesh context has",
+        "cp": r"cp=2; context parallelism is not supported",
+        "no_mesh": r"has neither a fsdp_non_moe_mesh nor a device_mesh",
+        "sizes": r"dp_replicate=1 x dp_shard=1 x tp=3 x cp=1 = 3, but the world has 4 ranks",
+    }
+    for case, pattern in expected.items():
+        assert re.search(pattern, results[0][case]), (case, results[0][case])
+    assert "rank 3: device_mesh['tp'] holds ranks [2, 3]" in results[3]["tp_mismatch"]
+
+
+# ----------------------------------------------------------------------------- single process
+
+
+def test_tp_size_without_a_mesh_is_an_error():
+    with pytest.raises(MeshError, match=r"tp_size=2 needs a mesh_context: .*across the TP"):
+        GraphTrainer(MLP(), mse_loss, PassConfig(tp_size=2))
+
+
+def test_build_needs_torch_distributed():
+    with pytest.raises(RuntimeError, match=r"needs torch\.distributed initialised"):
+        MeshContext.build(tp=2)
+
+
+def test_tp_layers_of_one_rank_are_the_whole_linear():
+    torch.manual_seed(0)
+    linear = nn.Linear(8, 6)
+    x = torch.randn(3, 8)
+    column = ColumnParallelLinear.from_linear(linear, tp_rank=0, tp_size=1)
+    row = RowParallelLinear.from_linear(linear, tp_rank=0, tp_size=1)
+    assert torch.equal(column(x), linear(x)) and torch.equal(row(x), linear(x))
+    # The slices of tp=2 fit back together.
+    halves = [ColumnParallelLinear.from_linear(linear, tp_rank=r, tp_size=2) for r in (0, 1)]
+    assert torch.equal(torch.cat([h.weight for h in halves]), linear.weight)
+    rows = [RowParallelLinear.from_linear(linear, tp_rank=r, tp_size=2) for r in (0, 1)]
+    assert torch.equal(torch.cat([r.weight for r in rows], dim=1), linear.weight)
+    assert torch.equal(rows[1].bias, linear.bias)
+
+
+def test_parallelize_linears_marks_split_parameters_and_rejects_bad_plans():
+    model = bodies.example.build_model(bodies.config(2, 1)["model"], 0)
+    parallelize_linears(model, bodies.example.TP_PLAN, tp_rank=1, tp_size=2)
+    dims = tp_shard_dims(copy.deepcopy(model))  # a module attribute survives deepcopy
+    assert dims["layers.0.attn.wq.weight"] == 0 and dims["layers.1.mlp.proj.weight"] == 1
+    assert dims["layers.0.mlp.fc.bias"] == 0 and "layers.0.mlp.proj.bias" not in dims
+    assert model.layers[0].attn.wq.weight.shape == (16, 32)
+
+    marked = nn.Linear(4, 4)
+    marked.weight._gm_tp_shard_dim = 1  # TP layers of another library mark the parameter
+    assert tp_shard_dims(marked) == {"weight": 1}
+    fresh = bodies.example.build_model(bodies.config(2, 1)["model"], 0)
+    with pytest.raises(ValueError, match=r"'layers\.\*\.nope' matches no module"):
+        parallelize_linears(fresh, {"layers.*.nope": "colwise"}, tp_rank=0, tp_size=2)
+    with pytest.raises(ValueError, match=r"style 'diagonal' is not one of"):
+        parallelize_linears(fresh, {"layers.*.attn.wq": "diagonal"}, tp_rank=0, tp_size=2)
+    with pytest.raises(TypeError, match=r"matches 'layers\.0\.attn', a Attention"):
+        parallelize_linears(fresh, {"layers.*.attn": "colwise"}, tp_rank=0, tp_size=2)
+    with pytest.raises(ValueError, match=r"out_features=6 is not divisible by tp_size=4"):
+        ColumnParallelLinear(4, 6, tp_size=4)
