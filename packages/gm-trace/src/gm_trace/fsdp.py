@@ -37,7 +37,7 @@ from gm_trace.graph_build import (
     take_rows,
     tensor_bytes,
 )
-from gm_trace.groups import resolve_process_group
+from gm_trace.groups import all_gather_text, resolve_process_group
 
 
 class FSDPConfigError(ValueError):
@@ -459,13 +459,17 @@ def verify_ranks_agree(graph_module: fx.GraphModule, ctx: PassContext) -> None:
 def check_collective_agreement(graph_module: fx.GraphModule, group: dist.ProcessGroup) -> None:
     """Compare the collective sequence across ``group``; raise on every rank if they differ.
 
-    Runs one small object all-gather before any graph collective is issued, so a mismatch is
-    an error rather than a hang or a gloo abort.
+    Runs two small all-gathers before any graph collective is issued, so a mismatch is an
+    error rather than a hang or a gloo abort.
     """
     sequence = collective_sequence(graph_module)
     digest = hashlib.sha256("\n".join(sequence).encode()).hexdigest()[:16]
-    gathered: list[Any] = [None] * group.size()
-    dist.all_gather_object(gathered, (digest, sequence), group=group)
+    gathered = [
+        (lines[0], lines[1:])
+        for lines in (
+            text.split("\n") for text in all_gather_text("\n".join([digest, *sequence]), group)
+        )
+    ]
     if all(d == digest for d, _ in gathered):
         graph_module.meta["gm_collective_fingerprint"] = digest
         return

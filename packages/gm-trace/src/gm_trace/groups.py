@@ -3,6 +3,7 @@ on a name (``"fsdp"``) rather than on a Python object."""
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import (
     _register_process_group,
@@ -37,3 +38,34 @@ def resolve_process_group(name: str) -> dist.ProcessGroup:
     except RuntimeError:
         register_process_group(name, dist.group.WORLD)
         return _resolve_process_group(name)
+
+
+def collective_device(group: dist.ProcessGroup) -> torch.device:
+    """Where tensors for a host-side collective on ``group`` must live (gloo: the CPU)."""
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend == "hccl":
+        return torch.device("npu", torch.npu.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_text(text: str, group: dist.ProcessGroup) -> list[str]:
+    """Every rank's ``text``, by group rank.
+
+    Tensors only: ``all_gather_object`` would need numpy (not a torch dependency) and pickle.
+    """
+    device = collective_device(group)
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(group.size())]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(1, *(int(s.item()) for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    gathered = [torch.empty_like(padded) for _ in range(group.size())]
+    dist.all_gather(gathered, padded, group=group)
+    return [
+        bytes(t[: int(s.item())].cpu().tolist()).decode()
+        for t, s in zip(gathered, sizes, strict=True)
+    ]
