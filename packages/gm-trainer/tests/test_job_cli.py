@@ -150,6 +150,10 @@ def test_two_rank_job_learns_and_fills_the_run_folder(tmp_path: Path) -> None:
     config = yaml.safe_load((run / "config.yaml").read_text())
     assert config["model"]["dim"] == 32 and config["train"]["steps"] == steps
     assert config["parallel"]["enable_overlap"] is True  # defaults filled in
+    assert config["checkpoint"]["interval"] == 100 and config["checkpoint"]["at_end"] is True
+    # The default saves at the end only (30 < interval 100).
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000030"]
+    assert (run / "checkpoints" / "step-00000030" / "gm_checkpoint.json").is_file()
     graphs = [p for p in (run / "graphs").rglob("*") if p.is_file()]
     assert graphs, "no graph was dumped"
     summary = json.loads((run / "summary.json").read_text())

@@ -11,10 +11,27 @@ import torch
 import yaml
 
 from gm_config import ConfigError, PassConfig
-from gm_trainer.job.config import DEFAULT_CONFIG_PATH, JobConfig, apply_overrides, load_config
+from gm_trainer.checkpoint import MARKER_NAME
+from gm_trainer.job.config import (
+    DEFAULT_CONFIG_PATH,
+    CheckpointConfig,
+    JobConfig,
+    apply_overrides,
+    load_config,
+)
 from gm_trainer.job.data import ByteBatches, corpus_files, default_corpus, load_corpus
 from gm_trainer.job.progress import Progress, format_record
-from gm_trainer.job.run_folder import RunFolder, resolve_run_dir, summarize
+from gm_trainer.job.run_folder import (
+    RunFolder,
+    checkpoint_dir,
+    find_resume_point,
+    prune_checkpoints,
+    read_metrics,
+    resolve_run_dir,
+    run_folder_of,
+    step_checkpoints,
+    summarize,
+)
 
 
 def write(tmp_path: Path, text: str, name: str = "job.yaml") -> Path:
@@ -37,7 +54,7 @@ def test_embedded_default_yaml_spells_out_the_dataclass_defaults() -> None:
     # Every key written out, so that the file documents the whole schema.
     written = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
     defaults = JobConfig().to_dict()
-    for section in ("sharding", "model", "data", "train", "logging"):
+    for section in ("sharding", "model", "data", "train", "logging", "checkpoint"):
         assert written[section] == defaults[section], f"default.yaml must spell out {section}"
     # PassConfig grows with the passes: every field listed must exist with its default value.
     for key, value in written["parallel"].items():
@@ -51,6 +68,8 @@ def test_defaults() -> None:
     assert c.model.vocab_size == 256
     assert c.data.corpus is None
     assert c.logging.run_dir == "runs/{timestamp}"
+    assert c.checkpoint == CheckpointConfig(interval=100, at_end=True, keep_last=None)
+    assert c.checkpoint.export_full is False
     assert c.train.optimizer_config() == {
         "name": "adam",
         "lr": c.train.lr,
@@ -144,6 +163,7 @@ def test_override_into_a_value() -> None:
         ("data.path=x", "data.path", "'corpus'"),
         ("train.stepz=3", "train.stepz", "'steps'"),
         ("logging.dir=x", "logging.dir", "'run_dir'"),
+        ("checkpoint.every=5", "checkpoint.every", "'interval'"),
         ("sharding.fsdp.modulez=[]", "sharding: fsdp", "'modules'"),
         ("sharding.shard=1", "sharding", "'fsdp'"),
     ],
@@ -193,6 +213,13 @@ def test_unknown_key_in_a_sharding_entry(tmp_path: Path) -> None:
         ("data.max_bytes=0", "data.max_bytes must be > 0"),
         ("data.glob=''", "data.glob must be a non-empty pattern"),
         ("logging.interval=0", "logging.interval must be > 0"),
+        ("checkpoint.interval=0", "checkpoint.interval must be > 0"),
+        ("checkpoint.interval=1.5", "checkpoint.interval must be an integer or null"),
+        ("checkpoint.keep_last=0", "checkpoint.keep_last must be > 0"),
+        ("checkpoint.at_end=null", "checkpoint.at_end must not be null"),
+        ("checkpoint.at_end=maybe", "checkpoint.at_end must be true or false"),
+        ("checkpoint.export_full=1", "checkpoint.export_full must be true or false"),
+        ("checkpoint=[]", "checkpoint must be a mapping"),
         ("parallel.tp_size=0", "parallel: PassConfig.tp_size must be an int >= 1"),
         ("parallel.enable_overlap=maybe", "parallel: PassConfig.enable_overlap must be a bool"),
         ("sharding.fsdp.enabled=yes please", "fsdp.enabled must be true or false"),
@@ -201,6 +228,27 @@ def test_unknown_key_in_a_sharding_entry(tmp_path: Path) -> None:
 )
 def test_bad_value_is_a_clear_error(override: str, expected: str) -> None:
     assert expected in error_of([override])
+
+
+def test_export_needs_the_final_checkpoint() -> None:
+    message = error_of(["checkpoint.export_full=true", "checkpoint.at_end=false"])
+    assert "checkpoint.export_full exports the final checkpoint" in message
+
+
+@pytest.mark.parametrize(
+    ("interval", "at_end", "steps", "expected"),
+    [
+        (100, True, 200, [100, 200]),
+        (3, True, 8, [3, 6, 8]),
+        (4, True, 8, [4, 8]),  # the end save is the periodic one
+        (3, False, 8, [3, 6]),
+        (None, True, 8, [8]),
+        (None, False, 8, []),  # checkpoints off
+        (10, True, 5, [5]),
+    ],
+)
+def test_save_steps(interval: int | None, at_end: bool, steps: int, expected: list[int]) -> None:
+    assert CheckpointConfig(interval=interval, at_end=at_end).save_steps(steps) == expected
 
 
 def test_other_optimizer_names_are_accepted() -> None:
@@ -315,6 +363,20 @@ def test_rank_slices_concatenate_to_the_global_batch(corpus: torch.Tensor, world
         assert torch.equal(torch.cat([b[step][1] for b in per_rank]), y)
 
 
+def test_batches_skip_the_consumed_micro_batches(corpus: torch.Tensor) -> None:
+    whole = _batches(corpus)
+    for world_size in (1, 2):  # the same global batch whatever the world size
+        rest = list(
+            ByteBatches(
+                corpus, seq_len=16, batch_size=8, num_batches=3, start=2, world_size=world_size
+            )
+        )
+        assert len(rest) == 1 and torch.equal(rest[0][0], whole[2][0][: 8 // world_size])
+    assert len(ByteBatches(corpus, seq_len=16, batch_size=8, num_batches=3, start=3)) == 0
+    with pytest.raises(ConfigError, match="cannot start at micro-batch 4 of a stream of 3"):
+        ByteBatches(corpus, seq_len=16, batch_size=8, num_batches=3, start=4)
+
+
 def test_batches_reject_bad_shapes(corpus: torch.Tensor) -> None:
     with pytest.raises(ConfigError, match="not divisible by world size 3"):
         ByteBatches(corpus, seq_len=4, batch_size=8, num_batches=1, world_size=3)
@@ -369,6 +431,60 @@ def test_run_folder_files(tmp_path: Path) -> None:
     assert not folder.graphs_dir.exists()
 
 
+def test_a_resumed_run_folder_starts_with_the_history(tmp_path: Path) -> None:
+    records = [_record(s, 5.0 / s) for s in range(1, 7)]
+    source = RunFolder(tmp_path / "a")
+    for r in records:
+        source.append_metrics(r)
+    with open(source.path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "lo')  # a crash in the middle of a line
+    assert read_metrics(source.path / "metrics.jsonl") == records
+    assert read_metrics(source.path / "metrics.jsonl", up_to_step=4) == records[:4]
+    assert read_metrics(tmp_path / "missing.jsonl") == []
+    # Continuing (the same folder) or branching (a new one) from a step-4 checkpoint.
+    for path in (source.path, tmp_path / "b"):
+        folder = RunFolder(path, read_metrics(source.path / "metrics.jsonl", 4))
+        folder.append_metrics(_record(5, 0.5))
+        assert read_metrics(path / "metrics.jsonl") == [*records[:4], _record(5, 0.5)]
+        assert folder.history == records[:4]
+
+
+def _fake_checkpoint(path: Path, step: int, *, complete: bool = True) -> Path:
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"")
+    if complete:
+        marker = {"format": 1, "step": step, "data_position": step, "world_size": 2}
+        (path / MARKER_NAME).write_text(json.dumps(marker))
+    return path
+
+
+def test_checkpoint_folders_listed_pruned_and_resolved(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    RunFolder(run).write_config(JobConfig().to_yaml())
+    assert checkpoint_dir(run, 12) == run / "checkpoints" / "step-00000012"
+    for step in (2, 4, 6):
+        _fake_checkpoint(checkpoint_dir(run, step), step)
+    _fake_checkpoint(run / "checkpoints" / "step-00000008.tmp", 8, complete=False)
+    _fake_checkpoint(run / "checkpoints" / "best", 5)  # not a step-N folder: never pruned
+    assert [s for s, _ in step_checkpoints(run / "checkpoints")] == [2, 4, 6]
+    assert step_checkpoints(tmp_path / "none") == []
+
+    # --resume takes the newest complete checkpoint of a run folder or checkpoints root.
+    for given in (run, run / "checkpoints", checkpoint_dir(run, 6)):
+        point = find_resume_point(given)
+        assert point.checkpoint == checkpoint_dir(run, 6) and point.step == 6
+        assert point.world_size == 2 and point.run_folder == run
+    assert find_resume_point(checkpoint_dir(run, 2)).step == 2
+    assert run_folder_of(run / "checkpoints" / "best") == run
+    assert run_folder_of(tmp_path / "elsewhere" / "step-00000001") is None
+
+    assert prune_checkpoints(run / "checkpoints", 2) == [checkpoint_dir(run, 2)]
+    assert [s for s, _ in step_checkpoints(run / "checkpoints")] == [4, 6]
+    assert (run / "checkpoints" / "best").is_dir()
+    assert (run / "checkpoints" / "step-00000008.tmp").is_dir()  # the next save removes it
+    assert prune_checkpoints(run / "checkpoints", 5) == []
+
+
 def test_summary_skips_the_compile_step_for_time_per_step() -> None:
     records = [_record(1, 3.0), _record(2, 2.0), _record(3, 1.0)]
     records[0]["step_time_s"] = 9.0
@@ -387,3 +503,8 @@ def test_progress_lines(capsys: pytest.CaptureFixture[str]) -> None:
     progress.close()
     out, err = capsys.readouterr()
     assert "step 4/4" in out and err == ""
+    # A run resumed after step 6 of 10 counts from there.
+    resumed = Progress(10, live=False, start_step=6)
+    assert resumed.step == 6
+    assert list(resumed.track(range(4), accumulation=1)) == list(range(4))
+    assert resumed.step == 9

@@ -5,6 +5,7 @@ same YAML it takes.
 """
 
 from gm_trainer.job.config import (
+    CheckpointConfig,
     DataConfig,
     JobConfig,
     LoggingConfig,
@@ -13,4 +14,12 @@ from gm_trainer.job.config import (
     load_config,
 )
 
-__all__ = ["DataConfig", "JobConfig", "LoggingConfig", "ModelConfig", "TrainConfig", "load_config"]
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "JobConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "TrainConfig",
+    "load_config",
+]

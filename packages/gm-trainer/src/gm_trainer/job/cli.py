@@ -1,8 +1,10 @@
-"""``gm-train [CONFIG.yaml] [--nproc N] [section.key=value ...]``: train a model in graph mode.
+"""``gm-train [CONFIG.yaml] [--nproc N] [--resume PATH] [section.key=value ...]``: train a model
+in graph mode.
 
 Outside torchrun it starts ``N`` local ranks itself through torch's elastic launcher (default:
 one per accelerator, else 2 CPU ranks on gloo); under torchrun it is one rank of the job the
-environment describes. The configuration is validated before any rank starts.
+environment describes. The configuration, and the checkpoint to resume, are checked before any
+rank starts.
 """
 
 from __future__ import annotations
@@ -12,10 +14,17 @@ import os
 import sys
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 
 from gm_config import ConfigError
 from gm_trainer.job.config import JobConfig, load_config
-from gm_trainer.job.run_folder import resolve_run_dir
+from gm_trainer.job.run_folder import (
+    CHECKPOINTS_DIR,
+    ResumePoint,
+    find_resume_point,
+    resolve_run_dir,
+    step_checkpoints,
+)
 
 EPILOG = """\
 examples:
@@ -23,6 +32,8 @@ examples:
   gm-train my.yaml --nproc 4 train.steps=50  a config file, 4 ranks, one override
   torchrun --nproc-per-node 8 -m gm_trainer.job.cli my.yaml
   gm-train --print-config > my.yaml          start a config from the defaults
+  gm-train --resume runs/20250101-120000     continue a run from its newest checkpoint
+  gm-train --resume runs/X train.steps=400   ... and train it for longer
 """
 
 
@@ -47,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="local ranks to launch (default: one per accelerator, else 2 CPU ranks); "
         "ignored under torchrun",
+    )
+    parser.add_argument(
+        "--resume",
+        metavar="PATH",
+        default=None,
+        help="continue from a checkpoint: a checkpoint folder, or a run folder (or its "
+        "checkpoints/ folder) whose newest complete checkpoint is taken. The run goes on in "
+        "that run folder, with its config.yaml unless a config file is given, to train.steps "
+        "steps in all; logging.run_dir=... on the command line continues in a new folder",
     )
     parser.add_argument(
         "--print-config",
@@ -84,28 +104,75 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--nproc must be >= 1, got {args.nproc}")
     launched = _under_launcher()
     try:
-        config = load_config(paths[0] if paths else None, overrides)
+        resume = find_resume_point(args.resume) if args.resume is not None else None
+        config_path: str | Path | None = paths[0] if paths else None
+        if config_path is None and resume is not None and resume.run_folder is not None:
+            config_path = resume.run_folder / "config.yaml"  # the run as it was configured
+        config = load_config(config_path, overrides)
         world_size = int(os.environ["WORLD_SIZE"]) if launched else args.nproc or default_nproc()
         config.check_world_size(world_size)
+        # Resolved once, before the ranks start, so that they agree on it (only rank 0 writes).
+        new_folder = any(o.partition("=")[0].strip() == "logging.run_dir" for o in overrides)
+        config.logging.run_dir = str(choose_run_dir(config, resume, new_folder=new_folder))
     except ConfigError as e:
         if not launched or os.environ.get("RANK") == "0":
             print(f"gm-train: error: {e}", file=sys.stderr)
         return 2
-    # Resolved once, before the ranks start, so that they agree on it (only rank 0 writes).
-    config.logging.run_dir = str(resolve_run_dir(config.logging.run_dir))
     if args.print_config:
         print(config.to_yaml(), end="")
         return 0
+    checkpoint = str(resume.checkpoint) if resume is not None else None
     if launched or world_size == 1:
         from gm_trainer.job.runner import run_rank
 
-        run_rank(config.to_dict())
+        run_rank(config.to_dict(), checkpoint)
         return 0
-    return launch(config, world_size)
+    return launch(config, world_size, checkpoint)
 
 
-def launch(config: JobConfig, nproc: int) -> int:
-    """Run :func:`~gm_trainer.job.runner.run_rank` on ``nproc`` local ranks; exit status."""
+def choose_run_dir(config: JobConfig, resume: ResumePoint | None, *, new_folder: bool) -> Path:
+    """The run folder of this job; raise :class:`ConfigError` when it cannot go there.
+
+    A resumed run continues in the folder that holds its checkpoint unless ``new_folder``
+    (``logging.run_dir`` given on the command line) or the checkpoint lies outside a run
+    folder. A run never starts in a folder holding other checkpoints: a fresh run there would
+    mix two runs' checkpoints, and a resume from an older one two histories.
+    """
+    continuing = False
+    if resume is not None and resume.run_folder is not None and not new_folder:
+        run_dir, continuing = resume.run_folder, True
+    else:
+        run_dir = resolve_run_dir(config.logging.run_dir)
+    if resume is not None and resume.step >= config.train.steps:
+        raise ConfigError(
+            f"--resume: {resume.checkpoint} is at step {resume.step} and train.steps="
+            f"{config.train.steps}: nothing is left to train; raise train.steps to train longer"
+        )
+    existing = step_checkpoints(run_dir / CHECKPOINTS_DIR)
+    if continuing and resume is not None:
+        newer = [path.name for step, path in existing if step > resume.step]
+        if newer:
+            raise ConfigError(
+                f"--resume {resume.checkpoint}: its run folder also holds the newer "
+                f"checkpoint(s) {newer}; continuing from step {resume.step} there would mix two "
+                f"histories. Resume the newest (--resume {run_dir}), delete the newer ones, or "
+                "continue in a new folder (logging.run_dir=...)"
+            )
+    elif existing:
+        hint = "" if resume is not None else f"continue it with --resume {run_dir}, or "
+        raise ConfigError(
+            f"logging.run_dir {run_dir} already holds the checkpoints of another run (newest: "
+            f"{existing[-1][1].name}); {hint}choose another logging.run_dir, or delete "
+            f"{run_dir / CHECKPOINTS_DIR}"
+        )
+    return run_dir
+
+
+def launch(config: JobConfig, nproc: int, resume: str | None = None) -> int:
+    """Run :func:`~gm_trainer.job.runner.run_rank` on ``nproc`` local ranks; exit status.
+
+    ``resume``: the checkpoint folder every rank loads before training.
+    """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -126,7 +193,7 @@ def launch(config: JobConfig, nproc: int) -> int:
         start_method="spawn",
     )
     try:
-        elastic_launch(launch_config, run_rank)(config.to_dict())
+        elastic_launch(launch_config, run_rank)(config.to_dict(), resume)
     except ChildFailedError as e:
         # The launcher has already logged the rank's traceback; end with the one line that matters.
         rank, failure = e.get_first_failure()

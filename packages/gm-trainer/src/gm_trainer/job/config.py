@@ -21,7 +21,7 @@ from gm_config import ConfigError, PassConfig, PassPlan, sharding_plan_from_dict
 #: The embedded default job, shipped inside the wheel.
 DEFAULT_CONFIG_PATH = Path(__file__).with_name("default.yaml")
 
-SECTIONS = ("parallel", "sharding", "model", "data", "train", "logging")
+SECTIONS = ("parallel", "sharding", "model", "data", "train", "logging", "checkpoint")
 
 
 # --------------------------------------------------------------------------- field checks
@@ -252,6 +252,48 @@ class LoggingConfig(_Section):
             raise ConfigError("logging.run_dir must be a non-empty path")
 
 
+@dataclass
+class CheckpointConfig(_Section):
+    """Distributed checkpoints in ``<run_dir>/checkpoints/step-XXXXXXXX`` (resume: ``--resume``).
+
+    Switch them off with ``interval: null`` and ``at_end: false``.
+    """
+
+    section: ClassVar[str] = "checkpoint"
+
+    interval: int | None = 100
+    """Save every this many optimizer steps (at multiples of it, counted from step 0, so a
+    resumed run keeps the same schedule); ``null``: no periodic saves."""
+
+    at_end: bool = True
+    """Also save after the last step (``train.steps``), unless a periodic save just did."""
+
+    keep_last: int | None = None
+    """After each successful save, rank 0 deletes all but this many newest checkpoints of the
+    run folder; ``null``: keep them all."""
+
+    export_full: bool = False
+    """After the final save, rank 0 writes ``<run_dir>/model.pt``: one plain full
+    ``state_dict`` for inference (``torch.load(path, weights_only=True)``)."""
+
+    def validate(self) -> None:
+        self._positive("interval", "keep_last")
+        if self.export_full and not self.at_end:
+            raise ConfigError(
+                "checkpoint.export_full exports the final checkpoint, so it needs "
+                "checkpoint.at_end: true"
+            )
+
+    def save_steps(self, total_steps: int) -> list[int]:
+        """The steps in ``1..total_steps`` after which a checkpoint is written, in order."""
+        steps = (
+            set(range(self.interval, total_steps + 1, self.interval)) if self.interval else set()
+        )
+        if self.at_end:
+            steps.add(total_steps)
+        return sorted(steps)
+
+
 # --------------------------------------------------------------------------- the job
 
 
@@ -276,6 +318,9 @@ class JobConfig:
 
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Console metrics and the run folder."""
+
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """When checkpoints are saved and how many are kept."""
 
     def __post_init__(self) -> None:
         self.pass_plan()  # validate the sharding section now, not on the ranks
@@ -319,7 +364,7 @@ class JobConfig:
         """Plain data (lists, not tuples) that :meth:`from_dict` reads back unchanged."""
         out: dict[str, Any] = {"parallel": self.parallel.to_dict()}
         out["sharding"] = copy.deepcopy(self.sharding)
-        for name in ("model", "data", "train", "logging"):
+        for name in ("model", "data", "train", "logging", "checkpoint"):
             section = dataclasses.asdict(getattr(self, name))
             out[name] = {k: list(v) if isinstance(v, tuple) else v for k, v in section.items()}
         return out
@@ -353,6 +398,7 @@ class JobConfig:
             data=DataConfig.from_dict(data.get("data")),
             train=TrainConfig.from_dict(data.get("train")),
             logging=LoggingConfig.from_dict(data.get("logging")),
+            checkpoint=CheckpointConfig.from_dict(data.get("checkpoint")),
         )
 
 

@@ -73,7 +73,10 @@ class ByteBatches:
     seq_len)`` for this rank; ``targets`` are ``tokens`` shifted by one.
 
     ``batch_size`` is the GLOBAL micro-batch (all ranks). Each iteration starts over from
-    ``seed``, so two passes (or two ranks) yield the same global batches.
+    ``seed``, so two passes (or two ranks) yield the same global batches. ``start`` skips the
+    first ``start`` micro-batches (a resumed run's ``data_position``): their windows are still
+    drawn, to keep the generator in step, but not built, so batch ``i`` is the same whatever
+    ``start`` and the world size.
     """
 
     def __init__(
@@ -86,7 +89,12 @@ class ByteBatches:
         rank: int = 0,
         world_size: int = 1,
         seed: int = 0,
+        start: int = 0,
     ) -> None:
+        if not 0 <= start <= num_batches:
+            raise ConfigError(
+                f"cannot start at micro-batch {start} of a stream of {num_batches} micro-batches"
+            )
         if batch_size % world_size:
             raise ConfigError(
                 f"the global micro-batch {batch_size} is not divisible by world size {world_size}"
@@ -102,20 +110,23 @@ class ByteBatches:
         self.rank = rank
         self.world_size = world_size
         self.seed = seed
+        self.start = start
         self.local_batch_size = batch_size // world_size
 
     def __len__(self) -> int:
-        return self.num_batches
+        return self.num_batches - self.start
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         generator = torch.Generator().manual_seed(self.seed)
         offsets = torch.arange(self.seq_len + 1)
         lo = self.rank * self.local_batch_size
-        for _ in range(self.num_batches):
+        for i in range(self.num_batches):
             # Draw the whole global batch on every rank: the generators stay in lockstep.
             starts = torch.randint(
                 0, self.corpus.numel() - self.seq_len, (self.batch_size,), generator=generator
             )
+            if i < self.start:
+                continue
             mine = starts[lo : lo + self.local_batch_size]
             windows = self.corpus[mine[:, None] + offsets].long()
             yield windows[:, :-1].contiguous(), windows[:, 1:].contiguous()

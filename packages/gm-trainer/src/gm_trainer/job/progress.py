@@ -34,28 +34,32 @@ class Progress:
         out: TextIO | None = None,
         err: TextIO | None = None,
         live: bool | None = None,
+        start_step: int = 0,
     ) -> None:
         self.total = total_steps
         self.out = out or sys.stdout
         self.err = err or sys.stderr
         self.live = self.err.isatty() if live is None else live
-        self.step = 0
-        self._t_first: float | None = None  # after step 1: excludes graph capture
+        self.start = start_step  # a resumed run starts after its checkpoint's step
+        self.step = start_step
+        # Timed from the end of this session's first step: excludes graph capture.
+        self._t_first: float | None = None
+        self._step_first = start_step + 1
         self._shown = 0.0
 
     def track(self, batches: Iterable[T], accumulation: int) -> Iterator[T]:
         """Yield ``batches`` unchanged, counting an optimizer step every ``accumulation``."""
         for i, batch in enumerate(batches):
             if i and i % accumulation == 0:  # asking for this batch means a step finished
-                self.advance(i // accumulation)
+                self.advance(self.start + i // accumulation)
             yield batch
 
     def advance(self, step: int) -> None:
         """Record that ``step`` optimizer steps are done; redraw at most 10 times a second."""
         self.step = step
         now = time.perf_counter()
-        if step == 1 or self._t_first is None:
-            self._t_first = now
+        if step == self.start + 1 or self._t_first is None:
+            self._t_first, self._step_first = now, step
         if self.live and (now - self._shown > 0.1 or step == self.total):
             self._shown = now
             self._draw()
@@ -83,11 +87,11 @@ class Progress:
             self.live = False
 
     def _draw(self) -> None:
-        done = self.step / self.total if self.total else 1.0
+        done = min(self.step / self.total, 1.0) if self.total else 1.0
         bar = "#" * int(done * 30)
         line = f"{self.step}/{self.total} [{bar:<30}] {done:4.0%}"
-        if self._t_first is not None and self.step > 1:
-            per_step = (time.perf_counter() - self._t_first) / (self.step - 1)
+        if self._t_first is not None and self.step > self._step_first:
+            per_step = (time.perf_counter() - self._t_first) / (self.step - self._step_first)
             eta = per_step * (self.total - self.step)
             line += f"  {per_step * 1e3:,.0f} ms/step  ETA {eta:,.0f}s"
         self.err.write("\r\x1b[K" + line)

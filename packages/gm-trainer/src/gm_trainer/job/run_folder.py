@@ -6,17 +6,36 @@ loss.png        the loss curve
 summary.json    first/final loss, steps, time per step, world size, ...
 passes.txt      the wall time of each graph pass
 graphs/         the graph after each pass (written by GraphTrainer)
+checkpoints/    step-XXXXXXXX/ distributed checkpoints (written by every rank)
+model.pt        the final model as one plain state_dict (checkpoint.export_full)
+
+A resumed run continues in the folder of its checkpoint: ``metrics.jsonl`` keeps the records
+up to the checkpoint's step and the new ones are appended.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from gm_config import ConfigError
+from gm_trainer.checkpoint import (
+    MARKER_NAME,
+    CheckpointError,
+    checkpoint_info,
+    latest_checkpoint,
+)
+
+#: The checkpoints of a run: ``<run_dir>/checkpoints/step-XXXXXXXX``.
+CHECKPOINTS_DIR = "checkpoints"
+_STEP_DIR = re.compile(r"step-(\d+)")
 
 
 def resolve_run_dir(template: str, now: float | None = None) -> Path:
@@ -33,19 +52,30 @@ def resolve_run_dir(template: str, now: float | None = None) -> Path:
 
 
 class RunFolder:
-    """Writes the files of one run into ``path`` (created; earlier metrics and graphs replaced)."""
+    """Writes the files of one run into ``path`` (created; earlier metrics and graphs replaced).
 
-    def __init__(self, path: str | Path) -> None:
+    ``history``: the records of the steps before a resumed checkpoint; ``metrics.jsonl`` starts
+    with them, and the new records are appended.
+    """
+
+    def __init__(self, path: str | Path, history: Iterable[Mapping[str, Any]] = ()) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
+        self.history = [dict(r) for r in history]
         # A fixed run_dir that is reused must not mix two runs' metrics or graphs.
-        (self.path / "metrics.jsonl").write_text("", encoding="utf-8")
+        text = "".join(json.dumps(r) + "\n" for r in self.history)
+        (self.path / "metrics.jsonl").write_text(text, encoding="utf-8")
         shutil.rmtree(self.graphs_dir, ignore_errors=True)
 
     @property
     def graphs_dir(self) -> Path:
         """Where ``GraphTrainer`` writes the graph after each pass."""
         return self.path / "graphs"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        """Where the checkpoints go (see :func:`checkpoint_dir`)."""
+        return self.path / CHECKPOINTS_DIR
 
     def write_config(self, config_yaml: str) -> None:
         """Write the resolved configuration."""
@@ -102,3 +132,125 @@ def plot_loss(records: Sequence[Mapping[str, Any]], path: Path) -> None:
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
+
+
+def read_metrics(path: str | Path, up_to_step: int | None = None) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` (``[]`` when missing), those after ``up_to_step``
+    dropped; a line cut short by a crash is skipped."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            continue
+        if up_to_step is None or record["step"] <= up_to_step:
+            records.append(record)
+    return records
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
+    """``<run_dir>/checkpoints/step-XXXXXXXX``: the checkpoint saved after ``step``."""
+    return Path(run_dir) / CHECKPOINTS_DIR / f"step-{step:08d}"
+
+
+def step_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """The complete ``step-N`` checkpoints under ``root`` as ``(step, path)``, oldest first.
+
+    Interrupted saves (``*.tmp``, no commit marker) and other folders are left out.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        if _STEP_DIR.fullmatch(child.name) and (child / MARKER_NAME).is_file():
+            try:
+                found.append((int(checkpoint_info(child)["step"]), child))
+            except (CheckpointError, OSError, KeyError, ValueError):
+                continue
+    return sorted(found)
+
+
+def prune_checkpoints(root: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the ``keep_last`` newest complete checkpoints under ``root`` (``0``: keep
+    all); return the deleted folders. Run it on one rank, after a save has succeeded."""
+    if keep_last <= 0:
+        return []
+    stale = [path for _, path in step_checkpoints(root)][:-keep_last]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+def run_folder_of(checkpoint: str | Path) -> Path | None:
+    """The gm-train run folder that holds ``checkpoint`` (``RUN/checkpoints/step-N``), or
+    ``None`` when it lies elsewhere."""
+    path = Path(checkpoint)
+    run = path.parent.parent
+    if path.parent.name == CHECKPOINTS_DIR and (run / "config.yaml").is_file():
+        return run
+    return None
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint ``gm-train --resume PATH`` continues from."""
+
+    checkpoint: Path
+    """The checkpoint folder (complete: its commit marker is there)."""
+
+    step: int
+    """Optimizer steps done when it was saved."""
+
+    world_size: int
+    """Ranks that saved it (the resumed run may use another number)."""
+
+    run_folder: Path | None
+    """The run folder that holds it, or ``None``."""
+
+
+def find_resume_point(path: str | Path) -> ResumePoint:
+    """Resolve ``--resume PATH``: a checkpoint folder, or a run folder / checkpoints root whose
+    newest complete checkpoint is taken. Raises :class:`ConfigError` with the reason."""
+    where = Path(path)
+    if not where.exists():
+        raise ConfigError(f"--resume {path}: no such file or directory")
+    if not where.is_dir():
+        raise ConfigError(
+            f"--resume {path}: not a folder; give a checkpoint folder (RUN/checkpoints/"
+            "step-XXXXXXXX), a run folder or its checkpoints folder"
+        )
+    looks_like_checkpoint = (
+        (where / MARKER_NAME).exists()
+        or (where / ".metadata").exists()
+        or where.name.endswith(".tmp")
+    )
+    if looks_like_checkpoint:
+        checkpoint = where
+    else:
+        root = where / CHECKPOINTS_DIR if (where / CHECKPOINTS_DIR).is_dir() else where
+        found = latest_checkpoint(root)
+        if found is None:
+            interrupted = sorted(p.name for p in root.glob("*.tmp") if p.is_dir())
+            why = f"; {', '.join(interrupted)}: interrupted save(s)" if interrupted else ""
+            raise ConfigError(
+                f"--resume {path}: no complete checkpoint in {root} (a checkpoint is a folder "
+                f"step-XXXXXXXX holding the commit marker {MARKER_NAME}){why}"
+            )
+        checkpoint = found
+    try:
+        info = checkpoint_info(checkpoint)
+        step, world_size = int(info["step"]), int(info["world_size"])
+    except (CheckpointError, KeyError, TypeError, ValueError) as e:
+        hint = "; --resume the run folder to take its newest complete checkpoint"
+        raise ConfigError(f"--resume {path}: {e}{hint if looks_like_checkpoint else ''}") from None
+    return ResumePoint(checkpoint, step, world_size, run_folder_of(checkpoint))

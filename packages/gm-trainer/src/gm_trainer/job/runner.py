@@ -1,62 +1,112 @@
-"""One rank of a ``gm-train`` job: build model and data, train with ``GraphTrainer``."""
+"""One rank of a ``gm-train`` job: build model and data, train with ``GraphTrainer``, save
+checkpoints and, when resuming, load one first."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from gm_config import ConfigError
 from gm_trace.testing.models import TinyGPT, lm_loss
+from gm_trainer.checkpoint import (
+    checkpoint_info,
+    export_full_state_dict,
+    load_checkpoint,
+    save_checkpoint,
+)
 from gm_trainer.device import init_distributed
 from gm_trainer.job.config import JobConfig
 from gm_trainer.job.data import ByteBatches, default_corpus, load_corpus
 from gm_trainer.job.progress import Progress
-from gm_trainer.job.run_folder import RunFolder
+from gm_trainer.job.run_folder import (
+    RunFolder,
+    checkpoint_dir,
+    prune_checkpoints,
+    read_metrics,
+    run_folder_of,
+)
+
+if TYPE_CHECKING:
+    from gm_trainer.trainer import GraphTrainer
+
+#: The settings that decide which windows step ``i`` trains on: a resumed run that changes
+#: one of them continues on another data stream than the saved run would have seen.
+DATA_STREAM_KEYS = (
+    ("data", ("corpus", "glob", "max_bytes", "seed")),
+    ("model", ("seq_len",)),
+    ("train", ("global_batch_size", "accumulation")),
+)
 
 
 @record  # the elastic launcher then reports this rank's traceback
-def run_rank(config_dict: dict[str, Any]) -> dict[str, Any] | None:
+def run_rank(config_dict: dict[str, Any], resume: str | None = None) -> dict[str, Any] | None:
     """Entry point of each rank (plain data in: it crosses a process boundary).
 
-    Joins the process group when launched (``RANK``/``WORLD_SIZE`` set), runs the job and
-    returns the summary on rank 0 (``None`` elsewhere).
+    Joins the process group when launched (``RANK``/``WORLD_SIZE`` set), runs the job (from
+    the checkpoint folder ``resume`` when given) and returns the summary on rank 0 (``None``
+    elsewhere).
     """
     config = JobConfig.from_dict(config_dict)
     rank, world_size = init_distributed()
     try:
-        return run_job(config, rank, world_size)
+        if world_size > 1:
+            # Under torchrun each rank resolved {timestamp} itself: take rank 0's folder, the
+            # one every rank must save its checkpoint shards into.
+            shared = [config.logging.run_dir]
+            dist.broadcast_object_list(shared, src=0)
+            config.logging.run_dir = shared[0]
+        return run_job(config, rank, world_size, resume=resume)
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run_job(config: JobConfig, rank: int, world_size: int) -> dict[str, Any] | None:
-    """Train the job on this rank; rank 0 prints progress and writes the run folder."""
+def run_job(
+    config: JobConfig, rank: int, world_size: int, *, resume: str | Path | None = None
+) -> dict[str, Any] | None:
+    """Train the job on this rank; rank 0 prints progress and writes the run folder.
+
+    With ``resume`` (a checkpoint folder) every rank loads it and training continues after its
+    step, on the data the uninterrupted run would have seen next, up to ``train.steps``.
+    """
     from gm_trainer.trainer import GraphTrainer  # heavy: only on the ranks
 
     config.check_world_size(world_size)
-    m, t, d = config.model, config.train, config.data
+    m, t, d, c = config.model, config.train, config.data, config.checkpoint
     lead = rank == 0
-    folder = RunFolder(config.logging.run_dir) if lead else None
-    if folder is not None:
+    run_dir = Path(config.logging.run_dir)
+    start_step = int(checkpoint_info(resume)["step"]) if resume is not None else 0
+    folder = None
+    if lead:
+        # Resumed: the records up to the checkpoint's step, from the run folder that holds it
+        # (those after it were trained after the save and are trained again now).
+        source = run_folder_of(resume) if resume is not None else None
+        history = read_metrics(source / "metrics.jsonl", start_step) if source else []
+        folder = RunFolder(run_dir, history)
         folder.write_config(config.to_yaml())
 
     torch.manual_seed(t.seed)  # identical initial weights on every rank
     model = TinyGPT(m.vocab_size, m.dim, m.n_layers, m.n_heads, max_seq_len=m.seq_len)
     n_params = sum(p.numel() for p in model.parameters())  # before sharding
     corpus = load_corpus(d.corpus, d.glob, d.max_bytes)
-    batches = ByteBatches(
-        corpus,
-        seq_len=m.seq_len,
-        batch_size=t.global_batch_size // t.accumulation,
-        num_batches=t.steps * t.accumulation,
-        rank=rank,
-        world_size=world_size,
-        seed=d.seed,
-    )
+
+    def batches_from(position: int) -> ByteBatches:
+        return ByteBatches(
+            corpus,
+            seq_len=m.seq_len,
+            batch_size=t.global_batch_size // t.accumulation,
+            num_batches=t.steps * t.accumulation,
+            rank=rank,
+            world_size=world_size,
+            seed=d.seed,
+            start=position,
+        )
+
     trainer = GraphTrainer(
         model,
         lm_loss,
@@ -65,7 +115,7 @@ def run_job(config: JobConfig, rank: int, world_size: int) -> dict[str, Any] | N
         optimizer_config=t.optimizer_config(),
         graph_dump_dir=folder.graphs_dir if folder is not None else None,
     )
-    progress = Progress(t.steps) if lead else None
+    progress = Progress(t.steps, start_step=start_step) if lead else None
     if progress is not None:
         where = d.corpus if d.corpus is not None else f"Python stdlib, {default_corpus()}"
         progress.write(
@@ -75,21 +125,66 @@ def run_job(config: JobConfig, rank: int, world_size: int) -> dict[str, Any] | N
             f"run folder {config.logging.run_dir}"
         )
 
+    start = time.perf_counter()  # the wall time includes graph capture, and loading
+    position = 0
+    if resume is not None:
+        # Compile first (FSDP shards the model, the optimizer is built), then load.
+        trainer.compile(*next(iter(batches_from(0))))
+        saved = load_checkpoint(trainer, resume)
+        position = trainer.data_position
+        notes = _reconcile(trainer, config, saved.get("config"))
+        if progress is not None:
+            info = checkpoint_info(resume)
+            progress.write(
+                f"resumed from {resume} (step {trainer.step}, saved on {info['world_size']} "
+                f"rank(s)); training steps {trainer.step + 1}..{t.steps}"
+            )
+            for note in notes:
+                progress.write(note)
+    try:
+        batches = batches_from(position)
+    except ConfigError as e:
+        raise ConfigError(
+            f"the checkpoint has consumed {position} micro-batches, but this run's stream "
+            f"holds {t.steps * t.accumulation}: {e}"
+        ) from None
+
     def log_fn(rec: dict[str, Any]) -> None:
         if progress is not None and folder is not None:
             progress.log(rec)
             folder.append_metrics(rec)
 
-    data = progress.track(batches, t.accumulation) if progress is not None else batches
-    start = time.perf_counter()
+    saves = [s for s in c.save_steps(t.steps) if s > start_step]
+    extra = {"config": config.to_dict()}  # rank 0's is saved; compared on resume (_reconcile)
+    records: list[dict[str, Any]] = []
+    last_checkpoint: Path | None = None
+    checkpoint_time = 0.0
+    data = iter(progress.track(batches, t.accumulation) if progress is not None else batches)
     try:
-        records = trainer.train(
-            data,
-            max_steps=t.steps,
-            log_interval=config.logging.interval,
-            log_fn=log_fn,
-            accumulation_steps=t.accumulation,
-        )
+        while trainer.step < t.steps:
+            target = next((s for s in saves if s > trainer.step), t.steps)
+            records += trainer.train(
+                data,
+                max_steps=target - trainer.step,
+                log_interval=config.logging.interval,
+                log_fn=log_fn,
+                accumulation_steps=t.accumulation,
+            )
+            if trainer.step < target:  # pragma: no cover - the stream holds exactly train.steps
+                break
+            if trainer.step in saves:
+                saved_at = time.perf_counter()
+                last_checkpoint = save_checkpoint(
+                    trainer, checkpoint_dir(run_dir, trainer.step), extra=extra
+                )
+                checkpoint_time += time.perf_counter() - saved_at
+                if folder is not None and progress is not None:  # rank 0, after the commit
+                    pruned = prune_checkpoints(folder.checkpoints_dir, c.keep_last or 0)
+                    gone = f" | removed {', '.join(p.name for p in pruned)}" if pruned else ""
+                    progress.write(
+                        f"checkpoint {checkpoint_dir(config.logging.run_dir, trainer.step)} "
+                        f"saved in {time.perf_counter() - saved_at:.2f} s{gone}"
+                    )
     finally:
         if progress is not None:
             progress.advance(trainer.step)
@@ -97,20 +192,63 @@ def run_job(config: JobConfig, rank: int, world_size: int) -> dict[str, Any] | N
     wall = time.perf_counter() - start
     if folder is None or progress is None:
         return None
+    if c.export_full and last_checkpoint is not None and trainer.step == t.steps:
+        export_full_state_dict(last_checkpoint, folder.path / "model.pt")
+        progress.write(f"exported the full model to {folder.path / 'model.pt'}")
     folder.write_text("passes.txt", trainer.pass_summary() + "\n")
-    # ``records`` holds every step (the loss curve and summary use them all); only the
-    # logged ones went to metrics.jsonl.
+    # ``records`` holds every step of this session (the loss curve and summary use them all);
+    # only the logged ones went to metrics.jsonl. A resumed run adds the logged records
+    # before its checkpoint.
     summary = folder.finish(
-        records,
+        [*folder.history, *records],
         world_size=world_size,
         device=str(trainer.device),
         parameters=n_params,
         tokens_per_step=t.global_batch_size * m.seq_len,
         wall_time_s=wall,
+        checkpoint_time_s=checkpoint_time,
+        last_checkpoint=str(last_checkpoint) if last_checkpoint is not None else None,
+        resumed_from=str(resume) if resume is not None else None,
+        resumed_from_step=start_step if resume is not None else None,
+    )
+    steps = (
+        f"steps {start_step + 1}..{trainer.step}" if resume is not None else f"{trainer.step} steps"
     )
     progress.write(
-        f"done: {trainer.step} steps in {wall:.1f} s | loss {summary['first_loss']:.4f} -> "
-        f"{summary['final_loss']:.4f} | {summary.get('time_per_step_s', float('nan')) * 1e3:.0f}"
-        f" ms/step | run folder {folder.path}"
+        f"done: {steps} in {wall:.1f} s | loss "
+        f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f} | "
+        f"{summary.get('time_per_step_s', float('nan')) * 1e3:.0f} ms/step | run folder "
+        f"{folder.path}"
     )
     return summary
+
+
+def _reconcile(trainer: GraphTrainer, config: JobConfig, saved: Any) -> list[str]:
+    """After loading: the config's optimizer hyperparameters win over the checkpoint's (so
+    ``train.lr=...`` on resume takes effect); lines telling what differs from the saved run."""
+    notes = []
+    t = config.train
+    wanted = {"lr": t.lr, "betas": t.betas, "eps": t.eps, "weight_decay": t.weight_decay}
+    changed = set()
+    for group in trainer.optimizer.param_groups if trainer.optimizer is not None else []:
+        for key, value in wanted.items():
+            if key in group and group[key] != value:
+                group[key] = value
+                changed.add(key)
+    if changed:
+        keys = ", ".join(f"train.{k}" for k in sorted(changed))
+        notes.append(f"note: {keys} taken from the config, not from the checkpoint")
+    if isinstance(saved, dict):
+        now = config.to_dict()
+        differ = [
+            f"{section}.{key}"
+            for section, keys in DATA_STREAM_KEYS
+            for key in keys
+            if saved.get(section, {}).get(key) != now[section][key]
+        ]
+        if differ:
+            notes.append(
+                f"warning: {', '.join(differ)} differ from the saved run's: training goes on "
+                "on another data stream than the uninterrupted run would have seen"
+            )
+    return notes
