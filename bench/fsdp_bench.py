@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from gm_config import PassConfig
 from gm_trace.testing import TinyGPT, lm_loss, make_lm_batch
-from gm_trace.testing.distributed import DistributedPool
+from gm_trace.testing.distributed import DistributedPool, DistributedTestError
 
 DIM, HEADS, SEQ, VOCAB, BATCH_PER_RANK = 128, 4, 128, 256, 8
 GRAPH_CONFIGS = {
@@ -182,8 +182,14 @@ def main() -> int:
         report["single"][n_layers] = single_process(n_layers, args.steps)
         rows = {}
         for config in ["fsdp2", "fsdp2 keep", *GRAPH_CONFIGS]:
-            with DistributedPool(2) as pool:
-                per_rank = pool.run(distributed_config, n_layers, args.steps, config, timeout=900)
+            try:
+                with DistributedPool(2) as pool:
+                    per_rank = pool.run(
+                        distributed_config, n_layers, args.steps, config, timeout=900
+                    )
+            except DistributedTestError as exc:  # reported in the table, not hidden
+                rows[config] = {"error": str(exc).strip().splitlines()[-1][:120]}
+                continue
             rows[config] = {
                 "step_s": max(r["step_s"] for r in per_rank),
                 "peak_rss_growth_mb": max(r["peak_rss_growth_mb"] for r in per_rank),
@@ -217,6 +223,9 @@ def format_report(report: dict) -> str:
     for n, rows in report["fsdp"].items():
         base = rows["fsdp2"]
         for config, r in rows.items():
+            if "error" in r:
+                lines.append(f"| {n} | {config} | failed: {r['error']} | | | | | |")
+                continue
             lines.append(
                 f"| {n} | {config} | {r['step_s']:.4f} | {r['step_s'] / base['step_s']:.2f} "
                 f"| {r['peak_rss_growth_mb']:.1f} "
