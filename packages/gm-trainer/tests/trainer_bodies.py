@@ -66,6 +66,8 @@ def fsdp_parity(rank: int, world: int, batch_sizes: list[int]):
         assert abs(record["grad_norm"] - ref_norm) <= 1e-5 * ref_norm, (record, ref_norm)
         assert record["grad_norm"] > GRAD_CLIP
     assert_full_params_close(trainer.model, reference)
+    summary = trainer.pass_summary()
+    assert "collective schedule" in summary and "reduce_scatter_tensor" in summary, summary
     local_numel = sum(p.numel() for p in trainer.model.parameters())
     return local_numel, len(trainer.pipelines), [r["loss"] for r in records]
 

@@ -29,6 +29,7 @@ from gm_config import PassConfig, PassPlan
 from gm_passes import PassPipeline
 from gm_trace.fsdp import row_shards
 from gm_trace.groups import register_process_group
+from gm_trace.overlap import format_schedule
 from gm_trace.tracer import InputSignature, run_traced_graph, trace_model_graph
 from gm_trainer.device import default_device, detect_device_type
 from gm_trainer.mesh import REPLICATE_GROUP_NAME, MeshError, ResolvedMesh, resolve_mesh_context
@@ -434,10 +435,16 @@ class GraphTrainer:
         }
 
     def pass_summary(self) -> str:
-        """Per compiled signature, each pass's time and whether it changed the graph."""
-        return "\n\n".join(
-            f"signature {i}:\n{pipeline.summary()}" for i, pipeline in enumerate(self.pipelines)
-        )
+        """Per compiled signature: each pass's time and whether it changed the graph, then
+        the collective schedule (overlap per collective, bytes, bucket) when there is one."""
+        parts = []
+        for i, pipeline in enumerate(self.pipelines):
+            text = f"signature {i}:\n{pipeline.summary()}"
+            overlap = pipeline.context.stats.get("overlap", {}) if pipeline.context else {}
+            if overlap.get("schedule"):
+                text += "\n\ncollective schedule:\n" + format_schedule(overlap["schedule"])
+            parts.append(text)
+        return "\n\n".join(parts)
 
     def _to_device(self, tree: Any) -> Any:
         return pytree.tree_map(
