@@ -239,4 +239,9 @@ def test_a_non_callable_is_impure_attribute_is_ignored():
 
 
 def test_collective_namespaces():
-    assert graph_ops.COLLECTIVE_NAMESPACES == ("_c10d_functional.", "c10d_functional.", "c10d.")
+    assert graph_ops.COLLECTIVE_NAMESPACES == (
+        "_c10d_functional.",
+        "c10d_functional.",
+        "c10d.",
+        "gm_c10d.",
+    )

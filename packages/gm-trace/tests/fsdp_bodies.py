@@ -241,3 +241,26 @@ def reshard(rank: int, world: int):
     assert runs["on"]["losses"] == runs["off"]["losses"]
     assert all(torch.equal(a, b) for a, b in zip(runs["on"]["params"], runs["off"]["params"]))
     return {name: {k: v for k, v in run.items() if k != "params"} for name, run in runs.items()}
+
+
+def many_gathers_in_flight(rank: int, world: int):
+    """40 all-gathers in flight while compute runs, 30 times: the pattern that corrupts the
+    heap through torch 2.13's functional gloo all-gather. Values are checked, too."""
+    from gm_trace.collectives import all_gather_op
+    from gm_trace.groups import resolve_process_group
+
+    group = resolve_process_group("fsdp")
+    gather = all_gather_op(group)
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    params = [torch.full((64, 128), float(rank * 100 + i)) for i in range(40)]
+    x = torch.randn(256, 128)
+    for step in range(30):
+        pending = [gather(p.reshape(-1), world, group.group_name) for p in params]
+        for i, out in enumerate(pending):
+            torch.mm(x, x.t()).sum()
+            full = wait(out).view(world, -1)
+            expected = torch.tensor([r * 100 + i + step for r in range(world)], dtype=full.dtype)
+            assert torch.equal(full[:, 0], expected), (step, i, full[:, 0])
+        for p in params:
+            p.add_(1)
+    return str(gather)

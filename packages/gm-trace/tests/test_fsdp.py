@@ -148,3 +148,8 @@ def test_reshard_after_forward_is_exact_and_lowers_the_peak(dist_pool):
     assert runs["on"]["peak"] < runs["off"]["peak"]
     blocks = {fqn.split(".")[1] for bucket in runs["plan"]["regathered"] for fqn in bucket}
     assert blocks == {"0", "1"}  # only the planned layers re-gather
+
+
+def test_many_all_gathers_in_flight_on_gloo(dist_pool):
+    ops = dist_pool(2).run(bodies.many_gathers_in_flight)
+    assert ops[0] == "gm_c10d.all_gather_into_tensor.default"

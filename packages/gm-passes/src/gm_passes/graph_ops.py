@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 #: Namespaces whose ops talk to other ranks; every rank must keep exactly the same ones.
-COLLECTIVE_NAMESPACES = ("_c10d_functional.", "c10d_functional.", "c10d.")
+COLLECTIVE_NAMESPACES = ("_c10d_functional.", "c10d_functional.", "c10d.", "gm_c10d.")
 
 
 def op_name(node: Any) -> str:

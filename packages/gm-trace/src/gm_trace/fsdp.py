@@ -27,6 +27,7 @@ import torch.fx as fx
 from gm_config import PassPlan
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_passes.graph_ops import is_collective, is_wait, op_name
+from gm_trace.collectives import all_gather_op
 from gm_trace.graph_build import (
     aten,
     c10d,
@@ -143,7 +144,9 @@ class FSDPPass(GraphPass):
         if "fsdp_replicate" in ctx.process_groups:
             name = ctx.process_groups["fsdp_replicate"]
             replicate = (name, resolve_process_group(name).size())
-        rewrite = _Rewrite(graph_module, group_name, degree, rank, replicate)
+        rewrite = _Rewrite(
+            graph_module, group_name, degree, rank, replicate, all_gather=all_gather_op(group)
+        )
         cap = ctx.config.bucket_cap_mb
         cap_bytes = None if cap is None else int(cap * 2**20)
         stats = rewrite.apply(ctx.model, selected, ctx.plan, cap_bytes)
@@ -221,11 +224,13 @@ class _Rewrite:
         degree: int,
         rank: int,
         replicate: tuple[str, int] | None = None,
+        all_gather: Any = c10d.all_gather_into_tensor.default,
     ) -> None:
         self.gm = gm
         self.graph = gm.graph
         self.mode = fake_mode_of(gm.graph)
         self.group_name = group_name
+        self.all_gather = all_gather  # see gm_trace.collectives: gloo needs its own op
         self.degree = degree
         self.rank = rank
         self.replicate_name = replicate[0] if replicate else None
@@ -306,7 +311,7 @@ class _Rewrite:
         gathered = call(
             self.graph,
             self.mode,
-            c10d.all_gather_into_tensor.default,
+            self.all_gather,
             flat,
             self.degree,
             self.group_name,
