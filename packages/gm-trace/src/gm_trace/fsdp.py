@@ -107,10 +107,10 @@ def select_sharded_params(model: torch.nn.Module, plan: PassPlan | None) -> set[
                 UserWarning,
                 stacklevel=3,
             )
-    return {fqn for fqn in names if any(plan.lookup(owner) for owner in _owners(fqn))}
+    return {fqn for fqn in names if any(plan.lookup(owner) for owner in owning_modules(fqn))}
 
 
-def _owners(param_fqn: str) -> list[str]:
+def owning_modules(param_fqn: str) -> list[str]:
     """The owning module of a parameter and all its ancestors, root ("") last."""
     parts = param_fqn.split(".")[:-1]
     return [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
@@ -181,7 +181,7 @@ def block_of(fqn: str, plan: PassPlan | None) -> str:
     planned module: the path up to the first numbered child (``layers.3``), else the top-level
     child (``tok_emb``). Only names decide, so every rank decides the same.
     """
-    owners = _owners(fqn)
+    owners = owning_modules(fqn)
     if plan is not None and not plan.is_empty():
         planned = [owner for owner in owners if plan.lookup(owner) is not None]
         if planned:

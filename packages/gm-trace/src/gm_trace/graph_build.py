@@ -12,6 +12,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
+from gm_passes.graph_ops import is_collective, is_wait, op_name
+
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
 
@@ -39,6 +41,19 @@ def fake_tensor(mode: FakeTensorMode, shape: tuple[int, ...], like: torch.Tensor
     """A fake tensor of ``shape`` with the dtype and device of ``like``."""
     with unset_fake_temporarily(), mode:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+def collective_kind(node: fx.Node) -> str | None:
+    """``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce`` … for a collective
+    (not its wait); ``None`` for every other node."""
+    if not is_collective(node) or is_wait(node):
+        return None
+    return op_name(node).split(".")[1]
+
+
+def is_all_gather(node: fx.Node) -> bool:
+    """True for an all-gather issued in the graph (functional or ``gm_c10d``)."""
+    return collective_kind(node) == "all_gather_into_tensor"
 
 
 def tensor_bytes(node: fx.Node) -> int:

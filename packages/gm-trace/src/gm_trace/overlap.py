@@ -21,9 +21,9 @@ from typing import Any
 import torch.fx as fx
 
 from gm_passes import GraphPass, PassContext, PassResult
-from gm_passes.graph_ops import is_collective, is_wait, op_name
+from gm_passes.graph_ops import is_collective, is_wait
 from gm_trace.fsdp import verify_ranks_agree
-from gm_trace.graph_build import tensor_bytes
+from gm_trace.graph_build import collective_kind, is_all_gather, tensor_bytes
 from gm_trace.memory import estimate_peak_memory
 
 
@@ -36,10 +36,6 @@ def _first_user(node: fx.Node) -> fx.Node:
     while cursor not in node.users:
         cursor = cursor.next
     return cursor
-
-
-def _collective_kind(node: fx.Node) -> str:
-    return op_name(node).split(".")[1]
 
 
 def _sink_waits(graph: fx.Graph) -> int:
@@ -74,11 +70,7 @@ def _first_compute_after(wait: fx.Node) -> fx.Node:
 
 
 def _prefetch(graph: fx.Graph, blocks_ahead: int) -> int:
-    gathers = [
-        n
-        for n in graph.nodes
-        if is_collective(n) and _collective_kind(n) == "all_gather_into_tensor"
-    ]
+    gathers = [n for n in graph.nodes if is_all_gather(n)]
     order = {node: i for i, node in enumerate(graph.nodes)}
     needed_at = {}
     for gather in gathers:
@@ -150,10 +142,10 @@ def collective_schedule(graph_module: fx.GraphModule) -> list[dict[str, Any]]:
         waits = [u for u in node.users if is_wait(u)] if is_collective(node) else []
         if not waits or is_wait(node):
             continue
-        moved = node if _collective_kind(node) == "all_gather_into_tensor" else node.args[0]
+        moved = node if is_all_gather(node) else node.args[0]
         schedule.append(
             {
-                "kind": _collective_kind(node),
+                "kind": collective_kind(node),
                 "collective": node.name,
                 "wait": waits[0].name,
                 "overlapped_compute_nodes": computed_before[order[waits[0]]]

@@ -19,16 +19,15 @@ import torch.fx as fx
 
 from gm_config import PassPlan
 from gm_passes import GraphPass, PassContext, PassResult
-from gm_passes.graph_ops import is_collective, op_name
-from gm_trace.fsdp import _owners, verify_ranks_agree
-from gm_trace.graph_build import tensor_bytes
+from gm_trace.fsdp import owning_modules, verify_ranks_agree
+from gm_trace.graph_build import is_all_gather, tensor_bytes
 from gm_trace.memory import is_view
 
 
 def wants_reshard(fqn: str, plan: PassPlan | None, default: bool) -> bool:
     """The innermost planned module around ``fqn`` that says, else ``default``."""
     if plan is not None:
-        for owner in _owners(fqn):
+        for owner in owning_modules(fqn):
             entry = plan.lookup(owner)
             if entry is not None and entry.reshard_after_forward is not None:
                 return entry.reshard_after_forward
@@ -100,7 +99,7 @@ class ReshardAfterForwardPass(GraphPass):
         order = {node: i for i, node in enumerate(graph.nodes)}
         regathered: list[list[str]] = []
         extra_bytes = 0
-        for gather in [n for n in graph.nodes if "gm_bucket" in n.meta and _is_gather(n)]:
+        for gather in [n for n in graph.nodes if "gm_bucket" in n.meta and is_all_gather(n)]:
             bucket = gather.meta["gm_bucket"]
             default = ctx.config.reshard_after_forward
             if not any(wants_reshard(fqn, ctx.plan, default) for fqn in bucket):
@@ -115,7 +114,3 @@ class ReshardAfterForwardPass(GraphPass):
         graph_module.recompile()
         verify_ranks_agree(graph_module, ctx)
         return PassResult(graph_module, True)
-
-
-def _is_gather(node: fx.Node) -> bool:
-    return is_collective(node) and "all_gather_into_tensor" in op_name(node)
