@@ -19,6 +19,9 @@ DEFAULTS = {
     "bucket_cap_mb": 25.0,
     "prefetch_blocks": 1,
     "reshard_after_forward": False,
+    "param_dtype": None,
+    "reduce_dtype": None,
+    "backend": None,
 }
 BOOL_FIELDS = [
     "enable_overlap",
@@ -57,6 +60,9 @@ def test_valid_non_default_values_are_kept():
         bucket_cap_mb=None,
         prefetch_blocks=None,
         reshard_after_forward=True,
+        param_dtype="bfloat16",
+        reduce_dtype="float32",
+        backend="inductor",
     )
     assert config.to_dict() == {
         "enable_overlap": False,
@@ -68,6 +74,9 @@ def test_valid_non_default_values_are_kept():
         "bucket_cap_mb": None,
         "prefetch_blocks": None,
         "reshard_after_forward": True,
+        "param_dtype": "bfloat16",
+        "reduce_dtype": "float32",
+        "backend": "inductor",
     }
 
 
@@ -238,3 +247,21 @@ def test_prefetch_blocks_must_be_none_or_a_non_negative_int(value):
 def test_prefetch_zero_and_small_bucket_caps_are_valid():
     config = PassConfig(prefetch_blocks=0, bucket_cap_mb=0.5)
     assert (config.prefetch_blocks, config.bucket_cap_mb) == (0, 0.5)
+
+
+@pytest.mark.parametrize("field", ["param_dtype", "reduce_dtype"])
+def test_mixed_precision_dtypes_are_checked_with_a_hint(field):
+    assert getattr(PassConfig(**{field: "bfloat16"}), field) == "bfloat16"
+    with pytest.raises(ConfigError, match=rf"PassConfig.{field} .*'bf16'.*write 'bfloat16'"):
+        PassConfig(**{field: "bf16"})
+    with pytest.raises(ConfigError, match=r"got 'torch.float16'; write 'float16'"):
+        PassConfig(**{field: "torch.float16"})
+    with pytest.raises(ConfigError, match=r"one of \['bfloat16', 'float16', 'float32'\], got 8$"):
+        PassConfig(**{field: 8})
+
+
+def test_backend_must_be_a_name():
+    assert PassConfig(backend="inductor").backend == "inductor"
+    for bad in ("", 3, True):
+        with pytest.raises(ConfigError, match=r"PassConfig.backend must be None .*'inductor'"):
+            PassConfig(backend=bad)

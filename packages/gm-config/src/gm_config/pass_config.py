@@ -14,6 +14,13 @@ from typing import Any
 from gm_config.errors import ConfigError
 
 
+#: The floating dtypes a mixed-precision policy may name (torch attribute names).
+FLOAT_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
+
+_DTYPE_SHORT_NAMES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}
+_DTYPE_SHORT_NAMES.update({name: name for name in FLOAT_DTYPES})  # "torch.bfloat16"
+
+
 def _is_int(value: object) -> bool:
     # bool is a subclass of int, but ``fsdp_degree: true`` is a mistake, not a degree.
     return isinstance(value, int) and not isinstance(value, bool)
@@ -62,6 +69,22 @@ class PassConfig:
     before its first backward use: lower peak memory for one more all-gather per block.
     A planned module's own ``reshard_after_forward`` (PassPlan / YAML) overrides this."""
 
+    param_dtype: str | None = None
+    """Mixed precision, as FSDP2's ``MixedPrecisionPolicy.param_dtype``: the dtype forward and
+    backward compute in (``"bfloat16"``, ``"float16"`` or ``"float32"``). Floating parameters stay
+    in their own dtype (fp32 master weights and optimizer state); each sharded parameter is cast
+    BEFORE its all-gather, so the collective moves the smaller dtype. The floating forward inputs
+    of the root module and of every module the PassPlan names are cast too. ``None``: no cast."""
+
+    reduce_dtype: str | None = None
+    """The dtype gradients are reduced in (reduce-scatter / all-reduce), as FSDP2's
+    ``MixedPrecisionPolicy.reduce_dtype``; the reduced shard is cast back to the parameter's dtype
+    for the optimizer. ``None``: ``param_dtype`` when set, else the gradient's own dtype."""
+
+    backend: str | None = None
+    """Compile the final graph with this backend, collectives kept as they are: ``"inductor"``
+    or a name given to ``gm_trace.register_backend``. ``None``: run the graph as it is."""
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -96,6 +119,21 @@ class PassConfig:
             raise ConfigError(
                 "PassConfig.prefetch_blocks must be None (gather everything up front) or an "
                 f"int >= 0, got {self.prefetch_blocks!r}"
+            )
+
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in FLOAT_DTYPES:
+                short = _DTYPE_SHORT_NAMES.get(str(value).removeprefix("torch."))
+                hint = f"; write {short!r}" if short else ""
+                raise ConfigError(
+                    f"PassConfig.{name} must be None or one of {list(FLOAT_DTYPES)}, "
+                    f"got {value!r}{hint}"
+                )
+        if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
+            raise ConfigError(
+                "PassConfig.backend must be None (run the graph as it is) or a backend name such "
+                f"as 'inductor', got {self.backend!r}"
             )
 
     def to_dict(self) -> dict[str, Any]:
