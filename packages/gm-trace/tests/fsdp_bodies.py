@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import torch
@@ -11,7 +12,13 @@ import torch.distributed as dist
 from gm_config import PassConfig, PassPlan
 from gm_passes import PassPipeline
 from gm_passes.graph_ops import is_collective, is_wait, op_name
-from gm_trace.fsdp import CollectiveMismatchError, FSDPConfigError, row_shards
+from gm_trace.fsdp import (
+    CollectiveMismatchError,
+    FSDPConfigError,
+    collective_sequence,
+    full_parameter,
+    row_shards,
+)
 from gm_trace.testing import (
     MLP,
     TinyGPT,
@@ -58,7 +65,8 @@ def _local(batch: tuple[torch.Tensor, torch.Tensor], rank: int, world: int):
 
 
 def compile_fsdp(model, train_fn, sample, config: PassConfig, plan: PassPlan | None = None):
-    gm = trace_model_graph(model, train_fn, *sample)
+    dtype = getattr(torch, config.param_dtype) if config.param_dtype else None
+    gm = trace_model_graph(model, train_fn, *sample, param_dtype=dtype)
     pipeline = PassPipeline.from_config(config, plan)
     gm = pipeline.run(gm, model=model)
     return gm, pipeline
@@ -210,14 +218,20 @@ def schedule(rank: int, world: int, prefetch_blocks: int | None):
     return issued_up_front, pipeline.context.stats["overlap"]
 
 
-def reshard(rank: int, world: int):
+def reshard(rank: int, world: int, overrides: dict):
     """reshard_after_forward: identical training, one more all-gather per block, a lower
-    static peak; the per-module setting of the plan overrides the config."""
+    static peak; the per-module setting of the plan overrides the config. The plan shards
+    only the layers (the rest is replicated and all-reduced), which on 2 ranks sums the
+    same two gradients: identical too."""
     runs = {}
     for name, config, plan in [
-        ("off", PassConfig(), None),
-        ("on", PassConfig(reshard_after_forward=True), None),
-        ("plan", PassConfig(), PassPlan().add_pattern("layers.*", reshard_after_forward=True)),
+        ("off", PassConfig(**overrides), None),
+        ("on", PassConfig(reshard_after_forward=True, **overrides), None),
+        (
+            "plan",
+            PassConfig(**overrides),
+            PassPlan().add_pattern("layers.*", reshard_after_forward=True),
+        ),
     ]:
         model, train_fn, batch = build("gpt", world)
         gm, pipeline = compile_fsdp(model, train_fn, _local(batch(0), rank, world), config, plan)
@@ -233,13 +247,17 @@ def reshard(rank: int, world: int):
         stats = pipeline.context.stats
         runs[name] = {
             "losses": losses,
-            "params": [p.detach().clone() for p in model.parameters()],
+            "params": [full_parameter(model, fqn) for fqn, _ in model.named_parameters()],
             "gathers": sum(1 for r in stats["overlap"]["schedule"] if "gather" in r["kind"]),
             "peak": stats["overlap"]["peak_memory_bytes_after"],
             "regathered": stats.get("reshard", {}).get("regathered_buckets", []),
+            "dtypes": sorted(
+                {re.search(r"torch\.\w+", line)[0] for line in collective_sequence(gm)}
+            ),
         }
-    assert runs["on"]["losses"] == runs["off"]["losses"]
-    assert all(torch.equal(a, b) for a, b in zip(runs["on"]["params"], runs["off"]["params"]))
+    for name in ("on", "plan"):
+        assert runs[name]["losses"] == runs["off"]["losses"], name
+        assert all(torch.equal(a, b) for a, b in zip(runs[name]["params"], runs["off"]["params"]))
     return {name: {k: v for k, v in run.items() if k != "params"} for name, run in runs.items()}
 
 

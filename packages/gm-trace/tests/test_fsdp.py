@@ -139,8 +139,11 @@ def test_prefetch_bounds_gathers_in_flight_and_waits_overlap_compute(dist_pool):
     assert after <= eager_stats["peak_memory_bytes_after"]
 
 
-def test_reshard_after_forward_is_exact_and_lowers_the_peak(dist_pool):
-    runs, _ = dist_pool(2).run(bodies.reshard)
+@pytest.mark.parametrize("param_dtype", [None, "bfloat16"])
+def test_reshard_after_forward_is_exact_and_lowers_the_peak(param_dtype, dist_pool):
+    runs, _ = dist_pool(2).run(bodies.reshard, {"param_dtype": param_dtype})
+    # Every collective, all-reduces of the replicated parameters included, in the compute dtype.
+    assert all(run["dtypes"] == [f"torch.{param_dtype or 'float32'}"] for run in runs.values())
     # TinyGPT without a plan has 5 blocks; all but pos_emb are read in backward (the tied
     # tok_emb through the LM head).
     assert runs["off"]["gathers"] == 5 and runs["off"]["regathered"] == []

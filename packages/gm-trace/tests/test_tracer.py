@@ -519,3 +519,56 @@ def test_torch_compile_wrapped_functions_are_traced_through() -> None:
     _eager_grads(reference, mse_loss, make_regression_batch())
     _assert_grads_equal(reference, out)
     assert sys.modules["torch._dynamo"].config.error_on_nested_fx_trace is True
+
+
+# --------------------------------------------------------------------------- mixed precision
+
+
+class _TwoInputs(nn.Module):
+    """An MLP whose inner block gets a second floating input straight from the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = MLP(16, 32, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(x) + x[:, :8]
+
+
+@pytest.mark.parametrize("name", ["mlp", "tiny_gpt"])
+def test_param_dtype_equals_eager_on_a_low_precision_copy(name):
+    """The graph computes like eager on a bf16 copy of the model with bf16 inputs; the
+    gradients come back in the parameters' own dtype (fp32 master weights)."""
+    model, train_fn, make_batch = _build(name)
+    inp, label = make_batch(0)
+    gm = trace_model_graph(model, train_fn, inp, label, param_dtype=torch.bfloat16)
+    outputs = run_traced_graph(gm, model, inp, label)
+
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    low_inp = inp.to(torch.bfloat16) if inp.is_floating_point() else inp
+    loss = train_fn(low, low_inp, label)
+    loss.backward()
+    assert torch.equal(outputs.loss, loss.detach())
+    for fqn, param in low.named_parameters():
+        assert outputs.grads[fqn].dtype == torch.float32, fqn
+        assert torch.equal(outputs.grads[fqn], param.grad.float()), fqn
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # nothing cast in place
+
+
+def test_cast_input_modules_cast_where_named_and_must_exist():
+    model = _TwoInputs()
+    x, y = make_regression_batch()
+
+    def loss_of(cast_input_modules):
+        gm = trace_model_graph(
+            model, mse_loss, x, y, param_dtype=torch.bfloat16, cast_input_modules=cast_input_modules
+        )
+        return run_traced_graph(gm, model, x, y).loss
+
+    # Root inputs cast: the residual adds a bf16 x; inner only: the residual stays fp32.
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    assert torch.equal(loss_of([""]), mse_loss(low, x.to(torch.bfloat16), y).detach())
+    residual_fp32 = low.inner(x.to(torch.bfloat16)) + x[:, :8]
+    assert torch.equal(loss_of(["inner"]), F.mse_loss(residual_fp32, y).detach())
+    with pytest.raises(KeyError, match=r"cast_input_modules names 'iner', which is not a module"):
+        loss_of(["iner"])

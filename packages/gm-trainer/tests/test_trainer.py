@@ -29,6 +29,29 @@ def test_fsdp_training_equals_eager_on_the_global_batch(world, dist_pool):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("reduce_dtype", [None, "float32"])
+def test_mixed_precision_matches_fsdp2_under_the_same_policy(reduce_dtype, dist_pool):
+    policy = {"param_dtype": "bfloat16", "reduce_dtype": reduce_dtype}
+    result, _ = dist_pool(2).run(bodies.mixed_precision_parity, policy)
+    bf16_eps = torch.finfo(torch.bfloat16).eps
+    for ours, fsdp2 in zip(result["losses"], result["fsdp2_losses"]):
+        assert abs(ours - fsdp2) <= 2 * bf16_eps * abs(fsdp2), (ours, fsdp2)
+    # Adam moves each weight by ~lr per step; allow one step's worth of disagreement.
+    assert result["max_param_diff"] <= bodies.LR, result["max_param_diff"]
+    # Not vacuous: the fp32 run ends far further away than FSDP2 under the same policy.
+    assert result["max_param_diff_fp32"] > max(10 * result["max_param_diff"], 1e-5), result
+    # fp32 master weights; the all-gathers move bf16; the reduction runs in reduce_dtype.
+    assert {dtype for dtype, _ in result["params"].values()} == {torch.float32}
+    gathers = [line for line in result["collectives"] if "all_gather" in line]
+    scatters = [line for line in result["collectives"] if "reduce_scatter" in line]
+    assert gathers and all("torch.bfloat16" in line for line in gathers), gathers
+    expected = f"torch.{reduce_dtype or 'bfloat16'}"
+    assert scatters and all(expected in line for line in scatters), scatters
+    sent = result["bytes_per_step"]
+    assert sent["reduce_scatter"] == sent["all_gather"] * (2 if reduce_dtype else 1)
+
+
+@pytest.mark.distributed
 def test_smaller_last_batch_recompiles_under_fsdp(dist_pool):
     results = dist_pool(2).run(bodies.fsdp_parity, [8, 8, 8, 4])
     assert all(n_graphs == 2 for _, n_graphs, _ in results)
@@ -50,6 +73,29 @@ def _mlp_reference(batches, lr=1e-2):
         optimizer.step()
         optimizer.zero_grad()
     return model, reference
+
+
+def test_single_process_mixed_precision_keeps_fp32_master_weights():
+    """param_dtype without FSDP: each step computes on a bf16 copy, Adam updates fp32 masters."""
+    batches = [make_regression_batch(8, seed=s) for s in range(3)]
+    torch.manual_seed(0)
+    model = MLP()
+    master = copy.deepcopy(model)
+    optimizer = torch.optim.Adam(master.parameters(), lr=1e-2)
+    for x, y in batches:
+        low = copy.deepcopy(master).to(torch.bfloat16)
+        mse_loss(low, x.to(torch.bfloat16), y).backward()
+        for param, low_param in zip(master.parameters(), low.parameters()):
+            param.grad = low_param.grad.float()
+        optimizer.step()
+        optimizer.zero_grad()
+    trainer = GraphTrainer(
+        model, mse_loss, PassConfig(param_dtype="bfloat16"), optimizer_config={"lr": 1e-2}
+    )
+    trainer.train(batches)
+    for (fqn, ours), theirs in zip(trainer.model.named_parameters(), master.parameters()):
+        assert ours.dtype == torch.float32, fqn
+        assert torch.equal(ours, theirs), fqn
 
 
 def test_accumulation_of_k_micro_batches_equals_one_step_on_the_k_times_batch():

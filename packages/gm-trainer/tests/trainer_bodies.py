@@ -7,6 +7,7 @@ import copy
 import torch
 
 from gm_config import PassConfig
+from gm_trace.fsdp import collective_sequence, full_parameter
 from gm_trace.testing import TinyGPT, lm_loss, make_lm_batch
 from gm_trace.testing.parity import assert_full_params_close
 from gm_trainer.trainer import GraphTrainer, TrainingError
@@ -84,3 +85,62 @@ def disagreeing_shapes(rank: int, world: int):
     except TrainingError as exc:
         return str(exc)
     raise AssertionError("ranks with different batch shapes were not detected")
+
+
+def _fsdp2_mixed_precision(model, batches, rank: int, world: int, policy: dict):
+    """Eager FSDP2 (``fully_shard`` per block and the root) under ``MixedPrecisionPolicy``:
+    the mean loss over ranks per step, and the trained model."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world,))
+    mp_policy = MixedPrecisionPolicy(**{k: getattr(torch, v) for k, v in policy.items() if v})
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    losses = []
+    for batch in batches:
+        loss = lm_loss(model, *local(batch, rank, world))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = loss.detach().float()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    return losses, model
+
+
+def mixed_precision_parity(rank: int, world: int, policy: dict):
+    """GraphTrainer with ``param_dtype``/``reduce_dtype`` against eager FSDP2 under the same
+    ``MixedPrecisionPolicy``; also how far it ends from full fp32 (the bf16 effect itself)."""
+    model = tiny_gpt()
+    batches = global_batches([8] * STEPS)
+    ref_losses, reference = _fsdp2_mixed_precision(model, batches, rank, world, policy)
+    _, _, fp32_model = eager_reference(model, batches, lr=LR, grad_clip=None)
+    trainer = GraphTrainer(model, lm_loss, PassConfig(**policy), optimizer_config={"lr": LR})
+    records = trainer.train([local(b, rank, world) for b in batches])
+    losses = [r["loss"] for r in records]
+    params = {
+        fqn: (p.dtype, p.grad.dtype if p.grad is not None else None)
+        for fqn, p in trainer.model.named_parameters()
+    }
+    worst = worst_fp32 = 0.0
+    fp32_params = dict(fp32_model.named_parameters())
+    for fqn, expected in reference.named_parameters():
+        actual = full_parameter(trainer.model, fqn)
+        worst = max(worst, (actual - expected.full_tensor()).abs().max().item())
+        worst_fp32 = max(worst_fp32, (actual - fp32_params[fqn]).abs().max().item())
+    stats = trainer.pipelines[0].context.stats["fsdp"]
+    (graph,) = trainer._graphs.values()
+    return {
+        "losses": losses,
+        "fsdp2_losses": ref_losses,
+        "max_param_diff": worst,
+        "max_param_diff_fp32": worst_fp32,
+        "params": params,
+        "bytes_per_step": stats["bytes_per_step"],
+        "collectives": collective_sequence(graph),
+    }

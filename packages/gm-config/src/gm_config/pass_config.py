@@ -13,7 +13,6 @@ from typing import Any
 
 from gm_config.errors import ConfigError
 
-
 #: The floating dtypes a mixed-precision policy may name (torch attribute names).
 FLOAT_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
 

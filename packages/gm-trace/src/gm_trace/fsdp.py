@@ -6,6 +6,12 @@ output is reduce-scattered back to a shard. Trainable parameters the plan leaves
 stay replicated and their gradients are all-reduced. Gradients follow data-parallel MEAN
 semantics: each is divided by the group size and summed over the group.
 
+Mixed precision (``PassConfig.param_dtype``): the tracer casts each parameter where compute
+reads it; when every compute use of a sharded parameter is one such cast, the pass casts the
+SHARD instead and gathers in the smaller dtype. Gradients are reduced in
+``PassConfig.reduce_dtype`` (default: the dtype compute produced them in) and the reduced shard
+is cast to the parameter's own dtype, so the optimizer only ever sees fp32 master shards.
+
 Dim 0 is split as ``torch.chunk`` splits it (rank 0 largest, a rank may hold nothing); padding
 to equal pieces exists only inside the collectives. The live model is sharded in place, so the
 optimizer sees plain local shards.
@@ -35,6 +41,7 @@ from gm_trace.graph_build import (
     fake_mode_of,
     fake_tensor,
     pad_rows,
+    prims,
     take_rows,
     tensor_bytes,
 )
@@ -144,8 +151,15 @@ class FSDPPass(GraphPass):
         if "fsdp_replicate" in ctx.process_groups:
             name = ctx.process_groups["fsdp_replicate"]
             replicate = (name, resolve_process_group(name).size())
+        reduce_dtype = ctx.config.reduce_dtype
         rewrite = _Rewrite(
-            graph_module, group_name, degree, rank, replicate, all_gather=all_gather_op(group)
+            graph_module,
+            group_name,
+            degree,
+            rank,
+            replicate,
+            all_gather=all_gather_op(group),
+            reduce_dtype=getattr(torch, reduce_dtype) if reduce_dtype else None,
         )
         cap = ctx.config.bucket_cap_mb
         cap_bytes = None if cap is None else int(cap * 2**20)
@@ -166,6 +180,13 @@ class _ShardedParam:
     shard: RowShard
     inner: tuple[int, ...]
     grad_index: int | None
+    casts: list[fx.Node]
+    """The compute-side casts of the full parameter (mixed precision); empty without."""
+
+    @property
+    def gather_dtype(self) -> torch.dtype:
+        """The dtype the all-gather moves: the compute dtype when every use is a cast."""
+        return (self.casts[0] if self.casts else self.placeholder).meta["val"].dtype
 
     @property
     def piece_numel(self) -> int:
@@ -203,8 +224,13 @@ def plan_buckets(
     buckets: list[list[_ShardedParam]] = []
     size = 0
     for param in params:
-        nbytes = param.piece_numel * param.placeholder.meta["val"].element_size()
-        same_block = buckets and blocks[buckets[-1][-1].fqn] == blocks[param.fqn]
+        nbytes = param.piece_numel * param.gather_dtype.itemsize
+        # One flat buffer has one dtype; a block of mixed dtypes gets one bucket per run.
+        same_block = (
+            buckets
+            and blocks[buckets[-1][-1].fqn] == blocks[param.fqn]
+            and buckets[-1][-1].gather_dtype == param.gather_dtype
+        )
         if cap_bytes is not None and same_block and size + nbytes <= cap_bytes:
             buckets[-1].append(param)
             size += nbytes
@@ -225,6 +251,7 @@ class _Rewrite:
         rank: int,
         replicate: tuple[str, int] | None = None,
         all_gather: Any = c10d.all_gather_into_tensor.default,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         self.gm = gm
         self.graph = gm.graph
@@ -233,6 +260,7 @@ class _Rewrite:
         self.all_gather = all_gather  # see gm_trace.collectives: gloo needs its own op
         self.degree = degree
         self.rank = rank
+        self.reduce_dtype = reduce_dtype
         self.replicate_name = replicate[0] if replicate else None
         # Mean over every data-parallel rank: the shard group times its replicas (HSDP).
         self.divisor = degree * (replicate[1] if replicate else 1)
@@ -261,15 +289,19 @@ class _Rewrite:
             names = {fqn} | {a for a, canonical in aliases.items() if canonical == fqn}
             if names & selected and val.dim() >= 1:
                 shard = RowShard(val.shape[0], self.degree, self.rank)
+                inner = tuple(val.shape[1:])
                 sharded.append(
-                    _ShardedParam(fqn, node, shard, tuple(val.shape[1:]), grads.get(fqn))
+                    _ShardedParam(fqn, node, shard, inner, grads.get(fqn), _compute_casts(node))
                 )
             elif fqn in grads:
                 replicated.append(fqn)
 
         blocks = {p.fqn: block_of(p.fqn, plan) for p in sharded}
         buckets = plan_buckets(sharded, blocks, cap_bytes)
-        first_compute = next(n for n in self.graph.nodes if n.op != "placeholder")
+        erased = {cast for param in sharded for cast in param.casts}
+        first_compute = next(
+            n for n in self.graph.nodes if n.op != "placeholder" and n not in erased
+        )
         for bucket in buckets:
             with self.graph.inserting_before(first_compute):
                 self._gather(bucket)
@@ -302,7 +334,7 @@ class _Rewrite:
             padded = pad_rows(
                 self.graph,
                 self.mode,
-                param.placeholder,
+                self._cast(param.placeholder, param.gather_dtype, prologue=True),
                 param.shard.chunk - param.shard.local_rows,
                 gm_comm_prologue=True,
             )
@@ -323,6 +355,9 @@ class _Rewrite:
             full = self._op(aten.reshape.default, piece, [param.shard.padded_rows, *param.inner])
             full = take_rows(self.graph, self.mode, full, param.shard.rows, gm_comm_epilogue=True)
             full.meta["gm_full_param"] = param.fqn
+            for cast in param.casts:  # already in the compute dtype
+                cast.replace_all_uses_with(full)
+                self.graph.erase_node(cast)
             # Compute reads the full parameter; only the all-gather's prologue reads the shard.
             param.placeholder.replace_all_uses_with(
                 full, delete_user_cb=lambda user: not user.meta.get("gm_comm_prologue")
@@ -331,10 +366,11 @@ class _Rewrite:
     def _reduce_scatter(self, bucket: list[_ShardedParam]) -> None:
         """One reduce-scatter over the bucket's padded gradients laid out ``[degree, piece]``,
         issued as soon as the last of them is computed."""
-        grads = [_output_at(self.graph, p.grad_index) for p in bucket]
+        outputs = [_output_at(self.graph, p.grad_index) for p in bucket]
         order = {node: i for i, node in enumerate(self.graph.nodes)}
-        last = max(grads, key=order.__getitem__)
+        last = max(outputs, key=order.__getitem__)
         with self.graph.inserting_before(last.next):
+            grads = [self._in_reduce_dtype(grad) for grad in outputs]
             rows = []
             for param, grad in zip(bucket, grads):
                 padded = pad_rows(
@@ -361,7 +397,9 @@ class _Rewrite:
                 local = take_rows(
                     self.graph, self.mode, local, param.shard.local_rows, gm_comm_epilogue=True
                 )
+                local = self._cast(local, param.placeholder.meta["val"].dtype)
                 _set_output_at(self.graph, param.grad_index, local)
+        _erase_if_unused(self.graph, outputs)
 
     def _split(self, node: fx.Node, bucket: list[_ShardedParam], dim: int) -> list[fx.Node]:
         """Each parameter's piece of a bucket buffer along ``dim``."""
@@ -380,11 +418,25 @@ class _Rewrite:
         return call(self.graph, self.mode, op, *args, **{role: True})
 
     def _all_reduce(self, index: int) -> None:
-        grad = _output_at(self.graph, index)
-        with self.graph.inserting_before(grad.next):
+        output = _output_at(self.graph, index)
+        with self.graph.inserting_before(output.next):
+            grad = self._in_reduce_dtype(output)
             scaled = call(self.graph, self.mode, aten.div.Tensor, grad, self.divisor)
             reduced = self._across_replicas(self._all_reduce_over(scaled, self.group_name))
+            reduced = self._cast(reduced, output.meta["val"].dtype)
         _set_output_at(self.graph, index, reduced)
+        _erase_if_unused(self.graph, [output])
+
+    def _in_reduce_dtype(self, grad: fx.Node) -> fx.Node:
+        """The gradient to reduce: before the cast back to the parameter's dtype that mixed
+        precision's backward ends with, in ``reduce_dtype`` when one is set."""
+        computed = grad.args[0] if _is_dtype_cast(grad) else grad
+        return self._cast(computed, self.reduce_dtype or computed.meta["val"].dtype)
+
+    def _cast(self, node: fx.Node, dtype: torch.dtype, prologue: bool = False) -> fx.Node:
+        if node.meta["val"].dtype == dtype:
+            return node
+        return self._op(prims.convert_element_type.default, node, dtype, prologue=prologue)
 
     def _across_replicas(self, node: fx.Node) -> fx.Node:
         """HSDP: sum the already-reduced shard over the replicate group too."""
@@ -399,6 +451,34 @@ class _Rewrite:
 
     def _wait(self, node: fx.Node) -> fx.Node:
         return call(self.graph, self.mode, c10d.wait_tensor.default, node)
+
+
+def _is_dtype_cast(node: fx.Node) -> bool:
+    """``aten._to_copy(x, dtype=...)`` that changes only the dtype (mixed precision's casts)."""
+    if node.op != "call_function" or node.target is not aten._to_copy.default:
+        return False
+    out, source = node.meta["val"], node.args[0].meta["val"]
+    return (
+        "dtype" in node.kwargs
+        and set(node.kwargs) <= {"dtype", "layout", "device"}
+        and out.dtype != source.dtype
+        and out.device == source.device
+        and out.layout == source.layout
+    )
+
+
+def _compute_casts(placeholder: fx.Node) -> list[fx.Node]:
+    """The placeholder's users when all are casts to one dtype, else ``[]`` (gather as is)."""
+    users = list(placeholder.users)
+    dtypes = {u.meta["val"].dtype for u in users}
+    return users if len(dtypes) == 1 and all(_is_dtype_cast(u) for u in users) else []
+
+
+def _erase_if_unused(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    # A cast to the parameter's dtype the reduction replaced (each at most once: tied outputs).
+    for node in dict.fromkeys(nodes):
+        if not node.users and _is_dtype_cast(node):
+            graph.erase_node(node)
 
 
 def _output_at(graph: fx.Graph, index: int) -> fx.Node:

@@ -16,6 +16,7 @@ from gm_passes.graph_ops import is_collective, is_wait, op_name
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 
 def fake_mode_of(graph: fx.Graph) -> FakeTensorMode:

@@ -196,6 +196,8 @@ def trace_model_graph(
     *,
     pre_hook: Callable[[], None] | None = None,
     state_shapes: Mapping[str, torch.Size] | None = None,
+    param_dtype: torch.dtype | None = None,
+    cast_input_modules: Sequence[str] = ("",),
 ) -> torch.fx.GraphModule:
     """Trace ``train_fn(model, input, label)`` plus its backward into one joint ``GraphModule``.
 
@@ -211,6 +213,13 @@ def trace_model_graph(
         state_shapes: canonical FQN -> the shape to trace that state tensor with, instead of
             its live shape. A sharded model is retraced this way with its FULL shapes (the
             live tensors are shards); nothing is allocated for them.
+        param_dtype: mixed precision, as FSDP2's ``MixedPrecisionPolicy``: forward and backward
+            compute with every floating parameter cast to this dtype. The cast is a node of the
+            graph (``aten._to_copy``), so the parameters, their gradients and the
+            optimizer stay in their own dtype; the fsdp pass moves the cast before the all-gather.
+        cast_input_modules: with ``param_dtype``, the modules (FQNs, ``""`` is the root) whose
+            floating forward inputs are cast to ``param_dtype``, as FSDP2 casts the inputs of
+            every module it wraps.
 
     Returns:
         A ``GraphModule`` following the calling convention of this module's docstring, with the
@@ -241,6 +250,7 @@ def trace_model_graph(
         for alias, canon in {**param_aliases, **buffer_aliases}.items()
     }
 
+    cast_modules = [_module_named(model, fqn, "cast_input_modules") for fqn in cast_input_modules]
     # Filled while tracing: which trainable parameters autograd returned a gradient for.
     record: dict[str, list[int]] = {"grad_slots": []}
 
@@ -250,15 +260,18 @@ def trace_model_graph(
         for pos, t in zip(tensor_pos, io_tensors):
             io[pos] = t
         inp, lab = pytree.tree_unflatten(io, spec)
+        if param_dtype is not None:
+            st = tuple(_cast_floating(t, param_dtype) for t in st[:n_params]) + st[n_params:]
         mapping = dict(zip(state_fqns, st))
         mapping.update({alias: st[slot] for alias, slot in alias_slots.items()})
-        with _reparametrize_module(model, mapping):
+        with _reparametrize_module(model, mapping), _cast_inputs(cast_modules, param_dtype):
             loss = train_fn(model, inp, lab)
         _check_loss(loss, any_trainable=bool(trainable))
         _mark_recorded_nodes("forward")
         if not trainable:
             return (loss,)
-        grads = torch.autograd.grad(loss, [st[i] for i in trainable], allow_unused=True)
+        # Gradients of the uncast parameters: the cast's backward brings them to their dtype.
+        grads = torch.autograd.grad(loss, [flat[i] for i in trainable], allow_unused=True)
         record["grad_slots"] = [i for i, g in zip(trainable, grads) if g is not None]
         return (loss, *(g for g in grads if g is not None))
 
@@ -303,6 +316,40 @@ def trace_model_graph(
     # GraphModule.__deepcopy__ re-sets the attributes listed under this meta key.
     gm.meta.setdefault("_user_preserved_attributes", {}).update(attributes)
     return gm
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, Tensor) and value.is_floating_point() and value.dtype != dtype:
+        return value.to(dtype)
+    return value
+
+
+@contextlib.contextmanager
+def _cast_inputs(modules: Sequence[nn.Module], dtype: torch.dtype | None) -> Iterator[None]:
+    """Cast the floating forward inputs of ``modules`` to ``dtype`` while tracing."""
+
+    def cast(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        return pytree.tree_map(lambda v: _cast_floating(v, dtype), (args, kwargs))
+
+    handles = (
+        []
+        if dtype is None
+        else [module.register_forward_pre_hook(cast, with_kwargs=True) for module in modules]
+    )
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _module_named(model: nn.Module, fqn: str, what: str) -> nn.Module:
+    try:
+        return model.get_submodule(fqn)
+    except AttributeError:
+        raise KeyError(
+            f"{what} names {fqn!r}, which is not a module of {type(model).__name__}"
+        ) from None
 
 
 @dataclass(frozen=True)

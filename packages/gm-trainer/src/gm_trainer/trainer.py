@@ -163,6 +163,7 @@ class GraphTrainer:
             sample_label,
             pre_hook=self._pytree_pre_hook if first else None,
             **self._full_state_shapes(),
+            **self._mixed_precision(),
         )
         pipeline = PassPipeline.from_config(self.pass_config, self.pass_plan)
         gm = pipeline.run(
@@ -239,6 +240,19 @@ class GraphTrainer:
             for fqn, shard in shards.items()
         }
         return {"state_shapes": shapes}
+
+    def _mixed_precision(self) -> dict[str, Any]:
+        """``PassConfig.param_dtype`` for the tracer: cast the parameters, and the inputs of the
+        root and of every planned module (where FSDP2 would cast them)."""
+        dtype = self.pass_config.param_dtype
+        if dtype is None:
+            return {}
+        planned = [
+            name
+            for name, _ in self.model.named_modules()
+            if name and self.pass_plan is not None and self.pass_plan.lookup(name) is not None
+        ]
+        return {"param_dtype": getattr(torch, dtype), "cast_input_modules": ["", *planned]}
 
     def _dump_dir(self) -> Path | None:
         if self.graph_dump_dir is None or self.rank != 0:

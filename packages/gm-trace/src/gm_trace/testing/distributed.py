@@ -158,6 +158,8 @@ class DistributedPool:
             elif p.is_alive():
                 tasks.put(None)
         for p in self._procs:
+            if p.pid is None:  # start() failed (e.g. spawn could not import __main__)
+                continue
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
