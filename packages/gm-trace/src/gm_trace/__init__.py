@@ -1,10 +1,12 @@
 """Graph Mode torch layer: the joint forward+backward tracer and the torch graph passes.
 
 - :func:`trace_model_graph` / :func:`run_traced_graph` capture and run a whole training step.
-- ``fsdp`` (:class:`FSDPPass`) and ``overlap`` (:class:`AutoOverlapPass`) are registered with
-  ``gm_passes`` through the entry-point group ``gm_passes.passes``.
+- ``fsdp`` (:class:`FSDPPass`), ``overlap`` (:class:`AutoOverlapPass`) and ``backend``
+  (:class:`BackendPass`) are registered with ``gm_passes`` through the entry-point group
+  ``gm_passes.passes``; :func:`register_backend` adds a compiler for ``PassConfig.backend``.
 """
 
+from gm_trace.backend import BackendError, BackendPass, available_backends, register_backend
 from gm_trace.fsdp import (
     CollectiveMismatchError,
     FSDPConfigError,
@@ -28,6 +30,8 @@ from gm_trace.tracer import (
 
 __all__ = [
     "AutoOverlapPass",
+    "BackendError",
+    "BackendPass",
     "CollectiveMismatchError",
     "FSDPConfigError",
     "FSDPPass",
@@ -37,8 +41,10 @@ __all__ = [
     "InputSignature",
     "OutputSpec",
     "RowShard",
+    "available_backends",
     "full_parameter",
     "grad_output_node",
+    "register_backend",
     "register_process_group",
     "resolve_process_group",
     "row_shards",

@@ -405,7 +405,8 @@ def run_traced_graph(
 
     Runs under ``torch.no_grad()`` (the graph already holds the backward ops). Buffers that the
     step mutates are updated on ``model``, exactly as an eager step would; gradients are returned,
-    not written to ``.grad``.
+    not written to ``.grad``. When the ``backend`` pass compiled the graph, its
+    ``gm.compiled_step`` computes the outputs instead of ``gm`` itself.
 
     Raises:
         GraphSignatureError: ``input`` / ``label`` differ from the traced sample in structure,
@@ -422,8 +423,9 @@ def run_traced_graph(
 
     live = _live_state(model, gm.state_fqns)
     args = [*live, *(leaf for leaf in leaves if isinstance(leaf, Tensor))]
+    compiled = getattr(gm, "compiled_step", None)  # set by gm_trace.backend.BackendPass
     with torch.no_grad():
-        outputs = gm(*args)
+        outputs = gm(*args) if compiled is None else compiled.run(gm, args)
 
     n_expected = len(gm.output_specs)
     if len(outputs) != n_expected:

@@ -1,0 +1,255 @@
+"""The ``backend`` pass: Inductor and registered backends against the graph run as it is."""
+
+from __future__ import annotations
+
+import copy
+import os
+import stat
+import sys
+
+import backend_bodies as bodies
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+import gm_trace
+from gm_config import PassConfig
+from gm_passes import PassPipeline
+from gm_trace.backend import BackendError, CompiledStep, available_backends, unregister_backend
+from gm_trace.testing import MLP, TinyGPT, lm_loss, make_lm_batch, make_regression_batch, mse_loss
+from gm_trace.tracer import run_traced_graph, trace_model_graph
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def inductor_cache(tmp_path_factory):
+    """A fresh Inductor cache for this module: nothing written to the default cache, and no
+    kernel of an earlier run hides a compile error."""
+    path = str(tmp_path_factory.mktemp("inductor-cache"))
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    yield path
+    if previous is None:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+
+
+def tiny_gpt():
+    torch.manual_seed(0)
+    model = TinyGPT(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
+    return model, lm_loss, lambda step: make_lm_batch(4, 16, 64, seed=step)
+
+
+def mlp():
+    torch.manual_seed(0)
+    return MLP(16, 32, 8), mse_loss, lambda step: make_regression_batch(8, 16, 8, seed=step)
+
+
+def compile_graph(model, train_fn, sample, backend):
+    gm = trace_model_graph(model, train_fn, *sample)
+    pipeline = PassPipeline.from_config(PassConfig(backend=backend))
+    return pipeline.run(gm, model=model), pipeline
+
+
+# --------------------------------------------------------------------------- parity
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("build", [tiny_gpt, mlp], ids=["tiny_gpt", "mlp"])
+def test_inductor_matches_the_graph_over_adam_steps(build, inductor_cache):
+    """Each step, both graphs run on the same weights: loss and every gradient agree; the
+    weights then take an Adam step."""
+    model, train_fn, batch = build()
+    reference, _ = compile_graph(model, train_fn, batch(0), None)
+    compiled, pipeline = compile_graph(model, train_fn, batch(0), "inductor")
+    assert isinstance(compiled.compiled_step, CompiledStep)
+    assert not hasattr(reference, "compiled_step")
+    assert pipeline.names[-1] == "backend"
+    assert pipeline.context.stats["backend"]["backend"] == "inductor"
+    assert compiled.code == reference.code  # the graph module itself is left as it was
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        expected = run_traced_graph(reference, model, *batch(step))
+        actual = run_traced_graph(compiled, model, *batch(step))
+        torch.testing.assert_close(actual.loss, expected.loss, rtol=1e-5, atol=1e-6)
+        assert actual.grads.keys() == expected.grads.keys()
+        for fqn, grad in expected.grads.items():
+            torch.testing.assert_close(actual.grads[fqn], grad, rtol=1e-5, atol=1e-6, msg=fqn)
+            assert actual.grads[fqn].stride() == model.get_parameter(fqn).stride()
+        for fqn, grad in expected.grads.items():
+            model.get_parameter(fqn).grad = grad
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.inductor
+@pytest.mark.distributed
+def test_inductor_matches_the_graph_under_fsdp_on_two_ranks(dist_pool, inductor_cache):
+    """fsdp + overlap + buckets on 2 gloo ranks: the compiled graph issues the graph's
+    collectives in the graph's order on both ranks, and agrees with the graph."""
+    compiled = dist_pool(2).run(bodies.compile_fsdp_pair, inductor_cache, timeout=900)
+    assert all(c["same_graph"] and c["buckets"] == 5 for c in compiled)
+    assert compiled[0]["backend"]["collectives"] == 10  # 5 all-gathers, 5 reduce-scatters
+    results = dist_pool(2).run(bodies.train_fsdp_pair, STEPS, timeout=300)
+    for result in results:
+        assert result["issued"] == result["graph"]
+        assert result["worst_loss_rel"] <= 1e-5
+    assert results[0]["issued"] == results[1]["issued"]
+    assert "gm_c10d.all_gather_into_tensor" in results[0]["issued"]
+
+
+# --------------------------------------------------------------------------- registered
+
+
+def test_a_registered_backend_gets_the_graph_and_its_callable_runs_each_step():
+    model, train_fn, batch = mlp()
+    seen: dict = {"calls": 0}
+
+    def compile_fn(graph_module, example_inputs):
+        seen["graph"], seen["inputs"] = graph_module, example_inputs
+
+        def run(*args):
+            seen["calls"] += 1
+            return graph_module(*args)
+
+        return run
+
+    gm_trace.register_backend("recording", compile_fn)
+    try:
+        assert "recording" in available_backends()
+        reference, _ = compile_graph(model, train_fn, batch(0), None)
+        gm, pipeline = compile_graph(model, train_fn, batch(0), "recording")
+    finally:
+        unregister_backend("recording")
+    assert seen["graph"] is not gm and seen["graph"].code == gm.code  # a copy of the graph
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    assert [tuple(t.shape) for t in seen["inputs"]] == [
+        tuple(p.meta["val"].shape) for p in placeholders
+    ]
+    assert all(isinstance(t, FakeTensor) and not t.requires_grad for t in seen["inputs"])
+    assert seen["calls"] == 0
+    assert pipeline.context.stats["backend"]["backend"] == "recording"
+    for step in range(2):
+        expected = run_traced_graph(reference, model, *batch(step))
+        actual = run_traced_graph(gm, model, *batch(step))
+        assert seen["calls"] == step + 1
+        assert torch.equal(actual.loss, expected.loss)
+        assert all(torch.equal(actual.grads[f], g) for f, g in expected.grads.items())
+
+
+def test_the_compiled_step_survives_deepcopy_and_refuses_a_changed_graph():
+    model, train_fn, batch = mlp()
+    gm, _ = compile_graph(model, train_fn, batch(0), "eager")
+    copied = copy.deepcopy(gm)
+    assert copied.compiled_step is gm.compiled_step
+    run_traced_graph(copied, model, *batch(0))
+    output = copied.graph.output_node()
+    with copied.graph.inserting_before(output):
+        copied.graph.call_function(torch.ops.aten.neg.default, (output.args[0][0],))
+    copied.recompile()
+    with pytest.raises(BackendError, match="changed after the backend pass compiled it"):
+        run_traced_graph(copied, model, *batch(0))
+
+
+def test_an_input_with_other_strides_is_laid_out_as_compiled():
+    model, train_fn, batch = mlp()
+    gm, _ = compile_graph(model, train_fn, batch(0), "eager")
+    x, y = batch(1)
+    strided = x.t().contiguous().t()  # same values, column-major
+    assert strided.stride() != x.stride()
+    expected = run_traced_graph(gm, model, x, y)
+    assert torch.equal(run_traced_graph(gm, model, strided, y).loss, expected.loss)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_an_unknown_backend_lists_the_registered_ones_and_how_to_register():
+    model, train_fn, batch = mlp()
+    with pytest.raises(BackendError) as info:
+        compile_graph(model, train_fn, batch(0), "tvm")
+    message = str(info.value)
+    assert "PassConfig.backend='tvm'" in message
+    assert "'eager', 'inductor'" in message
+    assert "gm_trace.register_backend('tvm', compile_fn)" in message
+    assert "backend=None" in message
+
+
+def test_a_backend_that_returns_no_callable_is_named():
+    model, train_fn, batch = mlp()
+    gm_trace.register_backend("broken", lambda graph_module, example_inputs: 42)
+    try:
+        with pytest.raises(BackendError) as info:
+            compile_graph(model, train_fn, batch(0), "broken")
+    finally:
+        unregister_backend("broken")
+    message = str(info.value)
+    assert "backend 'broken' returned a builtins.int (42), not a callable" in message
+    assert "graph_module.forward" in message
+
+
+def test_register_backend_checks_its_arguments():
+    with pytest.raises(TypeError, match="non-empty string"):
+        gm_trace.register_backend("", lambda gm, inputs: gm)
+    with pytest.raises(TypeError, match="needs a callable"):
+        gm_trace.register_backend("x", "not callable")
+
+
+def _no_deep_traceback(exc: BaseException) -> None:
+    assert exc.__cause__ is None and exc.__suppress_context__
+
+
+def test_no_cpp_compiler_says_so_and_how_to_do_without():
+    import torch._inductor.config as inductor_config
+
+    model, train_fn, batch = mlp()
+    with (
+        inductor_config.patch({"cpp.cxx": ("/nonexistent/g++",)}),
+        pytest.raises(BackendError) as info,
+    ):
+        compile_graph(model, train_fn, batch(0), "inductor")
+    message = str(info.value)
+    assert "no working C++" in message and "'/nonexistent/g++'" in message
+    assert "PassConfig.backend=None to run the graph as it is" in message
+    _no_deep_traceback(info.value)
+
+
+@pytest.mark.inductor
+def test_a_failing_cpp_compiler_shows_its_output(monkeypatch, tmp_path):
+    """A compiler that answers --version but fails on every file: one message naming the
+    command that failed."""
+    import torch._inductor.config as inductor_config
+
+    fake = tmp_path / "fake-g++"
+    fake.write_text(
+        "#!/bin/sh\n"
+        '[ "$1" = --version ] && echo "g++ (fake) 12.2.0" && exit 0\n'
+        'echo "fake-g++: cannot compile" >&2\n'
+        "exit 1\n"
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    model = MLP(5, 7, 3)  # shapes no other test compiles: no kernel comes from memory
+    with (
+        inductor_config.patch({"cpp.cxx": (str(fake),), "fx_graph_cache": False}),
+        pytest.raises(BackendError) as info,
+    ):
+        compile_graph(model, mse_loss, make_regression_batch(4, 5, 3), "inductor")
+    message = str(info.value)
+    assert "the C++ compiler failed" in message and f"command: {fake} " in message
+    assert "PassConfig.backend=None to run the graph as it is" in message
+    _no_deep_traceback(info.value)
+
+
+def test_inductor_not_importable_says_so(monkeypatch):
+    model, train_fn, batch = mlp()
+    monkeypatch.setitem(sys.modules, "torch._inductor.compile_fx", None)  # blocks the import
+    with pytest.raises(BackendError) as info:
+        compile_graph(model, train_fn, batch(0), "inductor")
+    message = str(info.value)
+    assert "needs torch._inductor" in message and "cannot import" in message
+    assert "PassConfig.backend=None to run the graph as it is" in message
+    _no_deep_traceback(info.value)
