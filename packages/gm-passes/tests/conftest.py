@@ -236,13 +236,21 @@ def trace_passes():
     class DummyReshard(DummyOverlap):
         name = "reshard"
 
-    prior = {n: registry._registered.get(n) for n in ("fsdp", "reshard", "overlap")}
+    class DummyBackend(DummyOverlap):
+        name = "backend"
+
+    prior = {n: registry._registered.get(n) for n in ("fsdp", "reshard", "overlap", "backend")}
     register_pass(DummyFSDP)
     register_pass(DummyReshard)
     register_pass(DummyOverlap)
+    register_pass(DummyBackend)
     try:
         yield SimpleNamespace(
-            fsdp=DummyFSDP, reshard=DummyReshard, overlap=DummyOverlap, calls=recorder.calls
+            fsdp=DummyFSDP,
+            reshard=DummyReshard,
+            overlap=DummyOverlap,
+            backend=DummyBackend,
+            calls=recorder.calls,
         )
     finally:
         for name, cls in prior.items():
@@ -266,6 +274,6 @@ def only_gm_passes_entry_points(monkeypatch):
         return found
 
     monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
-    for name in ("fsdp", "reshard", "overlap"):
+    for name in ("fsdp", "reshard", "overlap", "backend"):
         if name in registry._registered:
             monkeypatch.delitem(registry._registered, name)

@@ -21,7 +21,7 @@ ALL = ["dce", "canonicalize", "fsdp", "overlap"]
 
 
 def test_canonical_order():
-    assert CANONICAL_ORDER == ("dce", "canonicalize", "fsdp", "reshard", "overlap")
+    assert CANONICAL_ORDER == ("dce", "canonicalize", "fsdp", "reshard", "overlap", "backend")
 
 
 # --- which passes, in which order -----------------------------------------------------------
@@ -89,6 +89,29 @@ def test_reshard_joins_after_fsdp_when_config_or_plan_asks(trace_passes, config,
     assert PassPipeline.from_config(config, plan).names == expected
     reasons = dict(selected_passes(config, plan))
     assert ("reshard" in reasons) == ("reshard" in expected)
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        (PassConfig(backend="inductor"), [*ALL, "backend"]),
+        (
+            PassConfig(backend="eager", reshard_after_forward=True),
+            [*ALL[:3], "reshard", "overlap", "backend"],
+        ),
+        (
+            PassConfig(backend="my_compiler", fsdp_enabled=False, enable_overlap=False),
+            ["dce", "canonicalize", "backend"],
+        ),
+        (PassConfig(backend=None), ALL),
+    ],
+)
+def test_backend_runs_last_when_config_names_one(trace_passes, config, expected):
+    pipeline = PassPipeline.from_config(config)
+    assert pipeline.names == expected
+    if config.backend is not None:
+        assert type(pipeline.passes[-1]) is trace_passes.backend
+        assert selected_passes(config)[-1] == ("backend", "PassConfig.backend")
 
 
 def test_disabled_config_wins_over_an_enabled_plan(trace_passes):

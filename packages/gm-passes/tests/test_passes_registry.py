@@ -195,6 +195,7 @@ def test_providers_of_the_canonical_passes():
         "fsdp": "gm-trace",
         "reshard": "gm-trace",
         "overlap": "gm-trace",
+        "backend": "gm-trace",
     }
 
 
@@ -217,6 +218,16 @@ def test_overlap_without_gm_trace_names_its_field(only_gm_passes_entry_points):
     assert "'overlap'" in message
     assert "gm-trace" in message
     assert "PassConfig.enable_overlap" in message
+
+
+def test_backend_without_gm_trace_names_its_field(only_gm_passes_entry_points):
+    config = PassConfig(fsdp_enabled=False, enable_overlap=False, backend="inductor")
+    with pytest.raises(PassNotFoundError) as info:
+        PassPipeline.from_config(config)
+    message = str(info.value)
+    assert "'backend'" in message
+    assert "pip install gm-trace" in message
+    assert "PassConfig.backend" in message
 
 
 def test_base_pipeline_needs_nothing_but_gm_passes(only_gm_passes_entry_points):

@@ -13,9 +13,9 @@ from gm_config import PassConfig, PassPlan
 from gm_passes.base import GraphPass, PassContext
 from gm_passes.registry import get_pass
 
-#: dce -> canonicalize -> [fsdp] -> [reshard] -> [overlap]. The backend slot that would follow
-#: is reserved and not wired in this release.
-CANONICAL_ORDER: tuple[str, ...] = ("dce", "canonicalize", "fsdp", "reshard", "overlap")
+#: dce -> canonicalize -> [fsdp] -> [reshard] -> [overlap] -> [backend]. ``backend`` compiles
+#: the final graph, so it runs last.
+CANONICAL_ORDER: tuple[str, ...] = ("dce", "canonicalize", "fsdp", "reshard", "overlap", "backend")
 
 
 @dataclass
@@ -38,6 +38,7 @@ def selected_passes(config: PassConfig, plan: PassPlan | None = None) -> list[tu
         "fsdp": "PassConfig.fsdp_enabled" if fsdp_on else None,
         "reshard": "reshard_after_forward (PassConfig or PassPlan)" if reshard_on else None,
         "overlap": "PassConfig.enable_overlap" if config.enable_overlap else None,
+        "backend": "PassConfig.backend" if config.backend is not None else None,
     }
     return [(name, wanted[name]) for name in CANONICAL_ORDER if wanted[name]]
 

@@ -18,6 +18,7 @@ PROVIDERS: dict[str, str] = {
     "fsdp": "gm-trace",
     "reshard": "gm-trace",
     "overlap": "gm-trace",
+    "backend": "gm-trace",
 }
 
 _registered: dict[str, type[GraphPass]] = {}
