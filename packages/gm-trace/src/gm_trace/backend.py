@@ -342,11 +342,11 @@ def _inductor_failure(exc: BaseException) -> BackendError:
             "Check the compiler (torch._inductor.config.cpp.cxx, the CXX environment variable), "
             "or set PassConfig.backend=None to run the graph as it is."
         )
-    message = str(root).strip().splitlines()
+    lines = str(root).strip().splitlines()
+    first = lines[0].strip().rstrip(".") if lines else ""
     return BackendError(
-        f"Inductor could not compile the graph: {type(root).__name__}: "
-        f"{message[0] if message else ''}. Set PassConfig.backend=None to run the graph as it "
-        "is (the cause is chained below)."
+        f"Inductor could not compile the graph: {type(root).__name__}: {first}. Set "
+        "PassConfig.backend=None to run the graph as it is (the cause is chained below)."
     )
 
 
