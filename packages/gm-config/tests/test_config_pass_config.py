@@ -19,6 +19,7 @@ DEFAULTS = {
     "bucket_cap_mb": 25.0,
     "prefetch_blocks": 1,
     "reshard_after_forward": False,
+    "recompute_pointwise": True,
     "param_dtype": None,
     "reduce_dtype": None,
     "backend": None,
@@ -29,6 +30,7 @@ BOOL_FIELDS = [
     "sequence_parallel",
     "loss_parallel",
     "reshard_after_forward",
+    "recompute_pointwise",
 ]
 
 
@@ -60,6 +62,7 @@ def test_valid_non_default_values_are_kept():
         bucket_cap_mb=None,
         prefetch_blocks=None,
         reshard_after_forward=True,
+        recompute_pointwise=False,
         param_dtype="bfloat16",
         reduce_dtype="float32",
         backend="inductor",
@@ -74,6 +77,7 @@ def test_valid_non_default_values_are_kept():
         "bucket_cap_mb": None,
         "prefetch_blocks": None,
         "reshard_after_forward": True,
+        "recompute_pointwise": False,
         "param_dtype": "bfloat16",
         "reduce_dtype": "float32",
         "backend": "inductor",

@@ -239,15 +239,18 @@ def trace_passes():
     class DummyBackend(DummyOverlap):
         name = "backend"
 
-    prior = {n: registry._registered.get(n) for n in ("fsdp", "reshard", "overlap", "backend")}
-    register_pass(DummyFSDP)
-    register_pass(DummyReshard)
-    register_pass(DummyOverlap)
-    register_pass(DummyBackend)
+    class DummyRecompute(DummyOverlap):
+        name = "recompute"
+
+    dummies = (DummyFSDP, DummyReshard, DummyRecompute, DummyOverlap, DummyBackend)
+    prior = {cls.name: registry._registered.get(cls.name) for cls in dummies}
+    for cls in dummies:
+        register_pass(cls)
     try:
         yield SimpleNamespace(
             fsdp=DummyFSDP,
             reshard=DummyReshard,
+            recompute=DummyRecompute,
             overlap=DummyOverlap,
             backend=DummyBackend,
             calls=recorder.calls,
@@ -274,6 +277,6 @@ def only_gm_passes_entry_points(monkeypatch):
         return found
 
     monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
-    for name in ("fsdp", "reshard", "overlap", "backend"):
+    for name in ("fsdp", "reshard", "recompute", "overlap", "backend"):
         if name in registry._registered:
             monkeypatch.delitem(registry._registered, name)

@@ -17,11 +17,19 @@ from gm_passes import (
     selected_passes,
 )
 
-ALL = ["dce", "canonicalize", "fsdp", "overlap"]
+ALL = ["dce", "canonicalize", "fsdp", "recompute", "overlap"]
 
 
 def test_canonical_order():
-    assert CANONICAL_ORDER == ("dce", "canonicalize", "fsdp", "reshard", "overlap", "backend")
+    assert CANONICAL_ORDER == (
+        "dce",
+        "canonicalize",
+        "fsdp",
+        "reshard",
+        "recompute",
+        "overlap",
+        "backend",
+    )
 
 
 # --- which passes, in which order -----------------------------------------------------------
@@ -30,10 +38,10 @@ def test_canonical_order():
 @pytest.mark.parametrize(
     ("fsdp", "overlap", "expected"),
     [
-        (True, True, ["dce", "canonicalize", "fsdp", "overlap"]),
-        (True, False, ["dce", "canonicalize", "fsdp"]),
-        (False, True, ["dce", "canonicalize", "overlap"]),
-        (False, False, ["dce", "canonicalize"]),
+        (True, True, ["dce", "canonicalize", "fsdp", "recompute", "overlap"]),
+        (True, False, ["dce", "canonicalize", "fsdp", "recompute"]),
+        (False, True, ["dce", "canonicalize", "recompute", "overlap"]),
+        (False, False, ["dce", "canonicalize", "recompute"]),
     ],
 )
 def test_from_config_order(trace_passes, fsdp, overlap, expected):
@@ -55,7 +63,10 @@ def test_from_config_order(trace_passes, fsdp, overlap, expected):
         (None, ALL),
         (PassPlan().add_module("layers.0"), ALL),
         (PassPlan(), ALL),  # an explicitly enabled plan
-        (PassPlan(fsdp_enabled=False).add_module("layers.0"), ["dce", "canonicalize", "overlap"]),
+        (
+            PassPlan(fsdp_enabled=False).add_module("layers.0"),
+            ["dce", "canonicalize", "recompute", "overlap"],
+        ),
     ],
 )
 def test_plan_enabled_gates_fsdp(trace_passes, plan, expected):
@@ -70,18 +81,18 @@ def test_plan_enabled_gates_fsdp(trace_passes, plan, expected):
         (
             PassConfig(reshard_after_forward=True),
             None,
-            ["dce", "canonicalize", "fsdp", "reshard", "overlap"],
+            ["dce", "canonicalize", "fsdp", "reshard", "recompute", "overlap"],
         ),
         (
             PassConfig(),
             PassPlan().add_pattern("layers.*", reshard_after_forward=True),
-            ["dce", "canonicalize", "fsdp", "reshard", "overlap"],
+            ["dce", "canonicalize", "fsdp", "reshard", "recompute", "overlap"],
         ),
         (PassConfig(), PassPlan().add_pattern("layers.*", reshard_after_forward=False), ALL),
         (
             PassConfig(reshard_after_forward=True, fsdp_enabled=False),
             None,
-            ["dce", "canonicalize", "overlap"],
+            ["dce", "canonicalize", "recompute", "overlap"],
         ),
     ],
 )
@@ -97,11 +108,11 @@ def test_reshard_joins_after_fsdp_when_config_or_plan_asks(trace_passes, config,
         (PassConfig(backend="inductor"), [*ALL, "backend"]),
         (
             PassConfig(backend="eager", reshard_after_forward=True),
-            [*ALL[:3], "reshard", "overlap", "backend"],
+            [*ALL[:3], "reshard", "recompute", "overlap", "backend"],
         ),
         (
             PassConfig(backend="my_compiler", fsdp_enabled=False, enable_overlap=False),
-            ["dce", "canonicalize", "backend"],
+            ["dce", "canonicalize", "recompute", "backend"],
         ),
         (PassConfig(backend=None), ALL),
     ],
@@ -124,6 +135,7 @@ def test_selected_passes_names_the_setting_that_asked():
         ("dce", "the base pipeline"),
         ("canonicalize", "the base pipeline"),
         ("fsdp", "PassConfig.fsdp_enabled"),
+        ("recompute", "PassConfig.recompute_pointwise"),
         ("overlap", "PassConfig.enable_overlap"),
     ]
     assert selected_passes(PassConfig(), PassPlan(fsdp_enabled=False))[-1] == (
@@ -159,19 +171,19 @@ def test_run_applies_every_pass_in_order_and_records_it(trace_passes, dead_code_
     result = pipeline.run(dead_code_graph)
     assert result is dead_code_graph
     assert [n.name for n in result.graph.nodes] == ["x", "y", "add", "fsdp_marker", "output"]
-    assert [name for name, _, _ in trace_passes.calls] == ["fsdp", "overlap"]
+    assert [name for name, _, _ in trace_passes.calls] == ["fsdp", "recompute", "overlap"]
 
     records = pipeline.records
     assert all(isinstance(r, PassRecord) for r in records)
     assert [r.name for r in records] == ALL
-    assert [r.modified for r in records] == [True, False, True, False]
+    assert [r.modified for r in records] == [True, False, True, False, False]
     for r in records:
         assert isinstance(r.seconds, float)
         assert r.seconds >= 0
     assert records[0].stats == {"nodes_removed": 2}
     assert records[1].stats == {"aliases_removed": 0}
     assert records[2].stats == {"marker": True}
-    assert records[3].stats == {}
+    assert records[3].stats == records[4].stats == {}
 
 
 def test_run_shares_one_context(trace_passes, dead_code_graph):
@@ -229,7 +241,8 @@ def test_a_pass_may_return_a_new_graph_module(fx, dead_code_graph):
 
 
 def test_a_second_run_starts_fresh_records_and_context(trace_passes, fx, dead_code_graph):
-    pipeline = PassPipeline.from_config(PassConfig(fsdp_enabled=False, enable_overlap=False))
+    config = PassConfig(fsdp_enabled=False, enable_overlap=False, recompute_pointwise=False)
+    pipeline = PassPipeline.from_config(config)
     pipeline.run(dead_code_graph)
     first_ctx = pipeline.context
     g = fx.Graph()
@@ -246,8 +259,8 @@ def test_summary_has_one_line_per_pass(trace_passes, dead_code_graph):
     assert pipeline.summary() == ""
     pipeline.run(dead_code_graph)
     lines = pipeline.summary().splitlines()
-    assert len(lines) == 4
-    for line, name, changed in zip(lines, ALL, [True, False, True, False], strict=True):
+    assert len(lines) == 5
+    for line, name, changed in zip(lines, ALL, [True, False, True, False, False], strict=True):
         assert line.split()[0] == name
         assert " ms " in line
         assert line.endswith("changed" if changed else "unchanged")
@@ -268,7 +281,8 @@ def test_dump_dir_holds_the_graph_before_and_after_each_pass(
         "01-dce.txt",
         "02-canonicalize.txt",
         "03-fsdp.txt",
-        "04-overlap.txt",
+        "04-recompute.txt",
+        "05-overlap.txt",
     ]
     text = {name: (dump / name).read_text(encoding="utf-8") for name in files}
     assert all(t.startswith("# fake code") for t in text.values())  # the module's .code
@@ -276,8 +290,8 @@ def test_dump_dir_holds_the_graph_before_and_after_each_pass(
     assert "dead_mul" not in text["01-dce.txt"]
     assert "fsdp_marker" not in text["02-canonicalize.txt"]
     assert "fsdp_marker" in text["03-fsdp.txt"]
-    assert text["04-overlap.txt"] == text["03-fsdp.txt"]
-    assert text["04-overlap.txt"] == dead_code_graph.code
+    assert text["05-overlap.txt"] == text["04-recompute.txt"] == text["03-fsdp.txt"]
+    assert text["05-overlap.txt"] == dead_code_graph.code
 
 
 def test_dump_accepts_a_str_path(dead_code_graph, tmp_path):
@@ -320,7 +334,7 @@ def test_without_dump_dir_nothing_is_formatted_or_written(trace_passes, fx, tmp_
     monkeypatch.chdir(tmp_path)
     pipeline = PassPipeline.from_config(PassConfig())
     assert pipeline.run(gm) is gm
-    assert [r.modified for r in pipeline.records] == [True, False, True, False]
+    assert [r.modified for r in pipeline.records] == [True, False, True, False, False]
     assert list(tmp_path.iterdir()) == []
     # the same module does get formatted once a dump_dir is given
     with pytest.raises(AssertionError, match=r"gm\.code was read"):

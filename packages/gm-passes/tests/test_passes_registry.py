@@ -22,6 +22,9 @@ from gm_passes import (
     unregister_pass,
 )
 
+#: A config that asks for the torch-free base passes only.
+BASE_ONLY = {"fsdp_enabled": False, "enable_overlap": False, "recompute_pointwise": False}
+
 
 class _Noop(GraphPass):
     def run(self, graph_module, ctx):
@@ -194,6 +197,7 @@ def test_providers_of_the_canonical_passes():
         "canonicalize": "gm-passes",
         "fsdp": "gm-trace",
         "reshard": "gm-trace",
+        "recompute": "gm-trace",
         "overlap": "gm-trace",
         "backend": "gm-trace",
     }
@@ -213,7 +217,7 @@ def test_from_config_without_gm_trace_names_the_distribution_and_the_field(
 
 def test_overlap_without_gm_trace_names_its_field(only_gm_passes_entry_points):
     with pytest.raises(PassNotFoundError) as info:
-        PassPipeline.from_config(PassConfig(fsdp_enabled=False))
+        PassPipeline.from_config(PassConfig(fsdp_enabled=False, recompute_pointwise=False))
     message = str(info.value)
     assert "'overlap'" in message
     assert "gm-trace" in message
@@ -221,7 +225,7 @@ def test_overlap_without_gm_trace_names_its_field(only_gm_passes_entry_points):
 
 
 def test_backend_without_gm_trace_names_its_field(only_gm_passes_entry_points):
-    config = PassConfig(fsdp_enabled=False, enable_overlap=False, backend="inductor")
+    config = PassConfig(**BASE_ONLY, backend="inductor")
     with pytest.raises(PassNotFoundError) as info:
         PassPipeline.from_config(config)
     message = str(info.value)
@@ -230,8 +234,17 @@ def test_backend_without_gm_trace_names_its_field(only_gm_passes_entry_points):
     assert "PassConfig.backend" in message
 
 
+def test_recompute_without_gm_trace_names_its_field(only_gm_passes_entry_points):
+    with pytest.raises(PassNotFoundError) as info:
+        PassPipeline.from_config(PassConfig(fsdp_enabled=False, enable_overlap=False))
+    message = str(info.value)
+    assert "'recompute'" in message
+    assert "pip install gm-trace" in message
+    assert "PassConfig.recompute_pointwise" in message
+
+
 def test_base_pipeline_needs_nothing_but_gm_passes(only_gm_passes_entry_points):
-    pipeline = PassPipeline.from_config(PassConfig(fsdp_enabled=False, enable_overlap=False))
+    pipeline = PassPipeline.from_config(PassConfig(**BASE_ONLY))
     assert pipeline.names == ["dce", "canonicalize"]
 
 
@@ -239,6 +252,6 @@ def test_missing_base_pass_names_gm_passes(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda **kwargs: [])
     monkeypatch.setattr(registry, "_registered", {})
     with pytest.raises(PassNotFoundError) as info:
-        PassPipeline.from_config(PassConfig(fsdp_enabled=False, enable_overlap=False))
+        PassPipeline.from_config(PassConfig(**BASE_ONLY))
     assert "'dce'" in str(info.value)
     assert "pip install gm-passes" in str(info.value)

@@ -282,3 +282,36 @@ def many_gathers_in_flight(rank: int, world: int):
         for p in params:
             p.add_(1)
     return str(gather)
+
+
+def recompute_parity(rank: int, world: int):
+    """FSDP + reshard with the recompute pass on and off: identical losses; recomputation
+    never makes backward read a parameter gathered for forward (that would undo reshard)."""
+    runs = {}
+    for name, recompute in (("off", False), ("on", True)):
+        model, train_fn, batch = build("gpt", world)
+        config = PassConfig(reshard_after_forward=True, recompute_pointwise=recompute)
+        gm, pipeline = compile_fsdp(model, train_fn, _local(batch(0), rank, world), config)
+        optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+        losses = []
+        for step in range(3):
+            out = run_traced_graph(gm, model, *_local(batch(step), rank, world))
+            for fqn, grad in out.grads.items():
+                model.get_parameter(fqn).grad = grad
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(out.loss.item())
+        stats = pipeline.context.stats
+        runs[name] = {
+            "losses": losses,
+            "recomputed": len(stats.get("recompute", {}).get("recomputed", [])),
+            "peak": stats["overlap"]["peak_memory_bytes_after"],
+            "forward_params_read_in_backward": [
+                node.name
+                for node in gm.graph.nodes
+                if "gm_full_param" in node.meta
+                and not node.meta.get("gm_regather")
+                and any(u.meta.get("gm_phase") == "backward" for u in node.users)
+            ],
+        }
+    return runs

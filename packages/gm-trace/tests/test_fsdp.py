@@ -141,7 +141,9 @@ def test_prefetch_bounds_gathers_in_flight_and_waits_overlap_compute(dist_pool):
 
 @pytest.mark.parametrize("param_dtype", [None, "bfloat16"])
 def test_reshard_after_forward_is_exact_and_lowers_the_peak(param_dtype, dist_pool):
-    runs, _ = dist_pool(2).run(bodies.reshard, {"param_dtype": param_dtype})
+    # Recompute off: on this tiny model its savings move the peak away from the parameters.
+    overrides = {"param_dtype": param_dtype, "recompute_pointwise": False}
+    runs, _ = dist_pool(2).run(bodies.reshard, overrides)
     # Every collective, all-reduces of the replicated parameters included, in the compute dtype.
     assert all(run["dtypes"] == [f"torch.{param_dtype or 'float32'}"] for run in runs.values())
     # TinyGPT without a plan has 5 blocks; all but pos_emb are read in backward (the tied

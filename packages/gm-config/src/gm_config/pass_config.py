@@ -68,6 +68,12 @@ class PassConfig:
     before its first backward use: lower peak memory for one more all-gather per block.
     A planned module's own ``reshard_after_forward`` (PassPlan / YAML) overrides this."""
 
+    recompute_pointwise: bool = True
+    """Run the ``recompute`` pass: a saved activation that a few pointwise ops compute from
+    values backward keeps anyway (a GELU output, an RMSNorm's scaled input) is recomputed in
+    backward instead of held from forward. Bitwise identical results; lower peak memory for a
+    little elementwise work."""
+
     param_dtype: str | None = None
     """Mixed precision, as FSDP2's ``MixedPrecisionPolicy.param_dtype``: the dtype forward and
     backward compute in (``"bfloat16"``, ``"float16"`` or ``"float32"``). Floating parameters stay

@@ -13,9 +13,18 @@ from gm_config import PassConfig, PassPlan
 from gm_passes.base import GraphPass, PassContext
 from gm_passes.registry import get_pass
 
-#: dce -> canonicalize -> [fsdp] -> [reshard] -> [overlap] -> [backend]. ``backend`` compiles
-#: the final graph, so it runs last.
-CANONICAL_ORDER: tuple[str, ...] = ("dce", "canonicalize", "fsdp", "reshard", "overlap", "backend")
+#: dce -> canonicalize -> [fsdp] -> [reshard] -> [recompute] -> [overlap] -> [backend].
+#: ``recompute`` sees the re-gathers ``reshard`` added; ``overlap`` schedules the final compute;
+#: ``backend`` compiles the final graph, so it runs last.
+CANONICAL_ORDER: tuple[str, ...] = (
+    "dce",
+    "canonicalize",
+    "fsdp",
+    "reshard",
+    "recompute",
+    "overlap",
+    "backend",
+)
 
 
 @dataclass
@@ -37,6 +46,7 @@ def selected_passes(config: PassConfig, plan: PassPlan | None = None) -> list[tu
         "canonicalize": "the base pipeline",
         "fsdp": "PassConfig.fsdp_enabled" if fsdp_on else None,
         "reshard": "reshard_after_forward (PassConfig or PassPlan)" if reshard_on else None,
+        "recompute": "PassConfig.recompute_pointwise" if config.recompute_pointwise else None,
         "overlap": "PassConfig.enable_overlap" if config.enable_overlap else None,
         "backend": "PassConfig.backend" if config.backend is not None else None,
     }

@@ -17,6 +17,7 @@ PROVIDERS: dict[str, str] = {
     "canonicalize": "gm-passes",
     "fsdp": "gm-trace",
     "reshard": "gm-trace",
+    "recompute": "gm-trace",
     "overlap": "gm-trace",
     "backend": "gm-trace",
 }

@@ -8,6 +8,10 @@ creation. An estimate for comparing schedules, not a promise about an allocator.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import torch
 import torch.fx as fx
 
 from gm_passes.graph_ops import is_wait, mutates_an_input, op_name
@@ -84,5 +88,33 @@ def estimate_peak_memory(graph_module: fx.GraphModule) -> int:
     peak = live = 0
     for change in delta:
         live += change
+        peak = max(peak, live)
+    return peak
+
+
+def peak_allocated_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu") -> int:
+    """Measured, not estimated: the peak of tensor memory allocated while ``fn()`` runs, above
+    what was allocated when it started (CUDA: the caching allocator's statistics; CPU: the
+    profiler's allocation and free events, summed in time order)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - start
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (event.start_ns(), event.nbytes())
+        for event in prof.profiler.kineto_results.events()
+        if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU
+    )
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
         peak = max(peak, live)
     return peak
