@@ -4,9 +4,11 @@ Run: ``python bench/fsdp_bench.py [--layers 4 12] [--steps 8] [--out bench/resul
 (or ``nox -s bench``). CPU, gloo, one thread per rank. Prints a markdown table and writes JSON.
 
 1. single process: eager (autograd + Adam) vs graph mode — median step time.
-2. 2 ranks: FSDP2 (``fully_shard`` per block + root) vs graph-mode FSDP with overlap off, overlap
-   on, and bucketing + prefetch — median step time, peak resident memory per rank (growth over
-   the process's baseline), collectives and bytes per step.
+2. 2 ranks: FSDP2 (``fully_shard`` per block + root; reshard_after_forward on / off; bf16
+   ``MixedPrecisionPolicy``) vs graph-mode FSDP with overlap off, overlap on, bucketing +
+   prefetch, with and without the recompute pass, reshard, bf16 — median step time, peak
+   allocated tensor memory of one step (profiler allocation events), peak resident memory
+   (growth over the process's baseline), collectives and bytes per step.
 3. trace + pass time of graph mode at 2, 4, 8, 16 layers (2 ranks).
 
 Each distributed configuration runs in fresh rank processes, so peak memory is its own.
@@ -30,14 +32,34 @@ from gm_trace.testing import TinyGPT, lm_loss, make_lm_batch
 from gm_trace.testing.distributed import DistributedPool, DistributedTestError
 
 DIM, HEADS, SEQ, VOCAB, BATCH_PER_RANK = 128, 4, 128, 256, 8
+NO_RECOMPUTE = {"recompute_pointwise": False}
+RESHARD = {"reshard_after_forward": True}
+BF16 = {"param_dtype": "bfloat16"}
 GRAPH_CONFIGS = {
     "graph: overlap off": {"enable_overlap": False, "bucket_cap_mb": None, "prefetch_blocks": None},
     "graph: overlap on": {"enable_overlap": True, "bucket_cap_mb": None, "prefetch_blocks": None},
     "graph: buckets, all up front": {"prefetch_blocks": None},
-    "graph: buckets+prefetch 1": {"prefetch_blocks": 1},
+    "graph: default (buckets+prefetch 1)": {},
+    "graph: default, no recompute": NO_RECOMPUTE,
     "graph: buckets+prefetch 2": {"prefetch_blocks": 2},
-    "graph: buckets+prefetch 1+reshard": {"prefetch_blocks": 1, "reshard_after_forward": True},
+    "graph: reshard": RESHARD,
+    "graph: reshard, no recompute": {**RESHARD, **NO_RECOMPUTE},
+    "graph: reshard, bf16": {**RESHARD, **BF16},
 }
+#: FSDP2 eager configurations: reshard_after_forward, MixedPrecisionPolicy.param_dtype.
+FSDP2_CONFIGS = {
+    "fsdp2": (True, None),
+    "fsdp2 keep": (False, None),
+    "fsdp2 bf16": (True, "bfloat16"),
+}
+
+
+def fsdp2_counterpart(config: str) -> str:
+    """The FSDP2 row with the same reshard and dtype settings as a graph row."""
+    settings = GRAPH_CONFIGS.get(config, {})
+    if settings.get("param_dtype"):
+        return "fsdp2 bf16"
+    return "fsdp2" if settings.get("reshard_after_forward") else "fsdp2 keep"
 
 
 def _model(n_layers: int) -> TinyGPT:
@@ -105,11 +127,13 @@ def single_process(n_layers: int, steps: int) -> dict[str, float]:
 
 
 def distributed_config(rank: int, world: int, n_layers: int, steps: int, config: str):
-    """One configuration on fresh ranks: median step time, peak RSS growth, comm volume."""
+    """One configuration on fresh ranks: median step time, peak RSS growth, peak allocated
+    tensor memory of one step, comm volume."""
     import gc
 
     from torch.distributed.tensor.debug import CommDebugMode
 
+    from gm_trace.memory import peak_allocated_bytes
     from gm_trainer import GraphTrainer
 
     gc.collect()
@@ -121,15 +145,16 @@ def distributed_config(rank: int, world: int, n_layers: int, steps: int, config:
     ]
     model = _model(n_layers)
     result: dict[str, float] = {}
-    if config.startswith("fsdp2"):
+    if config in FSDP2_CONFIGS:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh("cpu", (world,))
-        reshard = config == "fsdp2"  # FSDP2's default; "fsdp2 keep" keeps gathered params
+        reshard, dtype = FSDP2_CONFIGS[config]
+        policy = MixedPrecisionPolicy(param_dtype=getattr(torch, dtype) if dtype else None)
         for layer in model.layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         step = _eager_step(model, torch.optim.Adam(model.parameters()))
         with CommDebugMode() as comm:
             step(batches[0])
@@ -139,11 +164,17 @@ def distributed_config(rank: int, world: int, n_layers: int, steps: int, config:
         trainer = GraphTrainer(model, lm_loss, PassConfig(**GRAPH_CONFIGS[config]))
         step = _graph_step(trainer)
         step_s = _timed_steps(step, batches, 2)
-        stats = trainer.pipelines[0].context.stats["fsdp"]
-        result["collectives_per_step"] = sum(stats["collectives"].values())
-        result["bytes_per_step"] = sum(stats["bytes_per_step"].values())
+        stats = trainer.pipelines[0].context.stats
+        regathered = stats.get("reshard", {})  # reshard's extra all-gathers for backward
+        result["collectives_per_step"] = sum(stats["fsdp"]["collectives"].values()) + len(
+            regathered.get("regathered_buckets", [])
+        )
+        result["bytes_per_step"] = sum(stats["fsdp"]["bytes_per_step"].values()) + regathered.get(
+            "extra_all_gather_bytes", 0
+        )
     result["step_s"] = step_s
     result["peak_rss_growth_mb"] = (_rss_kib("VmHWM") - baseline) / 1024
+    result["peak_alloc_mb"] = peak_allocated_bytes(lambda: step(batches[-1])) / 2**20
     return result
 
 
@@ -161,13 +192,16 @@ def trace_and_pass_time(rank: int, world: int, layers: list[int]) -> dict[int, f
     return seconds
 
 
-def _fsdp2_bytes(n_layers: int, regather: bool) -> int:
+def _fsdp2_bytes(n_layers: int, config: str) -> int:
     # FSDP2: an all-gather in forward, with reshard_after_forward again in backward for every
-    # block but the root, and one reduce-scatter: the full parameter bytes moved.
+    # block but the root, and one reduce-scatter: the full parameter bytes moved, in
+    # param_dtype (reduce_dtype defaults to it).
+    reshard, dtype = FSDP2_CONFIGS[config]
+    itemsize = getattr(torch, dtype).itemsize if dtype else 4
     model = _model(n_layers)
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    blocks = sum(p.numel() * p.element_size() for p in model.layers.parameters())
-    return 2 * params + (blocks if regather else 0)
+    params = sum(p.numel() for p in model.parameters())
+    blocks = sum(p.numel() for p in model.layers.parameters())
+    return (2 * params + (blocks if reshard else 0)) * itemsize
 
 
 def main() -> int:
@@ -175,13 +209,17 @@ def main() -> int:
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 12])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default="bench/results/fsdp.json")
+    parser.add_argument(
+        "--configs", nargs="+", help="run only these rows (FSDP2 rows are always run: the ratios)"
+    )
     args = parser.parse_args()
 
     report: dict[str, object] = {"torch": torch.__version__, "single": {}, "fsdp": {}}
     for n_layers in args.layers:
         report["single"][n_layers] = single_process(n_layers, args.steps)
         rows = {}
-        for config in ["fsdp2", "fsdp2 keep", *GRAPH_CONFIGS]:
+        wanted = [c for c in GRAPH_CONFIGS if args.configs is None or c in args.configs]
+        for config in [*FSDP2_CONFIGS, *wanted]:
             try:
                 with DistributedPool(2) as pool:
                     per_rank = pool.run(
@@ -193,10 +231,10 @@ def main() -> int:
             rows[config] = {
                 "step_s": max(r["step_s"] for r in per_rank),
                 "peak_rss_growth_mb": max(r["peak_rss_growth_mb"] for r in per_rank),
+                "peak_alloc_mb": max(r["peak_alloc_mb"] for r in per_rank),
                 "collectives_per_step": per_rank[0]["collectives_per_step"],
-                "bytes_per_step": per_rank[0].get(
-                    "bytes_per_step", _fsdp2_bytes(n_layers, regather=config == "fsdp2")
-                ),
+                "bytes_per_step": per_rank[0].get("bytes_per_step")
+                or _fsdp2_bytes(n_layers, config),
             }
         report["fsdp"][n_layers] = rows
     with DistributedPool(2) as pool:
@@ -216,21 +254,26 @@ def format_report(report: dict) -> str:
         lines.append(f"| {n} | {r['eager_s']:.4f} | {r['graph_s']:.4f} | {r['ratio']:.2f} |")
     lines += [
         "",
-        "| layers | config | s/step | vs FSDP2 | peak RSS growth MiB | vs FSDP2 | collectives/step "
-        "| MiB/step |",
-        "|---|---|---|---|---|---|---|---|",
+        "Ratios compare each row with the FSDP2 row of the same reshard and dtype settings "
+        "(`fsdp2`: reshard_after_forward=True, `fsdp2 keep`: False, `fsdp2 bf16`: True + bf16).",
+        "",
+        "| layers | config | vs | s/step | ratio | peak alloc MiB | ratio | peak RSS growth MiB "
+        "| ratio | collectives/step | MiB/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for n, rows in report["fsdp"].items():
-        base = rows["fsdp2"]
         for config, r in rows.items():
             if "error" in r:
-                lines.append(f"| {n} | {config} | failed: {r['error']} | | | | | |")
+                lines.append(f"| {n} | {config} | | failed: {r['error']} | | | | | | | |")
                 continue
+            vs = fsdp2_counterpart(config) if config not in FSDP2_CONFIGS else config
+            base = rows.get(vs, r) if "error" not in rows.get(vs, {}) else r
             lines.append(
-                f"| {n} | {config} | {r['step_s']:.4f} | {r['step_s'] / base['step_s']:.2f} "
+                f"| {n} | {config} | {vs} | {r['step_s']:.4f} | {r['step_s'] / base['step_s']:.2f} "
+                f"| {r['peak_alloc_mb']:.1f} | {r['peak_alloc_mb'] / base['peak_alloc_mb']:.2f} "
                 f"| {r['peak_rss_growth_mb']:.1f} "
                 f"| {r['peak_rss_growth_mb'] / max(base['peak_rss_growth_mb'], 1e-9):.2f} "
-                f"| {r['collectives_per_step']} | {r['bytes_per_step'] / 2**20:.1f} |"
+                f"| {r['collectives_per_step']} | {r['bytes_per_step'] / 2**20:.2f} |"
             )
     lines += ["", "| layers | trace + passes s (2 ranks) |", "|---|---|"]
     lines += [f"| {n} | {s:.2f} |" for n, s in report["trace_s"].items()]
