@@ -215,32 +215,23 @@ def test_from_config_without_gm_trace_names_the_distribution_and_the_field(
     assert "PassConfig.fsdp_enabled" in message
 
 
-def test_overlap_without_gm_trace_names_its_field(only_gm_passes_entry_points):
+@pytest.mark.parametrize(
+    ("overrides", "name", "field"),
+    [
+        ({"fsdp_enabled": False, "recompute_pointwise": False}, "overlap", "enable_overlap"),
+        ({**BASE_ONLY, "backend": "inductor"}, "backend", "backend"),
+        ({"fsdp_enabled": False, "enable_overlap": False}, "recompute", "recompute_pointwise"),
+    ],
+)
+def test_each_gm_trace_pass_missing_names_its_field(
+    only_gm_passes_entry_points, overrides, name, field
+):
     with pytest.raises(PassNotFoundError) as info:
-        PassPipeline.from_config(PassConfig(fsdp_enabled=False, recompute_pointwise=False))
+        PassPipeline.from_config(PassConfig(**overrides))
     message = str(info.value)
-    assert "'overlap'" in message
-    assert "gm-trace" in message
-    assert "PassConfig.enable_overlap" in message
-
-
-def test_backend_without_gm_trace_names_its_field(only_gm_passes_entry_points):
-    config = PassConfig(**BASE_ONLY, backend="inductor")
-    with pytest.raises(PassNotFoundError) as info:
-        PassPipeline.from_config(config)
-    message = str(info.value)
-    assert "'backend'" in message
+    assert f"'{name}'" in message
     assert "pip install gm-trace" in message
-    assert "PassConfig.backend" in message
-
-
-def test_recompute_without_gm_trace_names_its_field(only_gm_passes_entry_points):
-    with pytest.raises(PassNotFoundError) as info:
-        PassPipeline.from_config(PassConfig(fsdp_enabled=False, enable_overlap=False))
-    message = str(info.value)
-    assert "'recompute'" in message
-    assert "pip install gm-trace" in message
-    assert "PassConfig.recompute_pointwise" in message
+    assert f"PassConfig.{field}" in message
 
 
 def test_base_pipeline_needs_nothing_but_gm_passes(only_gm_passes_entry_points):

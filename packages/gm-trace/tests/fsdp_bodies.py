@@ -218,6 +218,20 @@ def schedule(rank: int, world: int, prefetch_blocks: int | None):
     return issued_up_front, pipeline.context.stats["overlap"]
 
 
+def _train(gm, model, batch, rank: int, world: int, steps: int) -> list[float]:
+    """``steps`` Adam steps of the compiled graph on this rank's slices; the losses."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    losses = []
+    for step in range(steps):
+        out = run_traced_graph(gm, model, *_local(batch(step), rank, world))
+        for fqn, grad in out.grads.items():
+            model.get_parameter(fqn).grad = grad
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(out.loss.item())
+    return losses
+
+
 def reshard(rank: int, world: int, overrides: dict):
     """reshard_after_forward: identical training, one more all-gather per block, a lower
     static peak; the per-module setting of the plan overrides the config. The plan shards
@@ -235,15 +249,7 @@ def reshard(rank: int, world: int, overrides: dict):
     ]:
         model, train_fn, batch = build("gpt", world)
         gm, pipeline = compile_fsdp(model, train_fn, _local(batch(0), rank, world), config, plan)
-        optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-        losses = []
-        for step in range(3):
-            out = run_traced_graph(gm, model, *_local(batch(step), rank, world))
-            for fqn, grad in out.grads.items():
-                model.get_parameter(fqn).grad = grad
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(out.loss.item())
+        losses = _train(gm, model, batch, rank, world, steps=3)
         stats = pipeline.context.stats
         runs[name] = {
             "losses": losses,
@@ -292,15 +298,7 @@ def recompute_parity(rank: int, world: int):
         model, train_fn, batch = build("gpt", world)
         config = PassConfig(reshard_after_forward=True, recompute_pointwise=recompute)
         gm, pipeline = compile_fsdp(model, train_fn, _local(batch(0), rank, world), config)
-        optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-        losses = []
-        for step in range(3):
-            out = run_traced_graph(gm, model, *_local(batch(step), rank, world))
-            for fqn, grad in out.grads.items():
-                model.get_parameter(fqn).grad = grad
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(out.loss.item())
+        losses = _train(gm, model, batch, rank, world, steps=3)
         stats = pipeline.context.stats
         runs[name] = {
             "losses": losses,
