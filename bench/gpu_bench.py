@@ -23,6 +23,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from fsdp_bench import _eager_step, _graph_step  # bench/ is sys.path[0]
 
 from gm_config import PassConfig
 from gm_trace.memory import peak_allocated_bytes
@@ -60,21 +61,8 @@ def _stepper(name: str, model: torch.nn.Module, device: str):
 
     overrides = CONFIGS[name]
     if overrides is None:
-        optimizer = torch.optim.Adam(model.parameters())
-
-        def eager(batch):
-            lm_loss(model, *batch).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-
-        return eager
-    trainer = GraphTrainer(model, lm_loss, PassConfig(**overrides), device=device)
-
-    def graph(batch):
-        trainer.train_step(*batch)
-        trainer.optimizer_step()
-
-    return graph
+        return _eager_step(model, torch.optim.Adam(model.parameters()))
+    return _graph_step(GraphTrainer(model, lm_loss, PassConfig(**overrides), device=device))
 
 
 def _sync(device: str) -> None:
