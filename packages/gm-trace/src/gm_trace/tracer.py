@@ -83,6 +83,7 @@ import inspect
 import linecache
 import os
 import sysconfig
+import threading
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -114,6 +115,11 @@ __all__ = [
 
 #: Leaf types allowed in ``input`` / ``label`` pytrees (everything else must be a pytree node).
 ALLOWED_LEAF_TYPES: tuple[type, ...] = (Tensor, int, float, bool, str, type(None))
+
+# make_fx keeps its tracing state in process globals (e.g. the module-call patcher), so two
+# threads tracing at once corrupt each other: tracing is serialised. Re-entrant, so a pre_hook
+# may itself trace.
+_TRACE_LOCK = threading.RLock()
 
 
 # --------------------------------------------------------------------------- public types
@@ -231,7 +237,34 @@ def trace_model_graph(
         TypeError: a leaf of ``sample_input`` / ``sample_label`` has an unsupported type.
         GraphCaptureError: train_fn depends on tensor values (``.item()``, ``if tensor:``,
             data-dependent output shapes) or does not return a scalar tensor loss.
+
+    Thread safety: traces are serialised by a process-wide lock (``make_fx`` keeps global
+    state), so threads may call this at once; running the returned graphs needs no lock.
     """
+    with _TRACE_LOCK:
+        return _trace_model_graph(
+            model,
+            train_fn,
+            sample_input,
+            sample_label,
+            pre_hook=pre_hook,
+            state_shapes=state_shapes,
+            param_dtype=param_dtype,
+            cast_input_modules=cast_input_modules,
+        )
+
+
+def _trace_model_graph(
+    model: nn.Module,
+    train_fn: Callable[[nn.Module, Any, Any], Tensor],
+    sample_input: Any,
+    sample_label: Any,
+    *,
+    pre_hook: Callable[[], None] | None,
+    state_shapes: Mapping[str, torch.Size] | None,
+    param_dtype: torch.dtype | None,
+    cast_input_modules: Sequence[str],
+) -> torch.fx.GraphModule:
     if pre_hook is not None:
         pre_hook()
     paths, leaves, spec = _flatten_io(sample_input, sample_label)  # validates the leaf types
