@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import yaml
@@ -269,3 +270,16 @@ def test_backend_must_be_a_name():
     for bad in ("", 3, True):
         with pytest.raises(ConfigError, match=r"PassConfig.backend must be None .*'inductor'"):
             PassConfig(backend=bad)
+
+
+FLOAT_FIELDS = [f.name for f in dataclasses.fields(PassConfig) if "float" in str(f.type)]
+
+
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_float_fields_must_be_finite(field, value):
+    assert FLOAT_FIELDS  # bucket_cap_mb at least: the check must have something to check
+    with pytest.raises(ConfigError) as info:
+        PassConfig(**{field: value})
+    message = str(info.value)
+    assert f"PassConfig.{field}" in message and "finite" in message and repr(value) in message

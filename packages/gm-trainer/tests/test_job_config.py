@@ -54,7 +54,7 @@ def test_embedded_default_yaml_spells_out_the_dataclass_defaults() -> None:
     # Every key written out, so that the file documents the whole schema.
     written = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
     defaults = JobConfig().to_dict()
-    for section in ("sharding", "model", "data", "train", "logging", "checkpoint"):
+    for section in ("sharding", "model", "data", "train", "logging", "checkpoint", "dist"):
         assert written[section] == defaults[section], f"default.yaml must spell out {section}"
     # PassConfig grows with the passes: every field listed must exist with its default value.
     for key, value in written["parallel"].items():
@@ -228,6 +228,53 @@ def test_unknown_key_in_a_sharding_entry(tmp_path: Path) -> None:
 )
 def test_bad_value_is_a_clear_error(override: str, expected: str) -> None:
     assert expected in error_of([override])
+
+
+def _float_keys() -> list[str]:
+    """Every float field of the job config, found from the dataclasses (none forgotten)."""
+    import dataclasses
+
+    keys = []
+    defaults = JobConfig()
+    for section in ("model", "data", "train", "logging", "checkpoint", "dist"):
+        for f in dataclasses.fields(getattr(defaults, section)):
+            if "float" in str(f.type):
+                keys.append(f"{section}.{f.name}")
+    keys += [f"parallel.{f.name}" for f in dataclasses.fields(PassConfig) if "float" in str(f.type)]
+    return keys
+
+
+def _non_finite_overrides() -> list[str]:
+    out = []
+    for key in _float_keys():
+        values = (
+            ["[.inf, 0.9]", "[0.9, .nan]"] if key == "train.betas" else [".inf", "-.inf", ".nan"]
+        )
+        out += [f"{key}={v}" for v in values]
+    # YAML 1.1 reads 3e-3 as a string, so the job sections parse number strings: "inf" too.
+    return [*out, "train.lr=inf", "train.eps=nan"]
+
+
+@pytest.mark.parametrize("override", _non_finite_overrides())
+def test_non_finite_floats_are_refused(override: str) -> None:
+    key = override.partition("=")[0]
+    message = error_of([override])
+    assert key.split(".")[-1] in message and "must be a finite number" in message
+    assert "inf" in message or "nan" in message
+
+
+def test_float_keys_cover_the_known_ones() -> None:
+    keys = _float_keys()
+    for key in ("train.lr", "train.eps", "train.weight_decay", "train.grad_clip"):
+        assert key in keys
+    assert "parallel.bucket_cap_mb" in keys and "dist.timeout_s" in keys
+
+
+def test_process_group_timeout() -> None:
+    assert JobConfig().dist.timeout_s == 300.0
+    assert load_config(None, ["dist.timeout_s=30"]).dist.timeout_s == 30.0
+    assert "dist.timeout_s must be > 0" in error_of(["dist.timeout_s=0"])
+    assert "dist.timeout_s must be a finite number" in error_of(["dist.timeout_s=.inf"])
 
 
 def test_export_needs_the_final_checkpoint() -> None:

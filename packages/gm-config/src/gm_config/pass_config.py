@@ -7,6 +7,7 @@ is decided by the passes at run time, so this module stays importable without to
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -101,6 +102,10 @@ class PassConfig:
                 raise ConfigError(
                     f"PassConfig.{field.name} must be a bool (true/false), got {value!r}"
                 )
+            # Every float field: inf / nan pass ``> 0`` style checks (or fail them with a
+            # misleading message) and break the passes far from the key.
+            if "float" in str(field.type) and isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"PassConfig.{field.name} must be a finite number, got {value!r}")
         if not _is_int(self.tp_size) or self.tp_size < 1:
             raise ConfigError(f"PassConfig.tp_size must be an int >= 1, got {self.tp_size!r}")
         if self.fsdp_degree is not None and (not _is_int(self.fsdp_degree) or self.fsdp_degree < 1):

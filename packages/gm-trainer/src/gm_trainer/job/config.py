@@ -17,103 +17,19 @@ from typing import Any, ClassVar
 import yaml
 
 from gm_config import ConfigError, PassConfig, PassPlan, sharding_plan_from_dict
+from gm_trainer.job.validation import Section, build
 
 #: The embedded default job, shipped inside the wheel.
 DEFAULT_CONFIG_PATH = Path(__file__).with_name("default.yaml")
 
-SECTIONS = ("parallel", "sharding", "model", "data", "train", "logging", "checkpoint")
-
-
-# --------------------------------------------------------------------------- field checks
-
-
-_TYPE_WORDS = {
-    "int": "an integer",
-    "float": "a number",
-    "bool": "true or false",
-    "str": "a string",
-    "tuple[float, float]": "a list of two numbers",
-}
-
-
-def _coerce(value: Any, type_name: str, where: str) -> Any:
-    """Check ``value`` against the annotation string ``type_name``; return it normalised."""
-    optional = type_name.endswith(" | None")
-    base = type_name.removesuffix(" | None")
-    if value is None:
-        if optional:
-            return None
-        raise ConfigError(f"{where} must not be null (expected {base})")
-    if base == "int":
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif base == "float":
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads ``3e-3`` (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif base == "bool":
-        if isinstance(value, bool):
-            return value
-    elif base == "str":
-        if isinstance(value, str):
-            return value
-    elif base == "tuple[float, float]":
-        if isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 2:
-            return tuple(_coerce(v, "float", f"{where}[{i}]") for i, v in enumerate(value))
-    else:  # pragma: no cover - a new annotation without a checker is a programming error
-        raise TypeError(f"no checker for annotation {type_name!r} of {where}")
-    accepted = _TYPE_WORDS.get(base, base)
-    raise ConfigError(f"{where} must be {accepted}{' or null' if optional else ''}, got {value!r}")
-
-
-class _Section:
-    """Mixin: type-check the fields of a section dataclass, then call ``validate``."""
-
-    section: ClassVar[str]
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            where = f"{self.section}.{f.name}"
-            setattr(self, f.name, _coerce(getattr(self, f.name), str(f.type), where))
-        self.validate()
-
-    def validate(self) -> None:
-        """Range and cross-field checks; raise :class:`ConfigError`."""
-
-    def _positive(self, *names: str) -> None:
-        for name in names:
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ConfigError(f"{self.section}.{name} must be > 0, got {value!r}")
-
-    @classmethod
-    def from_dict(cls, data: Any) -> Any:
-        """Build the section from a mapping; a missing section (``None``) is all defaults."""
-        return _build(cls, data, cls.section)
-
-
-def _build(cls: Any, data: Any, where: str) -> Any:
-    if data is None:
-        data = {}
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{where} must be a mapping of key: value, got {data!r}")
-    accepted = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(str(k) for k in set(data) - set(accepted))
-    if unknown:
-        paths = [f"{where}.{k}" for k in unknown]
-        raise ConfigError(f"unknown key(s) {paths}; {where} accepts {accepted}")
-    return cls(**dict(data))
+SECTIONS = ("parallel", "sharding", "model", "data", "train", "logging", "checkpoint", "dist")
 
 
 # --------------------------------------------------------------------------- sections
 
 
 @dataclass
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """The GPT-style byte-level language model (``gm_trace.testing.models.TinyGPT``)."""
 
     section: ClassVar[str] = "model"
@@ -146,7 +62,7 @@ class ModelConfig(_Section):
 
 
 @dataclass
-class DataConfig(_Section):
+class DataConfig(Section):
     """The byte-level corpus."""
 
     section: ClassVar[str] = "data"
@@ -173,7 +89,7 @@ class DataConfig(_Section):
 
 
 @dataclass
-class TrainConfig(_Section):
+class TrainConfig(Section):
     """Optimisation: steps, batch, optimizer."""
 
     section: ClassVar[str] = "train"
@@ -235,7 +151,7 @@ class TrainConfig(_Section):
 
 
 @dataclass
-class LoggingConfig(_Section):
+class LoggingConfig(Section):
     """Console metrics and the run folder."""
 
     section: ClassVar[str] = "logging"
@@ -253,7 +169,7 @@ class LoggingConfig(_Section):
 
 
 @dataclass
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     """Distributed checkpoints in ``<run_dir>/checkpoints/step-XXXXXXXX`` (resume: ``--resume``).
 
     Switch them off with ``interval: null`` and ``at_end: false``.
@@ -294,6 +210,20 @@ class CheckpointConfig(_Section):
         return sorted(steps)
 
 
+@dataclass
+class DistConfig(Section):
+    """The process group of the ranks."""
+
+    section: ClassVar[str] = "dist"
+
+    timeout_s: float = 300.0
+    """Seconds a collective may wait for the other ranks before the job fails (the process
+    group's timeout): a rank that died or fell out of step ends the job instead of hanging it."""
+
+    def validate(self) -> None:
+        self._positive("timeout_s")
+
+
 # --------------------------------------------------------------------------- the job
 
 
@@ -321,6 +251,9 @@ class JobConfig:
 
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """When checkpoints are saved and how many are kept."""
+
+    dist: DistConfig = field(default_factory=DistConfig)
+    """The process group (its timeout)."""
 
     def __post_init__(self) -> None:
         self.pass_plan()  # validate the sharding section now, not on the ranks
@@ -364,7 +297,7 @@ class JobConfig:
         """Plain data (lists, not tuples) that :meth:`from_dict` reads back unchanged."""
         out: dict[str, Any] = {"parallel": self.parallel.to_dict()}
         out["sharding"] = copy.deepcopy(self.sharding)
-        for name in ("model", "data", "train", "logging", "checkpoint"):
+        for name in ("model", "data", "train", "logging", "checkpoint", "dist"):
             section = dataclasses.asdict(getattr(self, name))
             out[name] = {k: list(v) if isinstance(v, tuple) else v for k, v in section.items()}
         return out
@@ -386,7 +319,7 @@ class JobConfig:
                 f"unknown top-level key(s) {unknown}; accepted sections are {list(SECTIONS)}"
             )
         try:
-            parallel = _build(PassConfig, data.get("parallel"), "parallel")
+            parallel = build(PassConfig, data.get("parallel"), "parallel")
         except ConfigError as e:
             if str(e).startswith("unknown key"):
                 raise
@@ -399,6 +332,7 @@ class JobConfig:
             train=TrainConfig.from_dict(data.get("train")),
             logging=LoggingConfig.from_dict(data.get("logging")),
             checkpoint=CheckpointConfig.from_dict(data.get("checkpoint")),
+            dist=DistConfig.from_dict(data.get("dist")),
         )
 
 

@@ -52,7 +52,7 @@ def run_rank(config_dict: dict[str, Any], resume: str | None = None) -> dict[str
     elsewhere).
     """
     config = JobConfig.from_dict(config_dict)
-    rank, world_size = init_distributed()
+    rank, world_size = init_distributed(timeout_s=config.dist.timeout_s)
     try:
         if world_size > 1:
             # Under torchrun each rank resolved {timestamp} itself: take rank 0's folder, the

@@ -1,0 +1,99 @@
+"""Field checks shared by the ``gm-train`` config sections: types, finiteness, unknown keys."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+from gm_config import ConfigError
+
+_TYPE_WORDS = {
+    "int": "an integer",
+    "float": "a number",
+    "bool": "true or false",
+    "str": "a string",
+    "tuple[float, float]": "a list of two numbers",
+}
+
+
+def _coerce(value: Any, type_name: str, where: str) -> Any:
+    """Check ``value`` against the annotation string ``type_name``; return it normalised."""
+    optional = type_name.endswith(" | None")
+    base = type_name.removesuffix(" | None")
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{where} must not be null (expected {base})")
+    if base == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif base == "float":
+        number = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads ``3e-3`` (no dot) as a string
+            try:
+                number = float(value)
+            except ValueError:
+                pass
+        if number is not None:
+            # One check for every float field: .inf / .nan would reach the optimizer or the
+            # process group and fail there, far from the key that caused it.
+            if not math.isfinite(number):
+                raise ConfigError(f"{where} must be a finite number, got {value!r}")
+            return number
+    elif base == "bool":
+        if isinstance(value, bool):
+            return value
+    elif base == "str":
+        if isinstance(value, str):
+            return value
+    elif base == "tuple[float, float]":
+        if isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 2:
+            return tuple(_coerce(v, "float", f"{where}[{i}]") for i, v in enumerate(value))
+    else:  # pragma: no cover - a new annotation without a checker is a programming error
+        raise TypeError(f"no checker for annotation {type_name!r} of {where}")
+    accepted = _TYPE_WORDS.get(base, base)
+    raise ConfigError(f"{where} must be {accepted}{' or null' if optional else ''}, got {value!r}")
+
+
+class Section:
+    """Mixin: type-check the fields of a section dataclass, then call ``validate``."""
+
+    section: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            where = f"{self.section}.{f.name}"
+            setattr(self, f.name, _coerce(getattr(self, f.name), str(f.type), where))
+        self.validate()
+
+    def validate(self) -> None:
+        """Range and cross-field checks; raise :class:`ConfigError`."""
+
+    def _positive(self, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{self.section}.{name} must be > 0, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Any:
+        """Build the section from a mapping; a missing section (``None``) is all defaults."""
+        return build(cls, data, cls.section)
+
+
+def build(cls: Any, data: Any, where: str) -> Any:
+    """``cls(**data)`` after checking that ``data`` is a mapping of known keys."""
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where} must be a mapping of key: value, got {data!r}")
+    accepted = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(str(k) for k in set(data) - set(accepted))
+    if unknown:
+        paths = [f"{where}.{k}" for k in unknown]
+        raise ConfigError(f"unknown key(s) {paths}; {where} accepts {accepted}")
+    return cls(**dict(data))
