@@ -22,6 +22,7 @@ from gm_trainer.job.config import (
 from gm_trainer.job.data import ByteBatches, corpus_files, default_corpus, load_corpus
 from gm_trainer.job.progress import Progress, format_record
 from gm_trainer.job.run_folder import (
+    MetricsWarning,
     RunFolder,
     checkpoint_dir,
     find_resume_point,
@@ -485,12 +486,15 @@ def test_a_resumed_run_folder_starts_with_the_history(tmp_path: Path) -> None:
         source.append_metrics(r)
     with open(source.path / "metrics.jsonl", "a") as f:
         f.write('{"step": 7, "lo')  # a crash in the middle of a line
-    assert read_metrics(source.path / "metrics.jsonl") == records
-    assert read_metrics(source.path / "metrics.jsonl", up_to_step=4) == records[:4]
+    with pytest.warns(MetricsWarning, match="line 7 is incomplete"):
+        assert read_metrics(source.path / "metrics.jsonl") == records
+    with pytest.warns(MetricsWarning):
+        history = read_metrics(source.path / "metrics.jsonl", up_to_step=4)
+    assert history == records[:4]
     assert read_metrics(tmp_path / "missing.jsonl") == []
     # Continuing (the same folder) or branching (a new one) from a step-4 checkpoint.
     for path in (source.path, tmp_path / "b"):
-        folder = RunFolder(path, read_metrics(source.path / "metrics.jsonl", 4))
+        folder = RunFolder(path, history)
         folder.append_metrics(_record(5, 0.5))
         assert read_metrics(path / "metrics.jsonl") == [*records[:4], _record(5, 0.5)]
         assert folder.history == records[:4]

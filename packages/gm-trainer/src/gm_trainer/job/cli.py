@@ -16,8 +16,11 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+import yaml
+
 from gm_config import ConfigError
-from gm_trainer.job.config import JobConfig, load_config
+from gm_trainer.job.config import SECTIONS, JobConfig, load_config
+from gm_trainer.job.files import RunFolderError, check_not_in_use, check_run_dir
 from gm_trainer.job.run_folder import (
     CHECKPOINTS_DIR,
     ResumePoint,
@@ -108,13 +111,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         config_path: str | Path | None = paths[0] if paths else None
         if config_path is None and resume is not None and resume.run_folder is not None:
             config_path = resume.run_folder / "config.yaml"  # the run as it was configured
+            check_run_config(config_path)
         config = load_config(config_path, overrides)
         world_size = int(os.environ["WORLD_SIZE"]) if launched else args.nproc or default_nproc()
         config.check_world_size(world_size)
-        # Resolved once, before the ranks start, so that they agree on it (only rank 0 writes).
+        # Resolved once, before the ranks start, so that they agree on it (only rank 0 writes:
+        # it alone creates a {timestamp} folder and checks that the folder is free).
         new_folder = any(o.partition("=")[0].strip() == "logging.run_dir" for o in overrides)
-        config.logging.run_dir = str(choose_run_dir(config, resume, new_folder=new_folder))
-    except ConfigError as e:
+        writer = not args.print_config and (not launched or os.environ.get("RANK") == "0")
+        config.logging.run_dir = str(
+            choose_run_dir(config, resume, new_folder=new_folder, create=writer)
+        )
+    except (ConfigError, RunFolderError) as e:
         if not launched or os.environ.get("RANK") == "0":
             print(f"gm-train: error: {e}", file=sys.stderr)
         return 2
@@ -125,29 +133,77 @@ def main(argv: Sequence[str] | None = None) -> int:
     if launched or world_size == 1:
         from gm_trainer.job.runner import run_rank
 
-        run_rank(config.to_dict(), checkpoint)
+        try:
+            run_rank(config.to_dict(), checkpoint)
+        except RunFolderError as e:  # e.g. another job took the folder since the check
+            print(f"gm-train: error: {e}", file=sys.stderr)
+            return 2
         return 0
     return launch(config, world_size, checkpoint)
 
 
-def choose_run_dir(config: JobConfig, resume: ResumePoint | None, *, new_folder: bool) -> Path:
-    """The run folder of this job; raise :class:`ConfigError` when it cannot go there.
+def check_run_config(path: Path) -> None:
+    """Raise :class:`ConfigError` unless ``path``, a run folder's ``config.yaml``, holds a
+    whole resolved configuration. gm-train writes every section there, so a missing, empty
+    or cut-short file was damaged, and reading it would put defaults in place of the run's
+    settings without a word."""
+    text = path.read_text(encoding="utf-8") if path.is_file() else None
+    problem = None
+    if text is None:
+        problem = "is missing"
+    elif not text.strip():
+        problem = "is empty"
+    else:
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            data, problem = None, f"is not valid YAML ({str(e).splitlines()[0]})"
+        if problem is None and not isinstance(data, dict):
+            problem = f"does not hold a mapping of sections (got {type(data).__name__})"
+        elif problem is None:
+            whole = JobConfig().to_dict()
+            missing = [s for s in SECTIONS if s != "dist" and s not in data]  # dist: new
+            for section in ("model", "data", "train", "logging", "checkpoint"):
+                if isinstance(data.get(section), dict):
+                    missing += [f"{section}.{k}" for k in whole[section] if k not in data[section]]
+            if missing:
+                problem = f"is incomplete (no {', '.join(missing)}): cut short?"
+    if problem is not None:
+        run = path.parent
+        raise ConfigError(
+            f"{path} {problem}; it should hold the run's whole resolved configuration, and "
+            f"defaults must not silently replace the run's settings. Give the run's config "
+            f"explicitly (gm-train CONFIG.yaml --resume {run}: the checkpoint is loaded with "
+            "it and refused if the model differs), or repair the file"
+        )
+
+
+def choose_run_dir(
+    config: JobConfig, resume: ResumePoint | None, *, new_folder: bool, create: bool = False
+) -> Path:
+    """The run folder of this job; raise :class:`ConfigError` (or :class:`RunFolderError`)
+    when it cannot go there.
 
     A resumed run continues in the folder that holds its checkpoint unless ``new_folder``
     (``logging.run_dir`` given on the command line) or the checkpoint lies outside a run
     folder. A run never starts in a folder holding other checkpoints: a fresh run there would
-    mix two runs' checkpoints, and a resume from an older one two histories.
+    mix two runs' checkpoints, and a resume from an older one two histories. ``create``: the
+    job's writer is about to start: create a ``{timestamp}`` folder (exclusively) and check
+    that the folder is gm-train's and no other job runs in it.
     """
-    continuing = False
-    if resume is not None and resume.run_folder is not None and not new_folder:
-        run_dir, continuing = resume.run_folder, True
-    else:
-        run_dir = resolve_run_dir(config.logging.run_dir)
     if resume is not None and resume.step >= config.train.steps:
         raise ConfigError(
             f"--resume: {resume.checkpoint} is at step {resume.step} and train.steps="
             f"{config.train.steps}: nothing is left to train; raise train.steps to train longer"
         )
+    continuing = False
+    if resume is not None and resume.run_folder is not None and not new_folder:
+        run_dir, continuing = resume.run_folder, True
+    else:
+        run_dir = resolve_run_dir(config.logging.run_dir, create=create)
+    if create:
+        check_run_dir(run_dir)
+        check_not_in_use(run_dir)
     existing = step_checkpoints(run_dir / CHECKPOINTS_DIR)
     if continuing and resume is not None:
         newer = [path.name for step, path in existing if step > resume.step]

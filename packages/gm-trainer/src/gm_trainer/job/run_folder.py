@@ -15,11 +15,14 @@ up to the checkpoint's step and the new ones are appended.
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import re
 import shutil
 import statistics
 import time
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,45 +35,103 @@ from gm_trainer.checkpoint import (
     checkpoint_info,
     latest_checkpoint,
 )
+from gm_trainer.job.files import (
+    RUN_MARKER,
+    RunFolderError,
+    RunLock,
+    append_line,
+    check_run_dir,
+    create_unique_dir,
+    mark_run_dir,
+    replacing,
+    write_atomic,
+)
 
 #: The checkpoints of a run: ``<run_dir>/checkpoints/step-XXXXXXXX``.
 CHECKPOINTS_DIR = "checkpoints"
+#: The graphs of a resume in progress; they replace ``graphs/`` once the checkpoint loaded.
+STAGED_GRAPHS = "graphs.resume"
 _STEP_DIR = re.compile(r"step-(\d+)")
 
 
-def resolve_run_dir(template: str, now: float | None = None) -> Path:
-    """Fill ``{timestamp}`` in ``template``; an existing timestamped folder gets ``-2``, ``-3``…"""
+def resolve_run_dir(template: str, now: float | None = None, *, create: bool = False) -> Path:
+    """Fill ``{timestamp}`` in ``template``; an existing timestamped folder gets ``-2``, ``-3``…
+
+    ``create``: also create the timestamped folder, exclusively, so that two jobs started in
+    the same second never share it (without it the name is only a prediction).
+    """
     if "{timestamp}" not in template:
         return Path(template)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
-    path = Path(template.replace("{timestamp}", stamp))
-    suffix = 2
-    while path.exists():  # two runs started within the same second
-        path = Path(template.replace("{timestamp}", f"{stamp}-{suffix}"))
-        suffix += 1
-    return path
+    names = (
+        Path(template.replace("{timestamp}", stamp if n == 1 else f"{stamp}-{n}"))
+        for n in itertools.count(1)
+    )
+    if create:
+        return create_unique_dir(names)
+    return next(path for path in names if not path.exists())
 
 
 class RunFolder:
     """Writes the files of one run into ``path`` (created; earlier metrics and graphs replaced).
 
     ``history``: the records of the steps before a resumed checkpoint; ``metrics.jsonl`` starts
-    with them, and the new records are appended.
+    with them, and the new records are appended. A folder that gm-train did not create, or
+    whose files are links, is refused (:class:`RunFolderError`).
+
+    ``lock``: hold the folder's lock until :meth:`close` (one job per folder). ``defer``: touch
+    nothing yet: the graphs go to ``graphs.resume`` and :meth:`start` later replaces the
+    metrics and graphs, so that a resume that fails leaves the run as it was.
     """
 
-    def __init__(self, path: str | Path, history: Iterable[Mapping[str, Any]] = ()) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        history: Iterable[Mapping[str, Any]] = (),
+        *,
+        lock: bool = False,
+        defer: bool = False,
+    ) -> None:
         self.path = Path(path)
+        check_run_dir(self.path)
         self.path.mkdir(parents=True, exist_ok=True)
+        self._lock = RunLock(self.path) if lock else None
+        try:
+            mark_run_dir(self.path)
+            shutil.rmtree(self.path / STAGED_GRAPHS, ignore_errors=True)  # a failed resume's
+        except BaseException:
+            self.close()
+            raise
         self.history = [dict(r) for r in history]
+        self.started = False
+        if not defer:
+            self.start()
+
+    def start(self, history: Iterable[Mapping[str, Any]] | None = None) -> None:
+        """Begin this session's files: ``metrics.jsonl`` holds ``history`` (default: the
+        constructor's), and the graphs written so far replace ``graphs/``."""
+        if history is not None:
+            self.history = [dict(r) for r in history]
         # A fixed run_dir that is reused must not mix two runs' metrics or graphs.
         text = "".join(json.dumps(r) + "\n" for r in self.history)
-        (self.path / "metrics.jsonl").write_text(text, encoding="utf-8")
-        shutil.rmtree(self.graphs_dir, ignore_errors=True)
+        write_atomic(self.path / "metrics.jsonl", text)
+        shutil.rmtree(self.path / "graphs", ignore_errors=True)
+        if (self.path / STAGED_GRAPHS).is_dir():
+            os.replace(self.path / STAGED_GRAPHS, self.path / "graphs")
+        self.started = True
+
+    def close(self) -> None:
+        """Release the lock; the graphs of a resume that never started are removed."""
+        if not getattr(self, "started", True):
+            shutil.rmtree(self.path / STAGED_GRAPHS, ignore_errors=True)
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     @property
     def graphs_dir(self) -> Path:
         """Where ``GraphTrainer`` writes the graph after each pass."""
-        return self.path / "graphs"
+        return self.path / ("graphs" if self.started else STAGED_GRAPHS)
 
     @property
     def checkpoints_dir(self) -> Path:
@@ -78,25 +139,32 @@ class RunFolder:
         return self.path / CHECKPOINTS_DIR
 
     def write_config(self, config_yaml: str) -> None:
-        """Write the resolved configuration."""
-        (self.path / "config.yaml").write_text(config_yaml, encoding="utf-8")
+        """Write the resolved configuration (atomically)."""
+        self.write_text("config.yaml", config_yaml)
 
     def append_metrics(self, record: Mapping[str, Any]) -> None:
-        """Append one record to ``metrics.jsonl`` (flushed at once: a crash keeps the lines)."""
-        with open(self.path / "metrics.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps(dict(record)) + "\n")
+        """Append one record to ``metrics.jsonl`` (fsynced at once: a crash keeps the lines)."""
+        append_line(self.path / "metrics.jsonl", json.dumps(dict(record)))
 
     def write_text(self, name: str, text: str) -> None:
-        """Write a text file into the folder."""
-        (self.path / name).write_text(text, encoding="utf-8")
+        """Write a text file into the folder (atomically; a link there is refused)."""
+        self._refuse_link(name)
+        write_atomic(self.path / name, text)
 
     def finish(self, records: Sequence[Mapping[str, Any]], **extra: Any) -> dict[str, Any]:
         """Write ``loss.png`` and ``summary.json``; return the summary."""
         summary = summarize(records, **extra)
-        (self.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        self.write_text("summary.json", json.dumps(summary, indent=2) + "\n")
         if records:
-            plot_loss(records, self.path / "loss.png")
+            self._refuse_link("loss.png")
+            with replacing(self.path / "loss.png") as tmp:
+                plot_loss(records, tmp)
         return summary
+
+    def _refuse_link(self, name: str) -> None:
+        # Replacing a link would silently undo what someone set up on purpose: say so instead.
+        if (self.path / name).is_symlink():
+            check_run_dir(self.path)  # raises, naming the link
 
 
 def summarize(records: Sequence[Mapping[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -131,27 +199,59 @@ def plot_loss(records: Sequence[Mapping[str, Any]], path: Path) -> None:
     ax.set_title("gm-train: training loss")
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, format="png")  # the name may be a temporary one
 
 
 def read_metrics(path: str | Path, up_to_step: int | None = None) -> list[dict[str, Any]]:
     """The records of a ``metrics.jsonl`` (``[]`` when missing), those after ``up_to_step``
-    dropped; a line cut short by a crash is skipped."""
+    dropped.
+
+    A last line cut short by a crash is skipped with a :class:`MetricsWarning`; a damaged line
+    before it is a :class:`RunFolderError` (the file was changed by something else).
+    """
+    path = Path(path)
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        text = path.read_text(encoding="utf-8", errors="replace")
     except FileNotFoundError:
         return []
+    lines = text.split("\n")
+    # A file that gm-train finished ends with a newline, so the last piece is "".
+    last = len(lines) - 1
     records = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
             continue
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            continue
+        record = _parse_record(line)
+        if record is None:
+            if number == last + 1 or (number == last and not lines[-1]):
+                warnings.warn(
+                    f"{path}: line {number} is incomplete (cut short by a crash?); skipped",
+                    MetricsWarning,
+                    stacklevel=2,
+                )
+                continue
+            raise RunFolderError(
+                f"{path}: line {number} is not a metrics record ({line[:60]!r}); the file is "
+                "damaged. Repair or delete that line (or the file: the run then starts its "
+                "history afresh)"
+            )
         if up_to_step is None or record["step"] <= up_to_step:
             records.append(record)
     return records
+
+
+class MetricsWarning(UserWarning):
+    """A ``metrics.jsonl`` line was skipped."""
+
+
+def _parse_record(line: str) -> dict[str, Any] | None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+        return None
+    return record
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -165,7 +265,8 @@ def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
 def step_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
     """The complete ``step-N`` checkpoints under ``root`` as ``(step, path)``, oldest first.
 
-    Interrupted saves (``*.tmp``, no commit marker) and other folders are left out.
+    Interrupted saves (``*.tmp``, no commit marker), folders whose marker is unreadable and
+    other folders are left out.
     """
     root = Path(root)
     if not root.is_dir():
@@ -182,10 +283,15 @@ def step_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
 
 def prune_checkpoints(root: str | Path, keep_last: int) -> list[Path]:
     """Delete all but the ``keep_last`` newest complete checkpoints under ``root`` (``0``: keep
-    all); return the deleted folders. Run it on one rank, after a save has succeeded."""
+    all), and the interrupted saves (``step-N.tmp``); return the deleted folders. Run it on one
+    rank, after a save has succeeded."""
     if keep_last <= 0:
         return []
     stale = [path for _, path in step_checkpoints(root)][:-keep_last]
+    # No save of this run is in progress once one has succeeded: every step-N.tmp is dead.
+    stale += sorted(
+        p for p in Path(root).glob("step-*.tmp") if p.is_dir() and _STEP_DIR.fullmatch(p.stem)
+    )
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
     return stale
@@ -196,7 +302,9 @@ def run_folder_of(checkpoint: str | Path) -> Path | None:
     ``None`` when it lies elsewhere."""
     path = Path(checkpoint)
     run = path.parent.parent
-    if path.parent.name == CHECKPOINTS_DIR and (run / "config.yaml").is_file():
+    if path.parent.name == CHECKPOINTS_DIR and (
+        (run / RUN_MARKER).is_file() or (run / "config.yaml").is_file()
+    ):
         return run
     return None
 

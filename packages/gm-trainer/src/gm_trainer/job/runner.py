@@ -22,6 +22,7 @@ from gm_trainer.checkpoint import (
 from gm_trainer.device import init_distributed
 from gm_trainer.job.config import JobConfig
 from gm_trainer.job.data import ByteBatches, default_corpus, load_corpus
+from gm_trainer.job.files import replacing
 from gm_trainer.job.progress import Progress
 from gm_trainer.job.run_folder import (
     RunFolder,
@@ -73,21 +74,33 @@ def run_job(
 
     With ``resume`` (a checkpoint folder) every rank loads it and training continues after its
     step, on the data the uninterrupted run would have seen next, up to ``train.steps``.
+    Rank 0 holds the run folder's lock for the whole job; a resume changes nothing in the run
+    folder before the checkpoint has loaded and every check has passed.
     """
+    config.check_world_size(world_size)
+    folder = None
+    if rank == 0:
+        folder = RunFolder(config.logging.run_dir, lock=True, defer=resume is not None)
+    try:
+        return _train(config, rank, world_size, resume, folder)
+    finally:
+        if folder is not None:
+            folder.close()
+
+
+def _train(
+    config: JobConfig,
+    rank: int,
+    world_size: int,
+    resume: str | Path | None,
+    folder: RunFolder | None,
+) -> dict[str, Any] | None:
     from gm_trainer.trainer import GraphTrainer  # heavy: only on the ranks
 
-    config.check_world_size(world_size)
     m, t, d, c = config.model, config.train, config.data, config.checkpoint
-    lead = rank == 0
     run_dir = Path(config.logging.run_dir)
     start_step = int(checkpoint_info(resume)["step"]) if resume is not None else 0
-    folder = None
-    if lead:
-        # Resumed: the records up to the checkpoint's step, from the run folder that holds it
-        # (those after it were trained after the save and are trained again now).
-        source = run_folder_of(resume) if resume is not None else None
-        history = read_metrics(source / "metrics.jsonl", start_step) if source else []
-        folder = RunFolder(run_dir, history)
+    if folder is not None and resume is None:
         folder.write_config(config.to_yaml())
 
     torch.manual_seed(t.seed)  # identical initial weights on every rank
@@ -115,7 +128,7 @@ def run_job(
         optimizer_config=t.optimizer_config(),
         graph_dump_dir=folder.graphs_dir if folder is not None else None,
     )
-    progress = Progress(t.steps, start_step=start_step) if lead else None
+    progress = Progress(t.steps, start_step=start_step) if folder is not None else None
     if progress is not None:
         where = d.corpus if d.corpus is not None else f"Python stdlib, {default_corpus()}"
         progress.write(
@@ -148,6 +161,14 @@ def run_job(
             f"the checkpoint has consumed {position} micro-batches, but this run's stream "
             f"holds {t.steps * t.accumulation}: {e}"
         ) from None
+    if folder is not None and resume is not None:
+        # Loaded and checked: only now does the resume touch the run folder. Its history is
+        # the records up to the checkpoint's step, from the run folder that holds it (those
+        # after it were trained after the save and are trained again now).
+        source = run_folder_of(resume)
+        folder.start(read_metrics(source / "metrics.jsonl", start_step) if source else [])
+        trainer.graph_dump_dir = folder.graphs_dir  # later graphs go where the staged ones went
+        folder.write_config(config.to_yaml())
 
     def log_fn(rec: dict[str, Any]) -> None:
         if progress is not None and folder is not None:
@@ -193,7 +214,8 @@ def run_job(
     if folder is None or progress is None:
         return None
     if c.export_full and last_checkpoint is not None and trainer.step == t.steps:
-        export_full_state_dict(last_checkpoint, folder.path / "model.pt")
+        with replacing(folder.path / "model.pt") as tmp:
+            export_full_state_dict(last_checkpoint, tmp)
         progress.write(f"exported the full model to {folder.path / 'model.pt'}")
     folder.write_text("passes.txt", trainer.pass_summary() + "\n")
     # ``records`` holds every step of this session (the loss curve and summary use them all);

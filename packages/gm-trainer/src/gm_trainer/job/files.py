@@ -1,0 +1,244 @@
+"""Safe file handling for gm-train run folders: atomic writes, appends that never follow a
+link, the marker that tells a run folder from a foreign one, and the lock that keeps two jobs
+out of one folder."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import yaml
+
+#: Written when gm-train creates (or first adopts) a run folder: the folder is gm-train's own.
+RUN_MARKER = "gm-run.json"
+#: The lock file: rank 0 holds an exclusive ``flock`` on it while the job runs.
+LOCK_NAME = ".gm-train.lock"
+#: The files gm-train writes at the top of a run folder (never written through a link).
+OWN_FILES = (
+    "config.yaml",
+    "metrics.jsonl",
+    "summary.json",
+    "passes.txt",
+    "loss.png",
+    "model.pt",
+    "graphs",
+    "graphs.resume",  # the graphs of a resume in progress (see RunFolder)
+    RUN_MARKER,
+    LOCK_NAME,
+)
+
+
+class RunFolderError(RuntimeError):
+    """A run folder cannot be used: foreign, in use by another job, a link, or damaged."""
+
+
+# --------------------------------------------------------------------------- writes
+
+
+@contextlib.contextmanager
+def replacing(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; when the block succeeds it is fsynced and
+    renamed over ``path`` (a link at ``path`` is replaced, never written through). When the
+    block fails, ``path`` keeps its old content and the temporary file is removed."""
+    path = Path(path)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    os.chmod(tmp, 0o644)  # mkstemp's 0600 would make the run's files private
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_dir(path.parent)
+
+
+def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
+    """Replace ``path`` by ``data`` all at once: a reader sees the old file or the new one."""
+    with replacing(path) as tmp:
+        tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+def append_line(path: str | os.PathLike[str], line: str) -> None:
+    """Append ``line`` and a newline to ``path`` and fsync it (a crash loses at most the line
+    being written). Raises :class:`RunFolderError` when ``path`` is a symbolic link."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise RunFolderError(_link_message(Path(path))) from None
+        raise
+    with os.fdopen(fd, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make a rename in ``path`` durable (a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- what is a run folder
+
+
+def _link_message(path: Path) -> str:
+    return (
+        f"run folder {path.parent}: {path.name} is a symbolic link (to {os.readlink(path)}); "
+        "gm-train never writes through a link out of its run folder. Remove the link (copy "
+        "the file in its place if you want to keep it) or choose another logging.run_dir"
+    )
+
+
+def check_run_dir(path: str | os.PathLike[str]) -> None:
+    """Raise :class:`RunFolderError` unless gm-train may write its run into ``path``.
+
+    Accepted: a missing or empty folder, a folder gm-train created (it holds
+    :data:`RUN_MARKER`), or one written by a gm-train before the marker existed (a
+    ``metrics.jsonl`` and a ``config.yaml`` of gm-train sections). Refused: anything else,
+    and any of gm-train's own file names that is a symbolic link.
+    """
+    path = Path(path)
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise RunFolderError(
+            f"logging.run_dir {path} is a file, not a folder; choose another logging.run_dir"
+        )
+    for name in OWN_FILES:
+        if (path / name).is_symlink():
+            raise RunFolderError(_link_message(path / name))
+    if (path / RUN_MARKER).is_file() or not any(path.iterdir()) or _older_run_folder(path):
+        return
+    raise RunFolderError(
+        f"logging.run_dir {path} is a non-empty folder that is not a gm-train run folder (it "
+        f"has no {RUN_MARKER}); a run there would replace its graphs/, config.yaml, "
+        "metrics.jsonl and summary.json. Choose a new or empty folder for logging.run_dir"
+    )
+
+
+def _older_run_folder(path: Path) -> bool:
+    # Folders written before the marker: both files gm-train writes first, and a config.yaml
+    # whose top-level keys are gm-train's sections.
+    if not ((path / "metrics.jsonl").is_file() and (path / "config.yaml").is_file()):
+        return False
+    try:
+        data = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    from gm_trainer.job.config import SECTIONS
+
+    return isinstance(data, dict) and "model" in data and set(data) <= set(SECTIONS)
+
+
+def mark_run_dir(path: str | os.PathLike[str]) -> None:
+    """Write the marker that makes ``path`` a gm-train run folder (kept when present)."""
+    marker = Path(path) / RUN_MARKER
+    if not marker.is_file():
+        info = {"created_by": "gm-train", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        write_atomic(marker, json.dumps(info) + "\n")
+
+
+def create_unique_dir(candidates: Iterator[Path]) -> Path:
+    """Create the first of ``candidates`` that does not exist yet, exclusively (two jobs
+    starting in the same second never get the same folder); return it."""
+    for path in candidates:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        mark_run_dir(path)
+        return path
+    raise RunFolderError("no free run folder name")  # pragma: no cover - candidates are endless
+
+
+# --------------------------------------------------------------------------- the lock
+
+
+class RunLock:
+    """An exclusive, non-blocking ``flock`` on ``<folder>/.gm-train.lock``, held by the job's
+    writer (rank 0) until :meth:`release` or the process ends (the kernel drops it then, so a
+    crashed job never leaves a stale lock)."""
+
+    def __init__(self, folder: str | os.PathLike[str]) -> None:
+        import fcntl
+
+        self.path = Path(folder) / LOCK_NAME
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            self._fd: int | None = os.open(self.path, flags, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise RunFolderError(_link_message(self.path)) from None
+            raise
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(self._fd)
+            self._fd = None
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise RunFolderError(_in_use_message(self.path)) from None
+            raise
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)  # who holds it, for the error
+
+    def release(self) -> None:
+        """Unlock (idempotent)."""
+        if self._fd is not None:
+            os.close(self._fd)  # closing the only descriptor drops the flock
+            self._fd = None
+
+
+def check_not_in_use(folder: str | os.PathLike[str]) -> None:
+    """Raise :class:`RunFolderError` when a running job holds the lock of ``folder``."""
+    import fcntl
+
+    path = Path(folder) / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise RunFolderError(_link_message(path)) from None
+        raise
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        raise RunFolderError(_in_use_message(path)) from None
+    finally:
+        os.close(fd)  # also drops the probe's own lock
+
+
+def _in_use_message(lock: Path) -> str:
+    try:
+        pid = lock.read_text().strip()
+    except OSError:
+        pid = ""
+    holder = f"pid {pid}" if pid.isdigit() else "a process whose pid is unknown"
+    return (
+        f"run folder {lock.parent} is in use by another gm-train job ({holder} holds {lock}); "
+        "two jobs in one folder would mix their metrics and checkpoints. Wait for it to "
+        "finish, or choose another logging.run_dir"
+    )
