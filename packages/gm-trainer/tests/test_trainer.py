@@ -194,6 +194,7 @@ def test_max_steps_and_log_records():
         "samples_per_s",
         "memory_mb",
         "lr",
+        "skipped_steps",
     }
     assert set(records[0]) == expected
     assert records[0]["samples_per_s"] > 0 and records[0]["memory_mb"] > 0

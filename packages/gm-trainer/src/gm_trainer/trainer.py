@@ -5,7 +5,9 @@ compile (lazily on the first batch, or explicitly):
   graph, 4-5. the pass pipeline from ``PassConfig`` / ``PassPlan`` (which shards the live model),
   6. the optimizer, built on the sharded parameters.
 train: ``train_step`` runs the graph and ACCUMULATES gradients on the live parameters;
-``optimizer_step`` clips by the global norm, steps and zeroes the gradients.
+``optimizer_step`` clips by the global norm, steps and zeroes the gradients. The data loop is
+:mod:`gm_trainer.loop`; graphs are cached per input signature AND module state
+(:mod:`gm_trainer.graph_key`).
 """
 
 from __future__ import annotations
@@ -13,9 +15,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-import resource
-import time
-import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -32,15 +31,20 @@ from gm_trace.groups import register_process_group
 from gm_trace.overlap import format_schedule
 from gm_trace.tracer import InputSignature, run_traced_graph, trace_model_graph
 from gm_trainer.device import default_device, detect_device_type
+from gm_trainer.errors import TrainingError
+from gm_trainer.graph_key import ClosureWatch, describe_module_state, module_state_key
+from gm_trainer.loop import train_loop
 from gm_trainer.mesh import REPLICATE_GROUP_NAME, MeshError, ResolvedMesh, resolve_mesh_context
 from gm_trainer.optim import OptimizerConfig, clip_to_norm, global_grad_norm
+from gm_trainer.ranks import agree_on_batch, broadcast_buffers
+from gm_trainer.step_guard import check_nonfinite_mode, first_nonfinite_grad, nonfinite_grad_error
 from gm_trainer.tp import TP_GROUP_NAME, tp_shard_dims
 
+__all__ = ["FSDP_GROUP_NAME", "GraphTrainer", "TrainingError"]
+
 FSDP_GROUP_NAME = "fsdp"
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on: a non-finite loss, ranks out of step, a graph cache overflow."""
+# A graph is cached per input signature and module state (training flags, trainable set).
+GraphKey = tuple[InputSignature, Any]
 
 
 class GraphTrainer:
@@ -58,8 +62,11 @@ class GraphTrainer:
             object with its ``device_mesh`` / ``fsdp_non_moe_mesh``): FSDP shards over its
             ``fsdp_shard`` dim, HSDP all-reduces over ``fsdp_replicate``; the TP collectives are
             the model's own. ``None``: a 1-D FSDP mesh over the world.
-        graph_cache_size: how many input signatures (graphs) may be compiled.
+        graph_cache_size: how many graphs (input signatures x module states) may be compiled.
         graph_dump_dir: rank 0 writes the graph before and after each pass here.
+        nonfinite: a step whose loss or global gradient norm is not finite either raises
+            :class:`TrainingError` naming the first bad parameter (``"error"``) or is skipped
+            (``"skip"``, counted in ``skipped_steps``); no weight is changed either way.
     """
 
     def __init__(
@@ -74,6 +81,7 @@ class GraphTrainer:
         *,
         graph_cache_size: int = 8,
         graph_dump_dir: str | Path | None = None,
+        nonfinite: str = "error",
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -107,10 +115,13 @@ class GraphTrainer:
         self.graph_dump_dir = Path(graph_dump_dir) if graph_dump_dir is not None else None
         self.optimizer: torch.optim.Optimizer | None = None
         self.fsdp_group: dist.ProcessGroup | None = None
-        self.step = 0
+        self.nonfinite = check_nonfinite_mode(nonfinite)
+        self.step = 0  # optimizer steps taken, skipped ones included
+        self.skipped_steps = 0  # steps dropped for a non-finite loss or gradient (not saved)
         self.data_position = 0  # micro-batches train() has consumed; checkpointed
         self.pipelines: list[PassPipeline] = []
-        self._graphs: dict[InputSignature, torch.fx.GraphModule] = {}
+        self._graphs: dict[GraphKey, torch.fx.GraphModule] = {}
+        self._closure_watch: ClosureWatch | None = None
         self._pytree_pre_hook: Callable[[], None] | None = None
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
@@ -142,15 +153,18 @@ class GraphTrainer:
         return self.fsdp_group is not None
 
     def compile(self, sample_input: Any, sample_label: Any) -> torch.fx.GraphModule:
-        """Trace and transform the graph for this input signature (cached per signature)."""
+        """Trace and transform the graph for this input signature and the model's current
+        module state (training flags, trainable parameters); cached per both."""
         sample_input, sample_label = self._to_device(sample_input), self._to_device(sample_label)
         signature = InputSignature.of(sample_input, sample_label)
-        if signature in self._graphs:
-            return self._graphs[signature]
+        key = (signature, module_state_key(self.model))
+        if key in self._graphs:
+            return self._graphs[key]
         if len(self._graphs) >= self.graph_cache_size:
             raise TrainingError(
-                f"a new input signature would be graph #{len(self._graphs) + 1}, but "
-                f"graph_cache_size={self.graph_cache_size}:\n{signature.describe()}\n"
+                f"a new input signature or module state would be graph #{len(self._graphs) + 1}"
+                f", but graph_cache_size={self.graph_cache_size}:\n{signature.describe()}\n"
+                f"{describe_module_state(self.model)}\n"
                 "pad batches to a few fixed shapes, or raise graph_cache_size"
             )
         first = not self._graphs
@@ -176,7 +190,10 @@ class GraphTrainer:
         self.pipelines.append(pipeline)
         if self.optimizer is None:
             self.optimizer = self.optimizer_config.build(list(self.model.parameters()))
-        self._graphs[signature] = gm
+        # Keyed by the state AFTER the passes, which is what later steps will see.
+        self._graphs[(signature, module_state_key(self.model))] = gm
+        if self._closure_watch is None:
+            self._closure_watch = ClosureWatch(self.train_fn)
         return gm
 
     def _init_device_mesh(self) -> None:
@@ -268,28 +285,51 @@ class GraphTrainer:
         signature; under FSDP every rank must present the same signature.
         """
         input, label = self._to_device(input), self._to_device(label)
-        signature = InputSignature.of(input, label)
         if self.world_size > 1:
-            self._agree_on_signature(signature)
-        gm = self._graphs.get(signature) or self.compile(input, label)
+            ended = self._agree_on_batch((input, label))
+            if ended:
+                raise TrainingError(
+                    f"rank {self.rank}: rank(s) {ended} have no batch for this train_step(); "
+                    "every rank must call train_step() with a batch the same number of times"
+                )
+        return self._micro_step(input, label, 1.0)
+
+    def _micro_step(self, input: Any, label: Any, weight: float) -> torch.Tensor:
+        """Run the graph for one device-resident micro-batch; add ``weight`` x its gradients."""
+        key = (InputSignature.of(input, label), module_state_key(self.model))
+        gm = self._graphs.get(key) or self.compile(input, label)
+        self._closure_watch.check()
         outputs = run_traced_graph(gm, self.model, input, label)
-        self._accumulate(gm, outputs.grads)
+        self._accumulate(gm, outputs.grads, weight)
         return outputs.loss.detach()
 
-    def _agree_on_signature(self, signature: InputSignature) -> None:
-        # One tiny all-reduce over the world per step: a rank that recompiles alone would
-        # otherwise issue collectives (FSDP, HSDP or TP) the others never match, and hang.
-        digest = hashlib.sha256((str(signature.spec) + signature.describe()).encode()).digest()
-        value = int.from_bytes(digest[:7], "big")
-        probe = torch.tensor([value, -value], dtype=torch.int64, device=self._collective_device())
-        dist.all_reduce(probe, op=dist.ReduceOp.MAX)
-        if probe[0].item() != value or probe[1].item() != -value:
-            raise TrainingError(
-                f"rank {self.rank}: ranks disagree on the batch signature; every rank must "
-                f"get batches of the same shapes and dtypes. This rank has:\n{signature.describe()}"
-            )
+    def _agree_on_batch(self, batch: tuple[Any, Any] | None) -> list[int]:
+        """One tiny all-reduce over the world per micro-batch (``None``: no batch left).
 
-    def _accumulate(self, gm: torch.fx.GraphModule, grads: dict[str, torch.Tensor]) -> None:
+        Returns the ranks whose data has ended. Raises when the ranks' graph keys differ: a
+        rank that recompiles alone would issue collectives (FSDP, HSDP or TP) the others never
+        match, and hang.
+        """
+        digest = None
+        if batch is not None:
+            signature = InputSignature.of(*batch)
+            text = str(signature.spec) + signature.describe() + str(module_state_key(self.model))
+            digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
+        ended, agreed = agree_on_batch(
+            digest, self.rank, self.world_size, self._collective_device()
+        )
+        if not agreed:
+            raise TrainingError(
+                f"rank {self.rank}: ranks disagree on the batch signature or module state; "
+                "every rank must get batches of the same shapes and dtypes, and switch "
+                "train()/eval() or requires_grad together. This rank has:\n"
+                f"{signature.describe()}\n{describe_module_state(self.model)}"
+            )
+        return ended
+
+    def _accumulate(
+        self, gm: torch.fx.GraphModule, grads: dict[str, torch.Tensor], weight: float = 1.0
+    ) -> None:
         expected = set(gm.grad_fqns)
         if set(grads) != expected:
             raise TrainingError(
@@ -304,10 +344,12 @@ class GraphTrainer:
                     f"gradient of {fqn!r} has shape {tuple(grad.shape)} but the parameter has "
                     f"{tuple(param.shape)}"
                 )
+            if weight != 1.0:
+                grad = grad.mul_(weight) if param.grad is None else grad
             if param.grad is None:
                 param.grad = grad
             else:
-                param.grad.add_(grad)
+                param.grad.add_(grad, alpha=weight)
 
     def grad_norm(self) -> float:
         """The global 2-norm of the current gradients, as on the unsharded model."""
@@ -336,18 +378,49 @@ class GraphTrainer:
     def optimizer_step(self) -> float:
         """Clip by the global norm (when configured), step, zero the gradients.
 
-        Returns the global gradient norm before clipping.
+        Returns the global gradient norm before clipping. A non-finite norm changes no weight:
+        with ``nonfinite="error"`` it raises :class:`TrainingError` naming the first parameter
+        whose gradient is not finite; with ``"skip"`` the step is counted in ``skipped_steps``.
+        Afterwards the buffers the graphs update (BatchNorm statistics) are made rank 0's on
+        every data-parallel rank, as DDP's ``broadcast_buffers`` does.
         """
         if self.optimizer is None:
             raise RuntimeError("optimizer_step() before the first train_step(): nothing to step")
         norm = self._grad_norm_tensor()
+        if not math.isfinite(norm.item()):
+            if self.nonfinite == "skip":
+                return self._skip_step()
+            fqn = first_nonfinite_grad(self.model, self.fsdp_group, self._collective_device())
+            self.optimizer.zero_grad(set_to_none=True)
+            raise nonfinite_grad_error(fqn, norm.item(), self.step + 1)
         if self.optimizer_config.grad_clip is not None:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             clip_to_norm(grads, norm, self.optimizer_config.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self._sync_buffers()
         return norm.item()
+
+    def _skip_step(self) -> float:
+        """Drop this step's gradients without an update (``nonfinite="skip"``)."""
+        norm = float("nan")
+        if any(p.grad is not None for p in self.model.parameters()):
+            norm = self._grad_norm_tensor().item()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.skipped_steps += 1
+        self._sync_buffers()
+        return norm
+
+    def _sync_buffers(self) -> None:
+        if not self.fsdp_active:
+            return
+        mutated = {fqn for gm in self._graphs.values() for fqn in getattr(gm, "mutated_fqns", ())}
+        buffers = [b for fqn, b in self.model.named_buffers() if fqn in mutated]
+        if buffers:
+            replicate = self._mesh.replicate_group if self._mesh is not None else None
+            broadcast_buffers(buffers, [self.fsdp_group, replicate])
 
     # ------------------------------------------------------------------ loop
 
@@ -361,92 +434,30 @@ class GraphTrainer:
     ) -> list[dict[str, Any]]:
         """Train on ``(input, label)`` batches; one optimizer step per ``accumulation_steps``.
 
-        Returns one record per optimizer step (``step``, ``loss`` — the mean over ranks and
-        micro-batches —, ``grad_norm``, ``step_time_s``, ``tokens_per_s``, ``samples_per_s``,
-        ``memory_mb``, ``lr``); rank 0 passes every ``log_interval``-th to ``log_fn`` (default:
-        print). Stops at ``max_steps`` optimizer steps or when the data ends.
+        Micro-batch gradients are weighted by their sample counts (dim 0 of the first input
+        tensor). Returns one record per optimizer step (``step``, ``loss`` — the mean over
+        ranks and samples —, ``grad_norm``, ``step_time_s``, ``tokens_per_s``,
+        ``samples_per_s``, ``memory_mb``, ``lr``, ``skipped_steps``); rank 0 passes every
+        ``log_interval``-th to ``log_fn`` (default: print). Stops at ``max_steps`` optimizer
+        steps or when the data ends on any rank (all ranks stop together, with a warning if
+        their data ended unevenly); an incomplete accumulation window at the end is applied.
         """
-        _check_count("max_steps", max_steps, allow_none=True)
-        _check_count("log_interval", log_interval, allow_none=True)
-        _check_count("accumulation_steps", accumulation_steps, allow_none=False)
-        if log_interval is not None and log_fn is None:
-            log_fn = _print_record
-        records: list[dict[str, Any]] = []
-        losses: list[torch.Tensor] = []
-        tokens = samples = 0
-        started = time.perf_counter()
-        saw_batch = False
-        for batch in dataloader:
-            saw_batch = True
-            input, label = _split_batch(batch)
-            losses.append(self.train_step(input, label))
-            self.data_position += 1
-            tokens += _count_tokens(input)
-            samples += _batch_size(input)
-            if len(losses) < accumulation_steps:
-                continue
-            loss = self._mean_loss(losses)
-            if not math.isfinite(loss):
-                self.optimizer.zero_grad(set_to_none=True)
-                raise TrainingError(
-                    f"the loss is {loss} at step {self.step + 1}; training stopped and no "
-                    "optimizer update was applied for this step (check the learning rate, "
-                    "the data and the loss function)"
-                )
-            if accumulation_steps > 1:
-                self._scale_grads(1.0 / accumulation_steps)
-            grad_norm = self.optimizer_step()
-            elapsed = time.perf_counter() - started
-            records.append(self._record(loss, grad_norm, elapsed, tokens, samples))
-            if log_fn is not None and self.rank == 0 and self.step % (log_interval or 1) == 0:
-                log_fn(records[-1])
-            losses, tokens, samples = [], 0, 0
-            started = time.perf_counter()
-            if max_steps is not None and len(records) >= max_steps:
-                break
-        if not saw_batch:
-            raise ValueError(
-                "the dataloader yielded no batches, so there is nothing to train; check its "
-                "length, batch size and drop_last"
-            )
-        if losses:
-            warnings.warn(
-                f"the data ended after {len(losses)} of {accumulation_steps} accumulation "
-                "micro-batches; their gradients stay accumulated, no optimizer step was taken",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        return records
+        return train_loop(self, dataloader, max_steps, log_interval, log_fn, accumulation_steps)
 
-    def _mean_loss(self, losses: list[torch.Tensor]) -> float:
-        total = torch.stack([loss.float() for loss in losses]).mean().reshape(1)
+    def _mean_loss(self, loss: torch.Tensor) -> float:
+        """The mean of this rank's ``(1,)`` float loss over the world."""
         if self.world_size > 1:
             # Over the world: TP ranks of one replica hold the same loss, so the world mean
             # is the data-parallel mean (FSDP and HSDP replicas alike).
-            total = total.to(self._collective_device())
-            dist.all_reduce(total)
-            total /= self.world_size
-        return total.item()
+            loss = loss.to(self._collective_device())
+            dist.all_reduce(loss)
+            loss /= self.world_size
+        return loss.item()
 
     def _scale_grads(self, factor: float) -> None:
         for param in self.model.parameters():
             if param.grad is not None:
                 param.grad.mul_(factor)
-
-    def _record(
-        self, loss: float, grad_norm: float, elapsed: float, tokens: int, samples: int
-    ) -> dict[str, Any]:
-        ranks = self._data_parallel_size()
-        return {
-            "step": self.step,
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "step_time_s": elapsed,
-            "tokens_per_s": tokens * ranks / elapsed,
-            "samples_per_s": samples * ranks / elapsed,
-            "memory_mb": _peak_memory_mb(self.device),
-            "lr": self.optimizer.param_groups[0].get("lr", float("nan")),
-        }
 
     def pass_summary(self) -> str:
         """Per compiled signature: each pass's time and whether it changed the graph, then
@@ -488,49 +499,3 @@ class GraphTrainer:
         from gm_trainer.checkpoint import load_trainer_state_dict
 
         return load_trainer_state_dict(self, state)
-
-
-def _check_count(name: str, value: Any, *, allow_none: bool) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        accepted = "a positive int or None" if allow_none else "a positive int"
-        raise ValueError(f"{name} must be {accepted}, got {value!r}")
-
-
-def _split_batch(batch: Any) -> tuple[Any, Any]:
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[0], batch[1]
-    raise TypeError(
-        f"each batch must be an (input, label) pair, got {type(batch).__name__}"
-        + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
-    )
-
-
-def _first_tensor(tree: Any) -> torch.Tensor | None:
-    return next((x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)), None)
-
-
-def _count_tokens(input: Any) -> int:
-    first = _first_tensor(input)
-    return first.numel() if first is not None else 0
-
-
-def _batch_size(input: Any) -> int:
-    first = _first_tensor(input)
-    return first.shape[0] if first is not None and first.dim() > 0 else 1
-
-
-def _peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    # ru_maxrss is in KiB on Linux: the peak resident memory of this process.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _print_record(record: dict[str, Any]) -> None:
-    print(
-        f"step {record['step']:>5}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}"
-        f"  {record['tokens_per_s']:.0f} tok/s  {record['memory_mb']:.0f} MiB",
-        flush=True,
-    )

@@ -1,0 +1,186 @@
+"""``GraphTrainer.train``: the data loop around ``train_step`` / ``optimizer_step``.
+
+Rules (see "Training-state faults" in the user guide):
+
+- Gradients of the micro-batches of one step are weighted by their sample counts
+  (:mod:`gm_trainer.accumulation`).
+- When the data ends inside an accumulation window, the micro-batches seen are applied as one
+  (smaller) optimizer step: nothing is carried into the next ``train()`` call.
+- With several ranks, every micro-batch starts with one tiny all-reduce saying which ranks
+  still have a batch: when one rank's data ends, all ranks stop after the same micro-batch
+  with a ``RuntimeWarning`` naming the ranks, instead of blocking in the next collective.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from gm_trainer.accumulation import MicroBatches
+from gm_trainer.errors import TrainingError
+
+if TYPE_CHECKING:
+    from gm_trainer.trainer import GraphTrainer
+
+_END = object()
+
+
+def train_loop(
+    trainer: GraphTrainer,
+    dataloader: Iterable[Any],
+    max_steps: int | None,
+    log_interval: int | None,
+    log_fn: Callable[[dict[str, Any]], None] | None,
+    accumulation_steps: int,
+) -> list[dict[str, Any]]:
+    """The body of :meth:`GraphTrainer.train` (documented there)."""
+    check_count("max_steps", max_steps, allow_none=True)
+    check_count("log_interval", log_interval, allow_none=True)
+    check_count("accumulation_steps", accumulation_steps, allow_none=False)
+    if log_interval is not None and log_fn is None:
+        log_fn = print_record
+    records: list[dict[str, Any]] = []
+    window = MicroBatches()
+    started = time.perf_counter()
+    batches = iter(dataloader)
+    seen = 0
+    while max_steps is None or len(records) < max_steps:
+        batch = next(batches, _END)
+        if batch is _END:
+            input = label = None
+        else:
+            input, label = trainer._to_device(split_batch(batch))
+        if trainer.world_size > 1:
+            ended = trainer._agree_on_batch(None if batch is _END else (input, label))
+            if ended:
+                _warn_uneven(trainer, ended, seen)
+                break
+        elif batch is _END:
+            break
+        seen += 1
+        size = batch_size(input)
+        loss = trainer._micro_step(input, label, window.weight(size))
+        trainer.data_position += 1
+        window.add(loss, size, count_tokens(input))
+        if len(window) < accumulation_steps:
+            continue
+        records.append(_optimizer_step(trainer, window, started))
+        if log_fn is not None and trainer.rank == 0 and trainer.step % (log_interval or 1) == 0:
+            log_fn(records[-1])
+        window, started = MicroBatches(), time.perf_counter()
+    if not seen:
+        raise ValueError(
+            "the dataloader yielded no batches, so there is nothing to train; check its "
+            "length, batch size and drop_last"
+        )
+    if len(window):
+        # The data ended inside an accumulation window: apply what was accumulated (its
+        # samples weighted as usual) rather than leaking gradients into the next call.
+        records.append(_optimizer_step(trainer, window, started))
+        if log_fn is not None and trainer.rank == 0:
+            log_fn(records[-1])
+    return records
+
+
+def _warn_uneven(trainer: GraphTrainer, ended: list[int], seen: int) -> None:
+    mine = trainer.rank in ended
+    others = [r for r in range(trainer.world_size) if r not in ended]
+    if mine and not others:
+        return  # every rank's data ended together: a normal end
+    what = (
+        f"this rank's data ended while rank(s) {others} still had batches"
+        if mine
+        else f"the data of rank(s) {ended} ended while this rank still had batches (left unused)"
+    )
+    warnings.warn(
+        f"rank {trainer.rank}: {what}; every rank stopped after {seen} micro-batches of this "
+        "train() call. Give every rank the same number of batches (e.g. a DistributedSampler "
+        "with drop_last=True, or equal shards)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _optimizer_step(trainer: GraphTrainer, window: MicroBatches, started: float) -> dict[str, Any]:
+    loss = trainer._mean_loss(window.mean_loss())
+    if math.isfinite(loss):
+        scale = window.final_scale()
+        if scale != 1.0:
+            trainer._scale_grads(scale)
+        grad_norm = trainer.optimizer_step()
+    elif trainer.nonfinite == "skip":
+        grad_norm = trainer._skip_step()
+    else:
+        trainer.optimizer.zero_grad(set_to_none=True)
+        raise TrainingError(
+            f"the loss is {loss} at step {trainer.step + 1}; training stopped and no "
+            "optimizer update was applied for this step (check the learning rate, "
+            "the data and the loss function, or pass GraphTrainer(nonfinite='skip'))"
+        )
+    elapsed = time.perf_counter() - started
+    ranks = trainer._data_parallel_size()
+    return {
+        "step": trainer.step,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "step_time_s": elapsed,
+        "tokens_per_s": window.tokens * ranks / elapsed,
+        "samples_per_s": window.samples * ranks / elapsed,
+        "memory_mb": peak_memory_mb(trainer.device),
+        "lr": trainer.optimizer.param_groups[0].get("lr", float("nan")),
+        "skipped_steps": trainer.skipped_steps,
+    }
+
+
+def check_count(name: str, value: Any, *, allow_none: bool) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        accepted = "a positive int or None" if allow_none else "a positive int"
+        raise ValueError(f"{name} must be {accepted}, got {value!r}")
+
+
+def split_batch(batch: Any) -> tuple[Any, Any]:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise TypeError(
+        f"each batch must be an (input, label) pair, got {type(batch).__name__}"
+        + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+    )
+
+
+def _first_tensor(tree: Any) -> torch.Tensor | None:
+    return next((x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)), None)
+
+
+def count_tokens(input: Any) -> int:
+    first = _first_tensor(input)
+    return first.numel() if first is not None else 0
+
+
+def batch_size(input: Any) -> int:
+    """Samples in a micro-batch: dim 0 of the first input tensor (1 without one)."""
+    first = _first_tensor(input)
+    return first.shape[0] if first is not None and first.dim() > 0 else 1
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    # ru_maxrss is in KiB on Linux: the peak resident memory of this process.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def print_record(record: dict[str, Any]) -> None:
+    print(
+        f"step {record['step']:>5}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}"
+        f"  {record['tokens_per_s']:.0f} tok/s  {record['memory_mb']:.0f} MiB",
+        flush=True,
+    )

@@ -1,0 +1,58 @@
+"""Keeping data-parallel ranks in step: the end of the data, batch signatures, buffers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+_NO_BATCH = -(2**62)
+
+
+def agree_on_batch(
+    digest: int | None, rank: int, world: int, device: torch.device
+) -> tuple[list[int], bool]:
+    """One all-reduce over the world per micro-batch: ``(ranks whose data has ended, whether
+    the ranks with a batch agree on its key)``.
+
+    ``digest`` is this rank's batch key, below 2**56 (``None``: no batch left). Every rank gets
+    the same answer, so all can stop together, as torch's ``Join`` context lets them; keys must
+    agree, since a rank that recompiled alone would issue collectives the others never match.
+    """
+    probe = torch.zeros(2 + world, dtype=torch.int64, device=device)
+    if digest is None:
+        probe[0] = probe[1] = _NO_BATCH
+        probe[2 + rank] = 1
+    else:
+        probe[0], probe[1] = digest, -digest
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX)
+    ended = [r for r in range(world) if probe[2 + r].item()]
+    if ended or digest is None:
+        return ended, True
+    return [], probe[0].item() == digest and probe[1].item() == -digest
+
+
+def broadcast_buffers(
+    buffers: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup | None]
+) -> None:
+    """Give every rank the buffers of the first rank of each group, group after group.
+
+    DDP's ``broadcast_buffers=True`` rule (rank 0's BatchNorm statistics win). With HSDP pass
+    the shard group, then the replicate group: rank 0's values reach every rank. One broadcast
+    per dtype and group.
+    """
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for buffer in buffers:
+        by_dtype.setdefault(buffer.dtype, []).append(buffer)
+    for group in groups:
+        if group is None or dist.get_world_size(group) < 2:
+            continue
+        src = dist.get_global_rank(group, 0)
+        for same in by_dtype.values():
+            flat = torch.cat([b.detach().reshape(-1) for b in same])
+            dist.broadcast(flat, src=src, group=group)
+            offset = 0
+            for b in same:
+                b.detach().copy_(flat[offset : offset + b.numel()].view_as(b))
+                offset += b.numel()
