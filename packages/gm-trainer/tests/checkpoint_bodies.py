@@ -174,3 +174,17 @@ def killed_mid_save(rank: int, world: int, root: str):
         FileSystemWriter.write_data = write_then_die
     save_checkpoint(trainer, root / "step-3")
     raise AssertionError("the save survived a dead rank")
+
+
+def save_to_different_paths(rank: int, world: int, root: str) -> str:
+    """Each rank saves to its own folder: every rank must get the same clear error."""
+    from gm_trainer.checkpoint import CheckpointError
+
+    torch.manual_seed(0)
+    trainer = GraphTrainer(MLP(), mse_loss, PassConfig(), optimizer_config={"lr": 1e-2})
+    trainer.compile(*local(make_regression_batch(8, seed=0), rank, world))
+    try:
+        save_checkpoint(trainer, Path(root) / f"rank{rank}")
+    except CheckpointError as exc:
+        return str(exc)
+    raise AssertionError("save_checkpoint accepted different paths on different ranks")

@@ -1,0 +1,340 @@
+"""The trainer state a checkpoint holds, as a nested dict, and its restore on any world size.
+
+:func:`trainer_state_dict` builds what ``torch.distributed.checkpoint`` saves (layout: see
+:mod:`gm_trainer.checkpoint`); :func:`load_trainer_state_dict` puts such a dict back into a
+trainer, each rank keeping its own rows of every FSDP-sharded tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from gm_trace.fsdp import RowShard, row_shards
+from gm_trainer.checkpoint_io import CHECKPOINT_FORMAT, CheckpointError, check_header
+
+if TYPE_CHECKING:
+    from gm_trainer.trainer import GraphTrainer
+
+
+def trainer_state_dict(
+    trainer: GraphTrainer, extra: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The trainer's full state, in the form ``torch.distributed.checkpoint`` saves.
+
+    Tensors are views of the live parameters, buffers and optimizer states, not copies.
+    ``extra`` is the caller's own resumable state (e.g. ``{"epoch": 3}``): it must be
+    JSON-serialisable, and only rank 0's is kept. The RNG entry holds this rank's generator
+    only, so to resume on another world size use :func:`load_checkpoint`, which picks the
+    entries each rank needs. The trainer must have compiled (see :func:`load_checkpoint`).
+    """
+    require_compiled(trainer)
+    extra_json = _extra_to_json(extra)  # validated on every rank, so all ranks fail alike
+    model = trainer.model
+    shards = row_shards(model)
+    names = canonical_names(model)
+    mesh = fsdp_mesh(trainer) if shards else None
+    model_state: dict[str, Any] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(
+                f"model state {key!r} is a {type(value).__name__}, not a tensor; "
+                "checkpoints hold tensors only (move extra module state into `extra`)"
+            )
+        shard = shards.get(names.get(id(value), ""))
+        model_state[key] = as_dtensor(value.detach(), shard, mesh) if shard else value.detach()
+
+    optim_state: dict[str, dict[str, torch.Tensor]] = {}
+    for param, state in trainer.optimizer.state.items():
+        fqn = names[id(param)]
+        shard = shards.get(fqn)
+        entry = {}
+        for name, value in state.items():
+            if value is None:
+                continue  # e.g. SGD without momentum; the optimizer recreates it
+            if not isinstance(value, torch.Tensor):
+                raise CheckpointError(
+                    f"optimizer state {name!r} of {fqn!r} is a {type(value).__name__}; "
+                    "only tensor optimizer states can be checkpointed"
+                )
+            if shard is not None and value.dim() > 0:
+                if value.shape != param.shape:
+                    raise CheckpointError(
+                        f"optimizer state {name!r} of {fqn!r} has shape {tuple(value.shape)}, "
+                        f"not the shard's {tuple(param.shape)}; only per-element states "
+                        "(Adam, SGD momentum, ...) and scalars can be resharded"
+                    )
+                entry[name] = as_dtensor(value.detach(), shard, mesh)
+            else:
+                entry[name] = value.detach()
+        optim_state[fqn] = entry
+
+    header = {
+        "format": CHECKPOINT_FORMAT,
+        "step": trainer.step,
+        "data_position": trainer.data_position,
+        "world_size": trainer.world_size,
+        "optimizer": type(trainer.optimizer).__name__,
+    }
+    state: dict[str, Any] = {
+        "model": model_state,
+        "optim": {
+            "state": optim_state,
+            "param_groups": _param_groups_to_json(trainer.optimizer),
+        },
+        "trainer": json.dumps(header),
+        "rng": {f"rank{trainer.rank}": _rng_state(trainer.device)},
+    }
+    if trainer.rank == 0:
+        state["extra"] = extra_json
+    return state
+
+
+def load_trainer_state_dict(trainer: GraphTrainer, state: Mapping[str, Any]) -> dict[str, Any]:
+    """Restore ``state`` (from :func:`trainer_state_dict`, in any world size) into ``trainer``.
+
+    Model entries may be DTensors or whole tensors; each rank keeps its own rows. Restores
+    the parameters, buffers, optimizer state and hyperparameters, ``step``, ``data_position``
+    and the RNG, and returns the saved ``extra`` dict. Nothing of ``state`` is kept by
+    reference. The trainer must have compiled.
+    """
+    return restore(trainer, state, copy=True)
+
+
+def restore(trainer: GraphTrainer, state: Mapping[str, Any], *, copy: bool) -> dict[str, Any]:
+    # copy=False only for buffers this module allocated itself (load_checkpoint's template).
+    require_compiled(trainer)
+    header = read_header(state)
+    check_optimizer(header["optimizer"], trainer)
+    model = trainer.model
+    shards = row_shards(model)
+    names = canonical_names(model)
+    live = model.state_dict(keep_vars=True)
+    saved = state.get("model", {})
+    check_keys("model", set(live), set(saved))
+    pieces = {}
+    for key, target in live.items():
+        shard = shards.get(names.get(id(target), ""))
+        piece = _local_piece(f"model {key!r}", saved[key], full_shape(target, shard), shard)
+        if piece.dtype != target.dtype:
+            raise CheckpointError(
+                f"model {key!r} is {piece.dtype} in the checkpoint but {target.dtype} in the "
+                "model; cast the model to the checkpoint's dtype before loading"
+            )
+        pieces[key] = piece
+    optim_sd = _optimizer_state_dict(trainer, state.get("optim", {}), shards, names, copy)
+
+    with torch.no_grad():
+        for key, piece in pieces.items():
+            live[key].copy_(piece)
+    trainer.optimizer.load_state_dict(optim_sd)
+    trainer.step = header["step"]
+    trainer.data_position = header["data_position"]
+    _set_rng_state(state.get("rng", {}), trainer.rank, trainer.device)
+    extra = state.get("extra")
+    return json.loads(extra) if extra else {}
+
+
+def _optimizer_state_dict(
+    trainer: GraphTrainer,
+    saved: Mapping[str, Any],
+    shards: dict[str, RowShard],
+    names: dict[int, str],
+    copy: bool,
+) -> dict[str, Any]:
+    """The saved optimizer state as ``Optimizer.load_state_dict`` wants it (by index).
+
+    ``Optimizer.load_state_dict`` keeps tensors that already have the right dtype and device,
+    so without ``copy`` the optimizer would share them with ``saved``.
+    """
+    optimizer = trainer.optimizer
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    index = {names[id(p)]: i for i, p in enumerate(params)}
+    saved_state = saved.get("state", {})
+    unknown = sorted(set(saved_state) - set(index))
+    if unknown:
+        raise CheckpointError(
+            f"the checkpoint has optimizer state for parameter(s) {unknown}, which this "
+            "model's optimizer does not hold; is it the same model?"
+        )
+    state = {}
+    for fqn, entry in saved_state.items():
+        param = params[index[fqn]]
+        shard = shards.get(fqn)
+        full = full_shape(param, shard)
+        pieces = {}
+        for name, value in entry.items():
+            if value.dim() > 0 and (shard is not None or tuple(value.shape) == full):
+                value = _local_piece(f"optimizer state {name!r} of {fqn!r}", value, full, shard)
+            pieces[name] = value.clone() if copy else value
+        state[index[fqn]] = pieces
+    groups = json.loads(saved["param_groups"]) if "param_groups" in saved else None
+    if groups is None or len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"the checkpoint has {len(groups or [])} optimizer parameter group(s) but this "
+            f"optimizer has {len(optimizer.param_groups)}; build it the same way"
+        )
+    param_groups = []
+    for saved_group, live_group in zip(groups, optimizer.param_groups):
+        group = {k: _like(v, live_group.get(k)) for k, v in saved_group.items()}
+        group["params"] = [index[names[id(p)]] for p in live_group["params"]]
+        param_groups.append(group)
+    return {"state": state, "param_groups": param_groups}
+
+
+def _like(value: Any, live: Any) -> Any:
+    # JSON turns tuples (Adam's betas) into lists; give them back the live type.
+    return tuple(value) if isinstance(live, tuple) and isinstance(value, list) else value
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def require_compiled(trainer: GraphTrainer) -> None:
+    tp_size = getattr(trainer.pass_config, "tp_size", 1) or 1
+    if tp_size > 1:
+        # TP ranks hold different slices under the same key; DCP would keep only one of them.
+        raise CheckpointError(
+            f"checkpoints of tensor-parallel runs (tp_size={tp_size}) are not supported yet; "
+            "FSDP and HSDP runs (tp_size=1) are"
+        )
+    if trainer.optimizer is None:
+        raise CheckpointError(
+            "the trainer has not compiled yet, so its model is not sharded and it has no "
+            "optimizer; call trainer.compile(sample_input, sample_label) with a batch of the "
+            "shape you train on (or run a train_step) before saving or loading a checkpoint"
+        )
+
+
+def canonical_names(model: torch.nn.Module) -> dict[int, str]:
+    # named_parameters() lists a tied parameter once, under the name FSDP shards it by.
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def full_shape(tensor: torch.Tensor, shard: RowShard | None) -> tuple[int, ...]:
+    shape = tuple(tensor.shape)
+    return (shard.rows, *shape[1:]) if shard is not None else shape
+
+
+def fsdp_mesh(trainer: GraphTrainer) -> DeviceMesh:
+    # A mesh over the trainer's existing group: no new process group, no collective.
+    return DeviceMesh.from_group(trainer.fsdp_group, trainer.device.type, mesh_dim_names=("fsdp",))
+
+
+def as_dtensor(local: torch.Tensor, shard: RowShard, mesh: DeviceMesh) -> DTensor:
+    # Shard(0) splits dim 0 as torch.chunk does, exactly like RowShard, uneven/empty included.
+    full = (shard.rows, *local.shape[1:])
+    stride = torch.empty(full, device="meta").stride()
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full, stride=stride)
+
+
+def _local_piece(
+    what: str, value: Any, full: tuple[int, ...], shard: RowShard | None
+) -> torch.Tensor:
+    """This rank's rows of ``value`` (a DTensor or a whole tensor of shape ``full``)."""
+    if not isinstance(value, torch.Tensor):
+        raise CheckpointError(f"{what} is a {type(value).__name__} in the checkpoint, not a tensor")
+    if tuple(value.shape) != full:
+        raise CheckpointError(
+            f"{what} has shape {tuple(value.shape)} in the checkpoint but {full} here; the "
+            "checkpoint was written for a different model configuration"
+        )
+    if isinstance(value, DTensor):
+        same_layout = (
+            shard is not None
+            and value.placements == (Shard(0),)
+            and value.device_mesh.size() == shard.degree
+        )
+        if same_layout:
+            return value.to_local()
+        value = value.full_tensor()
+    return value[shard.start : shard.stop] if shard is not None else value
+
+
+def check_keys(section: str, live: set[str], saved: set[str]) -> None:
+    missing, unexpected = sorted(live - saved), sorted(saved - live)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {missing}")
+        if unexpected:
+            parts.append(f"not in this model: {unexpected}")
+        raise CheckpointError(
+            f"the checkpoint's {section} keys do not match: {'; '.join(parts)}; the checkpoint "
+            "was written for a different model"
+        )
+
+
+def check_optimizer(saved: str, trainer: GraphTrainer) -> None:
+    if saved != type(trainer.optimizer).__name__:
+        raise CheckpointError(
+            f"the checkpoint holds {saved} state but this trainer's optimizer is "
+            f"{type(trainer.optimizer).__name__}; build the trainer with the same optimizer"
+        )
+
+
+def read_header(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The saved "trainer" entry (format, step, data_position, ...), checked."""
+    raw = state.get("trainer")
+    if not isinstance(raw, str):
+        raise CheckpointError(
+            "the state has no 'trainer' entry (JSON); it was not made by trainer_state_dict"
+        )
+    try:
+        header = json.loads(raw)
+    except ValueError as exc:
+        raise CheckpointError(f"the state's 'trainer' entry is not JSON: {exc}") from None
+    return check_header(header, "the checkpoint's 'trainer' entry")
+
+
+def _extra_to_json(extra: Mapping[str, Any] | None) -> str:
+    if extra is None:
+        return "{}"
+    if not isinstance(extra, Mapping):
+        raise TypeError(f"extra must be a dict, got {type(extra).__name__}")
+    for key, value in extra.items():
+        try:
+            json.dumps({key: value})
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"extra[{key!r}] is not JSON-serialisable ({exc}); store numbers, strings, "
+                "lists and dicts (tensor values as .tolist())"
+            ) from None
+    return json.dumps(dict(extra))
+
+
+def _param_groups_to_json(optimizer: torch.optim.Optimizer) -> str:
+    groups = []
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        for key, value in hyper.items():
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError):
+                raise CheckpointError(
+                    f"optimizer hyperparameter {key!r} = {value!r} is not JSON-serialisable; "
+                    "checkpoints store numbers, strings and lists"
+                ) from None
+        groups.append(hyper)
+    return json.dumps(groups)
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(saved: Mapping[str, Any], rank: int, device: torch.device) -> None:
+    state = saved.get(f"rank{rank}") or saved.get("rank0")
+    if not state:
+        return
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
