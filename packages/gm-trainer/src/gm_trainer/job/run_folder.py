@@ -275,8 +275,8 @@ def step_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
     for child in root.iterdir():
         if _STEP_DIR.fullmatch(child.name) and (child / MARKER_NAME).is_file():
             try:
-                found.append((int(checkpoint_info(child)["step"]), child))
-            except (CheckpointError, OSError, KeyError, ValueError):
+                found.append((checkpoint_info(child)["step"], child))
+            except (CheckpointError, OSError):  # the marker's keys and types are checked
                 continue
     return sorted(found)
 
@@ -356,9 +356,9 @@ def find_resume_point(path: str | Path) -> ResumePoint:
             )
         checkpoint = found
     try:
-        info = checkpoint_info(checkpoint)
-        step, world_size = int(info["step"]), int(info["world_size"])
-    except (CheckpointError, KeyError, TypeError, ValueError) as e:
+        info = checkpoint_info(checkpoint)  # every key checked: CheckpointError, never KeyError
+        step, world_size = info["step"], info["world_size"]
+    except CheckpointError as e:
         hint = "; --resume the run folder to take its newest complete checkpoint"
         raise ConfigError(f"--resume {path}: {e}{hint if looks_like_checkpoint else ''}") from None
     return ResumePoint(checkpoint, step, world_size, run_folder_of(checkpoint))
