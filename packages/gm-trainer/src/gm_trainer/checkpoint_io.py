@@ -101,13 +101,19 @@ def open_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}")
+    has_marker = (path / MARKER_NAME).is_file()
     if path.name.endswith(".tmp"):
         # Even with a marker: rank 0 may have died between writing it and the rename.
-        raise CheckpointError(
-            f"{path} is not a complete checkpoint: this is the directory of an interrupted "
-            "save, never a checkpoint; load an earlier checkpoint (latest_checkpoint() finds it)"
+        why = (
+            f"it holds the commit marker {MARKER_NAME} but was never renamed"
+            if has_marker
+            else f"its commit marker {MARKER_NAME} is missing"
         )
-    if not (path / MARKER_NAME).is_file():
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint: {why}; it is the directory of an interrupted "
+            "save; load an earlier checkpoint (latest_checkpoint() finds it)"
+        )
+    if not has_marker:
         raise CheckpointError(
             f"{path} is not a complete checkpoint: its commit marker {MARKER_NAME} is missing "
             "(the save that wrote it did not finish, or it was not written by save_checkpoint); "
