@@ -294,3 +294,17 @@ def test_a_failed_resume_leaves_the_run_as_it_was(
     config = yaml.safe_load((run / "config.yaml").read_text())
     assert config["train"]["optimizer"] == "adam" and config["train"]["steps"] == 3
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_a_checkpoint_of_another_model_is_refused() -> None:
+    from gm_trainer.job.runner import check_same_model
+
+    config = JobConfig()
+    saved = config.to_dict()
+    check_same_model(config, saved, "run/checkpoints/step-00000002")  # the same model
+    check_same_model(config, None, "elsewhere")  # saved without gm-train's config
+    saved["model"]["n_heads"] = 2  # loads without a shape error, but is another model
+    with pytest.raises(ConfigError) as info:
+        check_same_model(config, saved, "run/checkpoints/step-00000002")
+    message = str(info.value)
+    assert "run/checkpoints/step-00000002" in message and "model.n_heads=2 (this run: 4)" in message

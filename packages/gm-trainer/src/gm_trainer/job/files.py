@@ -15,6 +15,8 @@ from pathlib import Path
 
 import yaml
 
+from gm_trainer.job.config import SECTIONS
+
 #: Written when gm-train creates (or first adopts) a run folder: the folder is gm-train's own.
 RUN_MARKER = "gm-run.json"
 #: The lock file: rank 0 holds an exclusive ``flock`` on it while the job runs.
@@ -146,8 +148,6 @@ def _older_run_folder(path: Path) -> bool:
         data = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8"))
     except (OSError, ValueError, yaml.YAMLError):
         return False
-    from gm_trainer.job.config import SECTIONS
-
     return isinstance(data, dict) and "model" in data and set(data) <= set(SECTIONS)
 
 

@@ -303,7 +303,9 @@ def run_folder_of(checkpoint: str | Path) -> Path | None:
     path = Path(checkpoint)
     run = path.parent.parent
     if path.parent.name == CHECKPOINTS_DIR and (
-        (run / RUN_MARKER).is_file() or (run / "config.yaml").is_file()
+        (run / RUN_MARKER).is_file()
+        or (run / "config.yaml").is_file()
+        or (run / "metrics.jsonl").is_file()
     ):
         return run
     return None

@@ -144,6 +144,7 @@ def _train(
         # Compile first (FSDP shards the model, the optimizer is built), then load.
         trainer.compile(*next(iter(batches_from(0))))
         saved = load_checkpoint(trainer, resume)
+        check_same_model(config, saved.get("config"), resume)
         position = trainer.data_position
         notes = _reconcile(trainer, config, saved.get("config"))
         if progress is not None:
@@ -243,6 +244,26 @@ def _train(
         f"{folder.path}"
     )
     return summary
+
+
+def check_same_model(config: JobConfig, saved: Any, checkpoint: str | Path) -> None:
+    """Raise :class:`ConfigError` when the configuration saved in ``checkpoint`` describes
+    another model than ``config`` (a change of ``n_heads`` loads without a shape error, but
+    the weights then mean something else)."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+        return  # a checkpoint written without gm-train's config
+    now = config.to_dict()["model"]
+    differ = [
+        f"model.{key}={saved['model'][key]!r} (this run: {value!r})"
+        for key, value in now.items()
+        if key in saved["model"] and saved["model"][key] != value
+    ]
+    if differ:
+        raise ConfigError(
+            f"--resume {checkpoint}: the checkpoint was saved with {', '.join(differ)}; "
+            "resume it with the configuration it was trained with (its run folder's "
+            "config.yaml) and leave the model section unchanged"
+        )
 
 
 def _reconcile(trainer: GraphTrainer, config: JobConfig, saved: Any) -> list[str]:
