@@ -223,6 +223,9 @@ def test_hsdp_checkpoint_resumes_on_plain_fsdp(tmp_path, dist_pool, four_rank_ch
 @pytest.mark.distributed
 def test_export_full_state_dict_loads_into_an_eager_model(tmp_path, four_rank_checkpoint):
     ckpt4, _, _, gathered = four_rank_checkpoint
+    # Each rank hashed a share of the files; rank 0's marker lists them all.
+    shards = {p.name for p in ckpt4.glob("*.distcp")}
+    assert len(shards) == 4 and set(checkpoint_info(ckpt4)["files"]) == {".metadata", *shards}
     out = tmp_path / "model.pt"
     exported = export_full_state_dict(ckpt4, out)
     from_file = torch.load(out, weights_only=True)

@@ -187,6 +187,30 @@ def test_a_shard_symlinked_out_of_the_checkpoint_is_refused(ckpt, tmp_path):
         export_full_state_dict(ckpt)
 
 
+def _break_planner_data(metadata):
+    metadata.planner_data[next(iter(metadata.planner_data))] = ()
+
+
+def _break_properties(metadata):
+    tensors = [v for v in metadata.state_dict_metadata.values() if hasattr(v, "properties")]
+    tensors[0].properties = 3
+
+
+@pytest.mark.parametrize(
+    ("damage", "named"),
+    [(_break_planner_data, r"maps '.*' to \(\)"), (_break_properties, "has malformed metadata")],
+    ids=["planner-data", "properties"],
+)
+def test_allowed_classes_with_crafted_fields_are_a_clear_error(ckpt, damage, named):
+    metadata = pickle.loads((ckpt / ".metadata").read_bytes())
+    damage(metadata)
+    forge(ckpt, ".metadata", pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match=f"{named}; the checkpoint is damaged"):
+        load_checkpoint(compiled_trainer(), ckpt)
+    with pytest.raises(CheckpointError, match=named):
+        export_full_state_dict(ckpt)
+
+
 # --------------------------------------------------------------------------- 3: checksums
 
 

@@ -297,27 +297,36 @@ def _load_template(trainer: GraphTrainer, metadata: Metadata) -> dict[str, Any]:
 
 # Entries of the nested state dict and how deep their paths are (see the module docstring).
 _DEPTH = {"model": 2, "trainer": 1, "extra": 1, "rng": 3}
+_DAMAGED = "; the checkpoint is damaged or was not written by gm-trainer: load an earlier one"
 
 
 def _entries(metadata: Metadata) -> dict[tuple[str, ...], Any]:
     """Saved entries by their path in the nested state dict (FQNs contain dots themselves)."""
     mapping = metadata.planner_data or {}
     if not isinstance(mapping, dict):
-        raise CheckpointError("the checkpoint metadata's planner data is not a dict; damaged")
+        raise CheckpointError(f"the checkpoint metadata's planner data is not a dict{_DAMAGED}")
     entries = {}
     for key, md in metadata.state_dict_metadata.items():
         path = mapping.get(key, (key,))
-        if not isinstance(path, (tuple, list)) or not all(isinstance(p, str) for p in path):
-            raise CheckpointError(f"the checkpoint metadata maps {key!r} to {path!r}; damaged")
+        if (
+            not isinstance(path, (tuple, list))
+            or not path
+            or not all(isinstance(p, str) for p in path)
+        ):
+            raise CheckpointError(f"the checkpoint metadata maps {key!r} to {path!r}{_DAMAGED}")
         path = tuple(path)
         depth = {("optim", "state"): 4, ("optim", "param_groups"): 2}.get(path[:2])
-        if len(path) != (depth or _DEPTH.get(path[0] if path else "", len(path))):
-            raise CheckpointError(f"the checkpoint entry {key!r} has the unexpected path {path}")
-        tensor = isinstance(md, TensorStorageMetadata) and isinstance(md.size, torch.Size)
-        if not (tensor and isinstance(md.properties.dtype, torch.dtype)) and not isinstance(
+        if len(path) != (depth or _DEPTH.get(path[0], len(path))):
+            raise CheckpointError(f"the checkpoint entry {key!r} has the path {path}{_DAMAGED}")
+        # Checked, not trusted: a crafted pickle can give an allowed class any attributes.
+        dtype = getattr(getattr(md, "properties", None), "dtype", None)
+        tensor = isinstance(md, TensorStorageMetadata) and isinstance(
+            getattr(md, "size", None), torch.Size
+        )
+        if not (tensor and isinstance(dtype, torch.dtype)) and not isinstance(
             md, BytesStorageMetadata
         ):
-            raise CheckpointError(f"the checkpoint entry {key!r} has malformed metadata {md!r}")
+            raise CheckpointError(f"the checkpoint entry {key!r} has malformed metadata{_DAMAGED}")
         entries[path] = md
     return entries
 

@@ -99,8 +99,8 @@ def read_metadata(
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{file} holds a {type(metadata).__name__}, not DCP Metadata")
     _check_storage(path, metadata, marker)
-    if getattr(metadata, "storage_meta", None) is None:
-        metadata.storage_meta = StorageMeta()
+    if not isinstance(getattr(metadata, "storage_meta", None), StorageMeta):
+        metadata.storage_meta = StorageMeta()  # absent in old DCP versions
     metadata.storage_meta.load_id = load_id
     return metadata
 
@@ -116,15 +116,16 @@ def _check_storage(path: Path, metadata: Metadata, marker: dict[str, Any]) -> No
     for info in storage.values():
         if not isinstance(info, dcp_filesystem._StorageInfo):
             raise CheckpointError(f"{file} holds a {type(info).__name__} as storage record")
-        inside(path, info.relative_path)  # no "..", no absolute path, no link out
-        if files is not None and info.relative_path not in files:
+        name = getattr(info, "relative_path", None)
+        inside(path, name)  # a plain name: no "..", no absolute path, no link out
+        if files is not None and name not in files:
             raise CheckpointError(
-                f"{file} refers to {info.relative_path!r}, which {MARKER_NAME} does not list; "
+                f"{file} refers to {name!r}, which {MARKER_NAME} does not list; "
                 "the checkpoint was modified after it was saved: load an earlier checkpoint"
             )
         if getattr(info, "transform_descriptors", None):
             raise CheckpointError(
-                f"{file}: {info.relative_path!r} is stored with transforms "
+                f"{file}: {name!r} is stored with transforms "
                 f"{info.transform_descriptors!r}, which gm-trainer never writes"
             )
 
