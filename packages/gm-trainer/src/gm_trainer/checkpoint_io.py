@@ -70,7 +70,7 @@ def check_header(header: Any, where: str) -> dict[str, Any]:
 
 def read_marker(path: Path) -> dict[str, Any]:
     """The validated commit marker of the checkpoint directory ``path``."""
-    file = path / MARKER_NAME
+    file = inside(path, MARKER_NAME)
     try:
         marker = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError

@@ -80,7 +80,7 @@ def read_metadata(
     path: Path, marker: dict[str, Any], load_id: str | None = None, *, warn: bool = True
 ) -> Metadata:
     """The DCP metadata of ``path``: checksum verified, safely unpickled, structure checked."""
-    file = path / METADATA_NAME
+    file = inside(path, METADATA_NAME)  # also in checkpoints without checksums
     if not file.is_file():
         raise CheckpointError(f"{path} has no DCP .metadata file; it is not a DCP checkpoint")
     verify_files(path, marker, [METADATA_NAME])
