@@ -22,27 +22,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
-from torch.distributed.device_mesh import init_device_mesh
 
 from gm_config import PassConfig, PassPlan
 from gm_passes import PassPipeline
-from gm_trace.fsdp import row_shards
-from gm_trace.groups import register_process_group
 from gm_trace.overlap import format_schedule
 from gm_trace.tracer import InputSignature, run_traced_graph, trace_model_graph
-from gm_trainer.device import default_device, detect_device_type
+from gm_trainer.device import default_device
 from gm_trainer.errors import TrainingError
 from gm_trainer.graph_key import ClosureWatch, describe_module_state, module_state_key
 from gm_trainer.loop import train_loop
-from gm_trainer.mesh import REPLICATE_GROUP_NAME, MeshError, ResolvedMesh, resolve_mesh_context
-from gm_trainer.optim import OptimizerConfig, clip_to_norm, global_grad_norm
+from gm_trainer.mesh import MeshError, ResolvedMesh, resolve_mesh_context
+from gm_trainer.optim import OptimizerConfig, clip_to_norm
 from gm_trainer.ranks import agree_on_batch, broadcast_buffers
 from gm_trainer.step_guard import check_nonfinite_mode, first_nonfinite_grad, nonfinite_grad_error
-from gm_trainer.tp import TP_GROUP_NAME, tp_shard_dims
+from gm_trainer.trainer_setup import (
+    FSDP_GROUP_NAME,
+    grad_norm_tensor,
+    init_groups,
+    process_group_roles,
+    trace_options,
+)
 
 __all__ = ["FSDP_GROUP_NAME", "GraphTrainer", "TrainingError"]
 
-FSDP_GROUP_NAME = "fsdp"
 # A graph is cached per input signature and module state (training flags, trainable set).
 GraphKey = tuple[InputSignature, Any]
 
@@ -169,22 +171,21 @@ class GraphTrainer:
             )
         first = not self._graphs
         if first:
-            self._init_device_mesh()
+            init_groups(self)
         gm = trace_model_graph(
             self.model,
             self.train_fn,
             sample_input,
             sample_label,
             pre_hook=self._pytree_pre_hook if first else None,
-            **self._full_state_shapes(),
-            **self._mixed_precision(),
+            **trace_options(self),
         )
         pipeline = PassPipeline.from_config(self.pass_config, self.pass_plan)
         gm = pipeline.run(
             gm,
             model=self.model,
             fsdp_group_name=FSDP_GROUP_NAME,
-            process_groups=self._process_group_roles(),
+            process_groups=process_group_roles(self),
             dump_dir=self._dump_dir(),
         )
         self.pipelines.append(pipeline)
@@ -196,80 +197,11 @@ class GraphTrainer:
             self._closure_watch = ClosureWatch(self.train_fn)
         return gm
 
-    def _init_device_mesh(self) -> None:
-        fsdp_wanted = self.pass_config.fsdp_enabled and (
-            self.pass_plan is None or self.pass_plan.fsdp_enabled
-        )
-        if self._mesh is not None:
-            self._init_external_mesh(self._mesh, fsdp_wanted)
-            return
-        if not fsdp_wanted or self.world_size == 1:
-            return
-        mesh = init_device_mesh(
-            detect_device_type(), (self.world_size,), mesh_dim_names=(FSDP_GROUP_NAME,)
-        )
-        self.fsdp_group = mesh.get_group(FSDP_GROUP_NAME)
-        register_process_group(FSDP_GROUP_NAME, self.fsdp_group)
-        if self.pass_config.fsdp_degree is None:
-            self.pass_config.fsdp_degree = self.fsdp_group.size()
-
-    def _init_external_mesh(self, mesh: ResolvedMesh, fsdp_wanted: bool) -> None:
-        for field, value in mesh.checked_config(self.pass_config).items():
-            setattr(self.pass_config, field, value)
-        if mesh.tp_group is not None:
-            # One name on every rank: the FSDP pass compares collective sequences, names included.
-            register_process_group(TP_GROUP_NAME, mesh.tp_group)
-        if mesh.dp_size == 1:
-            # Pure TP: nothing to shard over, and an unregistered "fsdp" would mean the world.
-            self.pass_config.fsdp_enabled = False
-            return
-        if not fsdp_wanted:
-            return
-        self.fsdp_group = mesh.fsdp_group
-        register_process_group(FSDP_GROUP_NAME, mesh.fsdp_group)
-        if mesh.replicate_group is not None:
-            register_process_group(REPLICATE_GROUP_NAME, mesh.replicate_group)
-
-    def _process_group_roles(self) -> dict[str, str]:
-        """Group roles beyond ``"fsdp"`` for the passes: the HSDP replicate group, TP."""
-        roles: dict[str, str] = {}
-        if self._mesh is None:
-            return roles
-        if self._mesh.replicate_group is not None and self.fsdp_active:
-            roles["fsdp_replicate"] = REPLICATE_GROUP_NAME
-        if self._mesh.tp_group is not None:
-            roles["tp"] = TP_GROUP_NAME
-        return roles
-
     def _data_parallel_size(self) -> int:
         """Ranks that read different data: the FSDP group times its HSDP replicas (not TP)."""
         if not self.fsdp_active:
             return 1
         return self._mesh.dp_size if self._mesh is not None else self.fsdp_group.size()
-
-    def _full_state_shapes(self) -> dict[str, Any]:
-        # After the first compile the live parameters are shards; a retrace needs full shapes.
-        shards = row_shards(self.model)
-        if not shards:
-            return {}
-        shapes = {
-            fqn: torch.Size((shard.rows, *self.model.get_parameter(fqn).shape[1:]))
-            for fqn, shard in shards.items()
-        }
-        return {"state_shapes": shapes}
-
-    def _mixed_precision(self) -> dict[str, Any]:
-        """``PassConfig.param_dtype`` for the tracer: cast the parameters, and the inputs of the
-        root and of every planned module (where FSDP2 would cast them)."""
-        dtype = self.pass_config.param_dtype
-        if dtype is None:
-            return {}
-        planned = [
-            name
-            for name, _ in self.model.named_modules()
-            if name and self.pass_plan is not None and self.pass_plan.lookup(name) is not None
-        ]
-        return {"param_dtype": getattr(torch, dtype), "cast_input_modules": ["", *planned]}
 
     def _dump_dir(self) -> Path | None:
         if self.graph_dump_dir is None or self.rank != 0:
@@ -353,27 +285,7 @@ class GraphTrainer:
 
     def grad_norm(self) -> float:
         """The global 2-norm of the current gradients, as on the unsharded model."""
-        return self._grad_norm_tensor().item()
-
-    def _grad_norm_tensor(self) -> torch.Tensor:
-        shards = row_shards(self.model)
-        tp_group = self._mesh.tp_group if self._mesh is not None else None
-        tp_sharded = tp_shard_dims(self.model) if tp_group is not None else {}
-        # (FSDP-sharded?, TP-sharded?) -> gradients
-        buckets: dict[tuple[bool, bool], list[torch.Tensor]] = {
-            (s, t): [] for s in (True, False) for t in (True, False)
-        }
-        for fqn, param in self.model.named_parameters():
-            if param.grad is not None:
-                buckets[fqn in shards, fqn in tp_sharded].append(param.grad)
-        return global_grad_norm(
-            buckets[True, False],
-            buckets[False, False],
-            self.fsdp_group,
-            sharded_tp=buckets[True, True],
-            replicated_tp=buckets[False, True],
-            tp_group=tp_group,
-        )
+        return grad_norm_tensor(self).item()
 
     def optimizer_step(self) -> float:
         """Clip by the global norm (when configured), step, zero the gradients.
@@ -386,7 +298,7 @@ class GraphTrainer:
         """
         if self.optimizer is None:
             raise RuntimeError("optimizer_step() before the first train_step(): nothing to step")
-        norm = self._grad_norm_tensor()
+        norm = grad_norm_tensor(self)
         if not math.isfinite(norm.item()):
             if self.nonfinite == "skip":
                 return self._skip_step()
@@ -406,7 +318,7 @@ class GraphTrainer:
         """Drop this step's gradients without an update (``nonfinite="skip"``)."""
         norm = float("nan")
         if any(p.grad is not None for p in self.model.parameters()):
-            norm = self._grad_norm_tensor().item()
+            norm = grad_norm_tensor(self).item()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.skipped_steps += 1
