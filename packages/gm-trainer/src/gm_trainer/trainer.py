@@ -301,7 +301,7 @@ class GraphTrainer:
         norm = grad_norm_tensor(self)
         if not math.isfinite(norm.item()):
             if self.nonfinite == "skip":
-                return self._skip_step()
+                return self._skip_step(norm.item())
             fqn = first_nonfinite_grad(self.model, self.fsdp_group, self._collective_device())
             self.optimizer.zero_grad(set_to_none=True)
             raise nonfinite_grad_error(fqn, norm.item(), self.step + 1)
@@ -314,11 +314,11 @@ class GraphTrainer:
         self._sync_buffers()
         return norm.item()
 
-    def _skip_step(self) -> float:
-        """Drop this step's gradients without an update (``nonfinite="skip"``)."""
-        norm = float("nan")
-        if any(p.grad is not None for p in self.model.parameters()):
-            norm = grad_norm_tensor(self).item()
+    def _skip_step(self, norm: float | None = None) -> float:
+        """Drop this step's gradients without an update (``nonfinite="skip"``); returns the
+        global gradient norm (``norm`` when the caller has it)."""
+        if norm is None:
+            norm = grad_norm_tensor(self).item()  # a collective: every rank gets here
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.skipped_steps += 1
