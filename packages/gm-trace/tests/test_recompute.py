@@ -97,3 +97,32 @@ def test_under_fsdp_and_reshard_training_is_identical_and_gathers_still_die(dist
     assert runs["on"]["losses"] == runs["off"]["losses"]
     assert runs["on"]["forward_params_read_in_backward"] == []
     assert runs["on"]["peak"] < runs["off"]["peak"]
+
+
+class WritesAfterUse(torch.nn.Module):
+    """``g = sigmoid(x)`` is saved for the linear layer's backward, then ``x`` is scaled in
+    place (autograd allows it: nothing saved ``x``). Recomputing ``g`` in backward from the
+    written ``x`` gives another value, as recomputing across an in-place write did in Mixtral's
+    router under FSDP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.a(torch.sigmoid(x))
+        x.mul_(0.5)
+        return out + x
+
+
+def test_a_value_written_in_place_after_use_is_not_recomputed_from():
+    torch.manual_seed(0)
+    model, batch = WritesAfterUse(), make_regression_batch(4, 8, 8)
+    plain, graph, stats = _recomputed(model, mse_loss, batch)
+    assert "mul_" in plain.code  # the write is in the graph, not functionalized away
+    assert stats["recomputed"] == [], stats
+    eager = copy.deepcopy(model)
+    mse_loss(eager, *copy.deepcopy(batch)).backward()
+    actual = _outputs(graph, model, copy.deepcopy(batch))
+    for fqn, param in eager.named_parameters():
+        assert torch.equal(actual.grads[fqn], param.grad), fqn

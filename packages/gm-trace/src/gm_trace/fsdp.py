@@ -468,10 +468,14 @@ def _is_dtype_cast(node: fx.Node) -> bool:
 
 
 def _compute_casts(placeholder: fx.Node) -> list[fx.Node]:
-    """The placeholder's users when all are casts to one dtype, else ``[]`` (gather as is)."""
+    """The placeholder's users when all are casts to one dtype, else ``[]`` (gather as is).
+
+    Any other user (a tuple-returning op such as ``native_layer_norm`` or
+    ``convolution_backward`` included) reads the full parameter in its own dtype."""
     users = list(placeholder.users)
-    dtypes = {u.meta["val"].dtype for u in users}
-    return users if len(dtypes) == 1 and all(_is_dtype_cast(u) for u in users) else []
+    if not users or not all(_is_dtype_cast(u) for u in users):
+        return []
+    return users if len({u.meta["val"].dtype for u in users}) == 1 else []
 
 
 def _erase_if_unused(graph: fx.Graph, nodes: list[fx.Node]) -> None:

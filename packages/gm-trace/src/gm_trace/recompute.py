@@ -16,11 +16,14 @@ re-gathered parameters are not "kept" forward values) and before ``overlap``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.fx as fx
 
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_passes.graph_ops import is_collective, mutates_an_input
+from gm_trace.aliasing import storage_of, written_storages
 from gm_trace.graph_build import tensor_bytes
 from gm_trace.memory import estimate_peak_memory, is_view
 
@@ -76,15 +79,38 @@ def _chain(node: fx.Node, kept: set[fx.Node]) -> list[fx.Node] | None:
     return chain
 
 
+def _written_between(nodes: list[fx.Node]) -> Callable[[fx.Node, fx.Node], set]:
+    """``written(first, last)``: the storages the nodes strictly between two nodes write."""
+    order = {node: i for i, node in enumerate(nodes)}
+    writes = [(order[n], written_storages(n)) for n in nodes if mutates_an_input(n)]
+
+    def written(first: fx.Node, last: fx.Node) -> set:
+        return set().union(*(w for i, w in writes if order[first] < i < order[last]))
+
+    return written
+
+
 def _recompute_chains(
-    candidates: list[fx.Node], kept: set[fx.Node]
+    candidates: list[fx.Node], kept: set[fx.Node], nodes: list[fx.Node]
 ) -> dict[fx.Node, list[fx.Node]]:
     """The chain of every candidate (in graph order) that can be recomputed. One that cannot
     stays alive into backward, so it joins ``kept``: later candidates may be recomputed from it.
+
+    A chain whose values or inputs share storage with something written in place between the
+    chain and its first backward reader (``x.div_()`` after ``y = x * 2``, a BatchNorm running
+    statistic) cannot be recomputed: the copy would read the written value.
     """
+    order = {node: i for i, node in enumerate(nodes)}
+    written = _written_between(nodes)
     chains = {}
     for value in candidates:
         chain = _chain(value, kept)
+        if chain is not None:
+            reads = {n for node in chain for n in (node, *node.all_input_nodes)}
+            first = min(chain, key=order.__getitem__)
+            reader = min(_backward_readers(value), key=order.__getitem__)
+            if {storage_of(n) for n in reads} & written(first, reader):
+                chain = None
         if chain is None:
             kept.add(value)
         else:
@@ -109,7 +135,7 @@ class RecomputePass(GraphPass):
             path = _view_path(value)
             if not is_cheap(path[-1]) or path[-1] in kept:
                 kept.update(path)
-        chains = _recompute_chains([v for v in saved if v not in kept], kept)
+        chains = _recompute_chains([v for v in saved if v not in kept], kept, nodes)
         peak_before = estimate_peak_memory(graph_module)
         recomputed: list[str] = []
         freed = 0

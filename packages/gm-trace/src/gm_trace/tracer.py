@@ -80,11 +80,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import linecache
-import os
-import sysconfig
 import threading
-import traceback
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -101,6 +97,14 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.utils.stateless import _reparametrize_module
+
+from gm_trace.aliasing import storage_of, written_args
+from gm_trace.capture_errors import (
+    GraphCaptureError,
+    capture_failure,
+    data_dependent_error,
+    describe,
+)
 
 __all__ = [
     "GraphCaptureError",
@@ -123,10 +127,6 @@ _TRACE_LOCK = threading.RLock()
 
 
 # --------------------------------------------------------------------------- public types
-
-
-class GraphCaptureError(RuntimeError):
-    """The train_fn cannot be captured as a static graph (data-dependent Python, a bad loss)."""
 
 
 class GraphSignatureError(ValueError):
@@ -220,9 +220,10 @@ def trace_model_graph(
             its live shape. A sharded model is retraced this way with its FULL shapes (the
             live tensors are shards); nothing is allocated for them.
         param_dtype: mixed precision, as FSDP2's ``MixedPrecisionPolicy``: forward and backward
-            compute with every floating parameter cast to this dtype. The cast is a node of the
-            graph (``aten._to_copy``), so the parameters, their gradients and the
-            optimizer stay in their own dtype; the fsdp pass moves the cast before the all-gather.
+            compute with every floating parameter cast to this dtype, BatchNorm's excepted. The
+            cast is a node of the graph (``aten._to_copy``), so the parameters, their
+            gradients and the optimizer stay in their own dtype; the fsdp pass moves the cast
+            before the all-gather.
         cast_input_modules: with ``param_dtype``, the modules (FQNs, ``""`` is the root) whose
             floating forward inputs are cast to ``param_dtype``, as FSDP2 casts the inputs of
             every module it wraps.
@@ -284,6 +285,7 @@ def _trace_model_graph(
     }
 
     cast_modules = [_module_named(model, fqn, "cast_input_modules") for fqn in cast_input_modules]
+    keeps_dtype = [_keeps_own_dtype(model, fqn) for fqn, _ in params]
     # Filled while tracing: which trainable parameters autograd returned a gradient for.
     record: dict[str, list[int]] = {"grad_slots": []}
 
@@ -294,7 +296,13 @@ def _trace_model_graph(
             io[pos] = t
         inp, lab = pytree.tree_unflatten(io, spec)
         if param_dtype is not None:
-            st = tuple(_cast_floating(t, param_dtype) for t in st[:n_params]) + st[n_params:]
+            st = (
+                tuple(
+                    t if keep else _cast_floating(t, param_dtype)
+                    for t, keep in zip(st[:n_params], keeps_dtype)
+                )
+                + st[n_params:]
+            )
         mapping = dict(zip(state_fqns, st))
         mapping.update({alias: st[slot] for alias, slot in alias_slots.items()})
         with _reparametrize_module(model, mapping), _cast_inputs(cast_modules, param_dtype):
@@ -349,6 +357,14 @@ def _trace_model_graph(
     # GraphModule.__deepcopy__ re-sets the attributes listed under this meta key.
     gm.meta.setdefault("_user_preserved_attributes", {}).update(attributes)
     return gm
+
+
+def _keeps_own_dtype(model: nn.Module, param_fqn: str) -> bool:
+    """Mixed precision leaves BatchNorm's affine parameters in their dtype (as FSDP1's
+    ``MixedPrecision`` did by default): the kernels need weight and running statistics in one
+    dtype, the statistics are buffers (never cast), and they accept a low-precision input."""
+    owner = model.get_submodule(param_fqn.rpartition(".")[0])
+    return isinstance(owner, nn.modules.batchnorm._BatchNorm)
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
@@ -410,8 +426,12 @@ def _make_fx_graph(
         ]
         try:
             return make_fx(joint_step, **make_fx_kwargs)(*fake_args)
+        except GraphCaptureError:
+            raise
         except (DataDependentOutputException, DynamicOutputShapeException) as exc:
-            raise _data_dependent_error(exc) from None
+            raise data_dependent_error(exc, model) from None
+        except Exception as exc:
+            raise capture_failure(exc, model) from exc
 
 
 def grad_output_node(gm: torch.fx.GraphModule, fqn: str) -> torch.fx.Node:
@@ -652,7 +672,7 @@ def _mark_recorded_nodes(phase: str) -> None:
 def _check_loss(loss: Any, *, any_trainable: bool) -> None:
     if not isinstance(loss, Tensor):
         raise GraphCaptureError(
-            f"train_fn must return the loss as a scalar Tensor, but it returned a {_describe(loss)}"
+            f"train_fn must return the loss as a scalar Tensor, but it returned a {describe(loss)}"
         )
     if loss.numel() != 1 or not loss.is_floating_point():
         raise GraphCaptureError(
@@ -665,62 +685,6 @@ def _check_loss(loss: Any, *, any_trainable: bool) -> None:
             "the loss returned by train_fn does not depend on any trainable parameter (it has no "
             "grad_fn); was it computed under torch.no_grad() or from detached tensors?"
         )
-
-
-# --------------------------------------------------------------------------- error reporting
-
-
-def _describe(value: Any) -> str:
-    """A short description of what train_fn returned (fake tensors shown by shape and dtype)."""
-    if isinstance(value, Tensor):
-        return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype})"
-    if isinstance(value, (list, tuple)):
-        items = ", ".join(_describe(v) for v in value[:4]) + (", ..." if len(value) > 4 else "")
-        return f"{type(value).__qualname__} of {len(value)}: ({items})"
-    if isinstance(value, dict):
-        return f"{type(value).__qualname__} with keys {list(value)[:8]!r}"
-    shown = repr(value)
-    return f"{type(value).__qualname__}: {shown if len(shown) <= 80 else shown[:77] + '...'}"
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
-
-
-def _is_user_frame(filename: str) -> bool:
-    return not (
-        filename.startswith((_TORCH_DIR, _STDLIB_DIR))
-        or filename == __file__
-        or filename.startswith("<")
-    )
-
-
-def _data_dependent_error(exc: Exception) -> GraphCaptureError:
-    """A GraphCaptureError naming the op and the user's source line that needed a tensor value."""
-    op = getattr(exc, "func", None)
-    op_name = str(op) if op is not None else type(exc).__name__
-    if isinstance(exc, DynamicOutputShapeException):
-        what = f"{op_name}, whose output shape depends on tensor values"
-    else:
-        what = (
-            f"{op_name}, which reads a tensor value into Python (Tensor.item(), .tolist(), "
-            "int()/float()/bool() of a tensor, or an `if`/`while` on a tensor)"
-        )
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _is_user_frame(f.filename)]
-    if frames:
-        frame = frames[-1]
-        code = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
-        where = f"{frame.filename}:{frame.lineno}\n    {code}"
-    else:
-        where = "(no frame outside torch found)"
-    return GraphCaptureError(
-        f"train_fn depends on the VALUE of a tensor, which graph capture cannot see.\n"
-        f"  operation: {what}\n"
-        f"  at {where}\n"
-        "Graph capture records shapes, not values. Make this code tensor-only (e.g. torch.where "
-        "instead of `if`, keep the tensor instead of calling .item()), or move it out of train_fn "
-        "(compute it outside the step and pass the result in as part of the input)."
-    )
 
 
 # --------------------------------------------------------------------------- annotation
@@ -770,51 +734,17 @@ def _annotate(
                     node.meta[key] = fwd.meta[key]
 
 
-def _storage(node: Any) -> StorageWeakRef | None:
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return StorageWeakRef(val.untyped_storage()) if isinstance(val, Tensor) else None
-
-
-#: Ops whose schema does not declare that they write some arguments: in training mode the
-#: eager batch-norm kernels update ``running_mean`` / ``running_var`` (args 3 and 4) in place.
-_UNDECLARED_WRITES: dict[str, tuple[int, ...]] = {
-    "aten::native_batch_norm": (3, 4),
-    "aten::cudnn_batch_norm": (3, 4),
-    "aten::miopen_batch_norm": (3, 4),
-}
-
-
-def _written_args(node: torch.fx.Node) -> list[Any]:
-    """The argument values ``node`` writes in place (Nodes or lists of Nodes)."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    if schema is None:
-        return []
-
-    def arg(i: int) -> Any:
-        return node.args[i] if i < len(node.args) else node.kwargs.get(schema.arguments[i].name)
-
-    written = [
-        arg(i)
-        for i, a in enumerate(schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write
-    ]
-    undeclared = _UNDECLARED_WRITES.get(schema.name, ())
-    if undeclared and arg(5):  # arg 5 is `training`
-        written += [arg(i) for i in undeclared]
-    return written
-
-
 def _append_mutated_state_outputs(gm: torch.fx.GraphModule, state_fqns: list[str]) -> list[str]:
     """Find state placeholders that an op writes (directly or through a view), tag the writing
     nodes with ``meta["gm_writes_state"]`` and append the placeholders to the outputs, in state
     order. Returns their FQNs."""
     placeholders = gm.graph.find_nodes(op="placeholder")[: len(state_fqns)]
-    slot_of = {_storage(p): i for i, p in enumerate(placeholders) if _storage(p) is not None}
+    slot_of = {storage_of(p): i for i, p in enumerate(placeholders) if storage_of(p) is not None}
     written: set[int] = set()
     for node in gm.graph.nodes:
-        for value in _written_args(node):
+        for value in written_args(node):
             for v in value if isinstance(value, (list, tuple)) else (value,):
-                slot = slot_of.get(_storage(v))
+                slot = slot_of.get(storage_of(v))
                 if slot is not None:
                     written.add(slot)
                     node.meta.setdefault("gm_writes_state", []).append(state_fqns[slot])
