@@ -10,6 +10,7 @@ from gm_config import PassConfig
 from gm_passes import PassPipeline
 from gm_trace.fsdp import RowShard, select_sharded_params
 from gm_trace.testing import MLP, TinyGPT, make_regression_batch, mse_loss
+from gm_trace.testing.distributed import DistributedPool
 from gm_trace.tracer import trace_model_graph
 
 pytestmark = pytest.mark.distributed
@@ -18,10 +19,20 @@ pytestmark = pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("kind", ["mlp", "gpt"])
 def test_parity_with_eager_on_the_global_batch(kind, world, dist_pool):
+    # The rank body asserts losses and parameters within parity_tolerance(steps).
     results = dist_pool(world).run(bodies.parity, kind, {}, ())
     for result in results:
-        assert result["loss"] <= 1e-6 and result["param"] <= 1e-5
         assert result["stats"]["replicated_params"] == 0
+
+
+@pytest.mark.parametrize(("threads", "onednn"), [(2, True), (1, False)])
+def test_parity_holds_under_other_kernels(threads, onednn):
+    """Another thread count and another BLAS path (oneDNN off) change the kernels and their
+    rounding; the tolerance must hold for them, not only for this machine's defaults."""
+    with DistributedPool(2, threads=threads) as pool:
+        threads_used = pool.run(bodies.ranks_and_threads)
+        assert [t for _, _, t in threads_used] == [threads, threads]
+        pool.run(bodies.parity, "gpt", {}, (), onednn)
 
 
 def test_uneven_dim0_and_empty_shards_train_every_row(dist_pool):
@@ -121,7 +132,7 @@ def test_plan_selection_includes_ancestors_and_tied_aliases():
 )
 def test_parity_holds_for_every_overlap_schedule(overrides, dist_pool):
     results = dist_pool(2).run(bodies.parity, "gpt", overrides, ())
-    assert all(r["loss"] <= 1e-6 and r["param"] <= 1e-5 for r in results)
+    assert all(r["stats"]["sharded_params"] > 0 for r in results)
 
 
 def test_prefetch_bounds_gathers_in_flight_and_waits_overlap_compute(dist_pool):

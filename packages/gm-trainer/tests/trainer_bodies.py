@@ -9,7 +9,7 @@ import torch
 from gm_config import PassConfig
 from gm_trace.fsdp import collective_sequence, full_parameter
 from gm_trace.testing import TinyGPT, lm_loss, make_lm_batch
-from gm_trace.testing.parity import assert_full_params_close
+from gm_trace.testing.parity import assert_full_params_close, parity_tolerance
 from gm_trainer.trainer import GraphTrainer, TrainingError
 
 STEPS = 10
@@ -62,11 +62,14 @@ def fsdp_parity(rank: int, world: int, batch_sizes: list[int]):
     assert config.fsdp_degree is None, "the caller's PassConfig must not be mutated"
     assert trainer.pass_config.fsdp_degree == world
     assert len(records) == len(batches)
-    for record, ref_loss, ref_norm in zip(records, ref_losses, ref_norms):
-        assert abs(record["loss"] - ref_loss) <= 1e-6 + 1e-6 * abs(ref_loss), (record, ref_loss)
+    for step, (record, ref_loss, ref_norm) in enumerate(zip(records, ref_losses, ref_norms)):
+        tolerance = parity_tolerance(step + 1)
+        assert abs(record["loss"] - ref_loss) <= tolerance["atol"] + tolerance["rtol"] * abs(
+            ref_loss
+        ), (record, ref_loss)
         assert abs(record["grad_norm"] - ref_norm) <= 1e-5 * ref_norm, (record, ref_norm)
         assert record["grad_norm"] > GRAD_CLIP
-    assert_full_params_close(trainer.model, reference)
+    assert_full_params_close(trainer.model, reference, steps=len(batches))
     summary = trainer.pass_summary()
     assert "collective schedule" in summary and "reduce_scatter_tensor" in summary, summary
     local_numel = sum(p.numel() for p in trainer.model.parameters())

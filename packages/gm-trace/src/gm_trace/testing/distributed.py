@@ -7,10 +7,12 @@ For tests and benchmarks::
 
     results = run_distributed(body, 2, (arg1, arg2))   # a one-shot pool
 
-Each rank is a spawned process with one CPU thread, a ``FileStore`` rendezvous (no port races)
-and a short collective timeout. A pool keeps its ranks (and their process group) between calls,
-since starting ranks costs seconds. When a rank fails, its traceback is raised in the caller,
-every rank is killed and the pool restarts on its next call; no process outlives ``close()``.
+Each rank is a spawned process with one CPU thread (``threads=`` or the environment variable
+``GM_RANK_THREADS`` give it more: other kernels, other summation orders), a ``FileStore``
+rendezvous (no port races) and a short collective timeout. A pool keeps its ranks (and their
+process group) between calls, since starting ranks costs seconds. When a rank fails, its
+traceback is raised in the caller, every rank is killed and the pool restarts on its next
+call; no process outlives ``close()``.
 """
 
 from __future__ import annotations
@@ -35,13 +37,14 @@ def _rank_main(
     world_size: int,
     store_path: str,
     collective_timeout: float,
+    threads: int,
     tasks: Any,
     results: Any,
 ) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     try:
         dist.init_process_group(
             "gloo",
@@ -65,9 +68,12 @@ def _rank_main(
 class DistributedPool:
     """``world_size`` local gloo ranks that run module-level functions on request."""
 
-    def __init__(self, world_size: int, *, collective_timeout: float = 30.0) -> None:
+    def __init__(
+        self, world_size: int, *, collective_timeout: float = 30.0, threads: int | None = None
+    ) -> None:
         self.world_size = world_size
         self.collective_timeout = collective_timeout
+        self.threads = threads or int(os.environ.get("GM_RANK_THREADS", "1"))
         self._procs: list[Any] = []
         self._ctx = mp.get_context("spawn")
 
@@ -95,6 +101,7 @@ class DistributedPool:
                     self.world_size,
                     store_path,
                     self.collective_timeout,
+                    self.threads,
                     self._tasks[rank],
                     self._results,
                 ),
@@ -154,7 +161,8 @@ class DistributedPool:
         """Stop every rank (politely when idle, by force otherwise) and clean up."""
         for p, tasks in zip(self._procs, getattr(self, "_tasks", [])):
             if force:
-                p.kill()
+                if p.pid is not None:  # a rank that never started has nothing to kill
+                    p.kill()
             elif p.is_alive():
                 tasks.put(None)
         for p in self._procs:
