@@ -46,10 +46,17 @@ def _paths(*names: str) -> list[str]:
     return [str(ROOT / "packages" / name) for name in names]
 
 
+# Test-only: the model zoo builds tiny configurations of real architectures offline;
+# transformers does not depend on torch, so it never pulls another torch build.
+ZOO_DEPS = ("transformers>=5.0,<6",)
+
+
 def _install_layer(session: nox.Session, dist: str, *, torch: bool) -> None:
     if torch:
         session.install(TORCH_SPEC)
     session.install(*_paths(*PACKAGES[dist]), "pytest>=8")
+    if dist == "gm-trace":
+        session.install(*ZOO_DEPS)
 
 
 def _pytest(session: nox.Session, dist: str) -> None:
@@ -129,6 +136,21 @@ def wheels(session: nox.Session) -> None:
         session.run(str(venv / "bin" / "python"), "-c", f"import {module}", external=True)
     for wheel in sorted(dist_dir.glob("*.whl")):
         session.log(f"{wheel.name}: {wheel.stat().st_size / 1024:.1f} KiB")
+
+
+@nox.session(tags=["zoo"], default=False)
+def zoo(session: nox.Session) -> None:
+    """The whole model zoo (every architecture, every row); rewrites docs/zoo.md."""
+    _install_layer(session, "gm-trace", torch=True)
+    session.run(
+        "pytest",
+        str(ROOT / "packages" / "gm-trace" / "tests" / "zoo"),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        *session.posargs,
+        env={"GM_ZOO": "all", "GM_ZOO_REPORT": str(ROOT / "docs" / "zoo.md")},
+    )
 
 
 @nox.session(tags=["bench"], default=False)

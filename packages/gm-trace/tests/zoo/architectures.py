@@ -1,0 +1,489 @@
+"""The model zoo: tiny random-init configurations of real architectures, built offline.
+
+Each :class:`Architecture` builds a fresh model (same weights for the same seed), a
+deterministic global batch for a step, and names its train_fn. Sizes are odd where the
+architecture allows (vocabularies of 61/67/97 rows: uneven FSDP shards), embeddings are tied
+where the architecture ties them. Nothing is downloaded: configs are built in code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+VOCAB = 61  # odd and prime: 2 ranks hold 31 + 30 rows, 4 ranks 16 + 16 + 16 + 13
+SEQ = 8
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One zoo entry."""
+
+    name: str
+    build: Callable[..., nn.Module]
+    """``build(dropout=True)``: a fresh model; weights depend only on the seed set before the
+    call. ``dropout=False`` sets every dropout and stochastic-depth probability to 0 (ranks
+    that see other slices of the batch draw other masks than one process on all of it)."""
+    batch: Callable[[int, int], tuple[Any, Any]]
+    """``batch(step, rows)`` -> the global ``(input, label)`` of that step."""
+    train_fn: Callable[[nn.Module, Any, Any], torch.Tensor]
+    family: str
+    """``decoder``, ``encoder``, ``encoder-decoder``, ``vision`` or ``moe``."""
+    expected_error: str | None = None
+    """A regex the project's own error must match: the architecture cannot be taken yet."""
+    tags: frozenset[str] = field(default_factory=frozenset)
+    note: str = ""
+    """For an unsupported configuration: what taking it would need."""
+    discontinuous: bool = False
+    """Top-k routing: noise from another summation order can flip a near-tie expert choice, so
+    the sharded rows compare only against the reference that sums in the same order."""
+
+
+def hf_loss(model: nn.Module, input: dict[str, torch.Tensor], label: torch.Tensor) -> torch.Tensor:
+    """The loss a HF model computes from ``labels``."""
+    return model(**input, labels=label).loss
+
+
+def logits_ce(model: nn.Module, input: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of a plain module's logits."""
+    logits = model(input)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), label.reshape(-1))
+
+
+def _generator(step: int) -> torch.Generator:
+    return torch.Generator().manual_seed(1000 + step)
+
+
+def token_batch(step: int, rows: int, vocab: int = VOCAB) -> tuple[Any, Any]:
+    """Causal LM: the labels are the input ids (the model shifts them)."""
+    ids = torch.randint(0, vocab, (rows, SEQ), generator=_generator(step))
+    return {"input_ids": ids}, ids.clone()
+
+
+def masked_batch(step: int, rows: int, vocab: int = VOCAB) -> tuple[Any, Any]:
+    """Masked LM: every row predicts the same positions, so each row (and each rank's slice)
+    holds as many labelled tokens and mean-of-means is the global mean."""
+    ids = torch.randint(4, vocab, (rows, SEQ), generator=_generator(step))
+    labels = torch.full_like(ids, -100)
+    labels[:, 1::3] = ids[:, 1::3]
+    masked = ids.clone()
+    masked[:, 1::3] = 3  # the [MASK] id of these configs
+    return {"input_ids": masked, "attention_mask": torch.ones_like(ids)}, labels
+
+
+def seq2seq_batch(step: int, rows: int, vocab: int = VOCAB) -> tuple[Any, Any]:
+    gen = _generator(step)
+    source = torch.randint(3, vocab, (rows, SEQ), generator=gen)
+    target = torch.randint(3, vocab, (rows, SEQ - 2), generator=gen)
+    return {"input_ids": source, "attention_mask": torch.ones_like(source)}, target
+
+
+def image_batch(step: int, rows: int, size: int = 32, classes: int = 5) -> tuple[Any, Any]:
+    gen = _generator(step)
+    pixels = torch.randn(rows, 3, size, size, generator=gen)
+    return {"pixel_values": pixels}, torch.randint(0, classes, (rows,), generator=gen)
+
+
+def plain_image_batch(step: int, rows: int) -> tuple[Any, Any]:
+    (input, label) = image_batch(step, rows, size=16)
+    return input["pixel_values"], label
+
+
+def plain_token_batch(step: int, rows: int) -> tuple[Any, Any]:
+    gen = _generator(step)
+    ids = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=gen)
+    return ids[:, :-1], ids[:, 1:]
+
+
+# --- builders --------------------------------------------------------------------------------
+
+_DECODER = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2}
+
+
+def _hf(model_class: str, config_class: str, **kwargs: Any) -> Callable[..., nn.Module]:
+    def build(dropout: bool = True) -> nn.Module:
+        import transformers
+
+        config = getattr(transformers, config_class)(**kwargs)
+        if not dropout:  # every dropout probability of the config, whatever its name
+            for key, value in config.to_dict().items():
+                random = ("dropout", "pdrop", "drop_path")  # drop_path: stochastic depth
+                if any(word in key for word in random) and isinstance(value, float):
+                    setattr(config, key, 0.0)
+        return getattr(transformers, model_class)(config)
+
+    build.__qualname__ = f"build_{model_class}"
+    return build
+
+
+def _llama_like(**extra: Any) -> dict[str, Any]:
+    return {
+        **_DECODER,
+        "intermediate_size": 48,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        **extra,
+    }
+
+
+class TinySeq2SeqTransformer(nn.Module):
+    """``torch.nn.Transformer`` between token embeddings and an LM head (tied)."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 32, dropout: bool = True) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.transformer = nn.Transformer(
+            d_model=dim,
+            nhead=4,
+            num_encoder_layers=1,
+            num_decoder_layers=1,
+            dim_feedforward=48,
+            dropout=0.1 if dropout else 0.0,
+            batch_first=True,
+        )
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1])
+        return self.head(self.transformer(x, x, tgt_mask=mask, tgt_is_causal=True))
+
+
+class PlainCNN(nn.Module):
+    """Conv2d, BatchNorm2d, ReLU, max-pool, a second conv block and a linear classifier."""
+
+    def __init__(self, classes: int = 5, dropout: bool = True) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(8, 12, 3, padding=1, bias=False),
+            nn.BatchNorm2d(12),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Dropout(0.1 if dropout else 0.0),
+        )
+        self.classifier = nn.Linear(12, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x).flatten(1))
+
+
+def _encoder(**extra: Any) -> dict[str, Any]:
+    return {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 48,
+        "max_position_embeddings": 64,
+        **extra,
+    }
+
+
+_VISION = {"image_size": 32, "num_labels": 5}
+
+
+def hf(
+    name: str,
+    model: str,
+    batch: Callable[[int, int], tuple[Any, Any]],
+    family: str,
+    config: dict[str, Any],
+    *,
+    tags: tuple[str, ...] = (),
+    expected_error: str | None = None,
+    discontinuous: bool = False,
+    note: str = "",
+) -> Architecture:
+    """A transformers model class built from a config class of the same family."""
+    config_class = model.split("For")[0].replace("LMHeadModel", "") + "Config"
+    return Architecture(
+        name,
+        _hf(model, config_class, **config),
+        batch,
+        hf_loss,
+        family,
+        expected_error,
+        frozenset(tags),
+        note,
+        discontinuous,
+    )
+
+
+_MIXTRAL = _llama_like(
+    num_local_experts=4, num_experts_per_tok=2, experts_implementation="batched_mm"
+)
+_QWEN2_MOE = _llama_like(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=24,
+    experts_implementation="batched_mm",
+)
+
+ARCHITECTURES: list[Architecture] = [
+    # decoders
+    hf(
+        "gpt2",
+        "GPT2LMHeadModel",
+        token_batch,
+        "decoder",
+        {
+            "vocab_size": VOCAB,
+            "n_embd": 32,
+            "n_layer": 2,
+            "n_head": 4,
+            "n_positions": 64,
+            "bos_token_id": 0,
+            "eos_token_id": 0,
+        },
+        tags=("layernorm", "ci"),
+    ),
+    hf(
+        "gpt-neox",
+        "GPTNeoXForCausalLM",
+        token_batch,
+        "decoder",
+        {
+            **_DECODER,
+            "num_attention_heads": 4,
+            "intermediate_size": 48,
+            "max_position_embeddings": 64,
+        },
+    ),
+    hf(
+        "llama",
+        "LlamaForCausalLM",
+        token_batch,
+        "decoder",
+        _llama_like(tie_word_embeddings=True),
+        tags=("rmsnorm", "ci"),
+    ),
+    hf("mistral", "MistralForCausalLM", token_batch, "decoder", _llama_like(sliding_window=4)),
+    hf("qwen2", "Qwen2ForCausalLM", token_batch, "decoder", _llama_like()),
+    hf("gemma", "GemmaForCausalLM", token_batch, "decoder", _llama_like(head_dim=8)),
+    hf(
+        "phi",
+        "PhiForCausalLM",
+        token_batch,
+        "decoder",
+        {
+            **_DECODER,
+            "intermediate_size": 48,
+            "num_attention_heads": 4,
+            "max_position_embeddings": 64,
+        },
+    ),
+    hf(
+        "opt",
+        "OPTForCausalLM",
+        token_batch,
+        "decoder",
+        {
+            **_DECODER,
+            "ffn_dim": 48,
+            "num_attention_heads": 4,
+            "max_position_embeddings": 64,
+            "word_embed_proj_dim": 32,
+        },
+    ),
+    hf(
+        "bloom",
+        "BloomForCausalLM",
+        token_batch,
+        "decoder",
+        {"vocab_size": VOCAB, "hidden_size": 32, "n_layer": 2, "n_head": 4},
+    ),
+    hf(
+        "falcon",
+        "FalconForCausalLM",
+        token_batch,
+        "decoder",
+        {**_DECODER, "num_attention_heads": 4, "alibi": False},
+    ),
+    # encoders (masked LM)
+    hf("bert", "BertForMaskedLM", masked_batch, "encoder", _encoder(), tags=("ci",)),
+    hf(
+        "roberta",
+        "RobertaForMaskedLM",
+        masked_batch,
+        "encoder",
+        _encoder(pad_token_id=1, max_position_embeddings=66),
+    ),
+    hf(
+        "distilbert",
+        "DistilBertForMaskedLM",
+        masked_batch,
+        "encoder",
+        {
+            "vocab_size": VOCAB,
+            "dim": 32,
+            "n_layers": 2,
+            "n_heads": 4,
+            "hidden_dim": 48,
+            "max_position_embeddings": 64,
+        },
+    ),
+    # encoder-decoders
+    hf(
+        "t5",
+        "T5ForConditionalGeneration",
+        seq2seq_batch,
+        "encoder-decoder",
+        {
+            "vocab_size": VOCAB,
+            "d_model": 32,
+            "d_kv": 8,
+            "d_ff": 48,
+            "num_layers": 2,
+            "num_heads": 4,
+            "decoder_start_token_id": 0,
+        },
+    ),
+    hf(
+        "bart",
+        "BartForConditionalGeneration",
+        seq2seq_batch,
+        "encoder-decoder",
+        {
+            "vocab_size": VOCAB,
+            "d_model": 32,
+            "encoder_layers": 1,
+            "decoder_layers": 1,
+            "encoder_attention_heads": 4,
+            "decoder_attention_heads": 4,
+            "encoder_ffn_dim": 48,
+            "decoder_ffn_dim": 48,
+            "max_position_embeddings": 64,
+        },
+    ),
+    # vision
+    hf(
+        "vit",
+        "ViTForImageClassification",
+        image_batch,
+        "vision",
+        {
+            **_VISION,
+            "patch_size": 8,
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_size": 48,
+        },
+    ),
+    hf(
+        "resnet",
+        "ResNetForImageClassification",
+        image_batch,
+        "vision",
+        {
+            "num_labels": 5,
+            "embedding_size": 8,
+            "hidden_sizes": [8, 16],
+            "depths": [1, 1],
+            "layer_type": "basic",
+        },
+        tags=("batchnorm", "ci"),
+    ),
+    hf(
+        "convnext",
+        "ConvNextForImageClassification",
+        image_batch,
+        "vision",
+        {**_VISION, "hidden_sizes": [8, 16], "depths": [1, 1], "num_stages": 2},
+    ),
+    hf(
+        "swin",
+        "SwinForImageClassification",
+        image_batch,
+        "vision",
+        {
+            **_VISION,
+            "patch_size": 4,
+            "embed_dim": 8,
+            "depths": [1, 1],
+            "num_heads": [2, 2],
+            "window_size": 4,
+        },
+    ),
+    # mixture of experts. batched_mm routes with gathers of static shape; transformers' default
+    # grouped_mm and its per-expert loop cannot be captured (see the two entries at the end).
+    hf("mixtral", "MixtralForCausalLM", token_batch, "moe", _MIXTRAL, discontinuous=True),
+    hf("qwen2-moe", "Qwen2MoeForCausalLM", token_batch, "moe", _QWEN2_MOE, discontinuous=True),
+    # plain torch
+    Architecture(
+        "nn-transformer", TinySeq2SeqTransformer, plain_token_batch, logits_ce, "encoder-decoder"
+    ),
+    Architecture(
+        "plain-cnn", PlainCNN, plain_image_batch, logits_ce, "vision", tags=frozenset({"batchnorm"})
+    ),
+]
+
+#: Architectures outside the issue's list, built the same way: the fixes must be general.
+EXTRA_ARCHITECTURES: list[Architecture] = [
+    hf(
+        "gpt-j",
+        "GPTJForCausalLM",
+        token_batch,
+        "decoder",
+        {
+            "vocab_size": VOCAB,
+            "n_embd": 32,
+            "n_layer": 2,
+            "n_head": 4,
+            "rotary_dim": 4,
+            "n_positions": 64,
+        },
+    ),
+    hf("qwen3", "Qwen3ForCausalLM", token_batch, "decoder", _llama_like(head_dim=8)),
+    hf("electra", "ElectraForMaskedLM", masked_batch, "encoder", _encoder(embedding_size=16)),
+    hf(
+        "mobilenet-v2",
+        "MobileNetV2ForImageClassification",
+        image_batch,
+        "vision",
+        {"num_labels": 5, "image_size": 32, "depth_multiplier": 0.25},
+        tags=("batchnorm",),
+    ),
+]
+
+#: Configurations graph mode cannot take yet: each must end in the project's own error that
+#: names the op and the module.
+UNSUPPORTED: list[Architecture] = [
+    hf(
+        "mixtral-grouped-mm",
+        "MixtralForCausalLM",
+        token_batch,
+        "moe",
+        {**_MIXTRAL, "experts_implementation": "grouped_mm"},
+        expected_error=r"aten\._grouped_mm(?s:.*)in module: `model\.layers\.0\.mlp\.experts`",
+        note="transformers' default experts kernel. torch 2.13's shape function for "
+        "`aten._grouped_mm` accepts only bfloat16 while the CPU kernel also runs float32, so the "
+        "fake tensors graph capture traces with fail. A float32 meta function upstream (or "
+        'tracing in bf16) would take it; `experts_implementation="batched_mm"` does today.',
+    ),
+    hf(
+        "qwen2-moe-expert-loop",
+        "Qwen2MoeForCausalLM",
+        token_batch,
+        "moe",
+        {**_QWEN2_MOE, "experts_implementation": "eager"},
+        expected_error=r"data-dependent(?s:.*)aten\.nonzero(?s:.*)`model\.layers\.0\.mlp\.experts`",
+        note="the per-expert loop asks `nonzero()` which experts were hit: the graph's shape "
+        "would depend on the routing. Taking it needs dynamic shapes with data-dependent sizes "
+        "(unbacked symbols) in the tracer and every pass; static routing (`batched_mm`, or "
+        "capacity-padded dispatch) avoids it.",
+    ),
+]
+
+BY_NAME = {arch.name: arch for arch in ARCHITECTURES + EXTRA_ARCHITECTURES + UNSUPPORTED}

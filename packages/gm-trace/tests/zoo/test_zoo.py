@@ -1,0 +1,81 @@
+"""The model zoo: every pass proven on real architectures we did not write.
+
+Rows per architecture (see bodies.py): one process against eager, bitwise; FSDP on 2 gloo ranks
+against eager, with and without ``reshard_after_forward``; ``param_dtype=bfloat16`` against
+eager FSDP2 under the same ``MixedPrecisionPolicy``; the Inductor backend. CI runs the subset
+tagged ``ci`` (a LayerNorm decoder, an RMSNorm decoder, an encoder and a BatchNorm vision
+model); ``GM_ZOO=all`` (``nox -s zoo``) runs everything and writes docs/zoo.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+import bodies
+import pytest
+from architectures import ARCHITECTURES, EXTRA_ARCHITECTURES, UNSUPPORTED, Architecture
+
+from gm_trace.capture_errors import GraphCaptureError
+
+pytestmark = pytest.mark.zoo
+
+FULL = os.environ.get("GM_ZOO") == "all"
+INDUCTOR = {"gpt2", "llama", "bert", "t5", "vit", "resnet"}
+
+
+def _cases(architectures: list[Architecture], subset: set[str] | None = None) -> list:
+    """One pytest param per architecture; outside the CI subset only with ``GM_ZOO=all``."""
+    cases = []
+    for arch in architectures:
+        if subset is not None and arch.name not in subset:
+            continue
+        skip = not FULL and "ci" not in arch.tags
+        marks = [pytest.mark.skip(reason="full zoo only: GM_ZOO=all")] if skip else []
+        cases.append(pytest.param(arch.name, id=arch.name, marks=marks))
+    return cases
+
+
+ZOO = ARCHITECTURES + EXTRA_ARCHITECTURES
+
+
+@pytest.mark.parametrize("name", _cases(ZOO))
+def test_single_process_is_bitwise_eager(name, record_property):
+    record_property("zoo_cell", (name, "1 process = eager, bitwise"))
+    result = bodies.single_process(name)
+    record_property("zoo_result", f"{result['nodes']} nodes")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("reshard", [False, True], ids=["fsdp", "fsdp-reshard"])
+@pytest.mark.parametrize("name", _cases(ZOO))
+def test_fsdp_on_2_ranks_matches_eager(name, reshard, dist_pool, record_property):
+    row = "FSDP 2 ranks, reshard" if reshard else "FSDP 2 ranks"
+    record_property("zoo_cell", (name, row))
+    result = dist_pool(2).run(bodies.fsdp, name, {"reshard_after_forward": reshard})[0]
+    record_property("zoo_result", f"loss {result['loss']:.1e}, param {result['param']:.1e}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", _cases(ZOO))
+def test_bf16_matches_fsdp2_under_the_same_policy(name, dist_pool, record_property):
+    record_property("zoo_cell", (name, "bf16 = FSDP2 bf16"))
+    result = dist_pool(2).run(bodies.fsdp_bf16, name)[0]
+    record_property("zoo_result", f"loss {result['loss']:.1e}, update {result['update']:.1e}")
+
+
+@pytest.mark.inductor
+@pytest.mark.skipif(not FULL, reason="full zoo only: GM_ZOO=all")
+@pytest.mark.parametrize("name", _cases(ZOO, INDUCTOR))
+def test_inductor_matches_the_graph(name, record_property):
+    record_property("zoo_cell", (name, "Inductor"))
+    result = bodies.inductor(name)
+    record_property("zoo_result", f"loss {result['loss']:.1e}, grad {result['grad']:.1e}")
+
+
+@pytest.mark.parametrize("arch", UNSUPPORTED, ids=[a.name for a in UNSUPPORTED])
+def test_what_cannot_be_captured_is_a_clear_error(arch, record_property):
+    record_property("zoo_cell", (arch.name, "1 process = eager, bitwise"))
+    with pytest.raises(GraphCaptureError, match=arch.expected_error) as caught:
+        bodies.single_process(arch.name)
+    lines = [line.strip() for line in str(caught.value).splitlines()[:3]]
+    record_property("zoo_result", "clear error: " + " / ".join(lines))
