@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 from typing import Any
 
@@ -193,11 +192,8 @@ def test_resume_without_a_checkpoint_fails_fast(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty").mkdir()
-    start = time.perf_counter()
     err = _error(["--nproc", "2", "--resume", "empty"], capsys)
-    elapsed = time.perf_counter() - start
     assert err.startswith("gm-train: error: --resume empty: no complete checkpoint in empty")
-    assert elapsed < 5, f"took {elapsed:.1f}s: --resume must be checked before launching"
     assert not (tmp_path / "runs").exists()
 
 
