@@ -500,11 +500,19 @@ def test_a_resumed_run_folder_starts_with_the_history(tmp_path: Path) -> None:
         assert folder.history == records[:4]
 
 
-def _fake_checkpoint(path: Path, step: int, *, complete: bool = True) -> Path:
-    path.mkdir(parents=True)
-    (path / ".metadata").write_bytes(b"")
+def _small_checkpoint(path: Path, step: int, *, complete: bool = True) -> Path:
+    """A real (tiny) DCP checkpoint; ``complete=False`` leaves out the commit marker."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.zeros(2)}, checkpoint_id=path)
     if complete:
-        marker = {"format": 1, "step": step, "data_position": step, "world_size": 2}
+        marker = {
+            "format": 1,
+            "step": step,
+            "data_position": step,
+            "world_size": 2,
+            "optimizer": "adam",
+        }
         (path / MARKER_NAME).write_text(json.dumps(marker))
     return path
 
@@ -514,9 +522,9 @@ def test_checkpoint_folders_listed_pruned_and_resolved(tmp_path: Path) -> None:
     RunFolder(run).write_config(JobConfig().to_yaml())
     assert checkpoint_dir(run, 12) == run / "checkpoints" / "step-00000012"
     for step in (2, 4, 6):
-        _fake_checkpoint(checkpoint_dir(run, step), step)
-    _fake_checkpoint(run / "checkpoints" / "step-00000008.tmp", 8, complete=False)
-    _fake_checkpoint(run / "checkpoints" / "best", 5)  # not a step-N folder: never pruned
+        _small_checkpoint(checkpoint_dir(run, step), step)
+    _small_checkpoint(run / "checkpoints" / "step-00000008.tmp", 8, complete=False)
+    _small_checkpoint(run / "checkpoints" / "best", 5)  # not a step-N folder: never pruned
     assert [s for s, _ in step_checkpoints(run / "checkpoints")] == [2, 4, 6]
     assert step_checkpoints(tmp_path / "none") == []
 
@@ -529,10 +537,11 @@ def test_checkpoint_folders_listed_pruned_and_resolved(tmp_path: Path) -> None:
     assert run_folder_of(run / "checkpoints" / "best") == run
     assert run_folder_of(tmp_path / "elsewhere" / "step-00000001") is None
 
-    assert prune_checkpoints(run / "checkpoints", 2) == [checkpoint_dir(run, 2)]
+    # Pruning after a successful save also removes interrupted saves of the run.
+    interrupted = run / "checkpoints" / "step-00000008.tmp"
+    assert prune_checkpoints(run / "checkpoints", 2) == [checkpoint_dir(run, 2), interrupted]
     assert [s for s, _ in step_checkpoints(run / "checkpoints")] == [4, 6]
-    assert (run / "checkpoints" / "best").is_dir()
-    assert (run / "checkpoints" / "step-00000008.tmp").is_dir()  # the next save removes it
+    assert (run / "checkpoints" / "best").is_dir() and not interrupted.exists()
     assert prune_checkpoints(run / "checkpoints", 5) == []
 
 

@@ -30,12 +30,23 @@ SECTIONS = ("parallel", "sharding", "model", "data", "train", "logging", "checkp
 
 @dataclass
 class ModelConfig(Section):
-    """The GPT-style byte-level language model (``gm_trace.testing.models.TinyGPT``)."""
+    """The model: the built-in GPT (``source: builtin``) or a Hugging Face causal LM."""
 
     section: ClassVar[str] = "model"
 
+    source: str = "builtin"
+    """``builtin`` (the small GPT below, no download) or ``hf`` (any transformers causal LM)."""
+
+    config: Any = None
+    """``source: hf``: a local folder holding ``config.json``, or an inline mapping of config
+    fields with ``model_type``. The model is random-initialised from ``train.seed``."""
+
+    weights: Any = None
+    """``source: hf``: start from these weights: a HF model folder, a ``.safetensors`` file
+    or a list of them; ``null``: random init."""
+
     vocab_size: int = 256
-    """Vocabulary size. The data is raw bytes, so at least 256."""
+    """Vocabulary size of the built-in model; at least the tokenizer's (256 for bytes)."""
 
     dim: int = 128
     """Width of the residual stream."""
@@ -49,12 +60,16 @@ class ModelConfig(Section):
     seq_len: int = 128
     """Tokens per training sequence (also the model's maximum sequence length)."""
 
+    def __post_init__(self) -> None:
+        from gm_trainer.job.sources import check_model_section  # checks config and weights
+
+        special = {"config": self.config, "weights": self.weights}
+        self.config = self.weights = None  # typed by check_model_section, not by annotation
+        super().__post_init__()
+        self.config, self.weights = check_model_section(self, **special)
+
     def validate(self) -> None:
         self._positive("vocab_size", "dim", "n_layers", "n_heads", "seq_len")
-        if self.vocab_size < 256:
-            raise ConfigError(
-                f"model.vocab_size must be >= 256 (tokens are raw bytes), got {self.vocab_size}"
-            )
         if self.dim % self.n_heads:
             raise ConfigError(
                 f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}"
