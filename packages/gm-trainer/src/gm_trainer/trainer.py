@@ -69,6 +69,9 @@ class GraphTrainer:
         nonfinite: a step whose loss or global gradient norm is not finite either raises
             :class:`TrainingError` naming the first bad parameter (``"error"``) or is skipped
             (``"skip"``, counted in ``skipped_steps``); no weight is changed either way.
+        lr_scheduler: ``factory(optimizer) -> LRScheduler`` (e.g.
+            :func:`gm_trainer.schedule.warmup_decay_factory`), built with the optimizer and
+            stepped after every optimizer step; its state is in :meth:`state_dict`.
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class GraphTrainer:
         graph_cache_size: int = 8,
         graph_dump_dir: str | Path | None = None,
         nonfinite: str = "error",
+        lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -118,6 +122,10 @@ class GraphTrainer:
         self.optimizer: torch.optim.Optimizer | None = None
         self.fsdp_group: dist.ProcessGroup | None = None
         self.nonfinite = check_nonfinite_mode(nonfinite)
+        if lr_scheduler is not None and not callable(lr_scheduler):
+            raise TypeError(f"lr_scheduler must be a factory(optimizer), got {lr_scheduler!r}")
+        self._lr_scheduler_factory = lr_scheduler
+        self.lr_scheduler: Any = None  # built with the optimizer
         self.step = 0  # optimizer steps taken, skipped ones included
         self.skipped_steps = 0  # steps dropped for a non-finite loss or gradient (not saved)
         self.data_position = 0  # micro-batches train() has consumed; checkpointed
@@ -191,6 +199,8 @@ class GraphTrainer:
         self.pipelines.append(pipeline)
         if self.optimizer is None:
             self.optimizer = self.optimizer_config.build(list(self.model.parameters()))
+            if self._lr_scheduler_factory is not None:
+                self.lr_scheduler = self._lr_scheduler_factory(self.optimizer)
         # Keyed by the state AFTER the passes, which is what later steps will see.
         self._graphs[(signature, module_state_key(self.model))] = gm
         if self._closure_watch is None:
@@ -311,6 +321,8 @@ class GraphTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
         self._sync_buffers()
         return norm.item()
 
@@ -322,6 +334,8 @@ class GraphTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.skipped_steps += 1
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()  # the curve follows the step count, skipped or not
         self._sync_buffers()
         return norm
 
@@ -400,7 +414,10 @@ class GraphTrainer:
         :func:`gm_trainer.checkpoint.trainer_state_dict`; ``save_checkpoint`` saves atomically.
         """
         from gm_trainer.checkpoint import trainer_state_dict
+        from gm_trainer.schedule import scheduler_extra
 
+        if self.lr_scheduler is not None:
+            extra = scheduler_extra(self, extra)
         return trainer_state_dict(self, extra)
 
     def load_state_dict(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -409,5 +426,8 @@ class GraphTrainer:
         See :func:`gm_trainer.checkpoint.load_trainer_state_dict`.
         """
         from gm_trainer.checkpoint import load_trainer_state_dict
+        from gm_trainer.schedule import restore_scheduler
 
-        return load_trainer_state_dict(self, state)
+        extra = load_trainer_state_dict(self, state)
+        restore_scheduler(self, extra)
+        return extra

@@ -142,6 +142,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return launch(config, world_size, checkpoint)
 
 
+#: Keys added after runs were saved: an older run's config.yaml without them is still whole
+#: (their defaults reproduce the old behaviour).
+LATER_KEYS = frozenset(
+    ("train.lr_schedule", "train.warmup_steps", "train.min_lr_ratio", "train.lr_decay_steps")
+)
+
+
 def check_run_config(path: Path) -> None:
     """Raise :class:`ConfigError` unless ``path``, a run folder's ``config.yaml``, holds a
     whole resolved configuration. gm-train writes every section there, so a missing, empty
@@ -165,7 +172,11 @@ def check_run_config(path: Path) -> None:
             missing = [s for s in SECTIONS if s != "dist" and s not in data]  # dist: new
             for section in ("model", "data", "train", "logging", "checkpoint"):
                 if isinstance(data.get(section), dict):
-                    missing += [f"{section}.{k}" for k in whole[section] if k not in data[section]]
+                    missing += [
+                        f"{section}.{k}"
+                        for k in whole[section]
+                        if k not in data[section] and f"{section}.{k}" not in LATER_KEYS
+                    ]
             if missing:
                 problem = f"is incomplete (no {', '.join(missing)}): cut short?"
     if problem is not None:

@@ -37,11 +37,11 @@ class ModelConfig(Section):
     source: str = "builtin"
     """``builtin`` (the small GPT below, no download) or ``hf`` (any transformers causal LM)."""
 
-    config: Any = None
+    config: str | None = None  # or a mapping: checked by check_model_section
     """``source: hf``: a local folder holding ``config.json``, or an inline mapping of config
     fields with ``model_type``. The model is random-initialised from ``train.seed``."""
 
-    weights: Any = None
+    weights: str | None = None  # or a list of files: checked by check_model_section
     """``source: hf``: start from these weights: a HF model folder, a ``.safetensors`` file
     or a list of them; ``null``: random init."""
 
@@ -78,13 +78,35 @@ class ModelConfig(Section):
 
 @dataclass
 class DataConfig(Section):
-    """The byte-level corpus."""
+    """The corpus, its tokenizer, and the held-out split."""
 
     section: ClassVar[str] = "data"
 
     corpus: str | None = None
-    """A text file, or a directory searched recursively for files matching ``glob``.
+    """A file, or a directory searched recursively for files matching ``glob``.
     ``null``: the Python standard library's source directory, present wherever Python is."""
+
+    format: str = "text"
+    """``text`` (each file one document), ``jsonl`` (one JSON object per line, the document
+    in ``field``) or ``hf`` (a ``datasets.save_to_disk`` folder or parquet files)."""
+
+    field: str = "text"
+    """The document's key in a ``jsonl`` line or an ``hf`` row."""
+
+    tokenizer: str = "bytes"
+    """``bytes`` (UTF-8 bytes, vocabulary 256, EOS 0) or a local HF tokenizer folder
+    (``tokenizer.json``, read with the ``tokenizers`` library)."""
+
+    cache_dir: str | None = None
+    """Where tokenised corpora are cached; ``null``: ``.gm-train-cache`` beside the run
+    folder."""
+
+    eval_fraction: float = 0.0
+    """Hold out this fraction of the corpus's windows (its last ones) for evaluation."""
+
+    eval_files: str | None = None
+    """A held-out corpus (file or directory, same format and glob) instead of
+    ``eval_fraction``."""
 
     glob: str = "*.py"
     """File-name pattern (fnmatch) used when ``corpus`` is a directory."""
@@ -101,6 +123,9 @@ class DataConfig(Section):
             raise ConfigError("data.glob must be a non-empty pattern such as '*.py'")
         if self.corpus is not None and not Path(self.corpus).exists():
             raise ConfigError(f"data.corpus: {self.corpus} does not exist")
+        from gm_trainer.job.sources import check_data_section
+
+        check_data_section(self)
 
 
 @dataclass
@@ -120,7 +145,19 @@ class TrainConfig(Section):
     """Micro-batches accumulated per optimizer step."""
 
     lr: float = 1e-3
-    """Learning rate (constant)."""
+    """Peak learning rate (the schedule's factor multiplies it)."""
+
+    lr_schedule: str = "constant"
+    """Decay after the warmup: ``constant``, ``linear`` or ``cosine`` (to ``min_lr_ratio``)."""
+
+    warmup_steps: int = 0
+    """Steps of linear warmup from ``lr / (warmup_steps + 1)`` up to ``lr``."""
+
+    min_lr_ratio: float = 0.0
+    """Where ``linear`` / ``cosine`` decay ends, as a fraction of ``lr``."""
+
+    lr_decay_steps: int | None = None
+    """The step at which the decay reaches ``min_lr_ratio``; ``null``: ``steps``."""
 
     betas: tuple[float, float] = (0.9, 0.95)
     """Adam betas."""
@@ -144,6 +181,18 @@ class TrainConfig(Section):
         self._positive("steps", "global_batch_size", "accumulation", "lr", "eps", "grad_clip")
         if self.weight_decay < 0:
             raise ConfigError(f"train.weight_decay must be >= 0, got {self.weight_decay}")
+        self._positive("lr_decay_steps")
+        from gm_trainer.schedule import DECAYS
+
+        if self.lr_schedule not in DECAYS:
+            raise ConfigError(
+                f"train.lr_schedule={self.lr_schedule!r} is not known; use one of {list(DECAYS)}"
+            )
+        if self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(
+                f"train.warmup_steps must be >= 0 (got {self.warmup_steps}) and "
+                f"train.min_lr_ratio in [0, 1] (got {self.min_lr_ratio})"
+            )
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"train.betas must both lie in [0, 1), got {list(self.betas)}")
         from gm_trainer.optim import OptimizerConfig  # the trainer's own check of the name
@@ -152,6 +201,15 @@ class TrainConfig(Section):
             OptimizerConfig.from_dict(self.optimizer_config())
         except ValueError as e:
             raise ConfigError(f"train.optimizer={self.optimizer!r}: {e}") from None
+
+    def lr_scheduler_factory(self) -> Any:
+        """The ``GraphTrainer(lr_scheduler=)`` factory, or ``None`` for a constant ``lr``."""
+        if self.lr_schedule == "constant" and not self.warmup_steps:
+            return None
+        from gm_trainer.schedule import warmup_decay_factory
+
+        total = self.lr_decay_steps if self.lr_decay_steps is not None else self.steps
+        return warmup_decay_factory(total, self.warmup_steps, self.lr_schedule, self.min_lr_ratio)
 
     def optimizer_config(self) -> dict[str, Any]:
         """The ``optimizer_config`` dict that ``GraphTrainer`` takes."""

@@ -31,6 +31,7 @@ from gm_trainer.job.run_folder import (
     read_metrics,
     run_folder_of,
 )
+from gm_trainer.schedule import restore_scheduler, scheduler_extra, set_base_lrs
 
 if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer
@@ -126,6 +127,7 @@ def _train(
         config.parallel,
         config.pass_plan(),
         optimizer_config=t.optimizer_config(),
+        lr_scheduler=t.lr_scheduler_factory(),
         graph_dump_dir=folder.graphs_dir if folder is not None else None,
     )
     progress = Progress(t.steps, start_step=start_step) if folder is not None else None
@@ -144,6 +146,7 @@ def _train(
         # Compile first (FSDP shards the model, the optimizer is built), then load.
         trainer.compile(*next(iter(batches_from(0))))
         saved = load_checkpoint(trainer, resume)
+        restore_scheduler(trainer, saved)  # the curve goes on where the checkpoint stopped
         check_same_model(config, saved.get("config"), resume)
         position = trainer.data_position
         notes = _reconcile(trainer, config, saved.get("config"))
@@ -197,7 +200,9 @@ def _train(
             if trainer.step in saves:
                 saved_at = time.perf_counter()
                 last_checkpoint = save_checkpoint(
-                    trainer, checkpoint_dir(run_dir, trainer.step), extra=extra
+                    trainer,
+                    checkpoint_dir(run_dir, trainer.step),
+                    extra=scheduler_extra(trainer, extra),
                 )
                 checkpoint_time += time.perf_counter() - saved_at
                 if folder is not None and progress is not None:  # rank 0, after the commit
@@ -273,6 +278,11 @@ def _reconcile(trainer: GraphTrainer, config: JobConfig, saved: Any) -> list[str
     t = config.train
     wanted = {"lr": t.lr, "betas": t.betas, "eps": t.eps, "weight_decay": t.weight_decay}
     changed = set()
+    if trainer.lr_scheduler is not None:  # group["lr"] is the schedule's: compare the peak
+        del wanted["lr"]
+        if any(b != t.lr for b in trainer.lr_scheduler.base_lrs):
+            set_base_lrs(trainer, [t.lr] * len(trainer.lr_scheduler.base_lrs))
+            changed.add("lr")
     for group in trainer.optimizer.param_groups if trainer.optimizer is not None else []:
         for key, value in wanted.items():
             if key in group and group[key] != value:

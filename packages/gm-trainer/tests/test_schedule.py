@@ -1,0 +1,110 @@
+"""Learning-rate schedules (issue #17, item 1): the curve, GraphTrainer against eager
+PyTorch, and a checkpoint resume that continues the exact curve."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from gm_config import ConfigError, PassConfig
+from gm_trace.testing import MLP, make_regression_batch, mse_loss
+from gm_trainer.checkpoint import load_checkpoint, save_checkpoint
+from gm_trainer.job.config import load_config
+from gm_trainer.schedule import (
+    WarmupDecay,
+    restore_scheduler,
+    scheduler_extra,
+    warmup_decay_factory,
+)
+from gm_trainer.trainer import GraphTrainer
+
+LR = 0.01
+SCHEDULE = {"total_steps": 6, "warmup_steps": 2, "decay": "cosine", "min_lr_ratio": 0.1}
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [make_regression_batch(seed=i) for i in range(n)]
+
+
+def _trainer() -> GraphTrainer:
+    torch.manual_seed(0)
+    return GraphTrainer(
+        MLP(),
+        mse_loss,
+        PassConfig(),
+        optimizer_config={"lr": LR},
+        lr_scheduler=warmup_decay_factory(**SCHEDULE),
+    )
+
+
+def test_warmup_then_cosine_and_linear_match_the_hand_computed_curve() -> None:
+    cos = WarmupDecay(total_steps=10, warmup_steps=2, decay="cosine", min_lr_ratio=0.1)
+    assert [cos(0), cos(1)] == [1 / 3, 2 / 3]  # (step+1)/(warmup+1): never a zero lr
+    assert cos(2) == 1.0
+    assert cos(6) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 4 / 8)))
+    assert cos(10) == pytest.approx(0.1) and cos(50) == pytest.approx(0.1)
+    lin = WarmupDecay(total_steps=10, warmup_steps=0, decay="linear")
+    assert [lin(0), lin(5), lin(10)] == [1.0, 0.5, 0.0]
+    assert WarmupDecay(10, 3, "constant")(7) == 1.0
+    with pytest.raises(ConfigError, match=r"'step'.*constant"):
+        WarmupDecay(10, decay="step")
+
+
+def test_graph_trainer_schedule_equals_eager_lambdalr() -> None:
+    batches = _batches(6)
+    trainer = _trainer()
+    eager = copy.deepcopy(trainer.model)
+    records = trainer.train(batches)
+    optimizer = torch.optim.Adam(eager.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupDecay(**SCHEDULE))
+    lrs = []
+    for x, y in batches:
+        lrs.append(optimizer.param_groups[0]["lr"])
+        mse_loss(eager, x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    assert [r["lr"] for r in records] == [*lrs[1:], optimizer.param_groups[0]["lr"]]
+    for a, b in zip(trainer.model.parameters(), eager.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_resume_from_a_checkpoint_continues_the_exact_curve(tmp_path) -> None:
+    batches = _batches(6)
+    straight = _trainer()
+    expected = straight.train(batches)
+
+    first = _trainer()
+    first.train(batches[:3])
+    save_checkpoint(first, tmp_path / "ckpt", extra=scheduler_extra(first, {"epoch": 0}))
+    second = _trainer()
+    second.compile(*batches[0])
+    extra = load_checkpoint(second, tmp_path / "ckpt")
+    assert extra["epoch"] == 0 and extra["lr_scheduler"]["last_epoch"] == 3
+    restore_scheduler(second, extra)
+    resumed = second.train(batches[3:])
+    assert [(r["loss"], r["lr"]) for r in resumed] == [(r["loss"], r["lr"]) for r in expected[3:]]
+    for a, b in zip(second.model.parameters(), straight.model.parameters()):
+        assert torch.equal(a, b)
+
+    # The trainer's own state_dict carries the scheduler too.
+    third = _trainer()
+    third.compile(*batches[0])
+    third.load_state_dict(copy.deepcopy(first.state_dict()))
+    assert third.lr_scheduler.last_epoch == 3
+    assert [r["lr"] for r in third.train(batches[3:])] == [r["lr"] for r in expected[3:]]
+
+
+def test_job_config_schedule_keys_and_errors() -> None:
+    config = load_config(None, ["train.lr_schedule=cosine", "train.warmup_steps=5"])
+    assert config.train.lr_scheduler_factory() is not None
+    assert load_config(None, []).train.lr_scheduler_factory() is None  # constant: no scheduler
+    with pytest.raises(ConfigError, match=r"train\.lr_schedule='exp'.*cosine"):
+        load_config(None, ["train.lr_schedule=exp"])
+    with pytest.raises(ConfigError, match="min_lr_ratio"):
+        load_config(None, ["train.min_lr_ratio=2"])
+    with pytest.raises(TypeError, match="lr_scheduler must be a factory"):
+        GraphTrainer(MLP(), mse_loss, lr_scheduler=3)
