@@ -177,6 +177,10 @@ class TrainConfig(Section):
     seed: int = 0
     """Seed of the model's initial weights (identical on every rank)."""
 
+    eval_interval: int | None = None
+    """Evaluate on the held-out split (``data.eval_fraction`` / ``data.eval_files``) every
+    this many steps and after the last; ``null``: never."""
+
     def validate(self) -> None:
         self._positive("steps", "global_batch_size", "accumulation", "lr", "eps", "grad_clip")
         if self.weight_decay < 0:
@@ -265,8 +269,16 @@ class CheckpointConfig(Section):
     """After the final save, rank 0 writes ``<run_dir>/model.pt``: one plain full
     ``state_dict`` for inference (``torch.load(path, weights_only=True)``)."""
 
+    export: str | None = None
+    """``hf``: after the final save, rank 0 writes ``<run_dir>/hf/`` (``model.source: hf``
+    only): safetensors + ``config.json`` (+ the tokenizer) for ``from_pretrained``."""
+
     def validate(self) -> None:
         self._positive("interval", "keep_last")
+        if self.export not in (None, "hf"):
+            raise ConfigError(f"checkpoint.export={self.export!r}: use hf or null")
+        if self.export and not self.at_end:
+            raise ConfigError("checkpoint.export exports the final checkpoint: set at_end: true")
         if self.export_full and not self.at_end:
             raise ConfigError(
                 "checkpoint.export_full exports the final checkpoint, so it needs "
@@ -330,6 +342,9 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         self.pass_plan()  # validate the sharding section now, not on the ranks
+        from gm_trainer.job.sources import check_job
+
+        check_job(self)  # checks across sections: model vs tokenizer, eval, export
 
     def pass_plan(self) -> PassPlan | None:
         """The :class:`~gm_config.PassPlan` of the ``sharding`` section, or ``None``."""

@@ -1,0 +1,154 @@
+"""``model.source: hf``: any ``transformers`` causal LM, from a local config (random init) and
+optionally local weights. Needs the optional extra ``gm-trainer[hf]``; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gm_config import ConfigError
+
+EXTRA_HINT = "install the optional extra: pip install 'gm-trainer[hf]'"
+
+
+def require_transformers(what: str) -> Any:
+    """The ``transformers`` module, or a :class:`ConfigError` naming ``what`` needs it."""
+    try:
+        import safetensors  # noqa: F401 - weights and export are safetensors files
+        import transformers
+    except ImportError as e:
+        raise ConfigError(
+            f"{what} needs transformers and safetensors ({e}); {EXTRA_HINT}"
+        ) from None
+    return transformers
+
+
+def load_hf_config(config: str | Mapping[str, Any]) -> Any:
+    """A ``PretrainedConfig`` from a local folder (its ``config.json``) or an inline mapping
+    (with ``model_type``); :class:`ConfigError` when it is neither."""
+    transformers = require_transformers("model.source: hf")
+    if isinstance(config, Mapping):
+        fields = dict(config)
+        model_type = fields.pop("model_type", None)
+        if not isinstance(model_type, str):
+            raise ConfigError(
+                "model.config: an inline mapping needs model_type (e.g. llama, gpt2), got "
+                f"{model_type!r}"
+            )
+        try:
+            return transformers.AutoConfig.for_model(model_type, **fields)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"model.config: model_type {model_type!r}: {e}") from None
+    folder = Path(config)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(
+            f"model.config: {folder} is not a Hugging Face model folder (no config.json); give "
+            "a folder written by save_pretrained, or an inline mapping with model_type"
+        )
+    try:
+        return transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(
+            f"model.config: {folder}/config.json is not a model config: {e}"
+        ) from None
+
+
+def check_causal_lm(hf_config: Any) -> None:
+    """:class:`ConfigError` unless ``AutoModelForCausalLM`` knows the architecture."""
+    transformers = require_transformers("model.source: hf")
+    mapping = transformers.AutoModelForCausalLM._model_mapping
+    if type(hf_config) not in mapping:
+        raise ConfigError(
+            f"model.config: model_type {hf_config.model_type!r} has no causal LM in "
+            "transformers (AutoModelForCausalLM); choose a decoder architecture"
+        )
+
+
+def build_hf_model(hf_config: Any, weights: str | Sequence[str] | None = None) -> nn.Module:
+    """The causal LM, random-initialised from the global RNG, then ``weights`` loaded."""
+    transformers = require_transformers("model.source: hf")
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    if weights is not None:
+        load_weights(model, weights)
+    return model
+
+
+def weight_files(weights: str | Sequence[str]) -> list[Path]:
+    """The safetensors files of ``weights``: a HF model folder, a file, or a list of files."""
+    paths = [Path(weights)] if isinstance(weights, str) else [Path(p) for p in weights]
+    files: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            found = sorted(path.glob("*.safetensors"))
+            if not found:
+                raise ConfigError(
+                    f"model.weights: {path} holds no *.safetensors file; save the model with "
+                    "save_pretrained (safe_serialization) or list the files"
+                )
+            files += found
+        elif path.is_file() and path.suffix == ".safetensors":
+            files.append(path)
+        else:
+            raise ConfigError(f"model.weights: {path} is neither a folder nor a .safetensors file")
+    return files
+
+
+def load_weights(model: nn.Module, weights: str | Sequence[str]) -> None:
+    """Copy the tensors of the safetensors files into ``model``; every parameter and buffer
+    must be covered, except tied aliases of a loaded one."""
+    from safetensors.torch import load_file
+
+    state: dict[str, Tensor] = {}
+    for path in weight_files(weights):
+        state.update(load_file(str(path)))
+    result = model.load_state_dict(state, strict=False)
+    own = model.state_dict()
+    loaded = {own[k].data_ptr() for k in state if k in own}
+    missing = [
+        k for k in result.missing_keys if own[k].data_ptr() not in loaded and "rotary" not in k
+    ]
+    if missing or result.unexpected_keys:
+        raise ConfigError(
+            f"model.weights: the files do not fit model.config (missing {missing[:5]}, "
+            f"unexpected {list(result.unexpected_keys)[:5]}); give the weights saved with "
+            "this config"
+        )
+
+
+def decoder_layers(model: nn.Module) -> list[str]:
+    """Names of the decoder layers: modules of a class in ``_no_split_modules``, else the
+    children of the first ``layers``/``h`` ModuleList."""
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    names = [n for n, m in model.named_modules() if type(m).__name__ in classes]
+    if names:
+        return names
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in ("layers", "h") and isinstance(module, nn.ModuleList):
+            return [f"{name}.{i}" for i in range(len(module))]
+    return []
+
+
+def default_sharding(model: nn.Module) -> dict[str, Any] | None:
+    """The FSDP plan for a HF model: each decoder layer one block, every other parameter
+    sharded with its own module (as without a plan). ``None`` when no layer is found."""
+    layers = decoder_layers(model)
+    if not layers:
+        return None
+    modules: list[str] = []
+    for fqn, _ in model.named_parameters():
+        owner = next((n for n in layers if fqn.startswith(n + ".")), fqn.rpartition(".")[0])
+        if owner and owner not in modules:  # a root parameter would make one block
+            modules.append(owner)
+    return {"fsdp": {"enabled": True, "modules": [{"name": n} for n in modules]}}
+
+
+def hf_lm_loss(model: nn.Module, tokens: Tensor, targets: Tensor) -> Tensor:
+    """Next-token cross entropy of a HF causal LM on already shifted ``targets``."""
+    logits = model(input_ids=tokens, use_cache=False).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
