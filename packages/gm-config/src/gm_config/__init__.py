@@ -4,7 +4,7 @@ This distribution never imports torch, so configuration can be built, validated 
 serialised anywhere.
 """
 
-from gm_config.errors import ConfigError
+from gm_config.errors import ConfigError, GraphModeError, GraphModeRuntimeError
 from gm_config.pass_config import PassConfig
 from gm_config.pass_plan import FSDPModuleConfig, PassPlan
 from gm_config.yaml_plan import LEGACY_KEYS, create_sharding_plan_from_yaml, sharding_plan_from_dict
@@ -13,6 +13,8 @@ __all__ = [
     "LEGACY_KEYS",
     "ConfigError",
     "FSDPModuleConfig",
+    "GraphModeError",
+    "GraphModeRuntimeError",
     "PassConfig",
     "PassPlan",
     "create_sharding_plan_from_yaml",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from importlib import metadata
 
+from gm_config import ConfigError
 from gm_passes.base import GraphPass
 
 ENTRY_POINT_GROUP = "gm_passes.passes"
@@ -25,7 +26,7 @@ PROVIDERS: dict[str, str] = {
 _registered: dict[str, type[GraphPass]] = {}
 
 
-class PassNotFoundError(LookupError):
+class PassNotFoundError(ConfigError, LookupError):
     """A pass was asked for by name, but no installed distribution provides it."""
 
 

@@ -45,6 +45,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
+from gm_config import GraphModeRuntimeError
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_passes.graph_ops import is_collective, is_wait, op_name
 
@@ -64,7 +65,7 @@ COMPILED_STEP_ATTR = "compiled_step"
 CompileFn = Callable[[fx.GraphModule, list[Tensor]], Callable[..., Any]]
 
 
-class BackendError(RuntimeError):
+class BackendError(GraphModeRuntimeError):
     """The backend pass could not compile the graph (unknown backend, missing compiler...)."""
 
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from gm_config import PassPlan
+from gm_config import ConfigError, GraphModeRuntimeError, PassPlan
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_passes.graph_ops import is_collective, is_wait, op_name
 from gm_trace.collectives import all_gather_op
@@ -48,11 +48,11 @@ from gm_trace.graph_build import (
 from gm_trace.groups import all_gather_text, resolve_process_group
 
 
-class FSDPConfigError(ValueError):
+class FSDPConfigError(ConfigError):
     """The plan, the degree or the process group does not fit the model."""
 
 
-class CollectiveMismatchError(RuntimeError):
+class CollectiveMismatchError(GraphModeRuntimeError):
     """Ranks built graphs whose collective sequences differ; running them would hang."""
 
 

@@ -98,6 +98,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.utils.stateless import _reparametrize_module
 
+from gm_config import ConfigError
 from gm_trace.aliasing import storage_of, written_args
 from gm_trace.capture_errors import (
     GraphCaptureError,
@@ -129,7 +130,7 @@ _TRACE_LOCK = threading.RLock()
 # --------------------------------------------------------------------------- public types
 
 
-class GraphSignatureError(ValueError):
+class GraphSignatureError(ConfigError):
     """A traced graph was called with inputs that differ from the ones it was traced with."""
 
 

@@ -5,7 +5,14 @@ A training script needs one import::
     from gm_trainer import GraphTrainer, MeshContext, PassConfig, PassPlan
 """
 
-from gm_config import PassConfig, PassPlan, create_sharding_plan_from_yaml
+from gm_config import (
+    ConfigError,
+    GraphModeError,
+    GraphModeRuntimeError,
+    PassConfig,
+    PassPlan,
+    create_sharding_plan_from_yaml,
+)
 from gm_trainer.checkpoint import (
     CheckpointError,
     export_full_state_dict,
@@ -20,6 +27,9 @@ from gm_trainer.trainer import GraphTrainer, TrainingError
 
 __all__ = [
     "CheckpointError",
+    "ConfigError",
+    "GraphModeError",
+    "GraphModeRuntimeError",
     "GraphTrainer",
     "MeshContext",
     "OptimizerConfig",

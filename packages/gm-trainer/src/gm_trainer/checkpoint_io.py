@@ -20,6 +20,8 @@ from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from gm_config import GraphModeRuntimeError
+
 #: Version of the checkpoint layout; a loader refuses a newer one.
 CHECKPOINT_FORMAT = 1
 #: The commit marker: a directory without it is an interrupted save, never loaded.
@@ -28,7 +30,7 @@ MARKER_NAME = "gm_checkpoint.json"
 METADATA_NAME = ".metadata"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(GraphModeRuntimeError):
     """A checkpoint cannot be written, is damaged, or does not fit the trainer that loads it."""
 
 

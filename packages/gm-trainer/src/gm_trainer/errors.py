@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from gm_config import GraphModeRuntimeError
 
-class TrainingError(RuntimeError):
+
+class TrainingError(GraphModeRuntimeError):
     """Training cannot go on: a non-finite loss or gradient, ranks out of step, a graph cache
     overflow."""

@@ -25,7 +25,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from gm_config import PassConfig
+from gm_config import ConfigError, PassConfig
 from gm_trace.groups import register_process_group
 from gm_trainer.device import detect_device_type
 from gm_trainer.tp import TP_GROUP_NAME
@@ -34,7 +34,7 @@ from gm_trainer.tp import TP_GROUP_NAME
 REPLICATE_GROUP_NAME = "fsdp_replicate"
 
 
-class MeshError(ValueError):
+class MeshError(ConfigError):
     """The mesh context does not describe a layout graph mode can shard over."""
 
 

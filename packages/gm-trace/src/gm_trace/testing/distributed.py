@@ -27,8 +27,10 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from gm_config import GraphModeRuntimeError
 
-class DistributedTestError(RuntimeError):
+
+class DistributedTestError(GraphModeRuntimeError):
     """A rank raised, died or timed out. The message holds the failing rank's traceback."""
 
 

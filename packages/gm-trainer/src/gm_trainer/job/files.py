@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from gm_config import GraphModeRuntimeError
 from gm_trainer.job.config import SECTIONS
 
 #: Written when gm-train creates (or first adopts) a run folder: the folder is gm-train's own.
@@ -36,7 +37,7 @@ OWN_FILES = (
 )
 
 
-class RunFolderError(RuntimeError):
+class RunFolderError(GraphModeRuntimeError):
     """A run folder cannot be used: foreign, in use by another job, a link, or damaged."""
 
 
