@@ -119,6 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # it alone creates a {timestamp} folder and checks that the folder is free).
         new_folder = any(o.partition("=")[0].strip() == "logging.run_dir" for o in overrides)
         writer = not args.print_config and (not launched or os.environ.get("RANK") == "0")
+        if not args.print_config:  # read and tokenise the data now: errors before any rank
+            prepare_data(config)
         config.logging.run_dir = str(
             choose_run_dir(config, resume, new_folder=new_folder, create=writer)
         )
@@ -147,6 +149,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 LATER_KEYS = frozenset(
     ("train.lr_schedule", "train.warmup_steps", "train.min_lr_ratio", "train.lr_decay_steps")
 )
+
+
+def prepare_data(config: JobConfig) -> None:
+    """Fix ``data.cache_dir`` (beside the run folders) and tokenise the corpus into it, so a
+    bad line or an empty corpus is a :class:`ConfigError` here and the ranks hit the cache."""
+    from gm_trainer.job.dataset import cache_dir_of, load_job_data
+
+    config.data.cache_dir = str(cache_dir_of(config.data.cache_dir, config.logging.run_dir))
+    load_job_data(config.data, config.model.seq_len, config.logging.run_dir)
 
 
 def check_run_config(path: Path) -> None:

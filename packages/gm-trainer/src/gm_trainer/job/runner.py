@@ -12,7 +12,6 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from gm_config import ConfigError
-from gm_trace.testing.models import TinyGPT, lm_loss
 from gm_trainer.checkpoint import (
     checkpoint_info,
     export_full_state_dict,
@@ -21,7 +20,8 @@ from gm_trainer.checkpoint import (
 )
 from gm_trainer.device import init_distributed
 from gm_trainer.job.config import JobConfig
-from gm_trainer.job.data import ByteBatches, default_corpus, load_corpus
+from gm_trainer.job.dataset import PackedBatches, load_job_data, position_of
+from gm_trainer.job.evaluate import Evaluator
 from gm_trainer.job.files import replacing
 from gm_trainer.job.progress import Progress
 from gm_trainer.job.run_folder import (
@@ -31,6 +31,7 @@ from gm_trainer.job.run_folder import (
     read_metrics,
     run_folder_of,
 )
+from gm_trainer.job.sources import build_model
 from gm_trainer.schedule import restore_scheduler, scheduler_extra, set_base_lrs
 
 if TYPE_CHECKING:
@@ -39,7 +40,8 @@ if TYPE_CHECKING:
 #: The settings that decide which windows step ``i`` trains on: a resumed run that changes
 #: one of them continues on another data stream than the saved run would have seen.
 DATA_STREAM_KEYS = (
-    ("data", ("corpus", "glob", "max_bytes", "seed")),
+    ("data", ("corpus", "format", "field", "tokenizer", "glob", "max_bytes", "seed")),
+    ("data", ("eval_fraction", "eval_files")),
     ("model", ("seq_len",)),
     ("train", ("global_batch_size", "accumulation")),
 )
@@ -105,15 +107,23 @@ def _train(
         folder.write_config(config.to_yaml())
 
     torch.manual_seed(t.seed)  # identical initial weights on every rank
-    model = TinyGPT(m.vocab_size, m.dim, m.n_layers, m.n_heads, max_seq_len=m.seq_len)
+    built = build_model(config)
+    model = built.model
     n_params = sum(p.numel() for p in model.parameters())  # before sharding
-    corpus = load_corpus(d.corpus, d.glob, d.max_bytes)
+    job_data = load_job_data(d, m.seq_len, run_dir)  # the CLI has tokenised it: a cache hit
+    micro = t.global_batch_size // t.accumulation
+    evaluator = None
+    if t.eval_interval is not None and job_data.eval is not None:
+        evaluator = Evaluator(model, built.loss, job_data.eval, micro // world_size)
+    every = t.eval_interval or t.steps
+    eval_steps = {s for s in [*range(every, t.steps, every), t.steps] if s > start_step}
+    if evaluator is None:
+        eval_steps = set()
 
-    def batches_from(position: int) -> ByteBatches:
-        return ByteBatches(
-            corpus,
-            seq_len=m.seq_len,
-            batch_size=t.global_batch_size // t.accumulation,
+    def batches_from(position: int) -> PackedBatches:
+        return PackedBatches(
+            job_data.train,
+            batch_size=micro,
             num_batches=t.steps * t.accumulation,
             rank=rank,
             world_size=world_size,
@@ -123,20 +133,20 @@ def _train(
 
     trainer = GraphTrainer(
         model,
-        lm_loss,
+        built.loss,
         config.parallel,
-        config.pass_plan(),
+        built.pass_plan(),
         optimizer_config=t.optimizer_config(),
         lr_scheduler=t.lr_scheduler_factory(),
         graph_dump_dir=folder.graphs_dir if folder is not None else None,
     )
     progress = Progress(t.steps, start_step=start_step) if folder is not None else None
     if progress is not None:
-        where = d.corpus if d.corpus is not None else f"Python stdlib, {default_corpus()}"
         progress.write(
             f"gm-train: {world_size} rank(s) on {trainer.device} | "
-            f"TinyGPT {n_params / 1e6:.2f}M params | corpus {corpus.numel() / 1e6:.1f} MB "
-            f"({where}) | {t.global_batch_size} x {m.seq_len} tokens per step | "
+            f"{built.name} {n_params / 1e6:.2f}M params | corpus "
+            f"{job_data.train.tokens.numel() / 1e6:.2f}M tokens, {job_data.train.count} windows "
+            f"({job_data.documents_from}) | {t.global_batch_size} x {m.seq_len} tokens per step | "
             f"run folder {config.logging.run_dir}"
         )
 
@@ -177,7 +187,8 @@ def _train(
     def log_fn(rec: dict[str, Any]) -> None:
         if progress is not None and folder is not None:
             progress.log(rec)
-            folder.append_metrics(rec)
+            if rec["step"] not in eval_steps:  # those are written with their eval loss
+                folder.append_metrics(rec)
 
     saves = [s for s in c.save_steps(t.steps) if s > start_step]
     extra = {"config": config.to_dict()}  # rank 0's is saved; compared on resume (_reconcile)
@@ -187,7 +198,7 @@ def _train(
     data = iter(progress.track(batches, t.accumulation) if progress is not None else batches)
     try:
         while trainer.step < t.steps:
-            target = next((s for s in saves if s > trainer.step), t.steps)
+            target = next((s for s in sorted({*saves, *eval_steps}) if s > trainer.step), t.steps)
             records += trainer.train(
                 data,
                 max_steps=target - trainer.step,
@@ -197,7 +208,18 @@ def _train(
             )
             if trainer.step < target:  # pragma: no cover - the stream holds exactly train.steps
                 break
+            if trainer.step in eval_steps and evaluator is not None:
+                records[-1].update(evaluator(trainer))  # on every rank: it gathers
+                if folder is not None and progress is not None:
+                    folder.append_metrics(records[-1])
+                    scores = records[-1]
+                    progress.write(
+                        f"eval step {trainer.step}: loss {scores['eval_loss']:.4f} | "
+                        f"perplexity {scores['eval_perplexity']:.2f}"
+                    )
             if trainer.step in saves:
+                epoch, offset = position_of(trainer.data_position, micro, job_data.train.count)
+                extra["data"] = {"epoch": epoch, "offset": offset, "windows": job_data.train.count}
                 saved_at = time.perf_counter()
                 last_checkpoint = save_checkpoint(
                     trainer,
@@ -223,6 +245,11 @@ def _train(
         with replacing(folder.path / "model.pt") as tmp:
             export_full_state_dict(last_checkpoint, tmp)
         progress.write(f"exported the full model to {folder.path / 'model.pt'}")
+    if c.export == "hf" and last_checkpoint is not None and trainer.step == t.steps:
+        from gm_trainer.job.export_hf import export_hf
+
+        out = export_hf(last_checkpoint, m.config, job_data.tokenizer, folder.path / "hf")
+        progress.write(f"exported the model for transformers (from_pretrained) to {out}")
     folder.write_text("passes.txt", trainer.pass_summary() + "\n")
     # ``records`` holds every step of this session (the loss curve and summary use them all);
     # only the logged ones went to metrics.jsonl. A resumed run adds the logged records

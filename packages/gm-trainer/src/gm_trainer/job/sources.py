@@ -120,6 +120,14 @@ class BuiltModel:
     sharding: dict[str, Any] | None
     name: str
 
+    def pass_plan(self) -> Any:
+        """The :class:`~gm_config.PassPlan` of :attr:`sharding`, or ``None``."""
+        if self.sharding is None:
+            return None
+        from gm_config import sharding_plan_from_dict
+
+        return sharding_plan_from_dict(self.sharding, source="sharding")
+
 
 def build_model(job: JobConfig) -> BuiltModel:
     """Build the configured model (seed the global RNG first for identical ranks).
