@@ -193,7 +193,11 @@ def plot_loss(records: Sequence[Mapping[str, Any]], path: Path) -> None:
     fig = Figure(figsize=(6.4, 4.0), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".")
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".", label="train")
+    held = [r for r in records if "eval_loss" in r]  # train.eval_interval: the held-out loss
+    if held:
+        ax.plot([r["step"] for r in held], [r["eval_loss"] for r in held], marker="o", label="eval")
+        ax.legend()
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title("gm-train: training loss")
