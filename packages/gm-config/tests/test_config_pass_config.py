@@ -24,7 +24,11 @@ DEFAULTS = {
     "param_dtype": None,
     "reduce_dtype": None,
     "backend": None,
+    "extra_passes": (),
+    "disable_passes": (),
 }
+# to_dict gives YAML-friendly lists where the config keeps tuples.
+DEFAULTS_AS_DICT = {k: list(v) if isinstance(v, tuple) else v for k, v in DEFAULTS.items()}
 BOOL_FIELDS = [
     "enable_overlap",
     "fsdp_enabled",
@@ -67,7 +71,10 @@ def test_valid_non_default_values_are_kept():
         param_dtype="bfloat16",
         reduce_dtype="float32",
         backend="inductor",
+        extra_passes=["count_nodes"],
+        disable_passes=("recompute",),
     )
+    assert config.extra_passes == ("count_nodes",)  # YAML lists are kept as tuples
     assert config.to_dict() == {
         "enable_overlap": False,
         "fsdp_enabled": False,
@@ -82,7 +89,16 @@ def test_valid_non_default_values_are_kept():
         "param_dtype": "bfloat16",
         "reduce_dtype": "float32",
         "backend": "inductor",
+        "extra_passes": ["count_nodes"],
+        "disable_passes": ["recompute"],
     }
+
+
+@pytest.mark.parametrize("field", ["extra_passes", "disable_passes"])
+@pytest.mark.parametrize("value", ["recompute", [""], [3], None])
+def test_pass_name_lists_must_be_lists_of_names(field, value):
+    with pytest.raises(ConfigError, match=f"PassConfig.{field} must be a list of pass names"):
+        PassConfig(**{field: value})
 
 
 @pytest.mark.parametrize("tp_size", [0, -1, -8])
@@ -159,7 +175,7 @@ def test_validate_accepts_a_valid_mutation():
 def test_to_dict_is_a_plain_dict_of_every_field():
     data = PassConfig(fsdp_degree=2).to_dict()
     assert type(data) is dict
-    assert data == {**DEFAULTS, "fsdp_degree": 2}
+    assert data == {**DEFAULTS_AS_DICT, "fsdp_degree": 2}
 
 
 def test_to_dict_is_a_copy():

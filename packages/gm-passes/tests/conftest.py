@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from gm_config import fsdp_requested, reshard_requested
 from gm_passes import GraphPass, PassResult, register_pass, registry, unregister_pass
 
 
@@ -216,6 +217,11 @@ def trace_passes():
 
     class DummyFSDP(GraphPass):
         name = "fsdp"
+        runs_after = ("canonicalize",)
+
+        @classmethod
+        def enabled_by(cls, config, plan):
+            return "PassConfig.fsdp_enabled" if fsdp_requested(config, plan) else None
 
         def run(self, graph_module, ctx):
             recorder.calls.append((self.name, graph_module, ctx))
@@ -228,19 +234,42 @@ def trace_passes():
 
     class DummyOverlap(GraphPass):
         name = "overlap"
+        runs_after = ("canonicalize", "fsdp", "reshard", "recompute")
+
+        @classmethod
+        def enabled_by(cls, config, plan):
+            return "PassConfig.enable_overlap" if config.enable_overlap else None
 
         def run(self, graph_module, ctx):
             recorder.calls.append((self.name, graph_module, ctx))
             return PassResult(graph_module, False)
 
+    # The declarations of gm-trace's passes, so the pipeline orders the stand-ins the same way.
     class DummyReshard(DummyOverlap):
         name = "reshard"
+        runs_after = ("fsdp",)
+
+        @classmethod
+        def enabled_by(cls, config, plan):
+            if reshard_requested(config, plan):
+                return "reshard_after_forward (PassConfig or PassPlan)"
+            return None
 
     class DummyBackend(DummyOverlap):
         name = "backend"
+        runs_after = ("*",)
+
+        @classmethod
+        def enabled_by(cls, config, plan):
+            return "PassConfig.backend" if config.backend is not None else None
 
     class DummyRecompute(DummyOverlap):
         name = "recompute"
+        runs_after = ("canonicalize", "fsdp", "reshard")
+
+        @classmethod
+        def enabled_by(cls, config, plan):
+            return "PassConfig.recompute_pointwise" if config.recompute_pointwise else None
 
     dummies = (DummyFSDP, DummyReshard, DummyRecompute, DummyOverlap, DummyBackend)
     prior = {cls.name: registry._registered.get(cls.name) for cls in dummies}

@@ -6,7 +6,6 @@ import pytest
 
 from gm_config import ConfigError, PassConfig, PassPlan
 from gm_passes import (
-    CANONICAL_ORDER,
     CanonicalizeGraph,
     DeadCodeElimination,
     GraphPass,
@@ -20,8 +19,9 @@ from gm_passes import (
 ALL = ["dce", "canonicalize", "fsdp", "recompute", "overlap"]
 
 
-def test_canonical_order():
-    assert CANONICAL_ORDER == (
+def test_the_declarations_give_the_canonical_order(trace_passes):
+    config = PassConfig(reshard_after_forward=True, backend="inductor")
+    assert PassPipeline.from_config(config).names == [
         "dce",
         "canonicalize",
         "fsdp",
@@ -29,7 +29,7 @@ def test_canonical_order():
         "recompute",
         "overlap",
         "backend",
-    )
+    ]
 
 
 # --- which passes, in which order -----------------------------------------------------------
@@ -130,7 +130,7 @@ def test_disabled_config_wins_over_an_enabled_plan(trace_passes):
     assert "fsdp" not in PassPipeline.from_config(PassConfig(fsdp_enabled=False), plan).names
 
 
-def test_selected_passes_names_the_setting_that_asked():
+def test_selected_passes_names_the_setting_that_asked(trace_passes):
     assert selected_passes(PassConfig()) == [
         ("dce", "the base pipeline"),
         ("canonicalize", "the base pipeline"),

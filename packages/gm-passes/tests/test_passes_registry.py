@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 
 import pytest
@@ -167,10 +168,9 @@ def test_unregister_does_not_remove_entry_points(clean_registry):
 # --- the missing-pass error -----------------------------------------------------------------
 
 
-def test_missing_pass_names_its_provider(monkeypatch):
-    monkeypatch.setitem(registry.PROVIDERS, "made_up_pass", "gm-made-up")
+def test_missing_pass_names_its_provider():
     with pytest.raises(PassNotFoundError) as info:
-        get_pass("made_up_pass", requested_by="PassConfig.made_up")
+        get_pass("made_up_pass", requested_by="PassConfig.made_up", provided_by="gm-made-up")
     message = str(info.value)
     assert "'made_up_pass'" in message
     assert "pip install gm-made-up" in message
@@ -191,16 +191,21 @@ def test_pass_not_found_is_a_lookup_error():
     assert issubclass(PassNotFoundError, LookupError)
 
 
-def test_providers_of_the_canonical_passes():
-    assert registry.PROVIDERS == {
-        "dce": "gm-passes",
-        "canonicalize": "gm-passes",
-        "fsdp": "gm-trace",
-        "reshard": "gm-trace",
-        "recompute": "gm-trace",
-        "overlap": "gm-trace",
-        "backend": "gm-trace",
+def test_settings_name_the_pass_they_ask_for_and_its_distribution():
+    """gm-passes never names gm-trace's passes: the configuration fields do, in metadata."""
+    asks = {
+        f.name: (f.metadata["passes"], f.metadata["provided_by"])
+        for f in dataclasses.fields(PassConfig)
+        if "passes" in f.metadata
     }
+    assert asks == {
+        "enable_overlap": (("overlap",), "gm-trace"),
+        "fsdp_enabled": (("fsdp", "reshard"), "gm-trace"),  # a PassPlan may ask for reshard
+        "reshard_after_forward": (("reshard",), "gm-trace"),
+        "recompute_pointwise": (("recompute",), "gm-trace"),
+        "backend": (("backend",), "gm-trace"),
+    }
+    assert not hasattr(registry, "PROVIDERS")
 
 
 def test_from_config_without_gm_trace_names_the_distribution_and_the_field(

@@ -6,7 +6,7 @@ serialised anywhere.
 
 from gm_config.errors import ConfigError, GraphModeError, GraphModeRuntimeError
 from gm_config.pass_config import PassConfig
-from gm_config.pass_plan import FSDPModuleConfig, PassPlan
+from gm_config.pass_plan import FSDPModuleConfig, PassPlan, fsdp_requested, reshard_requested
 from gm_config.yaml_plan import LEGACY_KEYS, create_sharding_plan_from_yaml, sharding_plan_from_dict
 
 __all__ = [
@@ -18,5 +18,7 @@ __all__ = [
     "PassConfig",
     "PassPlan",
     "create_sharding_plan_from_yaml",
+    "fsdp_requested",
+    "reshard_requested",
     "sharding_plan_from_dict",
 ]

@@ -21,6 +21,14 @@ _DTYPE_SHORT_NAMES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", 
 _DTYPE_SHORT_NAMES.update({name: name for name in FLOAT_DTYPES})  # "torch.bfloat16"
 
 
+def _runs(*passes: str, provided_by: str = "gm-trace") -> dict[str, Any]:
+    """Field metadata: setting this field may switch on the graph passes ``passes``, which the
+    distribution ``provided_by`` installs. The pipeline loads only the passes that set fields
+    name (each pass then decides from the whole configuration whether it runs) and names the
+    distribution to install when one is missing."""
+    return {"passes": passes, "provided_by": provided_by}
+
+
 def _is_int(value: object) -> bool:
     # bool is a subclass of int, but ``fsdp_degree: true`` is a mistake, not a degree.
     return isinstance(value, int) and not isinstance(value, bool)
@@ -33,11 +41,11 @@ class PassConfig:
     Validated on construction; call :meth:`validate` again after mutating a field.
     """
 
-    enable_overlap: bool = True
+    enable_overlap: bool = dataclasses.field(default=True, metadata=_runs("overlap"))
     """Run the ``overlap`` pass, which moves each ``wait_tensor`` later so that communication
     overlaps independent compute."""
 
-    fsdp_enabled: bool = True
+    fsdp_enabled: bool = dataclasses.field(default=True, metadata=_runs("fsdp", "reshard"))
     """Run the ``fsdp`` pass. Set False for pure TP graph mode. The pass itself exits early,
     leaving the graph untouched, when torch.distributed is not initialised or the world is 1."""
 
@@ -64,12 +72,12 @@ class PassConfig:
     (``0``: just before the block itself). Bounds the full parameters in flight. ``None``:
     every all-gather at the start of the step. Needs ``enable_overlap``."""
 
-    reshard_after_forward: bool = False
+    reshard_after_forward: bool = dataclasses.field(default=False, metadata=_runs("reshard"))
     """Free each all-gathered parameter after its last forward use and all-gather it again
     before its first backward use: lower peak memory for one more all-gather per block.
     A planned module's own ``reshard_after_forward`` (PassPlan / YAML) overrides this."""
 
-    recompute_pointwise: bool = True
+    recompute_pointwise: bool = dataclasses.field(default=True, metadata=_runs("recompute"))
     """Run the ``recompute`` pass: a saved activation that a few pointwise ops compute from
     values backward keeps anyway (a GELU output, an RMSNorm's scaled input) is recomputed in
     backward instead of held from forward. Bitwise identical results; lower peak memory for a
@@ -87,9 +95,17 @@ class PassConfig:
     ``MixedPrecisionPolicy.reduce_dtype``; the reduced shard is cast back to the parameter's dtype
     for the optimizer. ``None``: ``param_dtype`` when set, else the gradient's own dtype."""
 
-    backend: str | None = None
+    backend: str | None = dataclasses.field(default=None, metadata=_runs("backend"))
     """Compile the final graph with this backend, collectives kept as they are: ``"inductor"``
     or a name given to ``gm_trace.register_backend``. ``None``: run the graph as it is."""
+
+    extra_passes: tuple[str, ...] = ()
+    """Registered graph passes to run besides those the fields above switch on, by name
+    (``gm_passes.register_pass`` or the entry-point group ``gm_passes.passes``). Each runs where
+    its declared ordering constraints put it."""
+
+    disable_passes: tuple[str, ...] = ()
+    """Passes not to run although the configuration switches them on (e.g. ``["recompute"]``)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -140,6 +156,12 @@ class PassConfig:
                     f"PassConfig.{name} must be None or one of {list(FLOAT_DTYPES)}, "
                     f"got {value!r}{hint}"
                 )
+        for name in ("extra_passes", "disable_passes"):
+            value = getattr(self, name)
+            names = tuple(value) if isinstance(value, (list, tuple)) else None
+            if names is None or not all(isinstance(n, str) and n for n in names):
+                raise ConfigError(f"PassConfig.{name} must be a list of pass names, got {value!r}")
+            setattr(self, name, names)  # YAML gives lists; keep the config hashable-friendly
         if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
             raise ConfigError(
                 "PassConfig.backend must be None (run the graph as it is) or a backend name such "
@@ -147,8 +169,11 @@ class PassConfig:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        """A plain dict of every field, suitable for YAML/JSON."""
-        return dataclasses.asdict(self)
+        """A plain dict of every field, suitable for YAML/JSON (tuples become lists)."""
+        return {
+            key: list(value) if isinstance(value, tuple) else value
+            for key, value in dataclasses.asdict(self).items()
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, where: str = "PassConfig") -> PassConfig:

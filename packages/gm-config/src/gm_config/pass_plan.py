@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gm_config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from gm_config.pass_config import PassConfig
 
 
 @dataclass(frozen=True)
@@ -95,3 +99,18 @@ class PassPlan:
 def _check_key(value: object, what: str) -> None:
     if not isinstance(value, str):
         raise ConfigError(f"PassPlan {what} must be a string, got {value!r}")
+
+
+def fsdp_requested(config: PassConfig, plan: PassPlan | None) -> bool:
+    """Whether FSDP runs: the config enables it and the plan, if any, does not switch it off.
+    The one place this is decided (the pipeline, the trainer and the job config ask here)."""
+    return config.fsdp_enabled and (plan is None or plan.fsdp_enabled)
+
+
+def reshard_requested(config: PassConfig, plan: PassPlan | None) -> bool:
+    """Whether any parameter is re-gathered for backward: FSDP runs and the config or a
+    planned module asks for ``reshard_after_forward``."""
+    if not fsdp_requested(config, plan):
+        return False
+    entries = [] if plan is None else [*plan.fsdp_modules.values(), *plan.fsdp_patterns.values()]
+    return config.reshard_after_forward or any(e.reshard_after_forward for e in entries)

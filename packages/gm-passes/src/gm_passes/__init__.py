@@ -6,7 +6,14 @@ name through the entry-point group ``gm_passes.passes``.
 
 from gm_passes.base import GraphPass, PassContext, PassResult
 from gm_passes.base_passes import CanonicalizeGraph, DeadCodeElimination
-from gm_passes.pipeline import CANONICAL_ORDER, PassPipeline, PassRecord, selected_passes
+from gm_passes.pipeline import (
+    BASE_PASSES,
+    GraphPassError,
+    PassPipeline,
+    PassRecord,
+    order_passes,
+    selected_passes,
+)
 from gm_passes.registry import (
     ENTRY_POINT_GROUP,
     PassNotFoundError,
@@ -17,11 +24,12 @@ from gm_passes.registry import (
 )
 
 __all__ = [
-    "CANONICAL_ORDER",
+    "BASE_PASSES",
     "ENTRY_POINT_GROUP",
     "CanonicalizeGraph",
     "DeadCodeElimination",
     "GraphPass",
+    "GraphPassError",
     "PassContext",
     "PassNotFoundError",
     "PassPipeline",
@@ -29,6 +37,7 @@ __all__ = [
     "PassResult",
     "available_passes",
     "get_pass",
+    "order_passes",
     "register_pass",
     "selected_passes",
     "unregister_pass",

@@ -50,10 +50,29 @@ class GraphPass(abc.ABC):
 
     Subclasses implement :meth:`run`; they may rewrite the graph in place and return it, or
     return a new graph module. Construction takes no arguments: everything configurable comes
-    from the :class:`PassContext`.
+    from the :class:`PassContext`. A pass declares where it runs (:attr:`runs_after`,
+    :attr:`runs_before`) and when the configuration switches it on (:meth:`enabled_by`);
+    :class:`~gm_passes.PassPipeline` orders the passes from those declarations.
     """
 
     name: ClassVar[str]
+
+    runs_after: ClassVar[tuple[str, ...]] = ()
+    """Passes that, when they are in the same pipeline, run before this one. ``"*"``: every
+    other pass (a backend that compiles the final graph)."""
+
+    runs_before: ClassVar[tuple[str, ...]] = ()
+    """Passes that, when they are in the same pipeline, run after this one."""
+
+    options: ClassVar[tuple[str, ...]] = ()
+    """The ``PassConfig`` fields this pass reads, for the pipeline's description."""
+
+    @classmethod
+    def enabled_by(cls, config: PassConfig, plan: PassPlan | None) -> str | None:
+        """The setting that switches this pass on for ``config`` and ``plan`` (e.g.
+        ``"PassConfig.enable_overlap"``), or ``None``: then it runs only when asked for by name
+        (``PassConfig.extra_passes``, ``GraphTrainer(passes=...)``)."""
+        return None
 
     @abc.abstractmethod
     def run(self, graph_module: Any, ctx: PassContext) -> PassResult:

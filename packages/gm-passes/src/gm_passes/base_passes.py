@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from gm_config import PassConfig, PassPlan
 from gm_passes.base import GraphPass, PassContext, PassResult
 from gm_passes.graph_ops import has_side_effects, op_name
+
+#: The reason every pipeline runs the base passes.
+BASE_PIPELINE = "the base pipeline"
 
 #: Ops that only create another name for the same values. The graph runs under no_grad, where
 #: an alias of a tensor computes exactly what the tensor itself does.
@@ -28,6 +32,10 @@ class DeadCodeElimination(GraphPass):
 
     name = "dce"
 
+    @classmethod
+    def enabled_by(cls, config: PassConfig, plan: PassPlan | None) -> str | None:
+        return BASE_PIPELINE
+
     def run(self, graph_module: Any, ctx: PassContext) -> PassResult:
         removed = 0
         # Reverse order: erasing a user can leave its producer dead in the same sweep.
@@ -46,6 +54,11 @@ class CanonicalizeGraph(GraphPass):
     that really compute with it."""
 
     name = "canonicalize"
+    runs_after = ("dce",)
+
+    @classmethod
+    def enabled_by(cls, config: PassConfig, plan: PassPlan | None) -> str | None:
+        return BASE_PIPELINE
 
     def run(self, graph_module: Any, ctx: PassContext) -> PassResult:
         removed = 0

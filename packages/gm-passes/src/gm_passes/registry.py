@@ -12,17 +12,6 @@ from gm_passes.base import GraphPass
 
 ENTRY_POINT_GROUP = "gm_passes.passes"
 
-#: Which distribution provides each pass the canonical pipeline may ask for.
-PROVIDERS: dict[str, str] = {
-    "dce": "gm-passes",
-    "canonicalize": "gm-passes",
-    "fsdp": "gm-trace",
-    "reshard": "gm-trace",
-    "recompute": "gm-trace",
-    "overlap": "gm-trace",
-    "backend": "gm-trace",
-}
-
 _registered: dict[str, type[GraphPass]] = {}
 
 
@@ -47,6 +36,11 @@ def unregister_pass(name: str) -> None:
     _registered.pop(name, None)
 
 
+def registered_passes() -> list[str]:
+    """The names registered in-process with :func:`register_pass` (already imported)."""
+    return list(_registered)
+
+
 def available_passes() -> dict[str, str]:
     """Name -> where it comes from (``"entry point module:attr"`` or ``"registered"``)."""
     found = {ep.name: ep.value for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
@@ -54,10 +48,13 @@ def available_passes() -> dict[str, str]:
     return found
 
 
-def get_pass(name: str, *, requested_by: str | None = None) -> type[GraphPass]:
+def get_pass(
+    name: str, *, requested_by: str | None = None, provided_by: str | None = None
+) -> type[GraphPass]:
     """The pass class registered as ``name``.
 
-    ``requested_by`` names the setting that asked for the pass; it goes into the error.
+    ``requested_by`` names the setting that asked for the pass and ``provided_by`` the
+    distribution that installs it (as the setting's metadata says); both go into the error.
     """
     if name in _registered:
         return _registered[name]
@@ -70,10 +67,9 @@ def get_pass(name: str, *, requested_by: str | None = None) -> type[GraphPass]:
                     "is not a GraphPass subclass"
                 )
             return cls
-    provider = PROVIDERS.get(name)
     fix = (
-        f"install the distribution that provides it: pip install {provider}"
-        if provider
+        f"install the distribution that provides it: pip install {provided_by}"
+        if provided_by
         else f"register it with gm_passes.register_pass or an entry point in {ENTRY_POINT_GROUP!r}"
     )
     asked = f" (asked for by {requested_by})" if requested_by else ""

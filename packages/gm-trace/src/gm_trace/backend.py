@@ -45,7 +45,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from gm_config import GraphModeRuntimeError
+from gm_config import GraphModeRuntimeError, PassConfig, PassPlan
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_passes.graph_ops import is_collective, is_wait, op_name
 
@@ -171,6 +171,12 @@ class BackendPass(GraphPass):
     """Compile the final graph with ``PassConfig.backend`` (see the module docstring)."""
 
     name = "backend"
+    runs_after = ("*",)  # compiles the final graph
+    options = ("backend",)
+
+    @classmethod
+    def enabled_by(cls, config: PassConfig, plan: PassPlan | None) -> str | None:
+        return "PassConfig.backend" if config.backend is not None else None
 
     def run(self, graph_module: fx.GraphModule, ctx: PassContext) -> PassResult:
         backend = ctx.config.backend

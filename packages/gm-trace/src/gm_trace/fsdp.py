@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from gm_config import ConfigError, GraphModeRuntimeError, PassPlan
+from gm_config import ConfigError, GraphModeRuntimeError, PassConfig, PassPlan, fsdp_requested
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_passes.graph_ops import is_collective, is_wait, op_name
 from gm_trace.collectives import all_gather_op
@@ -127,6 +127,12 @@ class FSDPPass(GraphPass):
     """Shard the selected parameters over the ``"fsdp"`` group (see module docstring)."""
 
     name = "fsdp"
+    runs_after = ("canonicalize",)
+    options = ("fsdp_degree", "bucket_cap_mb", "reduce_dtype")
+
+    @classmethod
+    def enabled_by(cls, config: PassConfig, plan: PassPlan | None) -> str | None:
+        return "PassConfig.fsdp_enabled" if fsdp_requested(config, plan) else None
 
     def run(self, graph_module: fx.GraphModule, ctx: PassContext) -> PassResult:
         if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:

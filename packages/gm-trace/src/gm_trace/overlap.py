@@ -20,6 +20,7 @@ from typing import Any
 
 import torch.fx as fx
 
+from gm_config import PassConfig, PassPlan
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_passes.graph_ops import is_collective, is_wait
 from gm_trace.fsdp import verify_ranks_agree
@@ -97,6 +98,12 @@ class AutoOverlapPass(GraphPass):
     """Sink waits to their first user and prefetch all-gathers (see module docstring)."""
 
     name = "overlap"
+    runs_after = ("canonicalize", "fsdp", "reshard", "recompute")  # schedules the final compute
+    options = ("enable_overlap", "prefetch_blocks")
+
+    @classmethod
+    def enabled_by(cls, config: PassConfig, plan: PassPlan | None) -> str | None:
+        return "PassConfig.enable_overlap" if config.enable_overlap else None
 
     def run(self, graph_module: fx.GraphModule, ctx: PassContext) -> PassResult:
         graph = graph_module.graph

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
+from gm_config import PassConfig, PassPlan
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_passes.graph_ops import is_collective, mutates_an_input
 from gm_trace.aliasing import storage_of, written_storages
@@ -122,6 +123,12 @@ class RecomputePass(GraphPass):
     """Recompute pointwise activations in backward instead of saving them (module docstring)."""
 
     name = "recompute"
+    runs_after = ("canonicalize", "fsdp", "reshard")  # reshard's re-gathers are not "kept"
+    options = ("recompute_pointwise",)
+
+    @classmethod
+    def enabled_by(cls, config: PassConfig, plan: PassPlan | None) -> str | None:
+        return "PassConfig.recompute_pointwise" if config.recompute_pointwise else None
 
     def run(self, graph_module: fx.GraphModule, ctx: PassContext) -> PassResult:
         graph = graph_module.graph

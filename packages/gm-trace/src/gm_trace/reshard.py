@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from gm_config import PassPlan
+from gm_config import PassConfig, PassPlan, reshard_requested
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_trace.fsdp import owning_modules, verify_ranks_agree
 from gm_trace.graph_build import is_all_gather, tensor_bytes
@@ -93,6 +93,14 @@ class ReshardAfterForwardPass(GraphPass):
     """Re-gather parameters for backward instead of keeping them from forward."""
 
     name = "reshard"
+    runs_after = ("fsdp",)
+    options = ("reshard_after_forward",)
+
+    @classmethod
+    def enabled_by(cls, config: PassConfig, plan: PassPlan | None) -> str | None:
+        if reshard_requested(config, plan):
+            return "reshard_after_forward (PassConfig or PassPlan)"
+        return None
 
     def run(self, graph_module: fx.GraphModule, ctx: PassContext) -> PassResult:
         graph = graph_module.graph

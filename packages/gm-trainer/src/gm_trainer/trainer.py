@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from gm_config import PassConfig, PassPlan
-from gm_passes import PassPipeline
+from gm_passes import GraphPass, PassPipeline
 from gm_trace.overlap import format_schedule
 from gm_trace.tracer import InputSignature, run_traced_graph, trace_model_graph
 from gm_trainer.device import default_device
@@ -88,6 +88,7 @@ class GraphTrainer:
         graph_dump_dir: str | Path | None = None,
         nonfinite: str = "error",
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+        passes: Sequence[GraphPass] = (),
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -113,6 +114,8 @@ class GraphTrainer:
         # A copy: fsdp_degree is filled in from the mesh without touching the caller's config.
         self.pass_config = dataclasses.replace(pass_config)
         self.pass_plan = pass_plan
+        # Your own graph passes, run where their runs_after / runs_before put them.
+        self.extra_passes = list(passes)
         self.optimizer_config = OptimizerConfig.from_dict(optimizer_config)
         self.device = torch.device(device) if device is not None else default_device()
         self.model = model.to(self.device)
@@ -188,7 +191,7 @@ class GraphTrainer:
             pre_hook=self._pytree_pre_hook if first else None,
             **trace_options(self),
         )
-        pipeline = PassPipeline.from_config(self.pass_config, self.pass_plan)
+        pipeline = PassPipeline.from_config(self.pass_config, self.pass_plan, self.extra_passes)
         gm = pipeline.run(
             gm,
             model=self.model,
@@ -390,7 +393,7 @@ class GraphTrainer:
         the collective schedule (overlap per collective, bytes, bucket) when there is one."""
         parts = []
         for i, pipeline in enumerate(self.pipelines):
-            text = f"signature {i}:\n{pipeline.summary()}"
+            text = f"signature {i}:\n{pipeline.describe()}\n\n{pipeline.summary()}"
             overlap = pipeline.context.stats.get("overlap", {}) if pipeline.context else {}
             if overlap.get("schedule"):
                 text += "\n\ncollective schedule:\n" + format_schedule(overlap["schedule"])

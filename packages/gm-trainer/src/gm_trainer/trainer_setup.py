@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
+from gm_config import fsdp_requested
 from gm_trace.fsdp import row_shards
 from gm_trace.groups import register_process_group
 from gm_trainer.device import detect_device_type
@@ -27,9 +28,7 @@ FSDP_GROUP_NAME = "fsdp"
 def init_groups(trainer: GraphTrainer) -> None:
     """Before the first trace: the FSDP group (and HSDP / TP groups of an external mesh),
     registered under the names the passes use; ``fsdp_degree`` filled in from the mesh."""
-    fsdp_wanted = trainer.pass_config.fsdp_enabled and (
-        trainer.pass_plan is None or trainer.pass_plan.fsdp_enabled
-    )
+    fsdp_wanted = fsdp_requested(trainer.pass_config, trainer.pass_plan)
     if trainer._mesh is not None:
         _init_external_mesh(trainer, trainer._mesh, fsdp_wanted)
         return
