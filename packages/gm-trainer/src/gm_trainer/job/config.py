@@ -16,7 +16,13 @@ from typing import Any, ClassVar
 
 import yaml
 
-from gm_config import ConfigError, PassConfig, PassPlan, sharding_plan_from_dict
+from gm_config import (
+    ConfigError,
+    PassConfig,
+    PassPlan,
+    fsdp_requested,
+    sharding_plan_from_dict,
+)
 from gm_trainer.job.validation import Section, build
 
 #: The embedded default job, shipped inside the wheel.
@@ -374,7 +380,7 @@ class JobConfig:
                 f"parallel.tp_size={p.tp_size}: gm-train's model has no tensor parallelism; use 1"
             )
         plan = self.pass_plan()
-        if world_size > 1 and not (p.fsdp_enabled and (plan is None or plan.fsdp_enabled)):
+        if world_size > 1 and not fsdp_requested(p, plan):
             raise ConfigError(
                 "parallel.fsdp_enabled / sharding.fsdp.enabled is off, but with "
                 f"{world_size} ranks only the fsdp pass keeps them in sync; turn it on "
