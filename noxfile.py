@@ -55,8 +55,8 @@ def _install_layer(session: nox.Session, dist: str, *, torch: bool) -> None:
     if torch:
         session.install(TORCH_SPEC)
     session.install(*_paths(*PACKAGES[dist]), "pytest>=8")
-    if dist == "gm-trace":
-        session.install(*ZOO_DEPS)
+    if dist in ("gm-trace", "gm-trainer"):  # the zoo; gm-train's HF models and data
+        session.install(*ZOO_DEPS, *(("datasets>=3.0",) if dist == "gm-trainer" else ()))
 
 
 def _pytest(session: nox.Session, dist: str) -> None:
