@@ -1,0 +1,215 @@
+"""gm-train data (#16): documents, tokenizers, packed windows sharded by rank, the data
+position on resume, and the errors a bad corpus gives before any rank starts."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_job_cli import gm_train
+
+from gm_config import ConfigError
+from gm_trainer.checkpoint import checkpoint_info
+from gm_trainer.job.cli import main
+from gm_trainer.job.config import load_config
+from gm_trainer.job.dataset import PackedBatches, Windows, load_job_data, position_of
+from gm_trainer.job.tokenize import load_tokenizer
+
+WORDS = [
+    *("the", "a", "graph", "mode", "trains", "one", "joint", "step"),
+    *("of", "every", "rank", "shard", "gather", "reduce", "loss"),
+]
+
+
+def sentences(n: int, seed: int = 0) -> list[str]:
+    """``n`` reproducible short documents over :data:`WORDS`."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) for _ in range(n)]
+
+
+def make_tokenizer(folder: Path, extra_words: int = 0) -> Path:
+    """A WordLevel tokenizer over :data:`WORDS` (plus ``extra_words`` dummies), EOS ``<eos>``,
+    saved as a HF tokenizer folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<eos>", *WORDS])}
+    for i in range(extra_words):
+        vocab[f"w{i}"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {
+        "eos_token": "<eos>",
+        "unk_token": "<unk>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def make_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
+    path.write_text("".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    return path
+
+
+# --------------------------------------------------------------------------- windows
+
+
+def test_windows_overlap_by_one_token_and_split_keeps_every_target() -> None:
+    w = Windows(torch.arange(23), seq_len=5)
+    assert w.count == 4  # 22 targets // 5
+    assert w.get(torch.tensor([1])).tolist() == [[5, 6, 7, 8, 9, 10]]
+    train, held = w.split(0.25)
+    assert (train.count, held.count) == (3, 1)
+    assert held.get(torch.tensor([0])).tolist() == [[15, 16, 17, 18, 19, 20]]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_window_of_an_epoch_once_across_ranks(world: int) -> None:
+    w = Windows(torch.arange(16 * 37 + 1), seq_len=16)  # 37 windows: batches cross epochs
+    per_rank = [
+        PackedBatches(w, batch_size=4, num_batches=20, rank=r, world_size=world, seed=3)
+        for r in range(world)
+    ]
+    seen: list[int] = []
+    for i in range(20):  # the global batch i is the ranks' rows in rank order
+        for b in per_rank:
+            seen += b.window_indices(i).tolist()
+    assert sorted(seen[:37]) == list(range(37))  # epoch 0: each window exactly once
+    assert sorted(seen[37:74]) == list(range(37))  # epoch 1 too, in another order
+    assert seen[:37] != seen[37:74]
+    one = PackedBatches(w, batch_size=4, num_batches=20, seed=3)
+    assert seen == [i for b in range(20) for i in one.window_indices(b).tolist()]
+    assert position_of(10, 4, 37) == (1, 3)
+
+
+def test_start_continues_with_the_next_window() -> None:
+    w = Windows(torch.arange(16 * 9 + 1), seq_len=16)
+    straight = list(PackedBatches(w, batch_size=2, num_batches=8, rank=1, world_size=2))
+    resumed = list(PackedBatches(w, batch_size=2, num_batches=8, rank=1, world_size=2, start=5))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(straight[5:], resumed))
+    tokens, targets = straight[0]
+    assert torch.equal(tokens[:, 1:], targets[:, :-1])
+
+
+# --------------------------------------------------------------------------- corpora
+
+
+def test_text_and_jsonl_documents_are_separated_by_eos(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("the graph")
+    (tmp_path / "docs" / "b.txt").write_text("mode")
+    make_jsonl(tmp_path / "c.jsonl", ["the graph", "mode"])
+    tok = make_tokenizer(tmp_path / "tok")
+    text = load_config(
+        None, [f"data.corpus={tmp_path / 'docs'}", "data.glob='*.txt'", "model.seq_len=2"]
+    )
+    assert load_job_data(text.data, 2, tmp_path / "run").train.tokens.tolist() == [
+        *b"the graph",
+        0,
+        *b"mode",
+        0,
+    ]
+    jsonl = load_config(
+        None,
+        [f"data.corpus={tmp_path / 'c.jsonl'}", "data.format=jsonl", f"data.tokenizer={tok}"],
+    )
+    data = load_job_data(jsonl.data, 2, tmp_path / "run")
+    ids = load_tokenizer(str(tok)).encode(["the graph", "mode"])
+    assert data.train.tokens.tolist() == [*ids[0], 1, *ids[1], 1]
+    assert list((tmp_path / ".gm-train-cache").glob("tokens-*.pt"))  # cached beside the run
+    again = load_job_data(jsonl.data, 2, tmp_path / "run")  # from the cache
+    assert torch.equal(again.train.tokens, data.train.tokens)
+
+
+def test_hf_dataset_folder_and_parquet(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    table = datasets.Dataset.from_dict({"body": ["the graph", "mode"]})
+    table.save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "pq").mkdir()
+    table.to_parquet(str(tmp_path / "pq" / "part-0.parquet"))
+    tok = make_tokenizer(tmp_path / "tok")
+    ids = load_tokenizer(str(tok)).encode(["the graph", "mode"])
+    for corpus in ("saved", "pq"):
+        config = load_config(
+            None,
+            [
+                f"data.corpus={tmp_path / corpus}",
+                "data.format=hf",
+                "data.field=body",
+                f"data.tokenizer={tok}",
+            ],
+        )
+        data = load_job_data(config.data, 2, tmp_path / "run")
+        assert data.train.tokens.tolist() == [*ids[0], 1, *ids[1], 1], corpus
+
+
+def test_jsonl_line_without_the_field_is_a_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    path = make_jsonl(tmp_path / "c.jsonl", ["the graph"])
+    path.write_text(path.read_text() + '{"body": "mode"}\n')
+    assert main(["--nproc", "2", f"data.corpus={path}", "data.format=jsonl"]) == 2
+    err = capsys.readouterr().err
+    assert "c.jsonl:2 has no field 'text'" in err and "data.field" in err
+    assert not (tmp_path / "runs").exists()  # no run folder, no rank started
+    with pytest.raises(ConfigError, match="not JSON"):
+        path.write_text("{not json\n")
+        load_job_data(
+            load_config(None, [f"data.corpus={path}", "data.format=jsonl"]).data, 2, tmp_path
+        )
+
+
+def test_tokenizer_larger_than_the_model_is_a_config_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tok = make_tokenizer(tmp_path / "tok", extra_words=300)  # 317 tokens
+    assert main(["--nproc", "2", "--print-config", f"data.tokenizer={tok}"]) == 2
+    err = capsys.readouterr().err
+    assert "model.vocab_size must be >= 317, got 256" in err and str(tok) in err
+    with pytest.raises(ConfigError, match=r"no tokenizer\.json"):
+        load_config(None, [f"data.tokenizer={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"train\.eval_interval needs a held-out split"):
+        load_config(None, ["train.eval_interval=5"])
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def _metrics(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.distributed
+def test_jsonl_resume_continues_with_the_next_window_bitwise(tmp_path: Path) -> None:
+    tok = make_tokenizer(tmp_path / "tok")
+    corpus = make_jsonl(tmp_path / "c.jsonl", sentences(120))
+    job = [
+        "--nproc", "2", "model.vocab_size=32", "model.dim=32", "model.n_layers=1",
+        "model.n_heads=2", "model.seq_len=16", f"data.corpus={corpus}", "data.format=jsonl",
+        f"data.tokenizer={tok}", "train.global_batch_size=8", "logging.interval=1",
+        "checkpoint.interval=3",
+    ]  # fmt: skip
+    for args in (
+        ["train.steps=6", "logging.run_dir=straight"],
+        ["train.steps=3", "logging.run_dir=stopped"],
+        ["--resume", "stopped", "train.steps=6"],
+    ):
+        result = gm_train(*job, *args, cwd=tmp_path, timeout=240)
+        assert result.returncode == 0, result.stdout + result.stderr
+    straight, resumed = _metrics(tmp_path / "straight"), _metrics(tmp_path / "stopped")
+    assert [r["step"] for r in resumed] == list(range(1, 7))
+    assert [(r["loss"], r["grad_norm"]) for r in straight] == [
+        (r["loss"], r["grad_norm"]) for r in resumed
+    ]
+    info = checkpoint_info(tmp_path / "stopped" / "checkpoints" / "step-00000003")
+    assert info["data_position"] == 3
+    # 6 steps of 8 windows stay inside epoch 0, so the runs saw 48 distinct windows
+    windows = load_job_data(load_config(None, job[2:]).data, 16, tmp_path / "x").train.count
+    assert windows >= 48
