@@ -47,7 +47,8 @@ from torch import Tensor
 
 from gm_config import GraphModeRuntimeError, PassConfig, PassPlan
 from gm_passes import GraphPass, PassContext, PassResult
-from gm_passes.graph_ops import is_collective, is_wait, op_name
+from gm_passes.graph_ops import is_collective, is_wait, mutates_an_input, op_name
+from gm_trace.aliasing import storage_of, written_storages
 
 __all__ = [
     "COMPILED_STEP_ATTR",
@@ -300,6 +301,7 @@ def _inductor(graph_module: fx.GraphModule, example_inputs: list[Tensor]) -> Cal
         _register_gloo_all_gather_lowering()
         known = inductor_config.get_config_copy()
         settings = {k: v for k, v in _KEEP_COLLECTIVES.items() if k in known}
+    _views_as_reshapes(graph_module)
     with inductor_config.patch(settings), _output_code() as codes:
         try:
             fn = compile_fx(graph_module, example_inputs)
@@ -308,6 +310,22 @@ def _inductor(graph_module: fx.GraphModule, example_inputs: list[Tensor]) -> Cal
     if expected:
         _check_collective_order(expected, codes)
     return fn
+
+
+def _views_as_reshapes(graph_module: fx.GraphModule) -> None:
+    """``aten.view`` -> ``aten.reshape`` where no storage involved is written in place.
+
+    Inductor propagates strides of its own choosing, so a view that eager could take may not
+    be takeable there (T5's attention views an expanded transpose). ``reshape`` is that view
+    wherever one exists and a copy elsewhere: the same values, as long as nothing writes the
+    storage in place afterwards (BatchNorm's statistics, ``add_`` on a view keep ``view``).
+    """
+    graph = graph_module.graph
+    written = set().union(*(written_storages(n) for n in graph.nodes if mutates_an_input(n)))
+    for node in graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
+        if storage_of(node) not in written:
+            node.target = torch.ops.aten.reshape.default
+    graph_module.recompile()
 
 
 def _check_cpp_compiler() -> None:
