@@ -1,1 +1,0 @@
-pytest_plugins = ["gm_trace.testing.pytest_plugin"]
