@@ -21,6 +21,7 @@ import yaml
 from gm_config import ConfigError
 from gm_trainer.job.config import SECTIONS, JobConfig, load_config
 from gm_trainer.job.files import RunFolderError, check_not_in_use, check_run_dir
+from gm_trainer.job.launch import AUTO, auto_resume_key, auto_resume_point, map_slurm_env
 from gm_trainer.job.run_folder import (
     CHECKPOINTS_DIR,
     ResumePoint,
@@ -37,6 +38,7 @@ examples:
   gm-train --print-config > my.yaml          start a config from the defaults
   gm-train --resume runs/20250101-120000     continue a run from its newest checkpoint
   gm-train --resume runs/X train.steps=400   ... and train it for longer
+  gm-train my.yaml --resume auto logging.run_dir=runs/job   restartable: resume if possible
 """
 
 
@@ -66,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume",
         metavar="PATH",
         default=None,
-        help="continue from a checkpoint: a checkpoint folder, or a run folder (or its "
+        help="continue from a checkpoint: 'auto' (the newest complete checkpoint of "
+        "logging.run_dir if there is one, else start fresh: the same command survives a "
+        "restart), a checkpoint folder, or a run folder (or its "
         "checkpoints/ folder) whose newest complete checkpoint is taken. The run goes on in "
         "that run folder, with its config.yaml unless a config file is given, to train.steps "
         "steps in all; logging.run_dir=... on the command line continues in a new folder",
@@ -105,11 +109,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"at most one config file, got {paths}")
     if args.nproc is not None and args.nproc < 1:
         parser.error(f"--nproc must be >= 1, got {args.nproc}")
-    launched = _under_launcher()
     try:
-        resume = find_resume_point(args.resume) if args.resume is not None else None
+        launched = map_slurm_env() or _under_launcher()  # srun tasks become ranks, or stop
+    except ConfigError as e:
+        print(f"gm-train: error: {e}", file=sys.stderr)
+        return 2
+    try:
         config_path: str | Path | None = paths[0] if paths else None
-        if config_path is None and resume is not None and resume.run_folder is not None:
+        base = load_config(config_path, overrides) if args.resume in (None, AUTO) else None
+        auto = args.resume == AUTO or (base is not None and auto_resume_key(base))
+        if auto and base is not None:  # the same command every time: its config, its folder
+            resume = auto_resume_point(base)
+            if resume is not None and resume.step >= base.train.steps:  # a requeue after the end
+                if not launched or os.environ.get("RANK") == "0":
+                    print(f"gm-train: {resume.checkpoint} is the last step: nothing left to train")
+                return 0
+        else:
+            resume = find_resume_point(args.resume) if args.resume is not None else None
+        if not auto and config_path is None and resume is not None and resume.run_folder:
             config_path = resume.run_folder / "config.yaml"  # the run as it was configured
             check_run_config(config_path)
         config = load_config(config_path, overrides)
@@ -117,7 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         config.check_world_size(world_size)
         # Resolved once, before the ranks start, so that they agree on it (only rank 0 writes:
         # it alone creates a {timestamp} folder and checks that the folder is free).
-        new_folder = any(o.partition("=")[0].strip() == "logging.run_dir" for o in overrides)
+        new_folder = not auto and any(
+            o.partition("=")[0].strip() == "logging.run_dir" for o in overrides
+        )
         writer = not args.print_config and (not launched or os.environ.get("RANK") == "0")
         if not args.print_config:  # read and tokenise the data now: errors before any rank
             prepare_data(config)
@@ -148,6 +167,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 #: (their defaults reproduce the old behaviour).
 LATER_KEYS = frozenset(
     ("train.lr_schedule", "train.warmup_steps", "train.min_lr_ratio", "train.lr_decay_steps")
+) | frozenset(  # issue #16
+    f"{section}.{key}"
+    for section, keys in (
+        ("model", ("source", "config", "weights")),
+        ("data", ("format", "field", "tokenizer", "cache_dir", "eval_fraction", "eval_files")),
+        ("train", ("eval_interval",)),
+        ("checkpoint", ("export",)),
+    )
+    for key in keys
 )
 
 
