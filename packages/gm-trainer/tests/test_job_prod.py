@@ -104,6 +104,8 @@ def test_resume_auto_starts_fresh_without_a_checkpoint_and_needs_a_fixed_folder(
     assert main(["--resume", "auto", "--print-config"]) == 2
     err = capsys.readouterr().err
     assert "needs a fixed logging.run_dir" in err and "{timestamp}" in err
+    assert main(["--print-config", "checkpoint.auto_resume=true"]) == 2  # the config key
+    assert "needs a fixed logging.run_dir" in capsys.readouterr().err
 
 
 def test_srun_tasks_without_torchrun_stop_with_a_message(

@@ -166,7 +166,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 #: Keys added after runs were saved: an older run's config.yaml without them is still whole
 #: (their defaults reproduce the old behaviour).
 LATER_KEYS = frozenset(
-    ("train.lr_schedule", "train.warmup_steps", "train.min_lr_ratio", "train.lr_decay_steps")
+    (
+        "train.lr_schedule",
+        "train.warmup_steps",
+        "train.min_lr_ratio",
+        "train.lr_decay_steps",
+        "checkpoint.auto_resume",
+    )
 ) | frozenset(  # issue #16
     f"{section}.{key}"
     for section, keys in (

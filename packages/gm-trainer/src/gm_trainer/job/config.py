@@ -275,6 +275,10 @@ class CheckpointConfig(Section):
     """After the final save, rank 0 writes ``<run_dir>/model.pt``: one plain full
     ``state_dict`` for inference (``torch.load(path, weights_only=True)``)."""
 
+    auto_resume: bool = False
+    """As ``--resume auto``: continue from the newest complete checkpoint of
+    ``logging.run_dir`` (a fixed folder) when there is one, else start fresh there."""
+
     export: str | None = None
     """``hf``: after the final save, rank 0 writes ``<run_dir>/hf/`` (``model.source: hf``
     only): safetensors + ``config.json`` (+ the tokenizer) for ``from_pretrained``."""

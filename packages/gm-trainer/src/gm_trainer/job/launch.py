@@ -79,5 +79,5 @@ def map_slurm_env(env: MutableMapping[str, str] | None = None) -> bool:
 
 
 def auto_resume_key(config: JobConfig) -> bool:
-    """``checkpoint.auto_resume`` of ``config`` (False where the key does not exist yet)."""
-    return bool(getattr(config.checkpoint, "auto_resume", False))
+    """``checkpoint.auto_resume``: the config asks for ``--resume auto``."""
+    return config.checkpoint.auto_resume
