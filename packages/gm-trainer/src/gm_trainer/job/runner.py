@@ -160,6 +160,13 @@ def _train(
         check_same_model(config, saved.get("config"), resume)
         position = trainer.data_position
         notes = _reconcile(trainer, config, saved.get("config"))
+        was = saved.get("data") if isinstance(saved.get("data"), dict) else {}
+        if was.get("windows", job_data.train.count) != job_data.train.count:
+            notes.append(
+                f"warning: the checkpoint's corpus held {was['windows']} training windows, this "
+                f"one {job_data.train.count}: the data changed, so the run goes on on another "
+                "stream"
+            )
         if progress is not None:
             info = checkpoint_info(resume)
             progress.write(
