@@ -134,6 +134,7 @@ def _optimizer_step(trainer: GraphTrainer, window: MicroBatches, started: float)
         "tokens_per_s": window.tokens * ranks / elapsed,
         "samples_per_s": window.samples * ranks / elapsed,
         "memory_mb": peak_memory_mb(trainer.device),
+        "memory_kind": "host_rss" if trainer.device.type == "cpu" else "device_peak",
         "lr": trainer.optimizer.param_groups[0].get("lr", float("nan")),
         "skipped_steps": trainer.skipped_steps,
     }
@@ -172,15 +173,21 @@ def batch_size(input: Any) -> int:
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
+    """The device's peak allocated memory since the last call (``torch.accelerator``: CUDA,
+    NPU, XPU ...), reset each time; on a CPU the process's peak resident memory (RSS)."""
+    if device.type != "cpu" and torch.accelerator.is_available():
+        peak = torch.accelerator.max_memory_allocated(device) / 2**20
+        torch.accelerator.reset_peak_memory_stats(device)
+        return peak
     # ru_maxrss is in KiB on Linux: the peak resident memory of this process.
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def print_record(record: dict[str, Any]) -> None:
-    print(
+    """The default ``log_fn``: one line through the ``gm_trainer.train`` logger (rank 0)."""
+    from gm_trainer.logs import console_logger
+
+    console_logger("gm_trainer.train").info(
         f"step {record['step']:>5}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}"
-        f"  {record['tokens_per_s']:.0f} tok/s  {record['memory_mb']:.0f} MiB",
-        flush=True,
+        f"  {record['tokens_per_s']:.0f} tok/s  {record['memory_mb']:.0f} MiB"
     )

@@ -172,6 +172,10 @@ LATER_KEYS = frozenset(
         "train.min_lr_ratio",
         "train.lr_decay_steps",
         "checkpoint.auto_resume",
+        "logging.tensorboard",
+        "logging.wandb",
+        "logging.wandb_project",
+        "logging.peak_tflops",
     )
 ) | frozenset(  # issue #16
     f"{section}.{key}"
@@ -214,7 +218,7 @@ def check_run_config(path: Path) -> None:
             problem = f"does not hold a mapping of sections (got {type(data).__name__})"
         elif problem is None:
             whole = JobConfig().to_dict()
-            missing = [s for s in SECTIONS if s != "dist" and s not in data]  # dist: new
+            missing = [s for s in SECTIONS if s not in ("dist", "profile") and s not in data]
             for section in ("model", "data", "train", "logging", "checkpoint"):
                 if isinstance(data.get(section), dict):
                     missing += [

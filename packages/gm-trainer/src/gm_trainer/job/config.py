@@ -28,7 +28,17 @@ from gm_trainer.job.validation import Section, build
 #: The embedded default job, shipped inside the wheel.
 DEFAULT_CONFIG_PATH = Path(__file__).with_name("default.yaml")
 
-SECTIONS = ("parallel", "sharding", "model", "data", "train", "logging", "checkpoint", "dist")
+SECTIONS = (
+    "parallel",
+    "sharding",
+    "model",
+    "data",
+    "train",
+    "logging",
+    "checkpoint",
+    "dist",
+    "profile",
+)
 
 
 # --------------------------------------------------------------------------- sections
@@ -245,10 +255,52 @@ class LoggingConfig(Section):
     run_dir: str = "runs/{timestamp}"
     """Run folder; ``{timestamp}`` becomes the start time (``YYYYmmdd-HHMMSS``)."""
 
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard scalars to ``<run_dir>/tensorboard``."""
+
+    wandb: bool = False
+    """Also log the metrics to Weights & Biases (needs ``wandb`` installed and logged in)."""
+
+    wandb_project: str = "gm-train"
+    """The W&B project; the run is named after the run folder."""
+
+    peak_tflops: float | None = None
+    """Peak TFLOP/s of one device for the MFU column; ``null``: the table of known GPUs
+    (no MFU on a CPU or an unknown device)."""
+
     def validate(self) -> None:
-        self._positive("interval")
+        self._positive("interval", "peak_tflops")
         if not self.run_dir:
             raise ConfigError("logging.run_dir must be a non-empty path")
+        from gm_trainer.job.sinks import require
+
+        if self.tensorboard:
+            require("tensorboard", "logging.tensorboard: true", "gm-trainer[tensorboard]")
+        if self.wandb:
+            require("wandb", "logging.wandb: true", "wandb")
+
+
+@dataclass
+class ProfileConfig(Section):
+    """A ``torch.profiler`` trace of some steps, to ``<run_dir>/profile/rank<R>.json``."""
+
+    section: ClassVar[str] = "profile"
+
+    start_step: int | None = None
+    """The first optimizer step traced; ``null``: no trace."""
+
+    end_step: int | None = None
+    """The last step traced; ``null``: only ``start_step``."""
+
+    def validate(self) -> None:
+        self._positive("start_step", "end_step")
+        if self.end_step is not None and (
+            self.start_step is None or self.end_step < self.start_step
+        ):
+            raise ConfigError(
+                f"profile.end_step={self.end_step} needs a profile.start_step <= it "
+                f"(got {self.start_step})"
+            )
 
 
 @dataclass
@@ -350,6 +402,9 @@ class JobConfig:
     dist: DistConfig = field(default_factory=DistConfig)
     """The process group (its timeout)."""
 
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """An optional profiler trace."""
+
     def __post_init__(self) -> None:
         self.pass_plan()  # validate the sharding section now, not on the ranks
         from gm_trainer.job.sources import check_job
@@ -395,7 +450,7 @@ class JobConfig:
         """Plain data (lists, not tuples) that :meth:`from_dict` reads back unchanged."""
         out: dict[str, Any] = {"parallel": self.parallel.to_dict()}
         out["sharding"] = copy.deepcopy(self.sharding)
-        for name in ("model", "data", "train", "logging", "checkpoint", "dist"):
+        for name in ("model", "data", "train", "logging", "checkpoint", "dist", "profile"):
             section = dataclasses.asdict(getattr(self, name))
             out[name] = {k: list(v) if isinstance(v, tuple) else v for k, v in section.items()}
         return out
@@ -431,6 +486,7 @@ class JobConfig:
             logging=LoggingConfig.from_dict(data.get("logging")),
             checkpoint=CheckpointConfig.from_dict(data.get("checkpoint")),
             dist=DistConfig.from_dict(data.get("dist")),
+            profile=ProfileConfig.from_dict(data.get("profile")),
         )
 
 

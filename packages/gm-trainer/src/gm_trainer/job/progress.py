@@ -7,25 +7,30 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TextIO, TypeVar
 
+from gm_trainer.logs import console_logger
+
 T = TypeVar("T")
 
 
 def format_record(record: Mapping[str, Any], total_steps: int) -> str:
     """One metrics line: step, loss, throughput, grad norm, memory, step time."""
     width = len(str(total_steps))
+    memory = "host RSS" if record.get("memory_kind") == "host_rss" else "mem"
+    mfu = f" | MFU {record['mfu']:.1%}" if "mfu" in record else ""
     return (
         f"step {record['step']:>{width}}/{total_steps}"
         f" | loss {record['loss']:.4f}"
-        f" | {record['tokens_per_s']:,.0f} tok/s"
+        f" | {record['tokens_per_s']:,.0f} tok/s{mfu}"
         f" | grad_norm {record['grad_norm']:.3f}"
-        f" | mem {record['memory_mb']:,.0f} MB"
+        f" | {memory} {record['memory_mb']:,.0f} MB"
         f" | {record['step_time_s'] * 1e3:,.0f} ms/step"
         f" | lr {record['lr']:.2e}"
     )
 
 
 class Progress:
-    """Metric lines go to ``out``; on a TTY ``err`` also shows a live ``step i/N`` line."""
+    """Metric lines go to ``out`` (default: the ``gm_trainer.job`` logger, whose console
+    handler prints on rank 0); on a TTY ``err`` also shows a live ``step i/N`` line."""
 
     def __init__(
         self,
@@ -37,7 +42,7 @@ class Progress:
         start_step: int = 0,
     ) -> None:
         self.total = total_steps
-        self.out = out or sys.stdout
+        self.out = out
         self.err = err or sys.stderr
         self.live = self.err.isatty() if live is None else live
         self.start = start_step  # a resumed run starts after its checkpoint's step
@@ -73,8 +78,11 @@ class Progress:
         """Print a line to ``out`` without garbling the live line."""
         if self.live:
             self.err.write("\r\x1b[K")
-        self.out.write(line + "\n")
-        self.out.flush()
+        if self.out is None:
+            console_logger("gm_trainer.job").info(line)
+        else:
+            self.out.write(line + "\n")
+            self.out.flush()
         if self.live:
             self._draw()
 

@@ -32,6 +32,7 @@ from gm_trainer.job.run_folder import (
     run_folder_of,
 )
 from gm_trainer.job.sources import build_model
+from gm_trainer.job.telemetry import StepProfiler, Telemetry, job_flops_per_token
 from gm_trainer.schedule import restore_scheduler, scheduler_extra, set_base_lrs
 
 if TYPE_CHECKING:
@@ -191,8 +192,18 @@ def _train(
         trainer.graph_dump_dir = folder.graphs_dir  # later graphs go where the staged ones went
         folder.write_config(config.to_yaml())
 
+    telemetry = None
+    if folder is not None:  # rank 0: MFU on the records, TensorBoard / W&B
+        flops = job_flops_per_token(config, model, n_params)
+        telemetry = Telemetry(config, run_dir, flops, trainer.device, world_size, start_step)
+    profiler = StepProfiler(
+        config.profile.start_step, config.profile.end_step, run_dir, rank, start_step + 1
+    )
+
     def log_fn(rec: dict[str, Any]) -> None:
-        if progress is not None and folder is not None:
+        if progress is not None and folder is not None and telemetry is not None:
+            telemetry.annotate(rec)
+            telemetry.write(rec)
             progress.log(rec)
             if rec["step"] not in eval_steps:  # those are written with their eval loss
                 folder.append_metrics(rec)
@@ -203,6 +214,7 @@ def _train(
     last_checkpoint: Path | None = None
     checkpoint_time = 0.0
     data = iter(progress.track(batches, t.accumulation) if progress is not None else batches)
+    data = profiler.wrap(data, t.accumulation)
     try:
         while trainer.step < t.steps:
             target = next((s for s in sorted({*saves, *eval_steps}) if s > trainer.step), t.steps)
@@ -242,6 +254,9 @@ def _train(
                         f"saved in {time.perf_counter() - saved_at:.2f} s{gone}"
                     )
     finally:
+        profiler.close()
+        if telemetry is not None:
+            telemetry.close()
         if progress is not None:
             progress.advance(trainer.step)
             progress.close()

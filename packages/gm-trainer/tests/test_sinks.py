@@ -1,0 +1,116 @@
+"""Metrics sinks, MFU, memory labels and the profiler trace (issue #17, items 2-3)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from test_job_cli import TINY, gm_train
+
+from gm_config import ConfigError
+from gm_trainer.flops import (
+    TransformerShape,
+    device_peak_flops,
+    flops_per_token,
+    lookup_only_params,
+    mfu,
+)
+from gm_trainer.job.builtin_model import GPT
+from gm_trainer.job.config import load_config
+from gm_trainer.job.sinks import require
+from gm_trainer.job.telemetry import job_flops_per_token
+from gm_trainer.logs import console_logger
+
+# TINY's model: vocab 256, dim 32, 1 layer, 2 heads, seq_len 32, output head tied.
+# Parameters by hand: token embedding 256*32 = 8192 (also the output matmul), position
+# embedding 32*32 = 1024 (a lookup only), block: 2 norms 2*32, qkv 32*96, proj 32*32,
+# fc 32*128, proj 128*32 = 12352, final norm 32: N = 21600.
+N_TINY = 8192 + 1024 + 12352 + 32
+FLOPS_TINY = 6 * (N_TINY - 1024) + 12 * 1 * 2 * 16 * 32  # = 135744
+
+
+def test_flops_per_token_and_mfu_equal_the_hand_computed_values() -> None:
+    model = GPT(256, 32, 1, 2, max_seq_len=32)
+    assert sum(p.numel() for p in model.parameters()) == N_TINY
+    assert lookup_only_params(model) == 1024  # pos_emb; tok_emb is tied to the head
+    assert flops_per_token(N_TINY, TransformerShape(1, 2, 16, 32), 1024) == 135744
+    config = load_config(None, TINY)
+    assert job_flops_per_token(config, model, N_TINY) == FLOPS_TINY
+    # 8 H100s at 1M tokens/s: 1e6 * 135744 / (8 * 989e12).
+    assert mfu(1e6, FLOPS_TINY, 989e12, 8) == 1e6 * 135744 / (8 * 989e12)
+    assert device_peak_flops(torch.device("cpu")) is None  # CPU: off unless configured
+
+
+def test_missing_optional_sinks_are_config_errors_naming_the_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(
+        ConfigError, match=r"needs the gm_no_such_module package.*pip install .wandb."
+    ):
+        require("gm_no_such_module", "logging.wandb: true", "wandb")
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name)
+    )
+    with pytest.raises(ConfigError, match=r"pip install 'gm-trainer\[tensorboard\]'"):
+        load_config(None, ["logging.tensorboard=true"])
+    with pytest.raises(ConfigError, match=r"profile\.end_step=2 needs a profile\.start_step"):
+        load_config(None, ["profile.end_step=2"])
+
+
+def test_console_logger_prints_on_rank_0_only(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = console_logger("gm_trainer.test")
+    monkeypatch.setenv("RANK", "1")
+    log.info("from rank 1")
+    monkeypatch.setenv("RANK", "0")
+    log.info("from rank 0")
+    assert capsys.readouterr().out == "from rank 0\n"
+    assert logging.getLogger("gm_trainer").handlers  # one handler, added once
+    console_logger("gm_trainer.other")
+    assert len(logging.getLogger("gm_trainer").handlers) == 1
+
+
+@pytest.mark.distributed
+def test_job_writes_tensorboard_mfu_and_a_profile_trace(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = gm_train(
+        "--nproc",
+        "1",
+        *TINY,
+        "train.steps=4",
+        "logging.interval=1",
+        "logging.tensorboard=true",
+        "logging.peak_tflops=0.5",  # a CPU has no table entry: MFU only when configured
+        "profile.start_step=2",
+        "profile.end_step=3",
+        "checkpoint.interval=null",
+        "checkpoint.at_end=false",
+        "logging.run_dir=run",
+        cwd=tmp_path,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for r in records:
+        assert r["mfu"] == r["tokens_per_s"] * FLOPS_TINY / 0.5e12
+        assert r["memory_kind"] == "host_rss"
+    assert "host RSS" in result.stdout and "MFU" in result.stdout
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    losses = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert [s for s, _ in losses] == [1, 2, 3, 4]
+    assert [v for _, v in losses] == pytest.approx([r["loss"] for r in records], rel=1e-6)
+    trace = json.loads((run / "profile" / "rank0.json").read_text())
+    assert trace["traceEvents"]  # steps 2..3 were recorded
+    assert "FutureWarning" not in result.stderr
