@@ -24,9 +24,22 @@ PACKAGES = {  # distribution -> the distributions it needs, bottom layer first
 }
 TORCH_FREE = ("gm-config", "gm-passes")
 
-# The CPU build only. A plain "torch" would pull a multi-GB CUDA build; with the local version
-# pinned, a machine without the CPU wheel at hand fails fast instead. Override for other setups.
-TORCH_SPEC = os.environ.get("GM_TORCH_SPEC", "torch==2.13.0+cpu")
+TORCH_VERSION = "2.13.0"
+
+
+def default_torch_spec() -> str:
+    """``torch==2.13.0+cpu`` when a local wheel folder (PIP_FIND_LINKS / UV_FIND_LINKS) holds
+    that wheel, so CI never downloads a multi-GB CUDA build; else ``torch==2.13.*`` from the
+    index, which resolves anywhere (on a GPU machine PyPI's default build is the CUDA one)."""
+    for var in ("UV_FIND_LINKS", "PIP_FIND_LINKS"):
+        for entry in os.environ.get(var, "").replace(",", " ").split():
+            folder = Path(entry.removeprefix("file://"))
+            if folder.is_dir() and any(folder.glob(f"torch-{TORCH_VERSION}+cpu-*.whl")):
+                return f"torch=={TORCH_VERSION}+cpu"
+    return f"torch=={TORCH_VERSION.rsplit('.', 1)[0]}.*"
+
+
+TORCH_SPEC = os.environ.get("GM_TORCH_SPEC") or default_torch_spec()
 
 # pip finds the local CPU wheel through PIP_FIND_LINKS; give uv the same place.
 if os.environ.get("PIP_FIND_LINKS") and not os.environ.get("UV_FIND_LINKS"):
