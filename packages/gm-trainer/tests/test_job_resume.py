@@ -111,11 +111,13 @@ def test_checkpoints_on_the_interval_at_the_end_and_pruned(runs: dict[str, Any])
     # The resolved config records the checkpoint section.
     config = yaml.safe_load((root / "straight" / "config.yaml").read_text())
     assert config["checkpoint"] == {
+        **config["checkpoint"],  # and the keys added since, at their defaults
         "interval": 3,
         "at_end": True,
         "keep_last": 2,
         "export_full": True,
     }
+    assert config["checkpoint"]["export"] is None
     summary = json.loads((root / "straight" / "summary.json").read_text())
     assert summary["last_checkpoint"].endswith("straight/checkpoints/step-00000008")
     assert summary["resumed_from"] is None and summary["checkpoint_time_s"] > 0
