@@ -1,0 +1,118 @@
+"""Run a traced joint graph on the live model: the loss and one gradient per parameter."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from gm_trace.signature import (
+    GraphSignatureError,
+    InputSignature,
+    flatten_io,
+    signature_mismatch_message,
+)
+
+
+@dataclass
+class GraphOutputs:
+    """The result of one ``run_traced_graph`` call.
+
+    ``grads`` maps the canonical FQN of each parameter in ``gm.grad_fqns`` to its gradient, laid out
+    like the parameter (same strides, own storage), ready to be assigned or added to ``.grad``.
+    """
+
+    loss: Tensor
+    grads: dict[str, Tensor]
+
+
+def grad_output_node(gm: torch.fx.GraphModule, fqn: str) -> torch.fx.Node:
+    """The node whose value the graph returns as the gradient of parameter ``fqn``.
+
+    ``fqn`` may be an alias of a tied parameter. Raises ``KeyError`` for a parameter without a
+    gradient output (frozen or unused).
+    """
+    fqn = gm.param_aliases.get(fqn, fqn)
+    if fqn not in gm.grad_output_index:
+        raise KeyError(
+            f"{fqn!r} has no gradient output; parameters with one: {', '.join(gm.grad_fqns)}"
+        )
+    return gm.graph.output_node().args[0][gm.grad_output_index[fqn]]
+
+
+def run_traced_graph(
+    gm: torch.fx.GraphModule, model: nn.Module, input: Any, label: Any
+) -> GraphOutputs:
+    """Run a graph from ``trace_model_graph`` on ``model``'s current parameters and buffers.
+
+    Runs under ``torch.no_grad()`` (the graph already holds the backward ops). Buffers that the
+    step mutates are updated on ``model``, exactly as an eager step would; gradients are returned,
+    not written to ``.grad``. When the ``backend`` pass compiled the graph, its
+    ``gm.compiled_step`` computes the outputs instead of ``gm`` itself.
+
+    Raises:
+        GraphSignatureError: ``input`` / ``label`` differ from the traced sample in structure,
+            shape, dtype, device or a constant value, or ``model`` lacks a traced state FQN.
+    """
+    expected: InputSignature = gm.input_signature
+    try:
+        paths, leaves, spec = flatten_io(input, label)
+    except TypeError as exc:
+        raise GraphSignatureError(str(exc)) from None
+    actual = InputSignature._of_leaves(paths, leaves, spec)
+    if actual != expected:
+        raise GraphSignatureError(signature_mismatch_message(expected, actual))
+
+    live = _live_state(model, gm.state_fqns)
+    args = [*live, *(leaf for leaf in leaves if isinstance(leaf, Tensor))]
+    compiled = getattr(gm, "compiled_step", None)  # set by gm_trace.backend.BackendPass
+    with torch.no_grad():
+        outputs = gm(*args) if compiled is None else compiled.run(gm, args)
+
+    n_expected = len(gm.output_specs)
+    if len(outputs) != n_expected:
+        raise RuntimeError(
+            f"the graph returned {len(outputs)} outputs but gm.output_specs describes "
+            f"{n_expected}; a graph pass changed the outputs without updating gm.output_specs"
+        )
+    by_fqn = dict(zip(gm.state_fqns, live))
+    grads: dict[str, Tensor] = {}
+    seen: set[StorageWeakRef] = set()
+    with torch.no_grad():
+        for spec, value in zip(gm.output_specs, outputs):
+            if spec.kind == "grad":
+                grads[spec.fqn] = _own_grad(value, by_fqn[spec.fqn], seen)
+            elif spec.kind == "mutated" and value is not by_fqn[spec.fqn]:
+                by_fqn[spec.fqn].copy_(value)
+    return GraphOutputs(loss=outputs[0], grads=grads)
+
+
+def _live_state(model: nn.Module, fqns: Sequence[str]) -> list[Tensor]:
+    named: dict[str, Tensor] = dict(model.named_parameters())
+    named.update(model.named_buffers())
+    missing = [fqn for fqn in fqns if fqn not in named]
+    if missing:
+        raise GraphSignatureError(
+            f"the model has no parameter or buffer named {', '.join(map(repr, missing))}, which "
+            "the graph was traced with; run the graph with the model it was traced from"
+        )
+    return [named[fqn] for fqn in fqns]
+
+
+def _own_grad(grad: Tensor, param: Tensor, seen: set[StorageWeakRef]) -> Tensor:
+    """``grad`` itself when it is laid out like ``param`` and shares memory with no other gradient;
+    otherwise a copy laid out like ``param`` (what eager's AccumulateGrad stores in ``.grad``).
+
+    Autograd may return an expanded view (``loss = w.sum()``) or the same tensor for two
+    parameters (``x + b1 + b2``); callers must be free to accumulate into every gradient in place.
+    """
+    storage = StorageWeakRef(grad.untyped_storage())
+    if grad.stride() != param.stride() or storage in seen:
+        grad = torch.empty_like(param).copy_(grad)
+        storage = StorageWeakRef(grad.untyped_storage())
+    seen.add(storage)
+    return grad
