@@ -197,6 +197,13 @@ def test_errors_before_any_rank(
         "has no causal LM": ["model.config={model_type: vit}"],
         "export: hf writes a transformers": ["model.source=builtin", "checkpoint.export=hf"],
     }  # fmt: skip
+    gpt2 = tmp_path / "gpt2"
+    transformers.AutoModelForCausalLM.from_config(tiny_gpt2()).save_pretrained(gpt2)
+    llama = "{model_type: llama, hidden_size: 32, num_attention_heads: 4, intermediate_size: 48}"
+    cases["model.weights: the files do not fit model.config"] = [
+        f"model.config={llama}",
+        f"model.weights={gpt2}",
+    ]
     for message, args in cases.items():
         assert main(["--nproc", "2", "model.source=hf", *args]) == 2, message
         assert message in capsys.readouterr().err

@@ -100,25 +100,50 @@ def weight_files(weights: str | Sequence[str]) -> list[Path]:
 
 
 def load_weights(model: nn.Module, weights: str | Sequence[str]) -> None:
-    """Copy the tensors of the safetensors files into ``model``; every parameter and buffer
-    must be covered, except tied aliases of a loaded one."""
+    """Copy the tensors of the safetensors files into ``model`` (checked by
+    :func:`check_weight_keys` first)."""
     from safetensors.torch import load_file
 
     state: dict[str, Tensor] = {}
     for path in weight_files(weights):
         state.update(load_file(str(path)))
-    result = model.load_state_dict(state, strict=False)
-    own = model.state_dict()
-    loaded = {own[k].data_ptr() for k in state if k in own}
-    missing = [
-        k for k in result.missing_keys if own[k].data_ptr() not in loaded and "rotary" not in k
-    ]
-    if missing or result.unexpected_keys:
+    check_weight_keys(model, set(state))
+    model.load_state_dict(state, strict=False)
+
+
+def check_weight_keys(model: nn.Module, keys: set[str]) -> None:
+    """:class:`ConfigError` unless ``keys`` cover every parameter and persistent buffer of
+    ``model`` (a tied alias counts when its twin is there) and hold nothing else."""
+    own = set(model.state_dict())
+    twins: dict[int, set[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        twins.setdefault(id(param), set()).add(name)
+    covered = set(keys)
+    for names in twins.values():
+        if names & keys:
+            covered |= names
+    missing = sorted(own - covered)
+    unexpected = sorted(keys - own)
+    if missing or unexpected:
         raise ConfigError(
             f"model.weights: the files do not fit model.config (missing {missing[:5]}, "
-            f"unexpected {list(result.unexpected_keys)[:5]}); give the weights saved with "
-            "this config"
+            f"unexpected {unexpected[:5]}); give the weights saved with this config"
         )
+
+
+def check_weights(hf_config: Any, weights: str | Sequence[str]) -> None:
+    """Check the weight files' tensor names against the config's model, built on the meta
+    device (no memory), so a mismatch is reported before any rank starts."""
+    from safetensors import safe_open
+
+    transformers = require_transformers("model.weights")
+    keys: set[str] = set()
+    for path in weight_files(weights):
+        with safe_open(str(path), framework="pt") as f:
+            keys |= set(f.keys())
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    check_weight_keys(model, keys)
 
 
 def decoder_layers(model: nn.Module) -> list[str]:

@@ -46,11 +46,12 @@ def check_model_section(
             "model.weights must be a folder, a .safetensors file or a list of them, got "
             f"{weights!r}"
         )
-    from gm_trainer.job.hf_model import check_causal_lm, load_hf_config, weight_files
+    from gm_trainer.job.hf_model import check_causal_lm, check_weights, load_hf_config
 
-    check_causal_lm(load_hf_config(config))  # a folder that is no HF model fails here
+    hf_config = load_hf_config(config)  # a folder that is no HF model fails here
+    check_causal_lm(hf_config)
     if weights is not None:
-        weight_files(weights)
+        check_weights(hf_config, weights)
     return config, weights
 
 
