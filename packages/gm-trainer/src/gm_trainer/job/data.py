@@ -1,8 +1,10 @@
-"""Byte-level language-model data: a text corpus read as raw bytes (vocabulary 256).
+"""Corpus files and byte-level random windows.
 
-Every rank reads the same corpus and draws the same GLOBAL batch of random windows from a
-generator seeded alike; rank ``r`` keeps rows ``[r*b, (r+1)*b)``. Data-parallel training on
-N ranks therefore sees exactly the batches that one process would see on the global batch.
+``default_corpus`` and ``corpus_files`` find the files the job reads (see
+:mod:`gm_trainer.job.documents`); the job itself trains on packed, per-epoch shuffled windows
+(:mod:`gm_trainer.job.dataset`). :class:`ByteBatches` remains for scripts that want random
+byte windows: every rank reads the same corpus and draws the same GLOBAL batch of random
+windows from a generator seeded alike; rank ``r`` keeps rows ``[r*b, (r+1)*b)``.
 """
 
 from __future__ import annotations
