@@ -1,4 +1,4 @@
-"""The ``gm-train`` job: configuration, byte-level data, the run folder and the command.
+"""The ``gm-train`` job: configuration, models and data, the run folder and the command.
 
 ``gm_trainer.job.cli:main`` is the ``gm-train`` console script; :func:`load_config` reads the
 same YAML it takes.
