@@ -1,4 +1,4 @@
-"""``PassConfig``: fields, defaults, validation and the dict round trip (seed §4.1)."""
+"""``PassConfig``: fields, defaults, validation and the dict round trip."""
 
 from __future__ import annotations
 

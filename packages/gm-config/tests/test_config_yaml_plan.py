@@ -1,4 +1,4 @@
-"""The sharding YAML contract of ``create_sharding_plan_from_yaml`` (seed §4.2)."""
+"""The sharding YAML contract of ``create_sharding_plan_from_yaml``."""
 
 from __future__ import annotations
 

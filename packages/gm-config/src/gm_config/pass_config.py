@@ -1,4 +1,4 @@
-"""``PassConfig``: which graph passes run and with which parallel sizes (seed §4.1).
+"""``PassConfig``: which graph passes run and with which parallel sizes.
 
 A pure dataclass: it never probes ``torch.distributed``. Whether distribution is initialised
 is decided by the passes at run time, so this module stays importable without torch.

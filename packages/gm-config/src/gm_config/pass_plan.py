@@ -1,4 +1,4 @@
-"""``PassPlan``: which modules are sharded, by exact FQN or fnmatch pattern (seed §4.2)."""
+"""``PassPlan``: which modules are sharded, by exact FQN or fnmatch pattern."""
 
 from __future__ import annotations
 

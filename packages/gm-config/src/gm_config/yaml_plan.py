@@ -1,4 +1,4 @@
-"""The sharding YAML contract (seed §4.2)::
+"""The sharding YAML contract::
 
     fsdp:
       enabled: true          # default: true when modules or patterns are present

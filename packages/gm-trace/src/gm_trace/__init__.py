@@ -1,7 +1,8 @@
 """Graph Mode torch layer: the joint forward+backward tracer and the torch graph passes.
 
 - :func:`trace_model_graph` / :func:`run_traced_graph` capture and run a whole training step.
-- ``fsdp`` (:class:`FSDPPass`), ``overlap`` (:class:`AutoOverlapPass`) and ``backend``
+- ``fsdp`` (:class:`FSDPPass`), ``reshard`` (:class:`ReshardAfterForwardPass`), ``recompute``
+  (:class:`RecomputePass`), ``overlap`` (:class:`AutoOverlapPass`) and ``backend``
   (:class:`BackendPass`) are registered with ``gm_passes`` through the entry-point group
   ``gm_passes.passes``; :func:`register_backend` adds a compiler for ``PassConfig.backend``.
 """
@@ -17,6 +18,8 @@ from gm_trace.fsdp import (
 )
 from gm_trace.groups import register_process_group, resolve_process_group
 from gm_trace.overlap import AutoOverlapPass
+from gm_trace.recompute import RecomputePass
+from gm_trace.reshard import ReshardAfterForwardPass
 from gm_trace.tracer import (
     GraphCaptureError,
     GraphOutputs,
@@ -40,6 +43,8 @@ __all__ = [
     "GraphSignatureError",
     "InputSignature",
     "OutputSpec",
+    "RecomputePass",
+    "ReshardAfterForwardPass",
     "RowShard",
     "available_backends",
     "full_parameter",

@@ -1,4 +1,4 @@
-"""``FSDPPass``: shard parameters along dim 0 and put the collectives into the graph (seed §7).
+"""``FSDPPass``: shard parameters along dim 0 and put the collectives into the graph.
 
 For every parameter the plan selects, the graph input becomes this rank's shard; an
 all-gather after the placeholder rebuilds the full parameter for compute, and the gradient

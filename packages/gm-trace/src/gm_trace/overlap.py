@@ -1,4 +1,4 @@
-"""``AutoOverlapPass``: let communication run while independent compute does (seed §8).
+"""``AutoOverlapPass``: let communication run while independent compute does.
 
 Two moves, both decided from graph structure only, so every rank decides the same:
 

@@ -1,4 +1,4 @@
-"""``MeshContext``: an external device mesh for TP + FSDP (seed §5.1, §9).
+"""``MeshContext``: an external device mesh for TP + FSDP.
 
 The upper layer (the automodel path) builds the mesh, creates the tensor-parallel groups and
 bakes the TP collectives into the model's forward. Graph mode then only adds the FSDP
@@ -207,7 +207,7 @@ def _ranks(mesh: Any, dim: str) -> tuple[dist.ProcessGroup, list[int]]:
 
 
 def resolve_mesh_context(mesh_context: Any) -> ResolvedMesh:
-    """Pick this rank's FSDP, HSDP-replicate and TP groups from ``mesh_context`` (§5.1, §9).
+    """Pick this rank's FSDP, HSDP-replicate and TP groups from ``mesh_context``.
 
     Uses ``fsdp_non_moe_mesh`` (falling back to ``device_mesh``): its ``fsdp_shard`` dim, or
     ``dp`` when there is none, is the FSDP group; ``fsdp_replicate`` the replicate group.

@@ -1,4 +1,4 @@
-"""Tensor-parallel building blocks whose collectives are part of the model's forward (seed §9).
+"""Tensor-parallel building blocks whose collectives are part of the model's forward.
 
 Graph mode has no TP pass: the upper layer bakes the TP communication into the forward, and
 the tracer records it as graph collectives on a process group NAME (``"tp"``); graph mode only

@@ -1,4 +1,4 @@
-"""``GraphTrainer``: compile a training step into one graph and drive it (seed §5, §10).
+"""``GraphTrainer``: compile a training step into one graph and drive it.
 
 compile (lazily on the first batch, or explicitly):
   1. the user's pytree pre-hook, 2. the FSDP mesh and its ``"fsdp"`` group, 3. trace the joint
@@ -96,7 +96,7 @@ class GraphTrainer:
             raise TypeError(
                 f"train_fn must be callable (model, input, label) -> loss, got {train_fn!r}"
             )
-        # §5.1: an external mesh is checked now (no collective), its groups registered at compile.
+        # an external mesh is checked now (no collective), its groups registered at compile.
         self._mesh: ResolvedMesh | None = None
         if mesh_context is not None:
             self._mesh = resolve_mesh_context(mesh_context)
