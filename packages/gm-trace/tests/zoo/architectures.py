@@ -189,6 +189,17 @@ def _encoder(**extra: Any) -> dict[str, Any]:
     }
 
 
+# GPT-2's config names (GPT-J shares them); token 0 as BOS/EOS keeps them inside the vocabulary.
+_GPT2 = {
+    "vocab_size": VOCAB,
+    "n_embd": 32,
+    "n_layer": 2,
+    "n_head": 4,
+    "n_positions": 64,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
+
 _VISION = {"image_size": 32, "num_labels": 5}
 
 
@@ -232,22 +243,7 @@ _QWEN2_MOE = _llama_like(
 
 ARCHITECTURES: list[Architecture] = [
     # decoders
-    hf(
-        "gpt2",
-        "GPT2LMHeadModel",
-        token_batch,
-        "decoder",
-        {
-            "vocab_size": VOCAB,
-            "n_embd": 32,
-            "n_layer": 2,
-            "n_head": 4,
-            "n_positions": 64,
-            "bos_token_id": 0,
-            "eos_token_id": 0,
-        },
-        tags=("layernorm", "ci"),
-    ),
+    hf("gpt2", "GPT2LMHeadModel", token_batch, "decoder", _GPT2, tags=("layernorm", "ci")),
     hf(
         "gpt-neox",
         "GPTNeoXForCausalLM",
@@ -431,20 +427,7 @@ ARCHITECTURES: list[Architecture] = [
 
 #: Architectures outside the issue's list, built the same way: the fixes must be general.
 EXTRA_ARCHITECTURES: list[Architecture] = [
-    hf(
-        "gpt-j",
-        "GPTJForCausalLM",
-        token_batch,
-        "decoder",
-        {
-            "vocab_size": VOCAB,
-            "n_embd": 32,
-            "n_layer": 2,
-            "n_head": 4,
-            "rotary_dim": 4,
-            "n_positions": 64,
-        },
-    ),
+    hf("gpt-j", "GPTJForCausalLM", token_batch, "decoder", {**_GPT2, "rotary_dim": 4}),
     hf("qwen3", "Qwen3ForCausalLM", token_batch, "decoder", _llama_like(head_dim=8)),
     hf("electra", "ElectraForMaskedLM", masked_batch, "encoder", _encoder(embedding_size=16)),
     hf(
