@@ -142,3 +142,27 @@ def test_srun_tasks_with_a_master_address_become_ranks() -> None:
     assert not map_slurm_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "RANK": "0"})  # torchrun
     with pytest.raises(ConfigError, match="unreadable"):
         map_slurm_env({"SLURM_PROCID": "x", "SLURM_NTASKS": "2"})
+
+
+def test_a_torchrun_restart_gets_a_store_prefix_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchrun reuses its TCPStore across restarts: the old attempt's keys must not be read.
+    import datetime
+
+    import torch.distributed as dist
+
+    from gm_trainer.device import _restart_store
+
+    timeout = datetime.timedelta(seconds=10)
+    server = dist.TCPStore("localhost", 0, is_master=True, timeout=timeout, wait_for_workers=False)
+    env = {"MASTER_ADDR": "localhost", "MASTER_PORT": str(server.port), "RANK": "1"}
+    for name, value in {**env, "WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert _restart_store(timeout) == {}  # the first attempt: torch's own env:// init
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    found = _restart_store(timeout)
+    assert (found["rank"], found["world_size"]) == (1, 2)
+    server.set("default_pg/0", "old address")
+    found["store"].set("default_pg/0", "new address")
+    assert server.get("default_pg/0") == b"old address"
+    assert server.get("gm-trainer/attempt-1/default_pg/0") == b"new address"

@@ -1,8 +1,10 @@
-"""Many nodes on one machine (issue #17, item 5): two ``torchrun --nnodes 2`` launchers meet
-through a c10d rendezvous on localhost, train the tiny job, save, and resume it.
+"""torchrun launchers on one machine (issue #17, items 4-5): two ``torchrun --nnodes 2``
+launchers meet through a c10d rendezvous on localhost, train the tiny job, save, and resume
+it; a rank killed under ``torchrun --max-restarts 1`` is restarted and the job, resumed by
+``--resume auto``, ends with the losses of a straight run.
 
-About 80 s on a 2-core machine (four launcher starts), more than CI's budget for one test:
-it runs when ``GM_MULTINODE_TEST=1`` is set."""
+Each takes about 80 s on a 2-core machine, more than CI's budget for one test: they run when
+``GM_LAUNCHER_TESTS=1`` is set."""
 
 from __future__ import annotations
 
@@ -15,9 +17,32 @@ import uuid
 from pathlib import Path
 
 import pytest
-from test_job_cli import TINY
+from test_job_cli import TINY, gm_train
 
 from gm_trainer.checkpoint import checkpoint_info
+
+SLOW = pytest.mark.skipif(
+    os.environ.get("GM_LAUNCHER_TESTS") != "1", reason="~80 s: set GM_LAUNCHER_TESTS=1 to run"
+)
+
+# Rank 1 dies right after the step-4 checkpoint, on the first attempt only.
+CRASH_FIRST_ATTEMPT = """\
+import os, sys
+import gm_trainer.job.runner as runner
+from gm_trainer.job.cli import main
+
+if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK") == "1":
+    real = runner.save_checkpoint
+
+    def save_then_die(trainer, path, **kwargs):
+        out = real(trainer, path, **kwargs)
+        if trainer.step == 4:
+            os._exit(1)
+        return out
+
+    runner.save_checkpoint = save_then_die
+sys.exit(main(sys.argv[1:]))
+"""
 
 
 def free_port() -> int:
@@ -69,9 +94,7 @@ def two_launchers(*args: str, cwd: Path) -> list[subprocess.CompletedProcess[str
 
 
 @pytest.mark.distributed
-@pytest.mark.skipif(
-    os.environ.get("GM_MULTINODE_TEST") != "1", reason="~80 s: set GM_MULTINODE_TEST=1 to run"
-)
+@SLOW
 def test_two_launchers_train_save_and_resume(tmp_path: Path) -> None:
     job = [
         *TINY,
@@ -93,3 +116,43 @@ def test_two_launchers_train_save_and_resume(tmp_path: Path) -> None:
     assert "resumed from" in out and "step-00000004" in out and "2 rank(s)" in out
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.distributed
+@SLOW
+def test_rank_killed_under_max_restarts_resumes_auto_like_a_straight_run(tmp_path: Path) -> None:
+    from test_job_prod import JOB, curve
+
+    straight = gm_train("--nproc", "2", *JOB, "logging.run_dir=straight", cwd=tmp_path, timeout=240)
+    assert straight.returncode == 0, straight.stderr
+    (tmp_path / "crash.py").write_text(CRASH_FIRST_ATTEMPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    restarted = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--monitor-interval",
+            "0.1",
+            "crash.py",
+            "--resume",
+            "auto",
+            *JOB,
+            "logging.run_dir=job",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert restarted.returncode == 0, restarted.stdout + restarted.stderr
+    assert "resumed from" in restarted.stdout and "step-00000004" in restarted.stdout
+    assert curve(tmp_path / "job") == curve(tmp_path / "straight")

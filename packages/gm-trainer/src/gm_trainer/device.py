@@ -1,4 +1,4 @@
-"""Device detection and process-group start-up (seed §11): npu -> cuda -> cpu."""
+"""Device detection and process-group start-up: npu -> cuda -> cpu."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def torch_npu_without_npu() -> bool:
     """torch_npu is installed but no NPU is present.
 
     Optimizer kernel selection then probes the NPU and fails to initialise it, so the
-    optimizer must be built with ``foreach=False`` (seed §11).
+    optimizer must be built with ``foreach=False``.
     """
     if importlib.util.find_spec("torch_npu") is None:
         return False
@@ -58,5 +58,26 @@ def init_distributed(timeout_s: float = 300.0) -> tuple[int, int]:
     kind = detect_device_type()
     if kind != "cpu":
         getattr(torch, kind).set_device(default_device())
-    dist.init_process_group(backend=_BACKENDS[kind], timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=_BACKENDS[kind], timeout=timeout, **_restart_store(timeout))
     return dist.get_rank(), dist.get_world_size()
+
+
+def _restart_store(timeout: datetime.timedelta) -> dict[str, object]:
+    """Under a torchrun restart: the agent's store with a prefix of its own for this attempt.
+
+    torchrun shares one TCPStore across restarts, and the workers' ``env://`` keys carry no
+    attempt prefix, so a restarted rank could read the gloo address of a dead rank of the
+    previous attempt and wait in ``connectFullMesh`` until the timeout (seen with torch 2.13).
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    return {
+        "store": dist.PrefixStore(f"gm-trainer/attempt-{restart}", store),
+        "rank": int(os.environ["RANK"]),
+        "world_size": int(os.environ["WORLD_SIZE"]),
+    }
