@@ -125,6 +125,8 @@ def global_grad_norm(
     squared norms are also summed over ``tp_group``. At most one all-reduce per group.
     """
 
+    # Not torch.nn.utils.get_total_norm: the squares of many shards and ranks are summed in
+    # float64 here, where that function sums in the gradients' own (maybe bf16) dtype.
     def squares(grads: Sequence[torch.Tensor]) -> torch.Tensor:
         if not grads:
             return torch.zeros((), dtype=torch.float64)
