@@ -105,6 +105,10 @@ def check_job(job: JobConfig) -> None:
                 "train.eval_interval needs a held-out split: set data.eval_fraction (e.g. "
                 "0.05) or data.eval_files"
             )
+    if job.checkpoint.export not in (None, "hf"):
+        raise ConfigError(f"checkpoint.export={job.checkpoint.export!r}: use hf or null")
+    if job.checkpoint.export and not job.checkpoint.at_end:
+        raise ConfigError("checkpoint.export exports the final checkpoint: set at_end: true")
     if job.checkpoint.export == "hf" and job.model.source != "hf":
         raise ConfigError(
             "checkpoint.export: hf writes a transformers model, so it needs model.source: hf "

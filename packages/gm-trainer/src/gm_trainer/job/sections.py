@@ -1,0 +1,112 @@
+"""The ``model`` and ``data`` sections of the ``gm-train`` configuration (re-exported by
+:mod:`gm_trainer.job.config`); checks that need more than a field's type are in
+:mod:`gm_trainer.job.sources`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from gm_config import ConfigError
+from gm_trainer.job.validation import Section
+
+
+@dataclass
+class ModelConfig(Section):
+    """The model: the built-in GPT (``source: builtin``) or a Hugging Face causal LM."""
+
+    section: ClassVar[str] = "model"
+
+    source: str = "builtin"
+    """``builtin`` (the small GPT below, no download) or ``hf`` (any transformers causal LM)."""
+
+    config: str | None = None  # or a mapping: checked by check_model_section
+    """``source: hf``: a local folder holding ``config.json``, or an inline mapping of config
+    fields with ``model_type``. The model is random-initialised from ``train.seed``."""
+
+    weights: str | None = None  # or a list of files: checked by check_model_section
+    """``source: hf``: start from these weights: a HF model folder, a ``.safetensors`` file
+    or a list of them; ``null``: random init."""
+
+    vocab_size: int = 256
+    """Vocabulary size of the built-in model; at least the tokenizer's (256 for bytes)."""
+
+    dim: int = 128
+    """Width of the residual stream."""
+
+    n_layers: int = 4
+    """Number of transformer blocks."""
+
+    n_heads: int = 4
+    """Attention heads per block; must divide ``dim``."""
+
+    seq_len: int = 128
+    """Tokens per training sequence (also the model's maximum sequence length)."""
+
+    def __post_init__(self) -> None:
+        from gm_trainer.job.sources import check_model_section  # checks config and weights
+
+        special = {"config": self.config, "weights": self.weights}
+        self.config = self.weights = None  # typed by check_model_section, not by annotation
+        super().__post_init__()
+        self.config, self.weights = check_model_section(self, **special)
+
+    def validate(self) -> None:
+        self._positive("vocab_size", "dim", "n_layers", "n_heads", "seq_len")
+        if self.dim % self.n_heads:
+            raise ConfigError(
+                f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}"
+            )
+
+
+@dataclass
+class DataConfig(Section):
+    """The corpus, its tokenizer, and the held-out split."""
+
+    section: ClassVar[str] = "data"
+
+    corpus: str | None = None
+    """A file, or a directory searched recursively for files matching ``glob``.
+    ``null``: the Python standard library's source directory, present wherever Python is."""
+
+    format: str = "text"
+    """``text`` (each file one document), ``jsonl`` (one JSON object per line, the document
+    in ``field``) or ``hf`` (a ``datasets.save_to_disk`` folder or parquet files)."""
+
+    field: str = "text"
+    """The document's key in a ``jsonl`` line or an ``hf`` row."""
+
+    tokenizer: str = "bytes"
+    """``bytes`` (UTF-8 bytes, vocabulary 256, EOS 0) or a local HF tokenizer folder
+    (``tokenizer.json``, read with the ``tokenizers`` library)."""
+
+    cache_dir: str | None = None
+    """Where tokenised corpora are cached; ``null``: ``.gm-train-cache`` beside the run
+    folder."""
+
+    eval_fraction: float = 0.0
+    """Hold out this fraction of the corpus's windows (its last ones) for evaluation."""
+
+    eval_files: str | None = None
+    """A held-out corpus (file or directory, same format and glob) instead of
+    ``eval_fraction``."""
+
+    glob: str = "*.py"
+    """File-name pattern (fnmatch) used when ``corpus`` is a directory."""
+
+    max_bytes: int | None = 8_000_000
+    """Read at most this many bytes of the corpus (files in sorted order); ``null``: all."""
+
+    seed: int = 0
+    """Seed of the generator that samples the training windows."""
+
+    def validate(self) -> None:
+        self._positive("max_bytes")
+        if not self.glob:
+            raise ConfigError("data.glob must be a non-empty pattern such as '*.py'")
+        if self.corpus is not None and not Path(self.corpus).exists():
+            raise ConfigError(f"data.corpus: {self.corpus} does not exist")
+        from gm_trainer.job.sources import check_data_section
+
+        check_data_section(self)
