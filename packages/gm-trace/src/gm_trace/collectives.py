@@ -16,6 +16,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._C._distributed_c10d import _register_work, _resolve_process_group
 
+# torch 2.13 renamed all_gather_into_tensor (now a deprecated alias); older torch has only it.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def _gathered_like(input: Tensor, group_size: int) -> Tensor:
     return input.new_empty((input.shape[0] * group_size, *input.shape[1:]))
@@ -27,7 +30,7 @@ def all_gather_into_tensor(input: Tensor, group_size: int, group_name: str) -> T
     ``torch.ops._c10d_functional.wait_tensor`` before reading the result."""
     out = _gathered_like(input, group_size)
     group = _resolve_process_group(group_name)
-    work = dist.all_gather_into_tensor(out, input.contiguous(), group=group, async_op=True)
+    work = all_gather_single(out, input.contiguous(), group=group, async_op=True)
     _register_work(out, work)
     return out
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from gm_trace.collectives import all_gather_single
 from gm_trace.groups import resolve_process_group
 from gm_trace.sharding import FSDPConfigError, RowShard
 
@@ -47,7 +48,7 @@ def full_parameter(
     group = group if group is not None else resolve_process_group("fsdp")
     padded = torch.cat([local, local.new_zeros((shard.chunk - shard.local_rows, *local.shape[1:]))])
     out = padded.new_empty((shard.padded_rows, *local.shape[1:]))
-    dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
+    all_gather_single(out, padded.contiguous(), group=group)
     return out[: shard.rows]
 
 
