@@ -59,17 +59,21 @@ def _paths(*names: str) -> list[str]:
     return [str(ROOT / "packages" / name) for name in names]
 
 
-# Test-only: the model zoo builds tiny configurations of real architectures offline;
-# transformers does not depend on torch, so it never pulls another torch build.
-ZOO_DEPS = ("transformers>=5.0,<6",)
+# Test-only dependencies per layer: the model zoo builds tiny configurations of real
+# architectures offline (transformers); gm-train's HF models and data sources (datasets).
+# Neither depends on torch, so they never pull another torch build.
+TEST_DEPS = {
+    "gm-trace": ("transformers>=5.0,<6",),
+    "gm-trainer": ("transformers>=5.0,<6", "datasets>=3.0"),
+}
 
 
 def _install_layer(session: nox.Session, dist: str, *, torch: bool) -> None:
     if torch:
         session.install(TORCH_SPEC)
     session.install(*_paths(*PACKAGES[dist]), "pytest>=8")
-    if dist in ("gm-trace", "gm-trainer"):  # the zoo; gm-train's HF models and data
-        session.install(*ZOO_DEPS, *(("datasets>=3.0",) if dist == "gm-trainer" else ()))
+    if dist in TEST_DEPS:
+        session.install(*TEST_DEPS[dist])
 
 
 def _pytest(session: nox.Session, dist: str) -> None:
@@ -121,10 +125,11 @@ def boundary(session: nox.Session) -> None:
 
 @nox.session(tags=["lint"])
 def lint(session: nox.Session) -> None:
-    """ruff: lint and formatting."""
+    """ruff: lint and formatting; no source module over 450 lines."""
     session.install("ruff>=0.6")
     session.run("ruff", "check", str(ROOT))
     session.run("ruff", "format", "--check", str(ROOT))
+    session.run("python", str(ROOT / "tools" / "check_module_size.py"), "450")
 
 
 @nox.session(tags=["wheels"])
