@@ -17,6 +17,7 @@ import yaml
 from test_job_cli import TINY, gm_train
 
 from gm_config import ConfigError
+from gm_trainer.durable import replacing
 from gm_trainer.job.cli import check_run_config, main
 from gm_trainer.job.config import JobConfig
 from gm_trainer.job.files import (
@@ -24,7 +25,6 @@ from gm_trainer.job.files import (
     RUN_MARKER,
     RunFolderError,
     check_not_in_use,
-    replacing,
 )
 from gm_trainer.job.run_folder import (
     MetricsWarning,

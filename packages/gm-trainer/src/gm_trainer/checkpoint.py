@@ -62,7 +62,6 @@ from gm_trainer.checkpoint_io import (
     dcp_errors,
     file_checksum,
     open_checkpoint,
-    write_atomically,
 )
 from gm_trainer.checkpoint_read import (
     SafeFileSystemReader,
@@ -84,6 +83,7 @@ from gm_trainer.checkpoint_state import (
     restore,
     trainer_state_dict,
 )
+from gm_trainer.durable import write_atomic
 
 if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer
@@ -366,7 +366,7 @@ def export_full_state_dict(
         torch.save(model, buffer)
         try:
             out_file.parent.mkdir(parents=True, exist_ok=True)
-            write_atomically(out_file, buffer.getvalue())
+            write_atomic(out_file, buffer.getvalue())
         except OSError as exc:
             raise CheckpointError(
                 f"cannot write the exported model to {out_file} ({type(exc).__name__}: {exc}); "

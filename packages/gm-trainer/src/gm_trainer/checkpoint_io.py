@@ -21,6 +21,7 @@ from typing import Any
 from torch.distributed.checkpoint.api import CheckpointException
 
 from gm_config import GraphModeRuntimeError
+from gm_trainer.durable import fsync_dir, write_atomic
 
 #: Version of the checkpoint layout; a loader refuses a newer one.
 CHECKPOINT_FORMAT = 1
@@ -129,7 +130,7 @@ def commit(
 ) -> None:
     """Write the marker into ``tmp``, then rename it to ``path`` (replacing it if asked)."""
     marker = {**header, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
-    write_atomically(tmp / MARKER_NAME, json.dumps(marker, indent=2).encode())
+    write_atomic(tmp / MARKER_NAME, json.dumps(marker, indent=2).encode())
     fsync_dir(tmp)
     old = path.with_name(path.name + ".old")
     if overwrite and path.exists():
@@ -138,32 +139,6 @@ def commit(
     os.rename(tmp, path)  # the atomic step: `path` appears complete or not at all
     fsync_dir(path.parent)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through ``<path>.part`` + fsync + rename; no temp is left."""
-    tmp = path.with_name(path.name + ".part")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()  # only still there when the write or the rename failed
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename in ``path`` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # --------------------------------------------------------------------------- checksums

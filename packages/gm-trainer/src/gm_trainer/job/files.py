@@ -4,11 +4,9 @@ out of one folder."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from gm_config import GraphModeRuntimeError
+from gm_trainer.durable import write_atomic
 from gm_trainer.job.config import SECTIONS
 
 #: Written when gm-train creates (or first adopts) a run folder: the folder is gm-train's own.
@@ -44,34 +43,6 @@ class RunFolderError(GraphModeRuntimeError):
 # --------------------------------------------------------------------------- writes
 
 
-@contextlib.contextmanager
-def replacing(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; when the block succeeds it is fsynced and
-    renamed over ``path`` (a link at ``path`` is replaced, never written through). When the
-    block fails, ``path`` keeps its old content and the temporary file is removed."""
-    path = Path(path)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(name)
-    os.chmod(tmp, 0o644)  # mkstemp's 0600 would make the run's files private
-    try:
-        yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    fsync_dir(path.parent)
-
-
-def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
-    """Replace ``path`` by ``data`` all at once: a reader sees the old file or the new one."""
-    with replacing(path) as tmp:
-        tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
-
-
 def append_line(path: str | os.PathLike[str], line: str) -> None:
     """Append ``line`` and a newline to ``path`` and fsync it (a crash loses at most the line
     being written). Raises :class:`RunFolderError` when ``path`` is a symbolic link."""
@@ -86,20 +57,6 @@ def append_line(path: str | os.PathLike[str], line: str) -> None:
         f.write(line + "\n")
         f.flush()
         os.fsync(f.fileno())
-
-
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """Make a rename in ``path`` durable (a no-op where folders cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # --------------------------------------------------------------------------- what is a run folder

@@ -35,6 +35,7 @@ from gm_trainer.checkpoint import (
     checkpoint_info,
     latest_checkpoint,
 )
+from gm_trainer.durable import replacing, write_atomic
 from gm_trainer.job.files import (
     RUN_MARKER,
     RunFolderError,
@@ -43,8 +44,6 @@ from gm_trainer.job.files import (
     check_run_dir,
     create_unique_dir,
     mark_run_dir,
-    replacing,
-    write_atomic,
 )
 
 #: The checkpoints of a run: ``<run_dir>/checkpoints/step-XXXXXXXX``.

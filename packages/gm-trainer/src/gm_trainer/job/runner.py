@@ -19,10 +19,10 @@ from gm_trainer.checkpoint import (
     save_checkpoint,
 )
 from gm_trainer.device import init_distributed
+from gm_trainer.durable import replacing
 from gm_trainer.job.config import JobConfig
 from gm_trainer.job.dataset import PackedBatches, load_job_data, position_of
 from gm_trainer.job.evaluate import Evaluator
-from gm_trainer.job.files import replacing
 from gm_trainer.job.progress import Progress
 from gm_trainer.job.run_folder import (
     RunFolder,
