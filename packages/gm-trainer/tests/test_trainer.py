@@ -194,11 +194,13 @@ def test_max_steps_and_log_records():
         "tokens_per_s",
         "samples_per_s",
         "memory_mb",
+        "memory_kind",
         "lr",
         "skipped_steps",
     }
     assert set(records[0]) == expected
     assert records[0]["samples_per_s"] > 0 and records[0]["memory_mb"] > 0
+    assert records[0]["memory_kind"] == "host_rss"  # a CPU run measures the process
 
 
 def test_grad_clip_single_process_matches_clip_grad_norm():
