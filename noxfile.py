@@ -68,11 +68,11 @@ TEST_DEPS = {
 }
 
 
-def _install_layer(session: nox.Session, dist: str, *, torch: bool) -> None:
+def _install_layer(session: nox.Session, dist: str, *, torch: bool, tests: bool = True) -> None:
     if torch:
         session.install(TORCH_SPEC)
-    session.install(*_paths(*PACKAGES[dist]), "pytest>=8")
-    if dist in TEST_DEPS:
+    session.install(*_paths(*PACKAGES[dist]), *(("pytest>=8",) if tests else ()))
+    if tests and dist in TEST_DEPS:
         session.install(*TEST_DEPS[dist])
 
 
@@ -182,5 +182,5 @@ def bench(session: nox.Session) -> None:
 @nox.session(tags=["train"], default=False)
 def train(session: nox.Session) -> None:
     """The main job: ``nox -s train -- [CONFIG.yaml] [--nproc N] [section.key=value ...]``."""
-    _install_layer(session, "gm-trainer", torch=True)
+    _install_layer(session, "gm-trainer", torch=True, tests=False)
     session.run("gm-train", *session.posargs)
