@@ -278,6 +278,17 @@ def test_process_group_timeout() -> None:
     assert "dist.timeout_s must be a finite number" in error_of(["dist.timeout_s=.inf"])
 
 
+def test_hsdp_replicas_must_divide_the_world() -> None:
+    assert JobConfig().dist.dp_replicate == 1
+    job = load_config(None, ["dist.dp_replicate=2"])
+    job.check_world_size(4)  # 2 replicas x 2 shards
+    with pytest.raises(ConfigError, match=r"dist.dp_replicate=3 does not divide the 4 rank"):
+        load_config(None, ["dist.dp_replicate=3"]).check_world_size(4)
+    with pytest.raises(ConfigError, match=r"shards over 2 rank\(s\) \(4 / dist.dp_replicate=2\)"):
+        load_config(None, ["dist.dp_replicate=2", "parallel.fsdp_degree=4"]).check_world_size(4)
+    assert "dist.dp_replicate must be > 0" in error_of(["dist.dp_replicate=0"])
+
+
 def test_export_needs_the_final_checkpoint() -> None:
     message = error_of(["checkpoint.export_full=true", "checkpoint.at_end=false"])
     assert "checkpoint.export_full exports the final checkpoint" in message

@@ -176,6 +176,7 @@ LATER_KEYS = frozenset(
         "logging.wandb",
         "logging.wandb_project",
         "logging.peak_tflops",
+        "dist.dp_replicate",
     )
 ) | frozenset(  # issue #16
     f"{section}.{key}"

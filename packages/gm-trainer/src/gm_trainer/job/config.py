@@ -23,7 +23,7 @@ from gm_config import (
     fsdp_requested,
     sharding_plan_from_dict,
 )
-from gm_trainer.job.sections import DataConfig, ModelConfig
+from gm_trainer.job.sections import DataConfig, DistConfig, ModelConfig
 from gm_trainer.job.validation import Section, build
 
 #: The embedded default job, shipped inside the wheel.
@@ -254,20 +254,6 @@ class CheckpointConfig(Section):
         return sorted(steps)
 
 
-@dataclass
-class DistConfig(Section):
-    """The process group of the ranks."""
-
-    section: ClassVar[str] = "dist"
-
-    timeout_s: float = 300.0
-    """Seconds a collective may wait for the other ranks before the job fails (the process
-    group's timeout): a rank that died or fell out of step ends the job instead of hanging it."""
-
-    def validate(self) -> None:
-        self._positive("timeout_s")
-
-
 # --------------------------------------------------------------------------- the job
 
 
@@ -317,19 +303,27 @@ class JobConfig:
     def check_world_size(self, world_size: int) -> None:
         """Raise :class:`ConfigError` unless the job can run on ``world_size`` ranks.
 
-        gm-train builds one FSDP group over all ranks (no TP, no HSDP mesh), and only the fsdp
-        pass synchronises gradients, so several ranks need it on.
+        gm-train shards over ``world_size / dist.dp_replicate`` ranks per replica (no TP), and
+        only the fsdp pass synchronises gradients, so several ranks need it on.
         """
-        t, p = self.train, self.parallel
+        t, p, replicas = self.train, self.parallel, self.dist.dp_replicate
         if t.global_batch_size % (world_size * t.accumulation):
             raise ConfigError(
                 f"train.global_batch_size={t.global_batch_size} must be divisible by "
                 f"world_size * train.accumulation = {world_size} * {t.accumulation}"
             )
-        if p.fsdp_degree is not None and p.fsdp_degree != world_size:
+        if world_size % replicas:
             raise ConfigError(
-                f"parallel.fsdp_degree={p.fsdp_degree}: gm-train shards over all "
-                f"{world_size} rank(s); use null or {world_size}"
+                f"dist.dp_replicate={replicas} does not divide the {world_size} rank(s); use a "
+                f"divisor of {world_size} (1: plain FSDP over every rank)"
+            )
+        shard = world_size // replicas
+        if p.fsdp_degree is not None and p.fsdp_degree != shard:
+            over = f"all {shard}" if replicas == 1 else f"{shard}"
+            per = "" if replicas == 1 else f" ({world_size} / dist.dp_replicate={replicas})"
+            raise ConfigError(
+                f"parallel.fsdp_degree={p.fsdp_degree}: gm-train shards over {over} "
+                f"rank(s){per}; use null or {shard}"
             )
         if p.tp_size != 1:
             raise ConfigError(

@@ -33,6 +33,7 @@ from gm_trainer.job.run_folder import (
 )
 from gm_trainer.job.sources import build_model
 from gm_trainer.job.telemetry import StepProfiler, Telemetry, job_flops_per_token
+from gm_trainer.mesh import MeshContext
 from gm_trainer.schedule import restore_scheduler, scheduler_extra, set_base_lrs
 
 if TYPE_CHECKING:
@@ -140,6 +141,7 @@ def _train(
         optimizer_config=t.optimizer_config(),
         lr_scheduler=t.lr_scheduler_factory(),
         graph_dump_dir=folder.graphs_dir if folder is not None else None,
+        mesh_context=_hsdp_mesh(config.dist.dp_replicate),
     )
     progress = Progress(t.steps, start_step=start_step) if folder is not None else None
     if progress is not None:
@@ -354,3 +356,8 @@ def _reconcile(trainer: GraphTrainer, config: JobConfig, saved: Any) -> list[str
                 "on another data stream than the uninterrupted run would have seen"
             )
     return notes
+
+
+def _hsdp_mesh(replicas: int) -> MeshContext | None:
+    """HSDP over ``replicas`` groups of ranks when asked for; ``None``: FSDP over every rank."""
+    return MeshContext.build(dp_replicate=replicas) if replicas > 1 else None

@@ -1,4 +1,4 @@
-"""The ``model`` and ``data`` sections of the ``gm-train`` configuration (re-exported by
+"""The ``model``, ``data`` and ``dist`` sections of the ``gm-train`` configuration (re-exported by
 :mod:`gm_trainer.job.config`); checks that need more than a field's type are in
 :mod:`gm_trainer.job.sources`."""
 
@@ -110,3 +110,22 @@ class DataConfig(Section):
         from gm_trainer.job.sources import check_data_section
 
         check_data_section(self)
+
+
+@dataclass
+class DistConfig(Section):
+    """The process group of the ranks and how they form data-parallel groups."""
+
+    section: ClassVar[str] = "dist"
+
+    timeout_s: float = 300.0
+    """Seconds a collective may wait for the other ranks before the job fails (the process
+    group's timeout): a rank that died or fell out of step ends the job instead of hanging it."""
+
+    dp_replicate: int = 1
+    """HSDP: this many replicas of the model, each sharded over ``world_size / dp_replicate``
+    ranks (FSDP within a replica, gradients all-reduced across replicas), so many nodes do not
+    form one flat FSDP group. ``1``: plain FSDP over every rank."""
+
+    def validate(self) -> None:
+        self._positive("timeout_s", "dp_replicate")
