@@ -163,8 +163,11 @@ def fsdp(rank: int, world: int, name: str, overrides: dict[str, Any]) -> dict[st
       summation order differs. Skipped for discontinuous (top-k routed) architectures.
     """
     assert world == 2, "the same-order reference sums as 2 ranks do"
-    torch.use_deterministic_algorithms(True)
-    arch = BY_NAME[name]
+    with deterministic():  # bitwise needs one summation order per op, as in single_process
+        return _fsdp(rank, world, BY_NAME[name], overrides)
+
+
+def _fsdp(rank: int, world: int, arch: Architecture, overrides: dict[str, Any]) -> dict[str, float]:
     model = build(arch, dropout=False)
     same_order, global_batch = copy.deepcopy(model), copy.deepcopy(model)
     gm, _ = compile_graph(
