@@ -66,12 +66,27 @@ TEST_DEPS = {
     "gm-trace": ("transformers>=5.0,<6",),
     "gm-trainer": ("transformers>=5.0,<6", "datasets>=3.0"),
 }
+# Optional extras of a layer that its tests need: the run-folder tests check loss.png.
+TEST_EXTRAS = {"gm-trainer": ("plot",)}
 
 
-def _install_layer(session: nox.Session, dist: str, *, torch: bool, tests: bool = True) -> None:
+def _install_layer(
+    session: nox.Session,
+    dist: str,
+    *,
+    torch: bool,
+    tests: bool = True,
+    extras: tuple[str, ...] = (),
+) -> None:
+    """``dist`` with ``extras`` (and its tests' extras when ``tests``), and the layers below."""
     if torch:
         session.install(TORCH_SPEC)
-    session.install(*_paths(*PACKAGES[dist]), *(("pytest>=8",) if tests else ()))
+    if tests:
+        extras = (*extras, *TEST_EXTRAS.get(dist, ()))
+    *below, top = _paths(*PACKAGES[dist])
+    if extras:
+        top += f"[{','.join(dict.fromkeys(extras))}]"  # e.g. packages/gm-trainer[plot]
+    session.install(*below, top, *(("pytest>=8",) if tests else ()))
     if tests and dist in TEST_DEPS:
         session.install(*TEST_DEPS[dist])
 
@@ -182,5 +197,5 @@ def bench(session: nox.Session) -> None:
 @nox.session(tags=["train"], default=False)
 def train(session: nox.Session) -> None:
     """The main job: ``nox -s train -- [CONFIG.yaml] [--nproc N] [section.key=value ...]``."""
-    _install_layer(session, "gm-trainer", torch=True, tests=False)
+    _install_layer(session, "gm-trainer", torch=True, tests=False, extras=("plot",))  # loss.png
     session.run("gm-train", *session.posargs)

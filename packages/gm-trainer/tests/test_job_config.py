@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import sys
 import textwrap
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from gm_trainer.job.config import (
 from gm_trainer.job.data import corpus_files, default_corpus
 from gm_trainer.job.progress import Progress, format_record
 from gm_trainer.job.run_folder import (
+    PLOT_INSTALL,
     MetricsWarning,
     RunFolder,
     checkpoint_dir,
@@ -33,6 +36,7 @@ from gm_trainer.job.run_folder import (
     step_checkpoints,
     summarize,
 )
+from gm_trainer.logs import console_logger
 
 
 def write(tmp_path: Path, text: str, name: str = "job.yaml") -> Path:
@@ -405,6 +409,7 @@ def test_run_folder_files(tmp_path: Path) -> None:
     assert [json.loads(line) for line in lines] == records
     png = (tmp_path / "run" / "loss.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
+    assert "loss_plot_skipped" not in summary
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == summary
     assert summary["first_loss"] == 5.0 and summary["final_loss"] == 1.0
     assert summary["steps"] == 5 and summary["world_size"] == 2
@@ -415,6 +420,33 @@ def test_run_folder_files(tmp_path: Path) -> None:
     RunFolder(tmp_path / "run")
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == ""
     assert not folder.graphs_dir.exists()
+
+
+def test_without_matplotlib_the_plot_is_skipped_with_one_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # None in sys.modules is how Python says "not installed": importing it raises.
+    for name in ("matplotlib", "matplotlib.backends.backend_agg", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, name, None)
+    # gm-train's console logger prints on rank 0 and does not propagate; caplog listens at
+    # the root logger.
+    monkeypatch.setattr(console_logger(), "propagate", True)
+    folder = RunFolder(tmp_path / "run")
+    (tmp_path / "run" / "loss.png").write_bytes(b"an earlier session's curve")
+    summary = folder.finish([_record(s, 5.0 / s) for s in range(1, 4)], world_size=1)
+    assert not (tmp_path / "run" / "loss.png").exists()
+    assert PLOT_INSTALL == "pip install 'gm-trainer[plot]'"
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (
+            logging.WARNING,
+            f"loss.png skipped: matplotlib is not installed; to draw it: {PLOT_INSTALL}",
+        )
+    ]
+    assert (
+        summary["loss_plot_skipped"] == f"matplotlib is not installed; to draw it: {PLOT_INSTALL}"
+    )
+    assert json.loads((tmp_path / "run" / "summary.json").read_text()) == summary
+    assert summary["final_loss"] == 5.0 / 3 and summary["steps"] == 3
 
 
 def test_a_resumed_run_folder_starts_with_the_history(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 
 config.yaml     the resolved configuration, every default filled in
 metrics.jsonl   one JSON record per logged step
-loss.png        the loss curve
+loss.png        the loss curve (needs matplotlib: ``pip install 'gm-trainer[plot]'``)
 summary.json    first/final loss, steps, time per step, world size, ...
 passes.txt      the wall time of each graph pass
 graphs/         the graph after each pass (written by GraphTrainer)
@@ -45,6 +45,7 @@ from gm_trainer.job.files import (
     create_unique_dir,
     mark_run_dir,
 )
+from gm_trainer.logs import console_logger
 
 #: The checkpoints of a run: ``<run_dir>/checkpoints/step-XXXXXXXX``.
 CHECKPOINTS_DIR = "checkpoints"
@@ -151,13 +152,28 @@ class RunFolder:
         write_atomic(self.path / name, text)
 
     def finish(self, records: Sequence[Mapping[str, Any]], **extra: Any) -> dict[str, Any]:
-        """Write ``loss.png`` and ``summary.json``; return the summary."""
+        """Write ``loss.png`` and ``summary.json``; return the summary.
+
+        Without matplotlib the plot is skipped: one log message says so and how to install
+        it, and the summary records why under ``loss_plot_skipped``.
+        """
         summary = summarize(records, **extra)
+        missing = plot_unavailable() if records else None
+        if missing is not None:
+            summary["loss_plot_skipped"] = f"{missing}; to draw it: {PLOT_INSTALL}"
         self.write_text("summary.json", json.dumps(summary, indent=2) + "\n")
-        if records:
-            self._refuse_link("loss.png")
+        if not records:
+            return summary
+        self._refuse_link("loss.png")
+        if missing is None:
             with replacing(self.path / "loss.png") as tmp:
                 plot_loss(records, tmp)
+        else:
+            # A curve left by an earlier session would contradict this summary.
+            (self.path / "loss.png").unlink(missing_ok=True)
+            console_logger(__name__).warning(
+                "loss.png skipped: %s; to draw it: %s", missing, PLOT_INSTALL
+            )
         return summary
 
     def _refuse_link(self, name: str) -> None:
@@ -184,8 +200,25 @@ def summarize(records: Sequence[Mapping[str, Any]], **extra: Any) -> dict[str, A
     return summary
 
 
+#: How to get ``loss.png`` where matplotlib is missing.
+PLOT_INSTALL = "pip install 'gm-trainer[plot]'"
+
+
+def plot_unavailable() -> str | None:
+    """Why :func:`plot_loss` cannot draw here (matplotlib is an optional extra), or ``None``."""
+    try:
+        import matplotlib.backends.backend_agg
+        import matplotlib.figure  # noqa: F401
+    except ImportError as e:
+        if (e.name or "").partition(".")[0] == "matplotlib":
+            return "matplotlib is not installed"
+        return f"matplotlib cannot be imported ({e})"  # installed, but broken
+    return None
+
+
 def plot_loss(records: Sequence[Mapping[str, Any]], path: Path) -> None:
-    """Save the loss-vs-step curve as a PNG (Agg canvas: no display, no global backend)."""
+    """Save the loss-vs-step curve as a PNG (Agg canvas: no display, no global backend).
+    Needs matplotlib (``pip install 'gm-trainer[plot]'``)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
