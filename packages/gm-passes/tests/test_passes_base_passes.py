@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 
 from gm_config import PassConfig
-from gm_passes import CanonicalizeGraph, DeadCodeElimination, PassContext, PassResult
+from gm_passes import (
+    CanonicalizeGraph,
+    DeadCodeElimination,
+    PassContext,
+    PassPipeline,
+    PassResult,
+)
 from gm_passes.base_passes import ALIAS_OPS
 
 
@@ -41,12 +47,19 @@ def test_dce_removes_a_dead_chain_in_one_run(dead_code_graph, ctx):
     assert dead_code_graph(2, 5) == before == 7
 
 
-def test_dce_lints_and_recompiles_only_when_it_changed_something(dead_code_graph, ctx):
-    DeadCodeElimination().run(dead_code_graph, ctx)
+def test_a_pass_leaves_lint_and_recompile_to_the_pipeline(dead_code_graph, ctx):
+    assert DeadCodeElimination().run(dead_code_graph, ctx).modified is True
+    assert (dead_code_graph.graph.lint_calls, dead_code_graph.recompile_calls) == (0, 0)
+
+
+def test_the_pipeline_lints_and_recompiles_once_after_a_pass_that_changed_something(
+    dead_code_graph,
+):
+    pipeline = PassPipeline([DeadCodeElimination()])
+    pipeline.run(dead_code_graph)
     assert (dead_code_graph.graph.lint_calls, dead_code_graph.recompile_calls) == (1, 1)
-    again = DeadCodeElimination().run(dead_code_graph, ctx)
-    assert again.modified is False
-    assert ctx.stats["dce"] == {"nodes_removed": 0}
+    pipeline.run(dead_code_graph)  # nothing left to remove: no lint, no recompile
+    assert pipeline.context.stats["dce"] == {"nodes_removed": 0}
     assert (dead_code_graph.graph.lint_calls, dead_code_graph.recompile_calls) == (1, 1)
 
 
@@ -169,7 +182,7 @@ def test_canonicalize_removes_detach_and_alias_and_keeps_the_values(fx, ctx):
     assert ops == ["aten.mul.Tensor", "aten.add.Tensor"]
     assert ctx.stats["canonicalize"] == {"aliases_removed": 4}
     assert gm(3, 4) == before == (16, 3)
-    assert (gm.graph.lint_calls, gm.recompile_calls) == (1, 1)
+    assert (gm.graph.lint_calls, gm.recompile_calls) == (0, 0)  # the pipeline does both
 
 
 def test_canonicalize_points_users_at_the_original_value(fx, ctx):

@@ -65,12 +65,13 @@ def test_dce_removes_dead_computation_of_a_make_fx_graph(ctx):
     gm = make_fx(f)(x, y)
     assert aten.sin.default in targets(gm) and aten.mul.Tensor in targets(gm)
 
-    result = DeadCodeElimination().run(gm, ctx)
+    pipeline = PassPipeline([DeadCodeElimination()])
+    assert pipeline.run(gm) is gm
 
-    assert result.graph_module is gm and result.modified is True
+    assert pipeline.records[0].modified is True
     assert targets(gm) == [aten.add.Tensor]
-    assert ctx.stats["dce"] == {"nodes_removed": 2}
-    assert "sin" not in gm.code  # recompiled
+    assert pipeline.context.stats["dce"] == {"nodes_removed": 2}
+    assert "sin" not in gm.code  # the pipeline recompiled it
     gm.graph.lint()
     assert torch.equal(gm(x, y), x + y)
     assert DeadCodeElimination().run(gm, ctx).modified is False
@@ -161,12 +162,13 @@ def test_canonicalize_removes_detach_and_alias_and_computes_the_same(ctx):
     assert aten.alias.default in targets(gm)
     expected = gm(w, x)
 
-    result = CanonicalizeGraph().run(gm, ctx)
+    pipeline = PassPipeline([CanonicalizeGraph()])
+    assert pipeline.run(gm) is gm
 
-    assert result.graph_module is gm and result.modified is True
+    assert pipeline.records[0].modified is True
     assert aten.detach.default not in targets(gm) and aten.alias.default not in targets(gm)
-    assert ctx.stats["canonicalize"] == {"aliases_removed": 4}
-    assert "detach" not in gm.code and "alias" not in gm.code
+    assert pipeline.context.stats["canonicalize"] == {"aliases_removed": 4}
+    assert "detach" not in gm.code and "alias" not in gm.code  # the pipeline recompiled it
     gm.graph.lint()
     w_node = next(n for n in gm.graph.nodes if n.op == "placeholder")
     assert {u.target for u in w_node.users} == {aten.mm.default, aten.sum.default}

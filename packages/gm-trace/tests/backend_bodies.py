@@ -16,10 +16,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gm_config import PassConfig
-from gm_passes import PassPipeline
 from gm_passes.graph_ops import is_collective, is_wait, op_name
 from gm_trace.testing import TinyGPT, lm_loss, make_lm_batch
-from gm_trace.tracer import run_traced_graph, trace_model_graph
+from gm_trace.testing.compile import compile_joint
+from gm_trace.tracer import run_traced_graph
 
 LR = 1e-2
 COLLECTIVE_NAMESPACES = ("_c10d_functional.", "c10d_functional.", "gm_c10d.")
@@ -43,15 +43,16 @@ def compile_fsdp_pair(rank: int, world: int, cache_dir: str) -> dict[str, Any]:
     config = PassConfig(bucket_cap_mb=25.0, prefetch_blocks=1)
     graphs, stats = {}, {}
     for name, m, backend in [("none", model, None), ("inductor", compiled_model, "inductor")]:
-        gm = trace_model_graph(m, lm_loss, *_batch(0, rank, world))
-        pipeline = PassPipeline.from_config(dataclasses.replace(config, backend=backend))
-        graphs[name] = pipeline.run(gm, model=m)
+        sample = _batch(0, rank, world)
+        graphs[name], pipeline = compile_joint(
+            m, lm_loss, sample, dataclasses.replace(config, backend=backend)
+        )
         stats[name] = pipeline.context.stats
     _compiled.update(model=model, compiled_model=compiled_model, graphs=graphs)
     return {
         "buckets": len(stats["none"]["fsdp"]["buckets"]),
         "backend": stats["inductor"]["backend"],
-        "same_graph": graphs["none"].code == graphs["inductor"].code,
+        "same_graph": graphs["none"].graph_module.code == graphs["inductor"].graph_module.code,
     }
 
 
@@ -114,5 +115,5 @@ def train_fsdp_pair(rank: int, world: int, steps: int) -> dict[str, Any]:
         "worst_loss_rel": worst_loss,
         "worst_grad_abs": worst_grad,
         "issued": issued,
-        "graph": graph_collectives(graphs["inductor"]),
+        "graph": graph_collectives(graphs["inductor"].graph_module),
     }

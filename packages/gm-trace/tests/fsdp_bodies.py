@@ -10,14 +10,12 @@ import torch
 import torch.distributed as dist
 
 from gm_config import PassConfig, PassPlan
-from gm_passes import PassPipeline
 from gm_passes.graph_ops import is_collective, is_wait, op_name
 from gm_trace.fsdp import (
     CollectiveMismatchError,
     FSDPConfigError,
     collective_sequence,
     full_parameter,
-    row_shards,
 )
 from gm_trace.testing import (
     MLP,
@@ -27,8 +25,9 @@ from gm_trace.testing import (
     make_regression_batch,
     mse_loss,
 )
+from gm_trace.testing.compile import compile_joint
 from gm_trace.testing.parity import assert_full_params_close, parity_tolerance
-from gm_trace.tracer import run_traced_graph, trace_model_graph
+from gm_trace.tracer import run_traced_graph
 
 STEPS = 10
 LR = 1e-2
@@ -66,10 +65,7 @@ def _local(batch: tuple[torch.Tensor, torch.Tensor], rank: int, world: int):
 
 def compile_fsdp(model, train_fn, sample, config: PassConfig, plan: PassPlan | None = None):
     dtype = getattr(torch, config.param_dtype) if config.param_dtype else None
-    gm = trace_model_graph(model, train_fn, *sample, param_dtype=dtype)
-    pipeline = PassPipeline.from_config(config, plan)
-    gm = pipeline.run(gm, model=model)
-    return gm, pipeline
+    return compile_joint(model, train_fn, sample, config, plan, param_dtype=dtype)
 
 
 def parity(
@@ -91,7 +87,7 @@ def parity(
         plan = PassPlan()
         for pattern in plan_patterns:
             plan.add_pattern(pattern)
-    gm, pipeline = compile_fsdp(
+    joint, pipeline = compile_fsdp(
         model, train_fn, _local(batch(0), rank, world), PassConfig(**overrides), plan
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
@@ -104,7 +100,7 @@ def parity(
         ref_optimizer.step()
         ref_optimizer.zero_grad()
 
-        out = run_traced_graph(gm, model, *_local(global_batch, rank, world))
+        out = run_traced_graph(joint, model, *_local(global_batch, rank, world))
         for fqn, grad in out.grads.items():
             model.get_parameter(fqn).grad = grad
         optimizer.step()
@@ -115,7 +111,7 @@ def parity(
         torch.testing.assert_close(loss, ref_loss.detach(), **parity_tolerance(step + 1))
         worst_loss = max(worst_loss, (loss - ref_loss).abs().item())
 
-    worst_param = assert_full_params_close(model, reference, steps=STEPS)
+    worst_param = assert_full_params_close(model, reference, joint.sharding, steps=STEPS)
     torch.backends.mkldnn.enabled = True
     stats = pipeline.context.stats["fsdp"]
     return {"loss": worst_loss, "param": worst_param, "stats": stats}
@@ -141,9 +137,9 @@ def collective_counts(rank: int, world: int, bucket_cap_mb: float | None):
     model, train_fn, batch = build("gpt", world)
     plan = PassPlan().add_pattern("layers.*")
     config = PassConfig(enable_overlap=False, bucket_cap_mb=bucket_cap_mb)
-    gm, pipeline = compile_fsdp(model, train_fn, _local(batch(0), rank, world), config, plan)
+    joint, pipeline = compile_fsdp(model, train_fn, _local(batch(0), rank, world), config, plan)
     kinds: dict[str, int] = {}
-    for node in gm.graph.nodes:
+    for node in joint.graph_module.graph.nodes:
         if is_collective(node) and not is_wait(node):
             kind = op_name(node).split(".")[1]
             kinds[kind] = kinds.get(kind, 0) + 1
@@ -190,9 +186,9 @@ def plan_checks(rank: int, world: int):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan = PassPlan().add_pattern("layers.*").add_pattern("decoder.*")
-        compile_fsdp(model, train_fn, sample, PassConfig(), plan)
+        joint, _ = compile_fsdp(model, train_fn, sample, PassConfig(), plan)
     messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
-    return missing, messages, sorted(row_shards(model))
+    return missing, messages, sorted(joint.sharding.params)
 
 
 def fail_on_rank_one(rank: int, world: int):
@@ -210,31 +206,32 @@ def ranks_and_threads(rank: int, world: int):
 def schedule(rank: int, world: int, prefetch_blocks: int | None):
     """The overlap pass's schedule and memory estimate for TinyGPT (no plan: 5 blocks)."""
     model, train_fn, batch = build("gpt", world)
-    gm, pipeline = compile_fsdp(
+    joint, pipeline = compile_fsdp(
         model, train_fn, _local(batch(0), rank, world), PassConfig(prefetch_blocks=prefetch_blocks)
     )
+    graph = joint.graph_module.graph
     first_compute = next(
         n
-        for n in gm.graph.nodes
+        for n in graph.nodes
         if n.op == "call_function"
         and not is_collective(n)
         and not n.meta.get("gm_comm_prologue")
         and not n.meta.get("gm_comm_epilogue")
     )
     issued_up_front = 0
-    for node in gm.graph.nodes:
+    for node in graph.nodes:
         if node is first_compute:
             break
         issued_up_front += is_collective(node) and not is_wait(node)
     return issued_up_front, pipeline.context.stats["overlap"]
 
 
-def _train(gm, model, batch, rank: int, world: int, steps: int) -> list[float]:
+def _train(joint, model, batch, rank: int, world: int, steps: int) -> list[float]:
     """``steps`` Adam steps of the compiled graph on this rank's slices; the losses."""
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     losses = []
     for step in range(steps):
-        out = run_traced_graph(gm, model, *_local(batch(step), rank, world))
+        out = run_traced_graph(joint, model, *_local(batch(step), rank, world))
         for fqn, grad in out.grads.items():
             model.get_parameter(fqn).grad = grad
         optimizer.step()
@@ -259,17 +256,22 @@ def reshard(rank: int, world: int, overrides: dict):
         ),
     ]:
         model, train_fn, batch = build("gpt", world)
-        gm, pipeline = compile_fsdp(model, train_fn, _local(batch(0), rank, world), config, plan)
-        losses = _train(gm, model, batch, rank, world, steps=3)
+        joint, pipeline = compile_fsdp(model, train_fn, _local(batch(0), rank, world), config, plan)
+        losses = _train(joint, model, batch, rank, world, steps=3)
         stats = pipeline.context.stats
         runs[name] = {
             "losses": losses,
-            "params": [full_parameter(model, fqn) for fqn, _ in model.named_parameters()],
+            "params": [
+                full_parameter(model, fqn, joint.sharding) for fqn, _ in model.named_parameters()
+            ],
             "gathers": sum(1 for r in stats["overlap"]["schedule"] if "gather" in r["kind"]),
             "peak": stats["overlap"]["peak_memory_bytes_after"],
             "regathered": stats.get("reshard", {}).get("regathered_buckets", []),
             "dtypes": sorted(
-                {re.search(r"torch\.\w+", line)[0] for line in collective_sequence(gm)}
+                {
+                    re.search(r"torch\.\w+", line)[0]
+                    for line in collective_sequence(joint.graph_module)
+                }
             ),
         }
     for name in ("on", "plan"):
@@ -308,8 +310,8 @@ def recompute_parity(rank: int, world: int):
     for name, recompute in (("off", False), ("on", True)):
         model, train_fn, batch = build("gpt", world)
         config = PassConfig(reshard_after_forward=True, recompute_pointwise=recompute)
-        gm, pipeline = compile_fsdp(model, train_fn, _local(batch(0), rank, world), config)
-        losses = _train(gm, model, batch, rank, world, steps=3)
+        joint, pipeline = compile_fsdp(model, train_fn, _local(batch(0), rank, world), config)
+        losses = _train(joint, model, batch, rank, world, steps=3)
         stats = pipeline.context.stats
         runs[name] = {
             "losses": losses,
@@ -317,7 +319,7 @@ def recompute_parity(rank: int, world: int):
             "peak": stats["overlap"]["peak_memory_bytes_after"],
             "forward_params_read_in_backward": [
                 node.name
-                for node in gm.graph.nodes
+                for node in joint.graph_module.graph.nodes
                 if "gm_full_param" in node.meta
                 and not node.meta.get("gm_regather")
                 and any(u.meta.get("gm_phase") == "backward" for u in node.users)

@@ -14,10 +14,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 import gm_trace
 from gm_config import PassConfig
-from gm_passes import PassPipeline
 from gm_trace.backend import BackendError, CompiledStep, available_backends, unregister_backend
 from gm_trace.testing import MLP, TinyGPT, lm_loss, make_lm_batch, make_regression_batch, mse_loss
-from gm_trace.tracer import run_traced_graph, trace_model_graph
+from gm_trace.testing.compile import compile_joint
+from gm_trace.tracer import run_traced_graph
 
 STEPS = 3
 
@@ -48,9 +48,7 @@ def mlp():
 
 
 def compile_graph(model, train_fn, sample, backend):
-    gm = trace_model_graph(model, train_fn, *sample)
-    pipeline = PassPipeline.from_config(PassConfig(backend=backend))
-    return pipeline.run(gm, model=model), pipeline
+    return compile_joint(model, train_fn, sample, PassConfig(backend=backend))
 
 
 # --------------------------------------------------------------------------- parity
@@ -65,10 +63,11 @@ def test_inductor_matches_the_graph_over_adam_steps(build, inductor_cache):
     reference, _ = compile_graph(model, train_fn, batch(0), None)
     compiled, pipeline = compile_graph(model, train_fn, batch(0), "inductor")
     assert isinstance(compiled.compiled_step, CompiledStep)
-    assert not hasattr(reference, "compiled_step")
+    assert reference.compiled_step is None
     assert pipeline.names[-1] == "backend"
     assert pipeline.context.stats["backend"]["backend"] == "inductor"
-    assert compiled.code == reference.code  # the graph module itself is left as it was
+    # the graph module itself is left as it was
+    assert compiled.graph_module.code == reference.graph_module.code
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     for step in range(STEPS):
         expected = run_traced_graph(reference, model, *batch(step))
@@ -120,9 +119,10 @@ def test_a_registered_backend_gets_the_graph_and_its_callable_runs_each_step():
     try:
         assert "recording" in available_backends()
         reference, _ = compile_graph(model, train_fn, batch(0), None)
-        gm, pipeline = compile_graph(model, train_fn, batch(0), "recording")
+        joint, pipeline = compile_graph(model, train_fn, batch(0), "recording")
     finally:
         unregister_backend("recording")
+    gm = joint.graph_module
     assert seen["graph"] is not gm and seen["graph"].code == gm.code  # a copy of the graph
     placeholders = gm.graph.find_nodes(op="placeholder")
     assert [tuple(t.shape) for t in seen["inputs"]] == [
@@ -133,22 +133,23 @@ def test_a_registered_backend_gets_the_graph_and_its_callable_runs_each_step():
     assert pipeline.context.stats["backend"]["backend"] == "recording"
     for step in range(2):
         expected = run_traced_graph(reference, model, *batch(step))
-        actual = run_traced_graph(gm, model, *batch(step))
+        actual = run_traced_graph(joint, model, *batch(step))
         assert seen["calls"] == step + 1
         assert torch.equal(actual.loss, expected.loss)
         assert all(torch.equal(actual.grads[f], g) for f, g in expected.grads.items())
 
 
-def test_the_compiled_step_survives_deepcopy_and_refuses_a_changed_graph():
+def test_the_compiled_step_serves_a_copy_and_refuses_a_changed_graph():
     model, train_fn, batch = mlp()
-    gm, _ = compile_graph(model, train_fn, batch(0), "eager")
-    copied = copy.deepcopy(gm)
-    assert copied.compiled_step is gm.compiled_step
+    joint, _ = compile_graph(model, train_fn, batch(0), "eager")
+    copied = joint.replace(graph_module=copy.deepcopy(joint.graph_module))
+    assert copied.compiled_step is joint.compiled_step
     run_traced_graph(copied, model, *batch(0))
-    output = copied.graph.output_node()
-    with copied.graph.inserting_before(output):
-        copied.graph.call_function(torch.ops.aten.neg.default, (output.args[0][0],))
-    copied.recompile()
+    graph = copied.graph_module.graph
+    output = graph.output_node()
+    with graph.inserting_before(output):
+        graph.call_function(torch.ops.aten.neg.default, (output.args[0][0],))
+    copied.graph_module.recompile()
     with pytest.raises(BackendError, match="changed after the backend pass compiled it"):
         run_traced_graph(copied, model, *batch(0))
 

@@ -90,13 +90,15 @@ def test_plan_errors_and_warnings(dist_pool):
 def test_single_process_leaves_the_graph_untouched():
     torch.manual_seed(0)
     model = MLP()
-    gm = trace_model_graph(model, mse_loss, *make_regression_batch())
-    before = gm.code
+    traced = trace_model_graph(model, mse_loss, *make_regression_batch())
+    before = traced.graph_module.code
     shapes = [p.shape for p in model.parameters()]
     pipeline = PassPipeline.from_config(PassConfig(), None)
-    gm = pipeline.run(gm, model=model)
+    joint = traced.through(pipeline, model=model)
     assert "skipped" in pipeline.context.stats["fsdp"]
-    assert "_c10d_functional" not in gm.code and "_c10d_functional" not in before
+    assert joint.sharding is None
+    assert "_c10d_functional" not in joint.graph_module.code
+    assert "_c10d_functional" not in before
     assert [p.shape for p in model.parameters()] == shapes
 
 

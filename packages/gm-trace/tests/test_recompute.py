@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gm_config import PassConfig
-from gm_passes import PassContext
+from gm_passes import PassPipeline
 from gm_trace.memory import is_view, peak_allocated_bytes
 from gm_trace.recompute import RecomputePass
 from gm_trace.testing import (
@@ -39,9 +39,10 @@ CASES = {
 def _recomputed(model, train_fn, batch):
     """(plain graph, graph after the recompute pass, the pass's statistics)."""
     plain = trace_model_graph(model, train_fn, *batch)
-    ctx = PassContext(config=PassConfig(), model=model)
-    graph, _ = RecomputePass().run(copy.deepcopy(plain), ctx)
-    return plain, graph, ctx.stats["recompute"]
+    pipeline = PassPipeline([RecomputePass()], PassConfig())
+    own_copy = plain.replace(graph_module=copy.deepcopy(plain.graph_module))
+    graph = own_copy.through(pipeline, model=model)
+    return plain, graph, pipeline.context.stats["recompute"]
 
 
 def _outputs(graph, model, batch, seed=0):
@@ -59,7 +60,7 @@ def test_steps_are_bitwise_identical(name):
     assert torch.equal(expected.loss, actual.loss)
     for fqn, grad in expected.grads.items():
         assert torch.equal(grad, actual.grads[fqn]), fqn
-    copies = [n for n in graph.graph.nodes if n.meta.get("gm_recomputed")]
+    copies = [n for n in graph.graph_module.graph.nodes if n.meta.get("gm_recomputed")]
     assert all(n.meta["gm_phase"] == "backward" for n in copies)
     assert all(is_view(n) or torch.Tag.pointwise in n.target.tags for n in copies)
     # GELU outputs (MLP, GPT), norm products (GPT) and ReLUs of batch-norm outputs (ConvBN)
@@ -87,7 +88,7 @@ def test_nothing_to_recompute_leaves_the_graph_alone():
     batch = make_regression_batch(4, 4, 2)
     _, graph, stats = _recomputed(model, mse_loss, batch)
     assert stats == {"recomputed": [], "saved_bytes_recomputed": 0}
-    assert not any(n.meta.get("gm_recomputed") for n in graph.graph.nodes)
+    assert not any(n.meta.get("gm_recomputed") for n in graph.graph_module.graph.nodes)
 
 
 @pytest.mark.distributed
@@ -119,7 +120,7 @@ def test_a_value_written_in_place_after_use_is_not_recomputed_from():
     torch.manual_seed(0)
     model, batch = WritesAfterUse(), make_regression_batch(4, 8, 8)
     plain, graph, stats = _recomputed(model, mse_loss, batch)
-    assert "mul_" in plain.code  # the write is in the graph, not functionalized away
+    assert "mul_" in plain.graph_module.code  # the write is in the graph, not functionalized away
     assert stats["recomputed"] == [], stats
     eager = copy.deepcopy(model)
     mse_loss(eager, *copy.deepcopy(batch)).backward()

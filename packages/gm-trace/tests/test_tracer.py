@@ -32,7 +32,6 @@ from gm_trace.tracer import (
     GraphOutputs,
     GraphSignatureError,
     OutputSpec,
-    grad_output_node,
     run_traced_graph,
     trace_model_graph,
 )
@@ -73,7 +72,7 @@ def _assert_grads_equal(eager: nn.Module, out: GraphOutputs) -> None:
 def test_five_adam_steps_are_bitwise_equal_to_eager(name: str) -> None:
     eager, train_fn, batch = _build(name)
     graph_model = copy.deepcopy(eager)
-    gm = trace_model_graph(graph_model, train_fn, *batch(0))
+    joint = trace_model_graph(graph_model, train_fn, *batch(0))
     opt_eager = torch.optim.Adam(eager.parameters(), lr=1e-2)
     opt_graph = torch.optim.Adam(graph_model.parameters(), lr=1e-2)
 
@@ -81,7 +80,7 @@ def test_five_adam_steps_are_bitwise_equal_to_eager(name: str) -> None:
         torch.manual_seed(100 + step)  # same dropout masks for both
         loss = _eager_grads(eager, train_fn, batch(step))
         torch.manual_seed(100 + step)
-        out = run_traced_graph(gm, graph_model, *batch(step))
+        out = run_traced_graph(joint, graph_model, *batch(step))
 
         assert torch.equal(out.loss, loss)
         _assert_grads_equal(eager, out)
@@ -99,8 +98,8 @@ def test_five_adam_steps_are_bitwise_equal_to_eager(name: str) -> None:
 def test_batchnorm_running_stats_update_the_live_model() -> None:
     eager, train_fn, batch = _build("conv_bn")
     graph_model = copy.deepcopy(eager)
-    gm = trace_model_graph(graph_model, train_fn, *batch(0))
-    assert gm.mutated_fqns == [
+    joint = trace_model_graph(graph_model, train_fn, *batch(0))
+    assert list(joint.mutated_fqns) == [
         "bn1.running_mean",
         "bn1.running_var",
         "bn1.num_batches_tracked",
@@ -112,15 +111,15 @@ def test_batchnorm_running_stats_update_the_live_model() -> None:
 
     for step in range(3):
         _eager_grads(eager, train_fn, batch(step))
-        run_traced_graph(gm, graph_model, *batch(step))
+        run_traced_graph(joint, graph_model, *batch(step))
     for fqn, buf in eager.named_buffers():
         assert torch.equal(graph_model.get_buffer(fqn), buf), fqn
     assert graph_model.bn2.num_batches_tracked.item() == 3
     assert graph_model.bn1.running_mean.abs().sum() > 0
     # The mutated-state outputs are described and indexed like the gradients.
-    index = gm.mutated_output_index["bn1.running_var"]
-    assert gm.output_specs[index] == OutputSpec("mutated", "bn1.running_var")
-    assert gm.graph.output_node().args[0][index].meta["gm_mutated"] is True
+    index = joint.mutated_output_index["bn1.running_var"]
+    assert joint.output_specs[index] == OutputSpec("mutated", "bn1.running_var")
+    assert joint.graph_module.graph.output_node().args[0][index].meta["gm_mutated"] is True
 
 
 def test_dropout_masks_follow_the_global_rng() -> None:
@@ -129,14 +128,14 @@ def test_dropout_masks_follow_the_global_rng() -> None:
     torch.manual_seed(7)
     before = torch.rand(4)
     torch.manual_seed(7)
-    gm = trace_model_graph(model, train_fn, x, y)
+    joint = trace_model_graph(model, train_fn, x, y)
     assert torch.equal(torch.rand(4), before), "tracing must not consume the global RNG"
 
     torch.manual_seed(3)
     eager_loss = train_fn(model, x, y)
     torch.manual_seed(3)
-    first = run_traced_graph(gm, model, x, y).loss
-    second = run_traced_graph(gm, model, x, y).loss  # RNG advanced: new masks
+    first = run_traced_graph(joint, model, x, y).loss
+    second = run_traced_graph(joint, model, x, y).loss  # RNG advanced: new masks
     assert torch.equal(first, eager_loss.detach())
     assert not torch.equal(first, second)
 
@@ -147,14 +146,14 @@ def test_dropout_masks_follow_the_global_rng() -> None:
 def test_tied_embedding_gets_exactly_one_gradient() -> None:
     eager, train_fn, batch = _build("tiny_gpt")
     assert eager.lm_head.weight is eager.tok_emb.weight
-    gm = trace_model_graph(eager, train_fn, *batch(0))
+    joint = trace_model_graph(eager, train_fn, *batch(0))
 
-    assert gm.param_aliases == {"lm_head.weight": "tok_emb.weight"}
-    assert gm.grad_fqns.count("tok_emb.weight") == 1
-    assert "lm_head.weight" not in gm.state_fqns + gm.grad_fqns
-    assert grad_output_node(gm, "lm_head.weight") is grad_output_node(gm, "tok_emb.weight")
+    assert joint.param_aliases == {"lm_head.weight": "tok_emb.weight"}
+    assert joint.grad_fqns.count("tok_emb.weight") == 1
+    assert "lm_head.weight" not in joint.state_fqns + joint.grad_fqns
+    assert joint.grad_output_node("lm_head.weight") is joint.grad_output_node("tok_emb.weight")
 
-    out = run_traced_graph(gm, eager, *batch(0))
+    out = run_traced_graph(joint, eager, *batch(0))
     _eager_grads(eager, train_fn, batch(0))
     assert torch.equal(out.grads["tok_emb.weight"], eager.tok_emb.weight.grad)
 
@@ -162,17 +161,19 @@ def test_tied_embedding_gets_exactly_one_gradient() -> None:
 def test_frozen_parameter_stays_an_input_without_gradient() -> None:
     eager, train_fn, batch = _build("mlp")
     eager.fc1.weight.requires_grad_(False)
-    gm = trace_model_graph(eager, train_fn, *batch(0))
+    joint = trace_model_graph(eager, train_fn, *batch(0))
 
-    assert "fc1.weight" in gm.state_fqns
-    assert "fc1.weight" not in gm.grad_fqns
-    assert gm.frozen_param_fqns == ["fc1.weight"]
-    placeholder = gm.graph.find_nodes(op="placeholder")[gm.state_fqns.index("fc1.weight")]
+    assert "fc1.weight" in joint.state_fqns
+    assert "fc1.weight" not in joint.grad_fqns
+    assert list(joint.frozen_param_fqns) == ["fc1.weight"]
+    placeholder = joint.graph_module.graph.find_nodes(op="placeholder")[
+        joint.state_fqns.index("fc1.weight")
+    ]
     assert placeholder.meta["gm_trainable"] is False
     with pytest.raises(KeyError, match=r"fc1\.weight"):
-        grad_output_node(gm, "fc1.weight")
+        joint.grad_output_node("fc1.weight")
 
-    out = run_traced_graph(gm, eager, *batch(0))
+    out = run_traced_graph(joint, eager, *batch(0))
     _eager_grads(eager, train_fn, batch(0))
     _assert_grads_equal(eager, out)
 
@@ -190,9 +191,9 @@ class _WithUnused(nn.Module):
 def test_unused_parameter_gets_no_gradient_like_eager() -> None:
     torch.manual_seed(0)
     model = _WithUnused()
-    gm = trace_model_graph(model, mse_loss, *make_regression_batch())
-    assert gm.unused_param_fqns == ["unused.weight", "unused.bias"]
-    out = run_traced_graph(gm, model, *make_regression_batch())
+    joint = trace_model_graph(model, mse_loss, *make_regression_batch())
+    assert list(joint.unused_param_fqns) == ["unused.weight", "unused.bias"]
+    out = run_traced_graph(joint, model, *make_regression_batch())
     _eager_grads(model, mse_loss, make_regression_batch())
     assert model.unused.weight.grad is None
     _assert_grads_equal(model, out)
@@ -215,8 +216,8 @@ class _Biases(nn.Module):
 def test_gradients_own_their_memory_and_follow_parameter_layout() -> None:
     model = _Biases()
     x, y = torch.randn(8), torch.randn(8)
-    gm = trace_model_graph(model, mse_loss, x, y)
-    out = run_traced_graph(gm, model, x, y)
+    joint = trace_model_graph(model, mse_loss, x, y)
+    out = run_traced_graph(joint, model, x, y)
     _eager_grads(model, mse_loss, (x, y))
     _assert_grads_equal(model, out)
     ptrs = {g.untyped_storage().data_ptr() for g in out.grads.values()}
@@ -231,60 +232,62 @@ def test_gradients_own_their_memory_and_follow_parameter_layout() -> None:
 
 def test_state_placeholders_lead_in_fixed_order_without_get_attr() -> None:
     model, train_fn, batch = _build("conv_bn")
-    gm = trace_model_graph(model, train_fn, *batch(0))
+    joint = trace_model_graph(model, train_fn, *batch(0))
 
     params = [fqn for fqn, _ in model.named_parameters()]
     buffers = [fqn for fqn, _ in model.named_buffers()]
-    assert gm.state_fqns == params + buffers
-    assert gm.state_is_param == [True] * len(params) + [False] * len(buffers)
+    assert list(joint.state_fqns) == params + buffers
+    assert list(joint.state_is_param) == [True] * len(params) + [False] * len(buffers)
 
-    placeholders = gm.graph.find_nodes(op="placeholder")
-    assert len(placeholders) == len(gm.state_fqns) + 2
-    assert [n.meta["gm_fqn"] for n in placeholders[: len(gm.state_fqns)]] == gm.state_fqns
+    placeholders = joint.graph_module.graph.find_nodes(op="placeholder")
+    assert len(placeholders) == len(joint.state_fqns) + 2
+    state = placeholders[: len(joint.state_fqns)]
+    assert tuple(n.meta["gm_fqn"] for n in state) == joint.state_fqns
     assert [n.meta["gm_role"] for n in placeholders] == (
         ["param"] * len(params) + ["buffer"] * len(buffers) + ["input", "input"]
     )
     assert [n.meta["gm_path"] for n in placeholders[-2:]] == ["input", "label"]
-    assert not [n for n in gm.graph.nodes if n.op == "get_attr"]
-    assert not [name for name, _ in gm.named_parameters()]
-    assert not [name for name, _ in gm.named_buffers()]
+    assert not [n for n in joint.graph_module.graph.nodes if n.op == "get_attr"]
+    assert not [name for name, _ in joint.graph_module.named_parameters()]
+    assert not [name for name, _ in joint.graph_module.named_buffers()]
 
 
 def test_outputs_are_loss_then_grads_then_mutated_state() -> None:
     model, train_fn, batch = _build("conv_bn")
-    gm = trace_model_graph(model, train_fn, *batch(0))
-    assert gm.output_specs[0] == OutputSpec("loss")
-    assert [s.fqn for s in gm.output_specs if s.kind == "grad"] == gm.grad_fqns
-    assert [s.fqn for s in gm.output_specs if s.kind == "mutated"] == gm.mutated_fqns
-    assert [s.kind for s in gm.output_specs] == (
-        ["loss"] + ["grad"] * len(gm.grad_fqns) + ["mutated"] * len(gm.mutated_fqns)
+    joint = trace_model_graph(model, train_fn, *batch(0))
+    assert joint.output_specs[0] == OutputSpec("loss")
+    assert [s.fqn for s in joint.output_specs if s.kind == "grad"] == list(joint.grad_fqns)
+    assert [s.fqn for s in joint.output_specs if s.kind == "mutated"] == list(joint.mutated_fqns)
+    assert [s.kind for s in joint.output_specs] == (
+        ["loss"] + ["grad"] * len(joint.grad_fqns) + ["mutated"] * len(joint.mutated_fqns)
     )
-    for fqn, index in gm.grad_output_index.items():
-        assert gm.output_specs[index] == OutputSpec("grad", fqn)
-        assert fqn in grad_output_node(gm, fqn).meta["gm_grad_of"]
+    for fqn, index in joint.grad_output_index.items():
+        assert joint.output_specs[index] == OutputSpec("grad", fqn)
+        assert fqn in joint.grad_output_node(fqn).meta["gm_grad_of"]
     # Running the raw graph follows the same convention.
     live = [*model.parameters(), *model.buffers()]
     with torch.no_grad():
-        outputs = gm(*live, *batch(0))
-    assert len(outputs) == len(gm.output_specs)
-    assert outputs[gm.mutated_output_index["bn1.running_mean"]] is model.bn1.running_mean
+        outputs = joint.graph_module(*live, *batch(0))
+    assert len(outputs) == len(joint.output_specs)
+    assert outputs[joint.mutated_output_index["bn1.running_mean"]] is model.bn1.running_mean
 
 
-def test_graph_attributes_survive_deepcopy() -> None:
+def test_a_joint_graph_survives_deepcopy() -> None:
     model, train_fn, batch = _build("conv_bn")
-    gm = trace_model_graph(model, train_fn, *batch(0))
-    clone = copy.deepcopy(gm)
+    joint = trace_model_graph(model, train_fn, *batch(0))
+    clone = copy.deepcopy(joint)
+    assert clone.graph_module is not joint.graph_module
     for name in ("state_fqns", "grad_fqns", "grad_output_index", "mutated_fqns", "output_specs"):
-        assert getattr(clone, name) == getattr(gm, name), name
-    assert clone.input_signature == gm.input_signature
+        assert getattr(clone, name) == getattr(joint, name), name
+    assert clone.input_signature == joint.input_signature
     out = run_traced_graph(clone, model, *batch(0))
-    assert set(out.grads) == set(gm.grad_fqns)
+    assert set(out.grads) == set(joint.grad_fqns)
 
 
 def test_backward_nodes_are_marked_and_inherit_forward_metadata() -> None:
     model, train_fn, batch = _build("tiny_gpt")
-    gm = trace_model_graph(model, train_fn, *batch(0))
-    compute = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    joint = trace_model_graph(model, train_fn, *batch(0))
+    compute = [n for n in joint.graph_module.graph.nodes if n.op not in ("placeholder", "output")]
     phases = [n.meta["gm_phase"] for n in compute]
     assert set(phases) == {"forward", "backward"}
     # One forward block followed by one backward block.
@@ -292,10 +295,10 @@ def test_backward_nodes_are_marked_and_inherit_forward_metadata() -> None:
     assert all(p == "forward" for p in phases[:first_backward])
     assert all(p == "backward" for p in phases[first_backward:])
 
-    out_nodes = gm.graph.output_node().args[0]
+    out_nodes = joint.graph_module.graph.output_node().args[0]
     assert out_nodes[0].meta["gm_phase"] == "forward"  # the loss
-    for fqn in gm.grad_fqns:
-        assert grad_output_node(gm, fqn).meta["gm_phase"] == "backward"
+    for fqn in joint.grad_fqns:
+        assert joint.grad_output_node(fqn).meta["gm_phase"] == "backward"
 
     def by_target(name: str) -> list[torch.fx.Node]:
         return [n for n in compute if name in str(n.target)]
@@ -323,14 +326,14 @@ def test_non_tensor_leaves_are_baked_in_and_part_of_the_signature() -> None:
     model, _, batch = _build("mlp")
     x, y = batch(0)
     inp = {"x": x, "scale": 0.5, "reduce": "sum", "extra": [None, True, 3]}
-    gm = trace_model_graph(model, train_fn, inp, y)
-    assert len(gm.graph.find_nodes(op="placeholder")) == len(gm.state_fqns) + 2
+    joint = trace_model_graph(model, train_fn, inp, y)
+    assert len(joint.graph_module.graph.find_nodes(op="placeholder")) == len(joint.state_fqns) + 2
 
-    out = run_traced_graph(gm, model, inp, y)
+    out = run_traced_graph(joint, model, inp, y)
     eager = train_fn(model, inp, y)
     assert torch.equal(out.loss, eager.detach())
     with pytest.raises(GraphSignatureError, match=r"input\['scale'\]: traced float 0\.5"):
-        run_traced_graph(gm, model, {**inp, "scale": 2.0}, y)
+        run_traced_graph(joint, model, {**inp, "scale": 2.0}, y)
 
 
 class _Opaque:
@@ -370,8 +373,8 @@ def test_pre_hook_runs_before_the_inputs_are_checked() -> None:
     try:
         with pytest.raises(TypeError, match="Pair"):
             trace_model_graph(model, train_fn, pair, y)
-        gm = trace_model_graph(model, train_fn, pair, y, pre_hook=register)
-        out = run_traced_graph(gm, model, pair, y)
+        joint = trace_model_graph(model, train_fn, pair, y, pre_hook=register)
+        out = run_traced_graph(joint, model, pair, y)
         assert torch.equal(out.loss, train_fn(model, pair, y).detach())
     finally:
         pytree._deregister_pytree_node(Pair)
@@ -454,9 +457,9 @@ def test_signature_mismatch_shows_both_signatures(
     change: Callable[[Tensor, Tensor], tuple[Any, Any]], pattern: str
 ) -> None:
     model, train_fn, batch = _build("mlp")
-    gm = trace_model_graph(model, train_fn, *batch(0))
+    joint = trace_model_graph(model, train_fn, *batch(0))
     with pytest.raises(GraphSignatureError) as info:
-        run_traced_graph(gm, model, *change(*batch(0)))
+        run_traced_graph(joint, model, *change(*batch(0)))
     message = str(info.value)
     assert re.search(pattern, message, re.DOTALL), message
     assert "Traced signature:" in message and "Called with:" in message
@@ -464,9 +467,9 @@ def test_signature_mismatch_shows_both_signatures(
 
 def test_running_on_a_model_without_the_traced_state_is_an_error() -> None:
     model, train_fn, batch = _build("mlp")
-    gm = trace_model_graph(model, train_fn, *batch(0))
+    joint = trace_model_graph(model, train_fn, *batch(0))
     with pytest.raises(GraphSignatureError, match=r"'fc1\.weight'"):
-        run_traced_graph(gm, nn.Module(), *batch(0))
+        run_traced_graph(joint, nn.Module(), *batch(0))
 
 
 # --------------------------------------------------------------------------- tracing context
@@ -487,11 +490,11 @@ def test_missing_engine_patch_warns_and_still_traces(monkeypatch: pytest.MonkeyP
     monkeypatch.delattr(torch.compiler, "_patch_engine_backward")
     eager, train_fn, batch = _build("mlp")
     with pytest.warns(RuntimeWarning, match="_patch_engine_backward"):
-        gm = trace_model_graph(eager, train_fn, *batch(0))
-    out = run_traced_graph(gm, eager, *batch(0))
+        joint = trace_model_graph(eager, train_fn, *batch(0))
+    out = run_traced_graph(joint, eager, *batch(0))
     _eager_grads(eager, train_fn, batch(0))
     _assert_grads_equal(eager, out)
-    assert grad_output_node(gm, "fc1.weight").meta["gm_phase"] == "backward"
+    assert joint.grad_output_node("fc1.weight").meta["gm_phase"] == "backward"
 
 
 def _gelu_mlp(x: Tensor) -> Tensor:
@@ -513,9 +516,9 @@ def test_torch_compile_wrapped_functions_are_traced_through() -> None:
     model = _CompiledInside(compiled)
     reference = copy.deepcopy(model)
     reference.act = _gelu_mlp
-    gm = trace_model_graph(model, mse_loss, *make_regression_batch())
-    assert any("gelu" in str(n.target) for n in gm.graph.nodes)
-    out = run_traced_graph(gm, model, *make_regression_batch())
+    joint = trace_model_graph(model, mse_loss, *make_regression_batch())
+    assert any("gelu" in str(n.target) for n in joint.graph_module.graph.nodes)
+    out = run_traced_graph(joint, model, *make_regression_batch())
     _eager_grads(reference, mse_loss, make_regression_batch())
     _assert_grads_equal(reference, out)
     assert sys.modules["torch._dynamo"].config.error_on_nested_fx_trace is True
@@ -541,8 +544,8 @@ def test_param_dtype_equals_eager_on_a_low_precision_copy(name):
     gradients come back in the parameters' own dtype (fp32 master weights)."""
     model, train_fn, make_batch = _build(name)
     inp, label = make_batch(0)
-    gm = trace_model_graph(model, train_fn, inp, label, param_dtype=torch.bfloat16)
-    outputs = run_traced_graph(gm, model, inp, label)
+    joint = trace_model_graph(model, train_fn, inp, label, param_dtype=torch.bfloat16)
+    outputs = run_traced_graph(joint, model, inp, label)
 
     low = copy.deepcopy(model).to(torch.bfloat16)
     low_inp = inp.to(torch.bfloat16) if inp.is_floating_point() else inp
@@ -560,10 +563,10 @@ def test_cast_input_modules_cast_where_named_and_must_exist():
     x, y = make_regression_batch()
 
     def loss_of(cast_input_modules):
-        gm = trace_model_graph(
+        joint = trace_model_graph(
             model, mse_loss, x, y, param_dtype=torch.bfloat16, cast_input_modules=cast_input_modules
         )
-        return run_traced_graph(gm, model, x, y).loss
+        return run_traced_graph(joint, model, x, y).loss
 
     # Root inputs cast: the residual adds a bf16 x; inner only: the residual stays fp32.
     low = copy.deepcopy(model).to(torch.bfloat16)

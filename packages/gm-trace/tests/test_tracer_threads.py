@@ -8,7 +8,7 @@ import threading
 import torch
 
 from gm_trace.testing import MLP, TinyGPT, lm_loss, make_lm_batch, make_regression_batch, mse_loss
-from gm_trace.tracer import run_traced_graph, trace_model_graph
+from gm_trace.tracer import JointGraph, run_traced_graph, trace_model_graph
 
 # Without the lock this interleaving fails in make_fx ("CURRENT_PATCHER is None"): thread A
 # starts tracing, B starts tracing, A finishes, B finishes. With the lock B cannot start before
@@ -42,7 +42,7 @@ def test_two_threads_trace_two_models_at_once_and_each_equals_eager():
         (MLP(), first_fn, make_regression_batch(8), a_done),
         (gpt, second_fn, make_lm_batch(2, 16, 64), None),
     ]
-    graphs: dict[int, torch.fx.GraphModule] = {}
+    graphs: dict[int, JointGraph] = {}
     errors: list[BaseException] = []
 
     def trace(i: int) -> None:

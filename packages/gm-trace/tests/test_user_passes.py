@@ -34,11 +34,11 @@ def test_a_registered_user_pass_runs_in_the_order_its_constraints_give():
         pipeline = PassPipeline.from_config(config)
         order = ["dce", "canonicalize", "fsdp", "reshard", "count_nodes", "recompute", "overlap"]
         assert pipeline.names == order
-        gm = pipeline.run(traced, model=model)
+        joint = traced.through(pipeline, model=model)
     finally:
         unregister_pass(CountNodes.name)
     assert pipeline.context.stats["count_nodes"]["nodes"] > 0
-    actual = run_traced_graph(gm, model, *batch)
+    actual = run_traced_graph(joint, model, *batch)
     assert torch.equal(actual.loss, expected.loss)
     without = PassPipeline.from_config(PassConfig(disable_passes=["recompute", "overlap"]))
     assert without.names == ["dce", "canonicalize", "fsdp"]

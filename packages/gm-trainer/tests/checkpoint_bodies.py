@@ -10,7 +10,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
 from gm_config import PassConfig
-from gm_trace.fsdp import full_parameter, row_shards
+from gm_trace.fsdp import full_parameter
 from gm_trace.testing import (
     MLP,
     DropoutMLP,
@@ -60,7 +60,10 @@ def rng_digest() -> str:
 
 def full_params(trainer: GraphTrainer) -> dict[str, torch.Tensor]:
     """Every parameter gathered whole (a collective)."""
-    return {fqn: full_parameter(trainer.model, fqn) for fqn, _ in trainer.model.named_parameters()}
+    return {
+        fqn: full_parameter(trainer.model, fqn, trainer.sharding)
+        for fqn, _ in trainer.model.named_parameters()
+    }
 
 
 def _straight(make_model, train_fn, batches, ckpt, rank, mesh=None):
@@ -132,7 +135,7 @@ def resume_is_bitwise(rank: int, world: int, root: str):
         for p, q in zip(trainer.model.parameters(), straight.model.parameters()):
             s, t = trainer.optimizer.state[p], straight.optimizer.state[q]
             assert all(torch.equal(s[k], t[k]) for k in t), f"{name}: optimizer state differs"
-        assert row_shards(trainer.model) == row_shards(straight.model)
+        assert trainer.row_shards == straight.row_shards
     return True
 
 

@@ -74,7 +74,7 @@ def eager_reference(cfg: dict, batches: list):
 
 def whole_parameter(trainer: GraphTrainer, fqn: str, tp_group) -> torch.Tensor:
     """Undo FSDP (gather the rows over the shard group), then TP (gather the slices)."""
-    tp_slice = full_parameter(trainer.model, fqn, trainer.fsdp_group)
+    tp_slice = full_parameter(trainer.model, fqn, trainer.sharding, trainer.fsdp_group)
     dim = tp_shard_dims(trainer.model).get(fqn)
     if dim is None:
         return tp_slice
@@ -114,7 +114,8 @@ def parity(rank: int, world: int, tp: int, dp_replicate: int) -> dict:
         norm_rel_diffs.append(abs(norm - ref_norm) / ref_norm)
 
     fsdp, replicas = mesh.dp_shard_size, mesh.dp_replicate_size
-    assert trainer.pass_config.fsdp_degree == fsdp and trainer.pass_config.tp_size == tp
+    resolved = trainer.run.pass_config
+    assert resolved.fsdp_degree == fsdp and resolved.tp_size == tp
     split = tp_shard_dims(model)
     assert (len(split) > 0) == (tp > 1)
     weight_diff = 0.0

@@ -40,7 +40,8 @@ def nonfinite_grad_on_one_rank(rank: int, world: int):
     trainer = GraphTrainer(MLP(), fragile_loss, PassConfig(), optimizer_config={"lr": LR})
     trainer.train([regression_batch(rank)])
     before = {
-        fqn: full_parameter(trainer.model, fqn).clone() for fqn, _ in MLP().named_parameters()
+        fqn: full_parameter(trainer.model, fqn, trainer.sharding).clone()
+        for fqn, _ in MLP().named_parameters()
     }
     try:
         trainer.train([regression_batch(10 + rank, bad=rank == 1)])
@@ -48,7 +49,7 @@ def nonfinite_grad_on_one_rank(rank: int, world: int):
         message = str(exc)
     else:
         raise AssertionError("a nan gradient with a finite loss was applied")
-    after = {fqn: full_parameter(trainer.model, fqn) for fqn in before}
+    after = {fqn: full_parameter(trainer.model, fqn, trainer.sharding) for fqn in before}
     unchanged = all(torch.equal(before[fqn], after[fqn]) for fqn in before)
     no_grads = all(p.grad is None for p in trainer.model.parameters())
     return message, unchanged, no_grads, trainer.step
@@ -124,7 +125,10 @@ def batchnorm_buffers(rank: int, world: int, ckpt: str):
     load_checkpoint(resumed, ckpt)
     again = resumed.train(batches[resumed.data_position :])
 
-    params = {fqn: full_parameter(trainer.model, fqn) for fqn, _ in model.named_parameters()}
+    params = {
+        fqn: full_parameter(trainer.model, fqn, trainer.sharding)
+        for fqn, _ in model.named_parameters()
+    }
     return {
         "buffers_per_step": buffers_per_step,
         "ddp_buffers": _buffers(ddp.module),
@@ -154,5 +158,8 @@ def uneven_batches(rank: int, world: int):
         records = trainer.train(batches)
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     # Still in step afterwards: a collective right after train() completes on both ranks.
-    params = {fqn: full_parameter(trainer.model, fqn) for fqn, _ in MLP().named_parameters()}
+    params = {
+        fqn: full_parameter(trainer.model, fqn, trainer.sharding)
+        for fqn, _ in MLP().named_parameters()
+    }
     return len(records), trainer.step, trainer.data_position, messages, params

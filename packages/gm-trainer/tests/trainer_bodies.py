@@ -60,7 +60,8 @@ def fsdp_parity(rank: int, world: int, batch_sizes: list[int]):
     )
     records = trainer.train([local(b, rank, world) for b in batches])
     assert config.fsdp_degree is None, "the caller's PassConfig must not be mutated"
-    assert trainer.pass_config.fsdp_degree == world
+    assert trainer.run.pass_config.fsdp_degree == world
+    assert trainer.pass_config.fsdp_degree is None  # the request is left as it was
     assert len(records) == len(batches)
     for step, (record, ref_loss, ref_norm) in enumerate(zip(records, ref_losses, ref_norms)):
         tolerance = parity_tolerance(step + 1)
@@ -69,7 +70,7 @@ def fsdp_parity(rank: int, world: int, batch_sizes: list[int]):
         ), (record, ref_loss)
         assert abs(record["grad_norm"] - ref_norm) <= 1e-5 * ref_norm, (record, ref_norm)
         assert record["grad_norm"] > GRAD_CLIP
-    assert_full_params_close(trainer.model, reference, steps=len(batches))
+    assert_full_params_close(trainer.model, reference, trainer.sharding, steps=len(batches))
     summary = trainer.pass_summary()
     assert "collective schedule" in summary and "reduce_scatter_tensor" in summary, summary
     local_numel = sum(p.numel() for p in trainer.model.parameters())
@@ -133,7 +134,7 @@ def mixed_precision_parity(rank: int, world: int, policy: dict):
     worst = worst_fp32 = 0.0
     fp32_params = dict(fp32_model.named_parameters())
     for fqn, expected in reference.named_parameters():
-        actual = full_parameter(trainer.model, fqn)
+        actual = full_parameter(trainer.model, fqn, trainer.sharding)
         worst = max(worst, (actual - expected.full_tensor()).abs().max().item())
         worst_fp32 = max(worst_fp32, (actual - fp32_params[fqn]).abs().max().item())
     stats = trainer.pipelines[0].context.stats["fsdp"]
@@ -145,5 +146,5 @@ def mixed_precision_parity(rank: int, world: int, policy: dict):
         "max_param_diff_fp32": worst_fp32,
         "params": params,
         "bytes_per_step": stats["bytes_per_step"],
-        "collectives": collective_sequence(graph),
+        "collectives": collective_sequence(graph.graph_module),
     }

@@ -37,12 +37,25 @@ class PassContext:
     process_groups: dict[str, str] = field(default_factory=lambda: {"fsdp": "fsdp"})
     """Role -> name under which the process group was registered (``"fsdp"`` -> ``"fsdp"``)."""
 
+    graph_info: Any = None
+    """The calling convention of the graph, from whoever produced it (gm-trace's
+    ``JointGraph``: state FQNs, aliases, gradient outputs). Passes that rewrite parameters or
+    gradients read it; the pipeline only passes it on."""
+
     stats: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per pass name, the statistics it recorded (counts, bytes, schedules)."""
+
+    artifacts: dict[str, Any] = field(default_factory=dict)
+    """What passes decided for whoever runs the graph, by name (the fsdp pass's sharding
+    layout, the backend's compiled step): typed values, not side effects on live objects."""
 
     def record(self, pass_name: str, **values: Any) -> None:
         """Merge ``values`` into the statistics of ``pass_name``."""
         self.stats.setdefault(pass_name, {}).update(values)
+
+    def publish(self, name: str, value: Any) -> None:
+        """Hand ``value`` to the pipeline's caller as ``artifacts[name]``."""
+        self.artifacts[name] = value
 
 
 class GraphPass(abc.ABC):

@@ -16,13 +16,6 @@ BASE_PIPELINE = "the base pipeline"
 ALIAS_OPS = frozenset({"aten.detach.default", "aten.alias.default"})
 
 
-def _finish(graph_module: Any, modified: bool) -> PassResult:
-    if modified:
-        graph_module.graph.lint()
-        graph_module.recompile()
-    return PassResult(graph_module, modified)
-
-
 class DeadCodeElimination(GraphPass):
     """Remove nodes whose results nobody uses.
 
@@ -45,7 +38,7 @@ class DeadCodeElimination(GraphPass):
             graph_module.graph.erase_node(node)
             removed += 1
         ctx.record(self.name, nodes_removed=removed)
-        return _finish(graph_module, removed > 0)
+        return PassResult(graph_module, removed > 0)
 
 
 class CanonicalizeGraph(GraphPass):
@@ -68,4 +61,4 @@ class CanonicalizeGraph(GraphPass):
                 graph_module.graph.erase_node(node)
                 removed += 1
         ctx.record(self.name, aliases_removed=removed)
-        return _finish(graph_module, removed > 0)
+        return PassResult(graph_module, removed > 0)

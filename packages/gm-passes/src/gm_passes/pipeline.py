@@ -190,13 +190,16 @@ class PassPipeline:
         self,
         graph_module: Any,
         *,
+        graph_info: Any = None,
         model: Any = None,
         fsdp_group_name: str = "fsdp",
         process_groups: dict[str, str] | None = None,
         dump_dir: str | os.PathLike[str] | None = None,
     ) -> Any:
-        """Run every pass in order and return the final graph module.
+        """Run every pass in order and return the final graph module; what the passes
+        decided is in ``self.context.artifacts``.
 
+        ``graph_info``: the graph's calling convention, for the passes (``PassContext``).
         ``process_groups``: more roles -> registered group names, e.g.
         ``{"fsdp_replicate": "fsdp_replicate"}`` for HSDP; ``fsdp_group_name`` names the
         ``"fsdp"`` role.
@@ -209,6 +212,7 @@ class PassPipeline:
             config=self.config,
             plan=self.plan,
             model=model,
+            graph_info=graph_info,
             process_groups={"fsdp": fsdp_group_name, **(process_groups or {})},
         )
         self.context = ctx

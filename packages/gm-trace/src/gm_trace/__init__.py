@@ -1,32 +1,29 @@
 """Graph Mode torch layer: the joint forward+backward tracer and the torch graph passes.
 
-- :func:`trace_model_graph` / :func:`run_traced_graph` capture and run a whole training step.
+- :func:`trace_model_graph` captures a whole training step as a :class:`JointGraph`;
+  :meth:`JointGraph.through` runs a pass pipeline on it and :func:`run_traced_graph` runs it.
 - ``fsdp`` (:class:`FSDPPass`), ``reshard`` (:class:`ReshardAfterForwardPass`), ``recompute``
   (:class:`RecomputePass`), ``overlap`` (:class:`AutoOverlapPass`) and ``backend``
   (:class:`BackendPass`) are registered with ``gm_passes`` through the entry-point group
   ``gm_passes.passes``; :func:`register_backend` adds a compiler for ``PassConfig.backend``.
+- The fsdp pass decides a :class:`ShardingLayout`; :meth:`ShardingLayout.apply` shards the live
+  model and :func:`full_parameter` rebuilds a whole parameter from the shards.
 """
 
 from gm_trace.backend import BackendError, BackendPass, available_backends, register_backend
-from gm_trace.fsdp import (
-    CollectiveMismatchError,
-    FSDPConfigError,
-    FSDPPass,
-    RowShard,
-    full_parameter,
-    row_shards,
-)
+from gm_trace.fsdp import CollectiveMismatchError, FSDPConfigError, FSDPPass, RowShard
 from gm_trace.groups import register_process_group, resolve_process_group
+from gm_trace.joint_graph import JointGraph
 from gm_trace.overlap import AutoOverlapPass
 from gm_trace.recompute import RecomputePass
 from gm_trace.reshard import ReshardAfterForwardPass
+from gm_trace.sharding_layout import ShardedParam, ShardingLayout, full_parameter
 from gm_trace.tracer import (
     GraphCaptureError,
     GraphOutputs,
     GraphSignatureError,
     InputSignature,
     OutputSpec,
-    grad_output_node,
     run_traced_graph,
     trace_model_graph,
 )
@@ -42,17 +39,18 @@ __all__ = [
     "GraphOutputs",
     "GraphSignatureError",
     "InputSignature",
+    "JointGraph",
     "OutputSpec",
     "RecomputePass",
     "ReshardAfterForwardPass",
     "RowShard",
+    "ShardedParam",
+    "ShardingLayout",
     "available_backends",
     "full_parameter",
-    "grad_output_node",
     "register_backend",
     "register_process_group",
     "resolve_process_group",
-    "row_shards",
     "run_traced_graph",
     "trace_model_graph",
 ]

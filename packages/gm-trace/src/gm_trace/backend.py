@@ -3,11 +3,10 @@
 ``PassConfig.backend`` names the backend: ``"inductor"`` (``torch._inductor``), ``"eager"``
 (the graph as it is, through the same code path; for tests) or a name given to
 :func:`register_backend`. The pass runs last. It keeps the ``GraphModule`` as it is — dumps,
-schedule summaries and ``pass_summary`` still describe it — and attaches the compiled callable
-as ``gm.compiled_step`` (a :class:`CompiledStep`), which ``run_traced_graph`` calls instead of
-the graph module. ``copy.deepcopy(gm)`` keeps it (it is registered under the module's
-``_user_preserved_attributes``); a graph changed after compiling is refused at run time
-rather than run with stale code.
+schedule summaries and ``pass_summary`` still describe it — and publishes the compiled
+callable (a :class:`CompiledStep`), which becomes ``JointGraph.compiled_step`` and which
+``run_traced_graph`` calls instead of the graph module; a graph changed after compiling is
+refused at run time rather than run with stale code.
 
 A backend is a ``compile_fn(graph_module, example_inputs) -> callable``, the signature of a
 ``torch.compile`` backend: it gets a copy of the final graph and one fake tensor per
@@ -33,9 +32,10 @@ from torch import Tensor
 from gm_config import GraphModeRuntimeError, PassConfig, PassPlan
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_passes.graph_ops import is_collective, is_wait
+from gm_trace import node_meta
+from gm_trace.joint_graph import COMPILED_STEP
 
 __all__ = [
-    "COMPILED_STEP_ATTR",
     "BackendError",
     "BackendPass",
     "CompiledStep",
@@ -43,9 +43,6 @@ __all__ = [
     "register_backend",
     "unregister_backend",
 ]
-
-#: ``gm.<this>`` holds the :class:`CompiledStep` that ``run_traced_graph`` runs.
-COMPILED_STEP_ATTR = "compiled_step"
 
 CompileFn = Callable[[fx.GraphModule, list[Tensor]], Callable[..., Any]]
 
@@ -136,7 +133,7 @@ class CompiledStep:
             raise BackendError(
                 f"the graph was changed after the backend pass compiled it with "
                 f"{self.backend!r}; the 'backend' pass must run last. Run the backend pass "
-                f"again, or delete gm.{COMPILED_STEP_ATTR} to run the graph as it is."
+                "again, or run the JointGraph with compiled_step=None to run the graph as it is."
             )
         args = list(args)
         for i, shape, stride, dtype, device in self._input_layouts:
@@ -188,10 +185,9 @@ class BackendPass(GraphPass):
             backend,
             fn,
             graph_module.code,
-            [(p.meta.get("gm_role"), p.meta.get("val")) for p in placeholders],
+            [(p.meta.get(node_meta.ROLE), p.meta.get("val")) for p in placeholders],
         )
-        setattr(graph_module, COMPILED_STEP_ATTR, step)
-        graph_module.meta.setdefault("_user_preserved_attributes", {})[COMPILED_STEP_ATTR] = step
+        ctx.publish(COMPILED_STEP, step)
         collectives = [n for n in graph_module.graph.nodes if is_collective(n)]
         ctx.record(
             self.name,

@@ -13,8 +13,10 @@ SHARD instead and gathers in the smaller dtype. Gradients are reduced in
 is cast to the parameter's own dtype, so the optimizer only ever sees fp32 master shards.
 
 Dim 0 is split as ``torch.chunk`` splits it (rank 0 largest, a rank may hold nothing); padding
-to equal pieces exists only inside the collectives. The live model is sharded in place, so the
-optimizer sees plain local shards.
+to equal pieces exists only inside the collectives. The pass does not touch the live model: it
+publishes a :class:`ShardingLayout` (``ctx.artifacts["sharding_layout"]``, then
+``JointGraph.sharding``), and whoever runs the graph applies it once, so the optimizer sees
+plain local shards.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from gm_passes import GraphPass, PassContext, PassResult
 from gm_trace.collectives import all_gather_op
 from gm_trace.fsdp_rewrite import Rewrite, plan_buckets
 from gm_trace.groups import resolve_process_group
-from gm_trace.live_shards import SHARDS_ATTR, full_parameter, row_shards
+from gm_trace.joint_graph import SHARDING_LAYOUT, JointGraph
 from gm_trace.rank_agreement import (
     CollectiveMismatchError,
     check_collective_agreement,
@@ -42,20 +44,21 @@ from gm_trace.sharding import (
     owning_modules,
     select_sharded_params,
 )
+from gm_trace.sharding_layout import ShardedParam, ShardingLayout, full_parameter
 
 __all__ = [
-    "SHARDS_ATTR",
     "CollectiveMismatchError",
     "FSDPConfigError",
     "FSDPPass",
     "RowShard",
+    "ShardedParam",
+    "ShardingLayout",
     "block_of",
     "check_collective_agreement",
     "collective_sequence",
     "full_parameter",
     "owning_modules",
     "plan_buckets",
-    "row_shards",
     "select_sharded_params",
     "verify_ranks_agree",
 ]
@@ -85,9 +88,10 @@ class FSDPPass(GraphPass):
                 f"registered as {group_name!r} has {group.size()} ranks; set fsdp_degree to "
                 f"{group.size()} or leave it None to take the group size"
             )
-        if ctx.model is None:
+        if ctx.model is None or not isinstance(ctx.graph_info, JointGraph):
             raise FSDPConfigError(
-                "the fsdp pass needs the live model: PassPipeline.run(gm, model=...)"
+                "the fsdp pass needs the live model and the traced JointGraph: run it through "
+                "joint_graph.through(pipeline, model=...)"
             )
         rank = dist.get_rank(group)
         selected = select_sharded_params(ctx.model, ctx.plan)
@@ -107,9 +111,8 @@ class FSDPPass(GraphPass):
         )
         cap = ctx.config.bucket_cap_mb
         cap_bytes = None if cap is None else int(cap * 2**20)
-        stats = rewrite.apply(ctx.model, selected, ctx.plan, cap_bytes)
-        graph_module.graph.lint()
-        graph_module.recompile()
+        layout, stats = rewrite.apply(ctx.graph_info, selected, ctx.plan, cap_bytes)
         check_collective_agreement(graph_module, group)
+        ctx.publish(SHARDING_LAYOUT, layout)
         ctx.record(self.name, degree=degree, group=group_name, **stats)
         return PassResult(graph_module, True)

@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 
 from gm_config import PassPlan
+from gm_trace import node_meta
 from gm_trace.graph_build import (
     aten,
     c10d,
@@ -23,8 +24,9 @@ from gm_trace.graph_build import (
     take_rows,
     tensor_bytes,
 )
-from gm_trace.live_shards import shard_live_param
+from gm_trace.joint_graph import JointGraph
 from gm_trace.sharding import RowShard, block_of
+from gm_trace.sharding_layout import ShardedParam, ShardingLayout
 
 
 @dataclass
@@ -109,19 +111,20 @@ class Rewrite:
 
     def apply(
         self,
-        model: torch.nn.Module,
+        joint: JointGraph,
         selected: set[str],
         plan: PassPlan | None,
         cap_bytes: int | None,
-    ) -> dict[str, Any]:
-        aliases = self.gm.param_aliases
-        grads = self.gm.grad_output_index
+    ) -> tuple[ShardingLayout, dict[str, Any]]:
+        """Rewrite the graph; return the layout the live model must take, and statistics."""
+        aliases = joint.param_aliases
+        grads = joint.grad_output_index
         sharded: list[_ShardedParam] = []
         replicated: list[str] = []
         for node in self.graph.find_nodes(op="placeholder"):
-            if node.meta.get("gm_role") != "param":
+            if node.meta.get(node_meta.ROLE) != "param":
                 continue
-            fqn, val = node.meta["gm_fqn"], node.meta["val"]
+            fqn, val = node.meta[node_meta.FQN], node.meta["val"]
             names = {fqn} | {a for a, canonical in aliases.items() if canonical == fqn}
             if names & selected and val.dim() >= 1:
                 shard = RowShard(val.shape[0], self.degree, self.rank)
@@ -144,11 +147,21 @@ class Rewrite:
             with_grads = [p for p in bucket if p.grad_index is not None]
             if with_grads:
                 self._reduce_scatter(with_grads)
-            for param in bucket:
-                shard_live_param(model, param.fqn, param.shard)
         for fqn in replicated:
             self._all_reduce(grads[fqn])
-        return {
+        layout = ShardingLayout(
+            self.group_name,
+            self.degree,
+            self.rank,
+            {
+                p.fqn: ShardedParam(p.fqn, (p.shard.rows, *p.inner), p.shard, i, p.gather_dtype)
+                for i, bucket in enumerate(buckets)
+                for p in bucket
+            },
+            tuple(tuple(p.fqn for p in bucket) for bucket in buckets),
+            tuple(replicated),
+        )
+        return layout, {
             "sharded_params": len(sharded),
             "replicated_params": len(replicated),
             "sharded": [p.fqn for p in sharded],
@@ -172,7 +185,7 @@ class Rewrite:
                 self.mode,
                 self._cast(param.placeholder, param.gather_dtype, prologue=True),
                 param.shard.chunk - param.shard.local_rows,
-                gm_comm_prologue=True,
+                **{node_meta.COMM_PROLOGUE: True},
             )
             flats.append(self._op(aten.reshape.default, padded, [-1], prologue=True))
         flat = flats[0] if len(flats) == 1 else self._op(aten.cat.default, flats, prologue=True)
@@ -183,20 +196,22 @@ class Rewrite:
             flat,
             self.degree,
             self.group_name,
-            gm_bucket=[p.fqn for p in bucket],
+            **{node_meta.BUCKET: [p.fqn for p in bucket]},
         )
         self._count("all_gather", gathered)
         grid = self._op(aten.reshape.default, self._wait(gathered), [self.degree, -1])
         for param, piece in zip(bucket, self._split(grid, bucket, dim=1)):
             full = self._op(aten.reshape.default, piece, [param.shard.padded_rows, *param.inner])
-            full = take_rows(self.graph, self.mode, full, param.shard.rows, gm_comm_epilogue=True)
-            full.meta["gm_full_param"] = param.fqn
+            full = take_rows(
+                self.graph, self.mode, full, param.shard.rows, **{node_meta.COMM_EPILOGUE: True}
+            )
+            full.meta[node_meta.FULL_PARAM] = param.fqn
             for cast in param.casts:  # already in the compute dtype
                 cast.replace_all_uses_with(full)
                 self.graph.erase_node(cast)
             # Compute reads the full parameter; only the all-gather's prologue reads the shard.
             param.placeholder.replace_all_uses_with(
-                full, delete_user_cb=lambda user: not user.meta.get("gm_comm_prologue")
+                full, delete_user_cb=lambda user: not user.meta.get(node_meta.COMM_PROLOGUE)
             )
 
     def _reduce_scatter(self, bucket: list[_ShardedParam]) -> None:
@@ -224,14 +239,18 @@ class Rewrite:
                 "sum",
                 self.degree,
                 self.group_name,
-                gm_bucket=[p.fqn for p in bucket],
+                **{node_meta.BUCKET: [p.fqn for p in bucket]},
             )
             self._count("reduce_scatter", scaled)
             reduced = self._across_replicas(self._wait(scattered))
             for param, piece in zip(bucket, self._split(reduced, bucket, dim=0)):
                 local = self._op(aten.reshape.default, piece, [param.shard.chunk, *param.inner])
                 local = take_rows(
-                    self.graph, self.mode, local, param.shard.local_rows, gm_comm_epilogue=True
+                    self.graph,
+                    self.mode,
+                    local,
+                    param.shard.local_rows,
+                    **{node_meta.COMM_EPILOGUE: True},
                 )
                 local = self._cast(local, param.placeholder.meta["val"].dtype)
                 _set_output_at(self.graph, param.grad_index, local)
@@ -250,7 +269,7 @@ class Rewrite:
 
     def _op(self, op: Any, *args: Any, prologue: bool = False) -> fx.Node:
         # Reshapes and slices around a collective: the overlap pass moves them with it.
-        role = "gm_comm_prologue" if prologue else "gm_comm_epilogue"
+        role = node_meta.COMM_PROLOGUE if prologue else node_meta.COMM_EPILOGUE
         return call(self.graph, self.mode, op, *args, **{role: True})
 
     def _all_reduce(self, index: int) -> None:

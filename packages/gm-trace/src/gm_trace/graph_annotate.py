@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
+from gm_trace import node_meta
 from gm_trace.aliasing import storage_of, written_args
 
 
@@ -26,13 +27,13 @@ class OutputSpec:
 
 
 def mark_recorded_nodes(phase: str) -> None:
-    """Tag every node recorded so far (that has no phase yet) with ``meta["gm_phase"]``."""
+    """Tag every node recorded so far (that has no phase yet) with ``meta[PHASE]``."""
     mode = get_proxy_mode()
     if mode is None:
         return
     for node in mode.tracer.graph.nodes:
         if node.op not in ("placeholder", "output"):
-            node.meta.setdefault("gm_phase", phase)
+            node.meta.setdefault(node_meta.PHASE, phase)
 
 
 def annotate(
@@ -47,26 +48,26 @@ def annotate(
     placeholders = gm.graph.find_nodes(op="placeholder")
     for i, node in enumerate(placeholders):
         if i < len(state_fqns):
-            node.meta["gm_role"] = "param" if i < n_params else "buffer"
-            node.meta["gm_fqn"] = state_fqns[i]
+            node.meta[node_meta.ROLE] = "param" if i < n_params else "buffer"
+            node.meta[node_meta.FQN] = state_fqns[i]
             if i < n_params:
-                node.meta["gm_trainable"] = params[i][1].requires_grad
+                node.meta[node_meta.TRAINABLE] = params[i][1].requires_grad
         else:
-            node.meta["gm_role"] = "input"
-            node.meta["gm_path"] = io_paths[tensor_pos[i - len(state_fqns)]]
+            node.meta[node_meta.ROLE] = "input"
+            node.meta[node_meta.PATH] = io_paths[tensor_pos[i - len(state_fqns)]]
 
     # Nodes recorded before autograd.grad were tagged "forward" while tracing; the rest are
     # backward. torch's own "autograd_backward" tag is the fallback if that tagging could not run.
-    tagged_live = any("gm_phase" in n.meta for n in gm.graph.nodes)
+    tagged_live = any(node_meta.PHASE in n.meta for n in gm.graph.nodes)
     first_fwd_by_seq: dict[int, torch.fx.Node] = {}
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        if "gm_phase" not in node.meta:
+        if node_meta.PHASE not in node.meta:
             backward = tagged_live or node.meta.get("autograd_backward", False)
-            node.meta["gm_phase"] = "backward" if backward else "forward"
+            node.meta[node_meta.PHASE] = "backward" if backward else "forward"
         seq = node.meta.get("seq_nr")
-        if node.meta["gm_phase"] == "forward":
+        if node.meta[node_meta.PHASE] == "forward":
             if seq is not None:
                 first_fwd_by_seq.setdefault(seq, node)
             continue
@@ -81,7 +82,7 @@ def annotate(
 
 def append_mutated_state_outputs(gm: torch.fx.GraphModule, state_fqns: list[str]) -> list[str]:
     """Find state placeholders that an op writes (directly or through a view), tag the writing
-    nodes with ``meta["gm_writes_state"]`` and append the placeholders to the outputs, in state
+    nodes with ``meta[WRITES_STATE]`` and append the placeholders to the outputs, in state
     order. Returns their FQNs."""
     placeholders = gm.graph.find_nodes(op="placeholder")[: len(state_fqns)]
     slot_of = {storage_of(p): i for i, p in enumerate(placeholders) if storage_of(p) is not None}
@@ -92,7 +93,7 @@ def append_mutated_state_outputs(gm: torch.fx.GraphModule, state_fqns: list[str]
                 slot = slot_of.get(storage_of(v))
                 if slot is not None:
                     written.add(slot)
-                    node.meta.setdefault("gm_writes_state", []).append(state_fqns[slot])
+                    node.meta.setdefault(node_meta.WRITES_STATE, []).append(state_fqns[slot])
     mutated = sorted(written)
     out = gm.graph.output_node()
     out.args = (tuple(out.args[0]) + tuple(placeholders[i] for i in mutated),)
@@ -104,6 +105,6 @@ def mark_outputs(gm: torch.fx.GraphModule, specs: list[OutputSpec]) -> None:
         if not isinstance(node, torch.fx.Node):
             continue
         if spec.kind == "grad":
-            node.meta.setdefault("gm_grad_of", []).append(spec.fqn)
+            node.meta.setdefault(node_meta.GRAD_OF, []).append(spec.fqn)
         elif spec.kind == "mutated":
-            node.meta["gm_mutated"] = True
+            node.meta[node_meta.MUTATED] = True

@@ -23,13 +23,14 @@ import torch.fx as fx
 from gm_config import PassConfig, PassPlan
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_passes.graph_ops import is_collective, is_wait
+from gm_trace import node_meta
 from gm_trace.fsdp import verify_ranks_agree
 from gm_trace.graph_build import collective_kind, is_all_gather, tensor_bytes
 from gm_trace.memory import estimate_peak_memory
 
 
 def _sinkable(node: fx.Node) -> bool:
-    return is_wait(node) or bool(node.meta.get("gm_comm_epilogue"))
+    return is_wait(node) or bool(node.meta.get(node_meta.COMM_EPILOGUE))
 
 
 def _first_user(node: fx.Node) -> fx.Node:
@@ -56,7 +57,7 @@ def _prologue(node: fx.Node) -> list[fx.Node]:
     """The marked nodes that only prepare ``node``'s input (pad, flatten, concat), in order."""
     chain: list[fx.Node] = []
     for arg in node.all_input_nodes:
-        if arg.meta.get("gm_comm_prologue"):
+        if arg.meta.get(node_meta.COMM_PROLOGUE):
             chain.extend(_prologue(arg))
             chain.append(arg)
     return chain
@@ -113,11 +114,8 @@ class AutoOverlapPass(GraphPass):
         if ctx.config.prefetch_blocks is not None:
             prefetched = _prefetch(graph, ctx.config.prefetch_blocks)
         changed = bool(moved or prefetched)
-        if changed:
-            graph.lint()
-            graph_module.recompile()
-            if _has_collectives(graph):
-                verify_ranks_agree(graph_module, ctx)
+        if changed and _has_collectives(graph):
+            verify_ranks_agree(graph_module, ctx)
         schedule = collective_schedule(graph_module)
         ctx.record(
             self.name,
@@ -158,7 +156,7 @@ def collective_schedule(graph_module: fx.GraphModule) -> list[dict[str, Any]]:
                 "overlapped_compute_nodes": computed_before[order[waits[0]]]
                 - computed_before[order[node] + 1],
                 "bytes": tensor_bytes(moved),
-                "bucket": list(node.meta.get("gm_bucket", [])),
+                "bucket": list(node.meta.get(node_meta.BUCKET, [])),
             }
         )
     return schedule

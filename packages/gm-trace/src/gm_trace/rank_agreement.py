@@ -12,6 +12,7 @@ import torch.fx as fx
 from gm_config import GraphModeRuntimeError
 from gm_passes import PassContext
 from gm_passes.graph_ops import is_collective, is_wait, op_name
+from gm_trace import node_meta
 from gm_trace.groups import all_gather_text, resolve_process_group
 
 
@@ -55,7 +56,7 @@ def check_collective_agreement(graph_module: fx.GraphModule, group: dist.Process
         )
     ]
     if all(d == digest for d, _ in gathered):
-        graph_module.meta["gm_collective_fingerprint"] = digest
+        graph_module.meta[node_meta.COLLECTIVE_FINGERPRINT] = digest
         return
     reference_digest, reference = gathered[0]
     lines = []

@@ -24,6 +24,7 @@ import torch.fx as fx
 from gm_config import PassConfig, PassPlan
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_passes.graph_ops import is_collective, mutates_an_input
+from gm_trace import node_meta
 from gm_trace.aliasing import storage_of, written_storages
 from gm_trace.graph_build import tensor_bytes
 from gm_trace.memory import estimate_peak_memory, is_view
@@ -33,7 +34,7 @@ MAX_CHAIN = 8
 
 
 def _phase(node: fx.Node) -> str | None:
-    return node.meta.get("gm_phase")
+    return node.meta.get(node_meta.PHASE)
 
 
 def _backward_readers(node: fx.Node) -> list[fx.Node]:
@@ -44,7 +45,7 @@ def is_cheap(node: fx.Node) -> bool:
     """A forward view or deterministic pointwise op that neither mutates nor communicates."""
     if node.op != "call_function" or _phase(node) != "forward" or is_collective(node):
         return False
-    if any(key.startswith("gm_comm") for key in node.meta):
+    if node.meta.get(node_meta.COMM_PROLOGUE) or node.meta.get(node_meta.COMM_EPILOGUE):
         return False  # the all-gather's epilogue: recomputing it would keep the gather alive
     if is_view(node):
         return True
@@ -154,7 +155,7 @@ class RecomputePass(GraphPass):
             with graph.inserting_before(min(readers, key=order.__getitem__)):
                 for node in sorted(chain, key=order.__getitem__):
                     copy = graph.node_copy(node, lambda n, c=copies: c.get(n, n))
-                    copy.meta.update(gm_phase="backward", gm_recomputed=True)
+                    copy.meta.update({node_meta.PHASE: "backward", node_meta.RECOMPUTED: True})
                     copies[node] = copy
             for reader in readers:
                 reader.replace_input_with(value, copies[value])
@@ -163,8 +164,6 @@ class RecomputePass(GraphPass):
         if not recomputed:
             ctx.record(self.name, recomputed=[], saved_bytes_recomputed=0)
             return PassResult(graph_module, False)
-        graph.lint()
-        graph_module.recompile()
         ctx.record(
             self.name,
             recomputed=recomputed,

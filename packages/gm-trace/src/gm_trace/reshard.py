@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from gm_config import PassConfig, PassPlan, reshard_requested
 from gm_passes import GraphPass, PassContext, PassResult
+from gm_trace import node_meta
 from gm_trace.fsdp import owning_modules, verify_ranks_agree
 from gm_trace.graph_build import is_all_gather, tensor_bytes
 from gm_trace.memory import is_view
@@ -40,7 +41,7 @@ def _gather_chain(gather: fx.Node) -> list[fx.Node]:
     stack = list(gather.all_input_nodes)
     while stack:  # prologue: marked producers, back to the shard placeholders
         node = stack.pop()
-        if node.meta.get("gm_comm_prologue") and node not in chain:
+        if node.meta.get(node_meta.COMM_PROLOGUE) and node not in chain:
             chain.add(node)
             stack.extend(node.all_input_nodes)
     stack = list(gather.users)
@@ -49,7 +50,7 @@ def _gather_chain(gather: fx.Node) -> list[fx.Node]:
         if node in chain:
             continue
         chain.add(node)
-        if "gm_full_param" not in node.meta:
+        if node_meta.FULL_PARAM not in node.meta:
             stack.extend(node.users)
     return [n for n in gather.graph.nodes if n in chain]
 
@@ -60,7 +61,7 @@ def _forward_views(full: fx.Node) -> list[fx.Node]:
     found, stack = [full], [full]
     while stack:
         for user in stack.pop().users:
-            if user.meta.get("gm_phase") == "forward" and is_view(user) and user not in found:
+            if user.meta.get(node_meta.PHASE) == "forward" and is_view(user) and user not in found:
                 found.append(user)
                 stack.append(user)
     return found
@@ -70,9 +71,12 @@ def _regather_for_backward(gather: fx.Node, order: dict[fx.Node, int]) -> bool:
     """Copy ``gather``'s chain (and the forward views of its parameters that backward reads)
     before its first backward reader; False when backward reads none of them."""
     chain = _gather_chain(gather)
-    derived = [v for full in chain if "gm_full_param" in full.meta for v in _forward_views(full)]
+    derived = [
+        v for full in chain if node_meta.FULL_PARAM in full.meta for v in _forward_views(full)
+    ]
     readers = {
-        node: [u for u in node.users if u.meta.get("gm_phase") == "backward"] for node in derived
+        node: [u for u in node.users if u.meta.get(node_meta.PHASE) == "backward"]
+        for node in derived
     }
     all_readers = [u for users in readers.values() for u in users]
     if not all_readers:
@@ -82,7 +86,7 @@ def _regather_for_backward(gather: fx.Node, order: dict[fx.Node, int]) -> bool:
         for node in sorted({*chain, *derived}, key=order.__getitem__):
             # Inputs outside the chain (the shard placeholders) are shared, not copied.
             copies[node] = gather.graph.node_copy(node, lambda n: copies.get(n, n))
-            copies[node].meta["gm_regather"] = True
+            copies[node].meta[node_meta.REGATHER] = True
     for node, users in readers.items():
         for user in users:
             user.replace_input_with(node, copies[node])
@@ -107,8 +111,8 @@ class ReshardAfterForwardPass(GraphPass):
         order = {node: i for i, node in enumerate(graph.nodes)}
         regathered: list[list[str]] = []
         extra_bytes = 0
-        for gather in [n for n in graph.nodes if "gm_bucket" in n.meta and is_all_gather(n)]:
-            bucket = gather.meta["gm_bucket"]
+        for gather in [n for n in graph.nodes if node_meta.BUCKET in n.meta and is_all_gather(n)]:
+            bucket = gather.meta[node_meta.BUCKET]
             default = ctx.config.reshard_after_forward
             if not any(wants_reshard(fqn, ctx.plan, default) for fqn in bucket):
                 continue
@@ -118,7 +122,5 @@ class ReshardAfterForwardPass(GraphPass):
         ctx.record(self.name, regathered_buckets=regathered, extra_all_gather_bytes=extra_bytes)
         if not regathered:
             return PassResult(graph_module, False)
-        graph.lint()
-        graph_module.recompile()
         verify_ranks_agree(graph_module, ctx)
         return PassResult(graph_module, True)

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from gm_trace.joint_graph import JointGraph
 from gm_trace.signature import (
     GraphSignatureError,
     InputSignature,
@@ -22,43 +23,29 @@ from gm_trace.signature import (
 class GraphOutputs:
     """The result of one ``run_traced_graph`` call.
 
-    ``grads`` maps the canonical FQN of each parameter in ``gm.grad_fqns`` to its gradient, laid out
-    like the parameter (same strides, own storage), ready to be assigned or added to ``.grad``.
+    ``grads`` maps the canonical FQN of each parameter in ``JointGraph.grad_fqns`` to its
+    gradient, laid out like the parameter (same strides, own storage), ready to be assigned or
+    added to ``.grad``.
     """
 
     loss: Tensor
     grads: dict[str, Tensor]
 
 
-def grad_output_node(gm: torch.fx.GraphModule, fqn: str) -> torch.fx.Node:
-    """The node whose value the graph returns as the gradient of parameter ``fqn``.
-
-    ``fqn`` may be an alias of a tied parameter. Raises ``KeyError`` for a parameter without a
-    gradient output (frozen or unused).
-    """
-    fqn = gm.param_aliases.get(fqn, fqn)
-    if fqn not in gm.grad_output_index:
-        raise KeyError(
-            f"{fqn!r} has no gradient output; parameters with one: {', '.join(gm.grad_fqns)}"
-        )
-    return gm.graph.output_node().args[0][gm.grad_output_index[fqn]]
-
-
-def run_traced_graph(
-    gm: torch.fx.GraphModule, model: nn.Module, input: Any, label: Any
-) -> GraphOutputs:
+def run_traced_graph(joint: JointGraph, model: nn.Module, input: Any, label: Any) -> GraphOutputs:
     """Run a graph from ``trace_model_graph`` on ``model``'s current parameters and buffers.
 
     Runs under ``torch.no_grad()`` (the graph already holds the backward ops). Buffers that the
     step mutates are updated on ``model``, exactly as an eager step would; gradients are returned,
     not written to ``.grad``. When the ``backend`` pass compiled the graph, its
-    ``gm.compiled_step`` computes the outputs instead of ``gm`` itself.
+    ``joint.compiled_step`` computes the outputs instead of the graph module itself. A sharded
+    graph (``joint.sharding``) expects ``model`` to hold the shards (``ShardingLayout.apply``).
 
     Raises:
         GraphSignatureError: ``input`` / ``label`` differ from the traced sample in structure,
             shape, dtype, device or a constant value, or ``model`` lacks a traced state FQN.
     """
-    expected: InputSignature = gm.input_signature
+    expected: InputSignature = joint.input_signature
     try:
         paths, leaves, spec = flatten_io(input, label)
     except TypeError as exc:
@@ -67,23 +54,24 @@ def run_traced_graph(
     if actual != expected:
         raise GraphSignatureError(signature_mismatch_message(expected, actual))
 
-    live = _live_state(model, gm.state_fqns)
+    live = _live_state(model, joint.state_fqns)
     args = [*live, *(leaf for leaf in leaves if isinstance(leaf, Tensor))]
-    compiled = getattr(gm, "compiled_step", None)  # set by gm_trace.backend.BackendPass
+    gm, compiled = joint.graph_module, joint.compiled_step
     with torch.no_grad():
         outputs = gm(*args) if compiled is None else compiled.run(gm, args)
 
-    n_expected = len(gm.output_specs)
-    if len(outputs) != n_expected:
+    specs = joint.output_specs
+    if len(outputs) != len(specs):
         raise RuntimeError(
-            f"the graph returned {len(outputs)} outputs but gm.output_specs describes "
-            f"{n_expected}; a graph pass changed the outputs without updating gm.output_specs"
+            f"the graph returned {len(outputs)} outputs but its JointGraph describes "
+            f"{len(specs)}; a graph pass changed the outputs without returning a JointGraph "
+            "that describes them"
         )
-    by_fqn = dict(zip(gm.state_fqns, live))
+    by_fqn = dict(zip(joint.state_fqns, live))
     grads: dict[str, Tensor] = {}
     seen: set[StorageWeakRef] = set()
     with torch.no_grad():
-        for spec, value in zip(gm.output_specs, outputs):
+        for spec, value in zip(specs, outputs):
             if spec.kind == "grad":
                 grads[spec.fqn] = _own_grad(value, by_fqn[spec.fqn], seen)
             elif spec.kind == "mutated" and value is not by_fqn[spec.fqn]:

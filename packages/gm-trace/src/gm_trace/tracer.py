@@ -12,9 +12,9 @@ Placeholders, in this order:
 
 1. **State** - one placeholder per UNIQUE tensor of the model: every parameter in
    ``model.named_parameters()`` order, then every buffer in ``model.named_buffers()`` order.
-   ``gm.state_fqns[i]`` is the canonical FQN of placeholder ``i`` (the first name under which the
-   tensor appears) and ``gm.state_is_param[i]`` says whether it is a parameter. Tied / shared
-   tensors appear once; their other names are in ``gm.param_aliases`` / ``gm.buffer_aliases``
+   ``joint.state_fqns[i]`` is the canonical FQN of placeholder ``i`` (the first name under which the
+   tensor appears) and ``joint.state_is_param[i]`` says whether it is a parameter. Tied / shared
+   tensors appear once; their other names are in ``joint.param_aliases`` / ``joint.buffer_aliases``
    (alias FQN -> canonical FQN). There are no ``get_attr`` nodes for parameters or buffers;
    tensors that are neither (plain tensor attributes, tensors captured by the train_fn closure)
    are baked in as ``get_attr`` constants.
@@ -22,7 +22,7 @@ Placeholders, in this order:
 3. **Label tensors** - the ``Tensor`` leaves of ``label``, in flatten order.
 
 Non-tensor leaves (``int``, ``float``, ``bool``, ``str``, ``None``) are NOT placeholders: they are
-baked into the graph as constants and are part of ``gm.input_signature``, so calling the graph
+baked into the graph as constants and are part of ``joint.input_signature``, so calling the graph
 with a different value is a ``GraphSignatureError``, as is a different shape, dtype or device.
 
 Outputs, one flat tuple::
@@ -30,24 +30,25 @@ Outputs, one flat tuple::
     (loss, *grads, *mutated_state)
 
 - ``loss``: the scalar the train_fn returned.
-- ``grads[j]`` is the gradient of parameter ``gm.grad_fqns[j]`` - exactly one per unique trainable
-  parameter that the loss depends on (a tied weight gets ONE gradient, the sum over its uses, as in
-  eager). ``gm.grad_output_index[fqn]`` is its position in the output tuple.
-  Frozen parameters (``requires_grad=False``, listed in ``gm.frozen_param_fqns``) get no gradient.
-  Trainable parameters the loss does not depend on (``gm.unused_param_fqns``) get none either, so
-  their ``.grad`` stays ``None`` exactly as after ``loss.backward()`` in eager.
-- ``mutated_state[k]`` is state tensor ``gm.mutated_fqns[k]`` AFTER the step (BatchNorm running
+- ``grads[j]`` is the gradient of parameter ``joint.grad_fqns[j]`` - exactly one per unique
+  trainable parameter that the loss depends on (a tied weight gets ONE gradient, the sum over its
+  uses, as in eager). ``joint.grad_output_index[fqn]`` is its position in the output tuple.
+  Frozen parameters (``requires_grad=False``, in ``joint.frozen_param_fqns``) get no gradient.
+  Trainable parameters the loss does not depend on (``joint.unused_param_fqns``) get none either,
+  so their ``.grad`` stays ``None`` exactly as after ``loss.backward()`` in eager.
+- ``mutated_state[k]`` is state tensor ``joint.mutated_fqns[k]`` AFTER the step (BatchNorm running
   statistics, ``num_batches_tracked``). The graph is not functionalized: it updates these tensors
   IN PLACE (e.g. ``aten.add_`` on the placeholder) and returns the placeholder itself, so a caller
   that passed the live tensors finds them updated; one that passed copies writes the outputs back.
-  ``gm.mutated_output_index[fqn]`` is the position in the output tuple.
+  ``joint.mutated_output_index[fqn]`` is the position in the output tuple.
 
-``gm.output_specs[i]`` (an ``OutputSpec``) describes output ``i`` in one place. All these
-attributes, and ``gm.input_signature``, survive ``copy.deepcopy(gm)``; a pass that rewrites the
-outputs must update them.
+``joint.output_specs[i]`` (an ``OutputSpec``) describes output ``i`` in one place. ``joint`` is
+the :class:`~gm_trace.joint_graph.JointGraph` the tracer returns; the graph module itself
+carries no attributes of its own, and a pass that changed what the outputs are would have to
+return a JointGraph that says so.
 
-Node metadata
--------------
+Node metadata (keys and meanings in :mod:`gm_trace.node_meta`)
+--------------------------------------------------------------
 - Placeholders: ``meta["gm_role"]`` in ``{"param", "buffer", "input"}``; state placeholders carry
   ``meta["gm_fqn"]`` (canonical FQN) and parameters ``meta["gm_trainable"]``; input placeholders
   carry ``meta["gm_path"]`` (``"input['mask'][1]"``, ``"label"``).
@@ -59,7 +60,7 @@ Node metadata
   is the gradient of; a returned mutated state placeholder carries ``meta["gm_mutated"] = True``,
   and every op that writes state carries ``meta["gm_writes_state"]`` (the FQNs it writes; this
   includes ``aten.native_batch_norm``, whose schema does not declare its running-stat writes).
-  ``grad_output_node(gm, fqn)`` returns "the gradient output node of parameter ``fqn``".
+  ``joint.grad_output_node(fqn)`` returns "the gradient output node of parameter ``fqn``".
 
 Tracing contract
 ----------------
@@ -107,8 +108,9 @@ from gm_trace.graph_annotate import (
     mark_outputs,
     mark_recorded_nodes,
 )
+from gm_trace.joint_graph import JointGraph
 from gm_trace.mixed_precision import cast_floating, cast_inputs, keeps_own_dtype
-from gm_trace.run_graph import GraphOutputs, grad_output_node, run_traced_graph
+from gm_trace.run_graph import GraphOutputs, run_traced_graph
 from gm_trace.signature import (
     GraphSignatureError,
     InputSignature,
@@ -121,8 +123,8 @@ __all__ = [
     "GraphOutputs",
     "GraphSignatureError",
     "InputSignature",
+    "JointGraph",
     "OutputSpec",
-    "grad_output_node",
     "run_traced_graph",
     "trace_model_graph",
 ]
@@ -150,8 +152,8 @@ def trace_model_graph(
     state_shapes: Mapping[str, torch.Size] | None = None,
     param_dtype: torch.dtype | None = None,
     cast_input_modules: Sequence[str] = ("",),
-) -> torch.fx.GraphModule:
-    """Trace ``train_fn(model, input, label)`` plus its backward into one joint ``GraphModule``.
+) -> JointGraph:
+    """Trace ``train_fn(model, input, label)`` plus its backward into one joint graph.
 
     Args:
         model: the live module. Its parameters and buffers become the leading placeholders; it is
@@ -175,10 +177,9 @@ def trace_model_graph(
             every module it wraps.
 
     Returns:
-        A ``GraphModule`` following the calling convention of this module's docstring, with the
-        attributes ``state_fqns``, ``state_is_param``, ``param_aliases``, ``buffer_aliases``,
-        ``frozen_param_fqns``, ``unused_param_fqns``, ``grad_fqns``, ``grad_output_index``,
-        ``mutated_fqns``, ``mutated_output_index``, ``output_specs`` and ``input_signature``.
+        A :class:`JointGraph`: the ``GraphModule`` (calling convention in this module's
+        docstring) with its state FQNs, aliases, gradient and mutated-state outputs and input
+        signature.
 
     Raises:
         TypeError: a leaf of ``sample_input`` / ``sample_label`` has an unsupported type.
@@ -211,7 +212,7 @@ def _trace_model_graph(
     state_shapes: Mapping[str, torch.Size] | None,
     param_dtype: torch.dtype | None,
     cast_input_modules: Sequence[str],
-) -> torch.fx.GraphModule:
+) -> JointGraph:
     if pre_hook is not None:
         pre_hook()
     paths, leaves, spec = flatten_io(sample_input, sample_label)  # validates the leaf types
@@ -276,33 +277,27 @@ def _trace_model_graph(
     grad_fqns = [state_fqns[i] for i in grad_slots]
     annotate(gm, state_fqns, n_params, params, signature.paths, tensor_pos)
     mutated_fqns = append_mutated_state_outputs(gm, state_fqns)
-    output_specs = [
-        OutputSpec("loss"),
-        *(OutputSpec("grad", fqn) for fqn in grad_fqns),
-        *(OutputSpec("mutated", fqn) for fqn in mutated_fqns),
-    ]
-    mark_outputs(gm, output_specs)
+    mark_outputs(
+        gm,
+        [
+            OutputSpec("loss"),
+            *(OutputSpec("grad", fqn) for fqn in grad_fqns),
+            *(OutputSpec("mutated", fqn) for fqn in mutated_fqns),
+        ],
+    )
     gm.recompile()
-
-    attributes = {
-        "state_fqns": state_fqns,
-        "state_is_param": [i < n_params for i in range(len(state))],
-        "param_aliases": param_aliases,
-        "buffer_aliases": buffer_aliases,
-        "frozen_param_fqns": [fqn for fqn, p in params if not p.requires_grad],
-        "unused_param_fqns": [state_fqns[i] for i in trainable if i not in grad_slots],
-        "grad_fqns": grad_fqns,
-        "grad_output_index": {fqn: 1 + j for j, fqn in enumerate(grad_fqns)},
-        "mutated_fqns": mutated_fqns,
-        "mutated_output_index": {fqn: 1 + len(grad_fqns) + k for k, fqn in enumerate(mutated_fqns)},
-        "output_specs": output_specs,
-        "input_signature": signature,
-    }
-    for name, value in attributes.items():
-        setattr(gm, name, value)
-    # GraphModule.__deepcopy__ re-sets the attributes listed under this meta key.
-    gm.meta.setdefault("_user_preserved_attributes", {}).update(attributes)
-    return gm
+    return JointGraph(
+        graph_module=gm,
+        state_fqns=tuple(state_fqns),
+        n_params=n_params,
+        param_aliases=param_aliases,
+        buffer_aliases=buffer_aliases,
+        frozen_param_fqns=tuple(fqn for fqn, p in params if not p.requires_grad),
+        unused_param_fqns=tuple(state_fqns[i] for i in trainable if i not in grad_slots),
+        grad_fqns=tuple(grad_fqns),
+        mutated_fqns=tuple(mutated_fqns),
+        input_signature=signature,
+    )
 
 
 def _module_named(model: nn.Module, fqn: str, what: str) -> nn.Module:

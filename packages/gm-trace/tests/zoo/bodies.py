@@ -18,10 +18,10 @@ import torch.distributed as dist
 from architectures import BY_NAME, Architecture
 
 from gm_config import PassConfig
-from gm_passes import PassPipeline
 from gm_trace.fsdp import full_parameter
+from gm_trace.testing.compile import compile_joint
 from gm_trace.testing.parity import parity_tolerance
-from gm_trace.tracer import run_traced_graph, trace_model_graph
+from gm_trace.tracer import run_traced_graph
 
 BATCH_NORM = torch.nn.modules.batchnorm._BatchNorm
 STEPS = 3
@@ -44,13 +44,11 @@ def build(arch: Architecture, *, dropout: bool) -> torch.nn.Module:
 
 def compile_graph(model, arch: Architecture, sample, config: PassConfig):
     dtype = getattr(torch, config.param_dtype) if config.param_dtype else None
-    gm = trace_model_graph(model, arch.train_fn, *sample, param_dtype=dtype)
-    pipeline = PassPipeline.from_config(config, None)
-    return pipeline.run(gm, model=model), pipeline
+    return compile_joint(model, arch.train_fn, sample, config, param_dtype=dtype)
 
 
-def graph_step(gm, model, optimizer, input, label) -> torch.Tensor:
-    out = run_traced_graph(gm, model, input, label)
+def graph_step(joint, model, optimizer, input, label) -> torch.Tensor:
+    out = run_traced_graph(joint, model, input, label)
     for fqn, grad in out.grads.items():
         model.get_parameter(fqn).grad = grad
     optimizer.step()
@@ -128,7 +126,7 @@ def single_process(name: str) -> dict[str, Any]:
 def _single_process(arch: Architecture) -> dict[str, Any]:
     model = build(arch, dropout=True)
     reference = copy.deepcopy(model)
-    gm, _ = compile_graph(model, arch, arch.batch(0, ROWS), PassConfig())
+    joint, _ = compile_graph(model, arch, arch.batch(0, ROWS), PassConfig())
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     ref_optimizer = torch.optim.Adam(reference.parameters(), lr=LR)
     for step in range(STEPS):
@@ -136,13 +134,13 @@ def _single_process(arch: Architecture) -> dict[str, Any]:
         torch.manual_seed(step)
         ref_loss = eager_step(reference, arch, ref_optimizer, [batch])
         torch.manual_seed(step)
-        loss = graph_step(gm, model, optimizer, *batch)
+        loss = graph_step(joint, model, optimizer, *batch)
         assert torch.equal(loss, ref_loss), (step, loss, ref_loss)
     for kind in ("named_parameters", "named_buffers"):
         expected = dict(getattr(reference, kind)())
         for fqn, actual in getattr(model, kind)():
             assert torch.equal(actual, expected[fqn]), f"{kind[6:-1]} {fqn} differs from eager"
-    return {"nodes": len(gm.graph.nodes)}
+    return {"nodes": len(joint.graph_module.graph.nodes)}
 
 
 def _local(batch, rank: int, world: int):
@@ -170,7 +168,7 @@ def fsdp(rank: int, world: int, name: str, overrides: dict[str, Any]) -> dict[st
 def _fsdp(rank: int, world: int, arch: Architecture, overrides: dict[str, Any]) -> dict[str, float]:
     model = build(arch, dropout=False)
     same_order, global_batch = copy.deepcopy(model), copy.deepcopy(model)
-    gm, _ = compile_graph(
+    joint, _ = compile_graph(
         model, arch, _local(arch.batch(0, ROWS), rank, world), PassConfig(**overrides)
     )
     optimizers = [sharded_optimizer(m.parameters()) for m in (model, same_order, global_batch)]
@@ -179,7 +177,7 @@ def _fsdp(rank: int, world: int, arch: Architecture, overrides: dict[str, Any]) 
         batch = arch.batch(step, ROWS)
         slices = [_local(batch, r, world) for r in range(world)]
         exact_loss = same_order_step(same_order, arch, optimizers[1], slices)
-        loss = graph_step(gm, model, optimizers[0], *slices[rank])
+        loss = graph_step(joint, model, optimizers[0], *slices[rank])
         dist.all_reduce(loss)
         loss /= world
         assert torch.equal(loss, exact_loss), (step, loss.item(), exact_loss.item())
@@ -191,7 +189,7 @@ def _fsdp(rank: int, world: int, arch: Architecture, overrides: dict[str, Any]) 
     exact = dict(same_order.named_parameters())
     tolerance = parity_tolerance(STEPS)
     for fqn, expected in global_batch.named_parameters():
-        actual = full_parameter(model, fqn)
+        actual = full_parameter(model, fqn, joint.sharding)
         assert torch.equal(actual, exact[fqn]), f"{fqn} differs from the same-order reference"
         if arch.discontinuous or not actual.numel():
             continue
@@ -223,13 +221,13 @@ def fsdp_bf16(rank: int, world: int, name: str) -> dict[str, float]:
     else:
         reference_arch, params = arch, _fsdp2_bf16(reference, world)
     config = PassConfig(param_dtype="bfloat16")
-    gm, _ = compile_graph(model, arch, _local(arch.batch(0, ROWS), rank, world), config)
+    joint, _ = compile_graph(model, arch, _local(arch.batch(0, ROWS), rank, world), config)
     optimizer = sharded_optimizer(model.parameters())
     ref_optimizer = sharded_optimizer(reference.parameters())
     worst_loss = worst_update = 0.0
     for step in range(STEPS):
         slices = [_local(arch.batch(step, ROWS), r, world) for r in range(world)]
-        loss = graph_step(gm, model, optimizer, *slices[rank]).float()
+        loss = graph_step(joint, model, optimizer, *slices[rank]).float()
         dist.all_reduce(loss)
         if batch_norm:
             ref_loss = (
@@ -242,7 +240,7 @@ def fsdp_bf16(rank: int, world: int, name: str) -> dict[str, float]:
         worst_loss = max(worst_loss, (loss - ref_loss).abs().item() / world)
     rtol = parity_tolerance(STEPS, torch.bfloat16)["rtol"]
     for fqn, expected in params(reference.named_parameters()).items():
-        actual_update = full_parameter(model, fqn) - initial[fqn]
+        actual_update = full_parameter(model, fqn, joint.sharding) - initial[fqn]
         expected_update = expected.detach() - initial[fqn]
         error = (actual_update - expected_update).norm() / expected_update.norm().clamp_min(1e-12)
         assert error <= rtol, f"{fqn}: the update differs by {error:.2e} of its norm (> {rtol})"

@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from gm_trace.fsdp import RowShard, row_shards
+from gm_trace.fsdp import RowShard
 from gm_trainer.checkpoint_io import (
     CHECKPOINT_FORMAT,
     MARKER_NAME,
@@ -224,7 +224,7 @@ def _load_template(trainer: GraphTrainer, metadata: Metadata) -> dict[str, Any]:
     """Empty tensors of this rank's shape for every entry to read, after checking the keys."""
     entries = _entries(metadata)
     model = trainer.model
-    shards = row_shards(model)
+    shards = trainer.row_shards
     names = canonical_names(model)
     mesh = fsdp_mesh(trainer) if shards else None
     live = model.state_dict(keep_vars=True)

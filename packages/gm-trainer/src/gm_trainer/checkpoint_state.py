@@ -15,7 +15,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from gm_trace.fsdp import RowShard, row_shards
+from gm_trace.fsdp import RowShard
 from gm_trainer.checkpoint_io import CHECKPOINT_FORMAT, CheckpointError, check_header
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ def trainer_state_dict(
     require_compiled(trainer)
     extra_json = _extra_to_json(extra)  # validated on every rank, so all ranks fail alike
     model = trainer.model
-    shards = row_shards(model)
+    shards = trainer.row_shards
     names = canonical_names(model)
     mesh = fsdp_mesh(trainer) if shards else None
     model_state: dict[str, Any] = {}
@@ -112,7 +112,7 @@ def restore(trainer: GraphTrainer, state: Mapping[str, Any], *, copy: bool) -> d
     header = read_header(state)
     check_optimizer(header["optimizer"], trainer)
     model = trainer.model
-    shards = row_shards(model)
+    shards = trainer.row_shards
     names = canonical_names(model)
     live = model.state_dict(keep_vars=True)
     saved = state.get("model", {})
@@ -196,18 +196,18 @@ def _like(value: Any, live: Any) -> Any:
 
 
 def require_compiled(trainer: GraphTrainer) -> None:
-    tp_size = getattr(trainer.pass_config, "tp_size", 1) or 1
-    if tp_size > 1:
-        # TP ranks hold different slices under the same key; DCP would keep only one of them.
-        raise CheckpointError(
-            f"checkpoints of tensor-parallel runs (tp_size={tp_size}) are not supported yet; "
-            "FSDP and HSDP runs (tp_size=1) are"
-        )
     if trainer.optimizer is None:
         raise CheckpointError(
             "the trainer has not compiled yet, so its model is not sharded and it has no "
             "optimizer; call trainer.compile(sample_input, sample_label) with a batch of the "
             "shape you train on (or run a train_step) before saving or loading a checkpoint"
+        )
+    tp_size = trainer.run.pass_config.tp_size
+    if tp_size > 1:
+        # TP ranks hold different slices under the same key; DCP would keep only one of them.
+        raise CheckpointError(
+            f"checkpoints of tensor-parallel runs (tp_size={tp_size}) are not supported yet; "
+            "FSDP and HSDP runs (tp_size=1) are"
         )
 
 

@@ -1,9 +1,11 @@
 """``GraphTrainer``: compile a training step into one graph and drive it.
 
 compile (lazily on the first batch, or explicitly):
-  1. the user's pytree pre-hook, 2. the FSDP mesh and its ``"fsdp"`` group, 3. trace the joint
-  graph, 4-5. the pass pipeline from ``PassConfig`` / ``PassPlan`` (which shards the live model),
-  6. the optimizer, built on the sharded parameters.
+  1. the user's pytree pre-hook, 2. the resolved run: process groups and the configuration the
+  passes get (:class:`~gm_trainer.trainer_setup.ResolvedRun`, once), 3. trace the joint graph,
+  4. the pass pipeline, which returns the rewritten graph and the sharding layout, 5. the layout
+  applied to the live model (once; this class is its only owner), 6. the optimizer, built on
+  the sharded parameters.
 train: ``train_step`` runs the graph and ACCUMULATES gradients on the live parameters;
 ``optimizer_step`` clips by the global norm, steps and zeroes the gradients. The data loop is
 :mod:`gm_trainer.loop`; graphs are cached per input signature AND module state
@@ -25,7 +27,10 @@ import torch.utils._pytree as pytree
 
 from gm_config import PassConfig, PassPlan
 from gm_passes import GraphPass, PassPipeline
+from gm_trace.joint_graph import JointGraph
 from gm_trace.overlap import format_schedule
+from gm_trace.sharding import RowShard
+from gm_trace.sharding_layout import ShardingLayout
 from gm_trace.tracer import InputSignature, run_traced_graph, trace_model_graph
 from gm_trainer.device import default_device
 from gm_trainer.errors import TrainingError
@@ -37,9 +42,9 @@ from gm_trainer.ranks import agree_on_batch, broadcast_buffers
 from gm_trainer.step_guard import check_nonfinite_mode, first_nonfinite_grad, nonfinite_grad_error
 from gm_trainer.trainer_setup import (
     FSDP_GROUP_NAME,
+    ResolvedRun,
     grad_norm_tensor,
-    init_groups,
-    process_group_roles,
+    resolve_run,
     trace_options,
 )
 
@@ -55,7 +60,8 @@ class GraphTrainer:
     Args:
         model: an ordinary ``nn.Module``; under FSDP its parameters become local shards.
         train_fn: computes the scalar loss; traced once per input signature.
-        pass_config: which passes run; ``fsdp_degree`` is filled in from the mesh when None.
+        pass_config: which passes run, as requested; what the mesh decides (``fsdp_degree``
+            None, ``tp_size``) is filled into a copy, :attr:`run`, at the first compile.
         pass_plan: which modules are sharded (``None``: every parameter).
         optimizer_config: an :class:`OptimizerConfig` or a dict of its fields (``lr``,
             ``betas``, ``eps``, ``weight_decay``, ``grad_clip``, ``name`` or ``factory``).
@@ -111,9 +117,13 @@ class GraphTrainer:
             raise ValueError(f"graph_cache_size must be an int >= 1, got {graph_cache_size!r}")
         pass_config = pass_config if pass_config is not None else PassConfig()
         pass_config.validate()
-        # A copy: fsdp_degree is filled in from the mesh without touching the caller's config.
+        # A copy, so that a later change to the caller's object changes nothing here.
         self.pass_config = dataclasses.replace(pass_config)
         self.pass_plan = pass_plan
+        # Decided once at the first compile (it registers process groups): see ResolvedRun.
+        self._run: ResolvedRun | None = None
+        # The fsdp pass's layout, applied to self.model at the first compile.
+        self.sharding: ShardingLayout | None = None
         # Your own graph passes, run where their runs_after / runs_before put them.
         self.extra_passes = list(passes)
         self.optimizer_config = OptimizerConfig.from_dict(optimizer_config)
@@ -123,7 +133,6 @@ class GraphTrainer:
         self.graph_cache_size = graph_cache_size
         self.graph_dump_dir = Path(graph_dump_dir) if graph_dump_dir is not None else None
         self.optimizer: torch.optim.Optimizer | None = None
-        self.fsdp_group: dist.ProcessGroup | None = None
         self.nonfinite = check_nonfinite_mode(nonfinite)
         if lr_scheduler is not None and not callable(lr_scheduler):
             raise TypeError(f"lr_scheduler must be a factory(optimizer), got {lr_scheduler!r}")
@@ -133,7 +142,7 @@ class GraphTrainer:
         self.skipped_steps = 0  # steps dropped for a non-finite loss or gradient (not saved)
         self.data_position = 0  # micro-batches train() has consumed; checkpointed
         self.pipelines: list[PassPipeline] = []
-        self._graphs: dict[GraphKey, torch.fx.GraphModule] = {}
+        self._graphs: dict[GraphKey, JointGraph] = {}
         self._closure_watch: ClosureWatch | None = None
         self._pytree_pre_hook: Callable[[], None] | None = None
         distributed = dist.is_available() and dist.is_initialized()
@@ -161,11 +170,35 @@ class GraphTrainer:
         return self
 
     @property
+    def run(self) -> ResolvedRun:
+        """The configuration, plan and process groups this trainer runs with (after the first
+        compile; resolved once and never changed)."""
+        if self._run is None:
+            raise RuntimeError(
+                "the run is resolved at the first compile; call trainer.compile(sample_input, "
+                "sample_label) or train_step() first"
+            )
+        return self._run
+
+    @property
+    def fsdp_group(self) -> dist.ProcessGroup | None:
+        """The group gradients are reduce-scattered over (``None`` before the first compile and
+        when nothing is sharded)."""
+        return self._run.fsdp_group if self._run is not None else None
+
+    @property
     def fsdp_active(self) -> bool:
         """True when gradients are synchronised over an FSDP group of more than one rank."""
         return self.fsdp_group is not None
 
-    def compile(self, sample_input: Any, sample_label: Any) -> torch.fx.GraphModule:
+    @property
+    def row_shards(self) -> dict[str, RowShard]:
+        """Canonical FQN -> this rank's rows, for every parameter FSDP sharded."""
+        if self.sharding is None:
+            return {}
+        return {fqn: p.shard for fqn, p in self.sharding.params.items()}
+
+    def compile(self, sample_input: Any, sample_label: Any) -> JointGraph:
         """Trace and transform the graph for this input signature and the model's current
         module state (training flags, trainable parameters); cached per both."""
         sample_input, sample_label = self._to_device(sample_input), self._to_device(sample_label)
@@ -181,9 +214,9 @@ class GraphTrainer:
                 "pad batches to a few fixed shapes, or raise graph_cache_size"
             )
         first = not self._graphs
-        if first:
-            init_groups(self)
-        gm = trace_model_graph(
+        if self._run is None:
+            self._run = resolve_run(self)
+        joint = trace_model_graph(
             self.model,
             self.train_fn,
             sample_input,
@@ -191,24 +224,40 @@ class GraphTrainer:
             pre_hook=self._pytree_pre_hook if first else None,
             **trace_options(self),
         )
-        pipeline = PassPipeline.from_config(self.pass_config, self.pass_plan, self.extra_passes)
-        gm = pipeline.run(
-            gm,
+        run = self._run
+        pipeline = PassPipeline.from_config(run.pass_config, run.pass_plan, self.extra_passes)
+        joint = joint.through(
+            pipeline,
             model=self.model,
             fsdp_group_name=FSDP_GROUP_NAME,
-            process_groups=process_group_roles(self),
+            process_groups=dict(run.process_groups),
             dump_dir=self._dump_dir(),
         )
+        self._adopt_sharding(joint.sharding)
         self.pipelines.append(pipeline)
         if self.optimizer is None:
             self.optimizer = self.optimizer_config.build(list(self.model.parameters()))
             if self._lr_scheduler_factory is not None:
                 self.lr_scheduler = self._lr_scheduler_factory(self.optimizer)
         # Keyed by the state AFTER the passes, which is what later steps will see.
-        self._graphs[(signature, module_state_key(self.model))] = gm
+        self._graphs[(signature, module_state_key(self.model))] = joint
         if self._closure_watch is None:
             self._closure_watch = ClosureWatch(self.train_fn)
-        return gm
+        return joint
+
+    def _adopt_sharding(self, layout: ShardingLayout | None) -> None:
+        """Shard the live model the first time; every later graph must expect the same shards."""
+        if self.sharding is None:
+            if layout is not None:
+                layout.apply(self.model)
+                self.sharding = layout
+            return
+        if layout is None or not self.sharding.same_shards(layout):
+            raise TrainingError(
+                "a new graph expects the parameters sharded differently from the first one "
+                f"({'unsharded' if layout is None else 'another layout'}); the plan, degree "
+                "or group must not change between compiles of one trainer"
+            )
 
     def _data_parallel_size(self) -> int:
         """Ranks that read different data: the FSDP group times its HSDP replicas (not TP)."""
@@ -242,10 +291,10 @@ class GraphTrainer:
     def _micro_step(self, input: Any, label: Any, weight: float) -> torch.Tensor:
         """Run the graph for one device-resident micro-batch; add ``weight`` x its gradients."""
         key = (InputSignature.of(input, label), module_state_key(self.model))
-        gm = self._graphs.get(key) or self.compile(input, label)
+        joint = self._graphs.get(key) or self.compile(input, label)
         self._closure_watch.check()
-        outputs = run_traced_graph(gm, self.model, input, label)
-        self._accumulate(gm, outputs.grads, weight)
+        outputs = run_traced_graph(joint, self.model, input, label)
+        self._accumulate(joint, outputs.grads, weight)
         return outputs.loss.detach()
 
     def _agree_on_batch(self, batch: tuple[Any, Any] | None) -> list[int]:
@@ -273,16 +322,16 @@ class GraphTrainer:
         return ended
 
     def _accumulate(
-        self, gm: torch.fx.GraphModule, grads: dict[str, torch.Tensor], weight: float = 1.0
+        self, joint: JointGraph, grads: dict[str, torch.Tensor], weight: float = 1.0
     ) -> None:
-        expected = set(gm.grad_fqns)
+        expected = set(joint.grad_fqns)
         if set(grads) != expected:
             raise TrainingError(
                 f"the graph returned gradients for {sorted(grads)} but the model expects "
                 f"{sorted(expected)}; missing {sorted(expected - set(grads))}, "
                 f"unexpected {sorted(set(grads) - expected)}"
             )
-        for fqn in gm.grad_fqns:
+        for fqn in joint.grad_fqns:
             param, grad = self.model.get_parameter(fqn), grads[fqn]
             if grad.shape != param.shape:
                 raise TrainingError(
@@ -345,7 +394,7 @@ class GraphTrainer:
     def _sync_buffers(self) -> None:
         if not self.fsdp_active:
             return
-        mutated = {fqn for gm in self._graphs.values() for fqn in getattr(gm, "mutated_fqns", ())}
+        mutated = {fqn for joint in self._graphs.values() for fqn in joint.mutated_fqns}
         buffers = [b for fqn, b in self.model.named_buffers() if fqn in mutated]
         if buffers:
             replicate = self._mesh.replicate_group if self._mesh is not None else None

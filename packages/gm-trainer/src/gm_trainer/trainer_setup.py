@@ -1,18 +1,21 @@
-"""What ``GraphTrainer`` sets up around its graphs: process groups, trace options, the norm.
+"""What ``GraphTrainer`` sets up around its graphs: the resolved run (process groups and the
+configuration the passes get), trace options, the gradient norm.
 
-Functions of the trainer (they read its configuration and fill ``fsdp_group`` /
-``pass_config``), kept out of ``trainer.py`` so that the trainer reads as the training step.
+Kept out of ``trainer.py`` so that the trainer reads as the training step.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from gm_config import fsdp_requested
-from gm_trace.fsdp import row_shards
+from gm_config import PassConfig, PassPlan, fsdp_requested
 from gm_trace.groups import register_process_group
 from gm_trainer.device import detect_device_type
 from gm_trainer.mesh import REPLICATE_GROUP_NAME, ResolvedMesh
@@ -25,53 +28,74 @@ if TYPE_CHECKING:
 FSDP_GROUP_NAME = "fsdp"
 
 
-def init_groups(trainer: GraphTrainer) -> None:
-    """Before the first trace: the FSDP group (and HSDP / TP groups of an external mesh),
-    registered under the names the passes use; ``fsdp_degree`` filled in from the mesh."""
-    fsdp_wanted = fsdp_requested(trainer.pass_config, trainer.pass_plan)
-    if trainer._mesh is not None:
-        _init_external_mesh(trainer, trainer._mesh, fsdp_wanted)
-        return
+@dataclass(frozen=True)
+class ResolvedRun:
+    """What a trainer runs with, decided once, at its first compile, and never changed.
+
+    The requested ``PassConfig`` stays as the caller gave it; this holds a copy with what the
+    mesh decides filled in (``fsdp_degree``, ``tp_size``, ``fsdp_enabled``, the TP flags).
+    """
+
+    pass_config: PassConfig
+    """The configuration the passes run with."""
+
+    pass_plan: PassPlan | None
+    """Which modules FSDP shards (``None``: every parameter)."""
+
+    mesh: ResolvedMesh | None
+    """The external mesh (TP, HSDP), or ``None`` for a 1-D FSDP mesh over the world."""
+
+    fsdp_group: dist.ProcessGroup | None
+    """The group gradients are reduce-scattered over; ``None`` when nothing is sharded."""
+
+    process_groups: Mapping[str, str]
+    """Group roles beyond ``"fsdp"`` -> registered names, for the passes (HSDP, TP)."""
+
+    @property
+    def fsdp_active(self) -> bool:
+        """True when gradients are synchronised over an FSDP group of more than one rank."""
+        return self.fsdp_group is not None
+
+
+def resolve_run(trainer: GraphTrainer) -> ResolvedRun:
+    """Register the process groups the passes use and fill the mesh's sizes into a copy of
+    the trainer's ``PassConfig``. Called once, before the first trace, on every rank."""
+    config, plan, mesh = trainer.pass_config, trainer.pass_plan, trainer._mesh
+    fsdp_wanted = fsdp_requested(config, plan)
+    if mesh is not None:
+        return _resolve_external_mesh(config, plan, mesh, fsdp_wanted)
     if not fsdp_wanted or trainer.world_size == 1:
-        return
-    mesh = init_device_mesh(
+        return ResolvedRun(config, plan, None, None, {})
+    device_mesh = init_device_mesh(
         detect_device_type(), (trainer.world_size,), mesh_dim_names=(FSDP_GROUP_NAME,)
     )
-    trainer.fsdp_group = mesh.get_group(FSDP_GROUP_NAME)
-    register_process_group(FSDP_GROUP_NAME, trainer.fsdp_group)
-    if trainer.pass_config.fsdp_degree is None:
-        trainer.pass_config.fsdp_degree = trainer.fsdp_group.size()
+    group = device_mesh.get_group(FSDP_GROUP_NAME)
+    register_process_group(FSDP_GROUP_NAME, group)
+    resolved = dataclasses.replace(config, fsdp_degree=config.fsdp_degree or group.size())
+    return ResolvedRun(resolved, plan, None, group, {})
 
 
-def _init_external_mesh(trainer: GraphTrainer, mesh: ResolvedMesh, fsdp_wanted: bool) -> None:
-    for field, value in mesh.checked_config(trainer.pass_config).items():
-        setattr(trainer.pass_config, field, value)
+def _resolve_external_mesh(
+    config: PassConfig, plan: PassPlan | None, mesh: ResolvedMesh, fsdp_wanted: bool
+) -> ResolvedRun:
+    filled = mesh.checked_config(config)
+    roles: dict[str, str] = {}
     if mesh.tp_group is not None:
         # One name on every rank: the FSDP pass compares collective sequences, names included.
         register_process_group(TP_GROUP_NAME, mesh.tp_group)
+        roles["tp"] = TP_GROUP_NAME
     if mesh.dp_size == 1:
         # Pure TP: nothing to shard over, and an unregistered "fsdp" would mean the world.
-        trainer.pass_config.fsdp_enabled = False
-        return
+        resolved = dataclasses.replace(config, **filled, fsdp_enabled=False)
+        return ResolvedRun(resolved, plan, mesh, None, roles)
+    resolved = dataclasses.replace(config, **filled)
     if not fsdp_wanted:
-        return
-    trainer.fsdp_group = mesh.fsdp_group
+        return ResolvedRun(resolved, plan, mesh, None, roles)
     register_process_group(FSDP_GROUP_NAME, mesh.fsdp_group)
     if mesh.replicate_group is not None:
         register_process_group(REPLICATE_GROUP_NAME, mesh.replicate_group)
-
-
-def process_group_roles(trainer: GraphTrainer) -> dict[str, str]:
-    """Group roles beyond ``"fsdp"`` for the passes: the HSDP replicate group, TP."""
-    roles: dict[str, str] = {}
-    mesh = trainer._mesh
-    if mesh is None:
-        return roles
-    if mesh.replicate_group is not None and trainer.fsdp_active:
         roles["fsdp_replicate"] = REPLICATE_GROUP_NAME
-    if mesh.tp_group is not None:
-        roles["tp"] = TP_GROUP_NAME
-    return roles
+    return ResolvedRun(resolved, plan, mesh, mesh.fsdp_group, roles)
 
 
 def trace_options(trainer: GraphTrainer) -> dict[str, Any]:
@@ -79,17 +103,13 @@ def trace_options(trainer: GraphTrainer) -> dict[str, Any]:
     options: dict[str, Any] = {}
     model = trainer.model
     # After the first compile the live parameters are shards; a retrace needs full shapes.
-    shards = row_shards(model)
-    if shards:
-        options["state_shapes"] = {
-            fqn: torch.Size((shard.rows, *model.get_parameter(fqn).shape[1:]))
-            for fqn, shard in shards.items()
-        }
+    if trainer.sharding is not None:
+        options["state_shapes"] = trainer.sharding.full_shapes()
     # PassConfig.param_dtype: cast the parameters, and the inputs of the root and of every
     # planned module (where FSDP2 would cast them).
-    dtype = trainer.pass_config.param_dtype
+    dtype = trainer.run.pass_config.param_dtype
     if dtype is not None:
-        plan = trainer.pass_plan
+        plan = trainer.run.pass_plan
         planned = [
             name
             for name, _ in model.named_modules()
@@ -103,7 +123,7 @@ def trace_options(trainer: GraphTrainer) -> dict[str, Any]:
 def grad_norm_tensor(trainer: GraphTrainer) -> torch.Tensor:
     """The global 2-norm of the current gradients, as on the unsharded model (float64)."""
     model = trainer.model
-    shards = row_shards(model)
+    shards = trainer.row_shards
     tp_group = trainer._mesh.tp_group if trainer._mesh is not None else None
     tp_sharded = tp_shard_dims(model) if tp_group is not None else {}
     # (FSDP-sharded?, TP-sharded?) -> gradients

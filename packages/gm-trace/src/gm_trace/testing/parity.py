@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from gm_trace.fsdp import full_parameter
+from gm_trace.sharding_layout import ShardingLayout, full_parameter
 
 # torch.testing.assert_close's defaults per dtype (rtol, atol): the noise of one op.
 _ONE_OP = {
@@ -36,17 +36,21 @@ def parity_tolerance(steps: int, dtype: torch.dtype = torch.float32) -> dict[str
 
 
 def assert_full_params_close(
-    model: torch.nn.Module, reference: torch.nn.Module, *, steps: int
+    model: torch.nn.Module,
+    reference: torch.nn.Module,
+    layout: ShardingLayout | None,
+    *,
+    steps: int,
 ) -> float:
-    """Every parameter of ``model``, gathered whole, is within :func:`parity_tolerance` for
-    ``steps`` steps of ``reference``'s.
+    """Every parameter of ``model`` (sharded by ``layout``, or whole for ``None``), gathered
+    whole, is within :func:`parity_tolerance` for ``steps`` steps of ``reference``'s.
 
     A collective when ``model`` is sharded: every rank must call it. Returns the largest
     absolute difference.
     """
     worst = 0.0
     for fqn, expected in reference.named_parameters():
-        actual = full_parameter(model, fqn)
+        actual = full_parameter(model, fqn, layout)
         torch.testing.assert_close(
             actual,
             expected.detach(),

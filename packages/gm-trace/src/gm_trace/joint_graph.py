@@ -1,0 +1,137 @@
+"""``JointGraph``: a captured training step and its calling convention, as one typed value.
+
+The tracer returns one; the pass pipeline turns it into another whose graph module the passes
+rewrote and which carries what they decided (the fsdp pass's :class:`ShardingLayout`, the
+backend's compiled step). ``run_traced_graph`` needs nothing else to run it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch.fx as fx
+
+from gm_trace.graph_annotate import OutputSpec
+from gm_trace.sharding_layout import ShardingLayout
+from gm_trace.signature import InputSignature
+
+if TYPE_CHECKING:
+    from gm_passes import PassPipeline
+    from gm_trace.backend import CompiledStep
+
+#: ``PassContext.artifacts`` names of what the gm-trace passes decide.
+SHARDING_LAYOUT = "sharding_layout"
+COMPILED_STEP = "compiled_step"
+
+
+@dataclass(frozen=True)
+class JointGraph:
+    """One joint forward + backward graph and what its placeholders and outputs are.
+
+    See :mod:`gm_trace.tracer` for the calling convention: placeholders are the unique state
+    tensors (``state_fqns``), then the tensor leaves of input and label; outputs are
+    ``(loss, *grads, *mutated_state)``.
+    """
+
+    graph_module: fx.GraphModule
+    """The graph, as the tracer left it or as the passes rewrote it."""
+
+    state_fqns: tuple[str, ...]
+    """The canonical FQN of each state placeholder: parameters, then buffers."""
+
+    n_params: int
+    """How many of ``state_fqns`` are parameters (the rest are buffers)."""
+
+    param_aliases: Mapping[str, str]
+    """Alias FQN -> canonical FQN, for parameters reachable under several names (tied)."""
+
+    buffer_aliases: Mapping[str, str]
+    """The same for buffers."""
+
+    frozen_param_fqns: tuple[str, ...]
+    """Parameters with ``requires_grad=False``: no gradient output."""
+
+    unused_param_fqns: tuple[str, ...]
+    """Trainable parameters the loss does not depend on: no gradient output, ``.grad`` stays
+    ``None`` as in eager."""
+
+    grad_fqns: tuple[str, ...]
+    """The parameters with a gradient output, in output order (outputs ``1 .. len``)."""
+
+    mutated_fqns: tuple[str, ...]
+    """State tensors the step writes in place (BatchNorm statistics), returned after the
+    gradients."""
+
+    input_signature: InputSignature
+    """Structure, shapes, dtypes, devices and constants of the traced ``(input, label)``."""
+
+    sharding: ShardingLayout | None = None
+    """How the fsdp pass sharded the parameters; ``None`` when no pass sharded anything. The
+    graph expects the live model to hold these shards (:meth:`ShardingLayout.apply`)."""
+
+    compiled_step: CompiledStep | None = None
+    """The backend pass's compiled form of ``graph_module``, run in its place."""
+
+    @property
+    def output_specs(self) -> tuple[OutputSpec, ...]:
+        """What each output is, in order."""
+        return (
+            OutputSpec("loss"),
+            *(OutputSpec("grad", fqn) for fqn in self.grad_fqns),
+            *(OutputSpec("mutated", fqn) for fqn in self.mutated_fqns),
+        )
+
+    @property
+    def grad_output_index(self) -> dict[str, int]:
+        """Parameter FQN -> position of its gradient in the outputs."""
+        return {fqn: 1 + j for j, fqn in enumerate(self.grad_fqns)}
+
+    @property
+    def mutated_output_index(self) -> dict[str, int]:
+        """State FQN -> position of its new value in the outputs."""
+        return {fqn: 1 + len(self.grad_fqns) + k for k, fqn in enumerate(self.mutated_fqns)}
+
+    @property
+    def state_is_param(self) -> tuple[bool, ...]:
+        """Per state placeholder: a parameter (``True``) or a buffer."""
+        return tuple(i < self.n_params for i in range(len(self.state_fqns)))
+
+    @property
+    def param_fqns(self) -> tuple[str, ...]:
+        """The parameter placeholders' FQNs."""
+        return self.state_fqns[: self.n_params]
+
+    def canonical(self, fqn: str) -> str:
+        """The canonical FQN of a parameter or buffer named ``fqn`` (itself when not an alias)."""
+        return self.param_aliases.get(fqn, self.buffer_aliases.get(fqn, fqn))
+
+    def grad_output_node(self, fqn: str) -> fx.Node:
+        """The node returned as the gradient of parameter ``fqn`` (an alias is fine).
+
+        Raises ``KeyError`` for a parameter without a gradient output (frozen or unused).
+        """
+        fqn = self.param_aliases.get(fqn, fqn)
+        if fqn not in self.grad_fqns:
+            raise KeyError(
+                f"{fqn!r} has no gradient output; parameters with one: {', '.join(self.grad_fqns)}"
+            )
+        return self.graph_module.graph.output_node().args[0][self.grad_output_index[fqn]]
+
+    def replace(self, **changes: Any) -> JointGraph:
+        """A copy with ``changes``."""
+        return dataclasses.replace(self, **changes)
+
+    def through(self, pipeline: PassPipeline, **run_options: Any) -> JointGraph:
+        """This graph after ``pipeline``'s passes, with what they decided: the sharding
+        layout, the compiled step. ``run_options`` go to :meth:`PassPipeline.run` (``model``,
+        process groups, ``dump_dir``)."""
+        graph_module = pipeline.run(self.graph_module, graph_info=self, **run_options)
+        artifacts = pipeline.context.artifacts
+        return self.replace(
+            graph_module=graph_module,
+            sharding=artifacts.get(SHARDING_LAYOUT, self.sharding),
+            compiled_step=artifacts.get(COMPILED_STEP),
+        )

@@ -1,0 +1,37 @@
+"""Trace, transform and shard in one call: what ``GraphTrainer.compile`` does, without the
+trainer, for tests of the passes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from gm_config import PassConfig, PassPlan
+from gm_passes import GraphPass, PassPipeline
+from gm_trace.joint_graph import JointGraph
+from gm_trace.tracer import trace_model_graph
+
+
+def compile_joint(
+    model: torch.nn.Module,
+    train_fn: Callable[[torch.nn.Module, Any, Any], torch.Tensor],
+    sample: tuple[Any, Any],
+    config: PassConfig | None = None,
+    plan: PassPlan | None = None,
+    *,
+    passes: Sequence[GraphPass] = (),
+    **trace_options: Any,
+) -> tuple[JointGraph, PassPipeline]:
+    """The traced step after the passes ``config`` and ``plan`` select, with the sharding
+    layout (if any) applied to ``model``; and the pipeline, for its records and statistics.
+
+    ``trace_options`` go to :func:`trace_model_graph` (``param_dtype``, ``state_shapes``...).
+    """
+    joint = trace_model_graph(model, train_fn, *sample, **trace_options)
+    pipeline = PassPipeline.from_config(config or PassConfig(), plan, passes)
+    joint = joint.through(pipeline, model=model)
+    if joint.sharding is not None:
+        joint.sharding.apply(model)
+    return joint, pipeline
