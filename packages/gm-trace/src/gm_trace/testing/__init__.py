@@ -1,31 +1,9 @@
-"""Reference models, deterministic batches and train_fns shipped for tests and benchmarks."""
+"""Reference models, deterministic batches and train_fns shipped for tests and benchmarks.
 
-from gm_trace.testing.models import (
-    MLP,
-    ConvBN,
-    DropoutMLP,
-    RMSNorm,
-    TinyGPT,
-    ce_loss,
-    lm_loss,
-    make_classification_batch,
-    make_image_batch,
-    make_lm_batch,
-    make_regression_batch,
-    mse_loss,
-)
+The names are those :mod:`gm_trace.testing.models` lists in its ``__all__`` (the models, their
+batch helpers and train_fns, and :data:`~gm_trace.testing.models.REFERENCE_MODELS`, the table of
+them by name). The rank harness (``distributed``), parity checks (``parity``) and the pytest
+plugin are imported from their own modules.
+"""
 
-__all__ = [
-    "MLP",
-    "ConvBN",
-    "DropoutMLP",
-    "RMSNorm",
-    "TinyGPT",
-    "ce_loss",
-    "lm_loss",
-    "make_classification_batch",
-    "make_image_batch",
-    "make_lm_batch",
-    "make_regression_batch",
-    "mse_loss",
-]
+from gm_trace.testing.models import *  # noqa: F403

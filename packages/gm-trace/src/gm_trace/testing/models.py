@@ -14,9 +14,14 @@ model          batch helper                 train_fn
 ``ConvBN``     ``make_image_batch``         ``ce_loss``
 ``TinyGPT``    ``make_lm_batch``            ``lm_loss``
 =============  ===========================  ==========================
+
+:data:`REFERENCE_MODELS` holds this table by name, for tests that run every model.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -24,9 +29,11 @@ from torch import Tensor, nn
 
 __all__ = [
     "MLP",
+    "REFERENCE_MODELS",
     "ConvBN",
     "DropoutMLP",
     "RMSNorm",
+    "ReferenceModel",
     "TinyGPT",
     "ce_loss",
     "lm_loss",
@@ -250,3 +257,26 @@ def make_lm_batch(
     g = _generator(seed)
     stream = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=g)
     return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
+
+
+# --------------------------------------------------------------------------- the table
+
+
+class ReferenceModel(NamedTuple):
+    """A reference model with its matching train_fn and batch helper."""
+
+    build: Callable[[], nn.Module]
+    """A fresh model of the default size (seed the global RNG first for fixed weights)."""
+    train_fn: Callable[..., Tensor]
+    """``train_fn(model, input, label) -> loss``."""
+    batch: Callable[..., tuple[Tensor, Tensor]]
+    """``batch(seed=...)``: a deterministic ``(input, label)`` of the default shapes."""
+
+
+#: Every reference model by name, with its train_fn and batch helper.
+REFERENCE_MODELS: dict[str, ReferenceModel] = {
+    "mlp": ReferenceModel(MLP, mse_loss, make_regression_batch),
+    "dropout_mlp": ReferenceModel(DropoutMLP, ce_loss, make_classification_batch),
+    "conv_bn": ReferenceModel(ConvBN, ce_loss, make_image_batch),
+    "tiny_gpt": ReferenceModel(TinyGPT, lm_loss, make_lm_batch),
+}
