@@ -101,49 +101,34 @@ def test_pass_name_lists_must_be_lists_of_names(field, value):
         PassConfig(**{field: value})
 
 
-@pytest.mark.parametrize("tp_size", [0, -1, -8])
-def test_tp_size_below_one_is_rejected(tp_size):
-    with pytest.raises(ConfigError) as info:
-        PassConfig(tp_size=tp_size)
-    message = str(info.value)
-    assert "PassConfig.tp_size" in message
-    assert repr(tp_size) in message
-    assert ">= 1" in message
-
-
-@pytest.mark.parametrize("tp_size", [True, 2.0, "2", None])
-def test_tp_size_must_be_a_real_int(tp_size):
-    with pytest.raises(ConfigError) as info:
-        PassConfig(tp_size=tp_size)
-    assert "PassConfig.tp_size" in str(info.value)
-    assert repr(tp_size) in str(info.value)
-
-
-@pytest.mark.parametrize("degree", [1, 2, 3, 64])
-def test_fsdp_degree_positive_int_is_accepted(degree):
-    assert PassConfig(fsdp_degree=degree).fsdp_degree == degree
-
-
-@pytest.mark.parametrize("degree", [0, -2, True, False, 2.0, "4", [2]])
-def test_fsdp_degree_must_be_none_or_a_positive_int(degree):
+# A rejected value: the field, its bad values, and what the message must say besides the field
+# and the value.
+REJECTED = [
+    ("tp_size", [0, -1, -8], [">= 1"]),
+    ("tp_size", [True, 2.0, "2", None], []),
     # ``True`` is an int subclass in Python, but ``fsdp_degree: true`` is a mistake, not 1.
-    with pytest.raises(ConfigError) as info:
-        PassConfig(fsdp_degree=degree)
-    message = str(info.value)
-    assert "PassConfig.fsdp_degree" in message
-    assert repr(degree) in message
-    assert "None" in message and "positive int" in message
+    ("fsdp_degree", [0, -2, True, False, 2.0, "4", [2]], ["None", "positive int"]),
+    *((field, [1, 0, "true", "False", None, 1.0], ["bool"]) for field in BOOL_FIELDS),
+]
 
 
-@pytest.mark.parametrize("field", BOOL_FIELDS)
-@pytest.mark.parametrize("value", [1, 0, "true", "False", None, 1.0])
-def test_bool_fields_only_accept_bools(field, value):
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [(field, value, says) for field, values, says in REJECTED for value in values],
+)
+def test_a_rejected_value_is_named_in_the_error_with_its_field(field, value, says):
     with pytest.raises(ConfigError) as info:
         PassConfig(**{field: value})
     message = str(info.value)
     assert f"PassConfig.{field}" in message
     assert repr(value) in message
-    assert "bool" in message
+    for words in says:
+        assert words in message
+
+
+@pytest.mark.parametrize("degree", [1, 2, 3, 64])
+def test_fsdp_degree_positive_int_is_accepted(degree):
+    assert PassConfig(fsdp_degree=degree).fsdp_degree == degree
 
 
 @pytest.mark.parametrize("field", BOOL_FIELDS)
