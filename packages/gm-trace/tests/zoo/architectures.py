@@ -203,10 +203,19 @@ _GPT2 = {
 _VISION = {"image_size": 32, "num_labels": 5}
 
 
+#: The batch a transformers model of each family trains on.
+_FAMILY_BATCH: dict[str, Callable[[int, int], tuple[Any, Any]]] = {
+    "decoder": token_batch,
+    "moe": token_batch,
+    "encoder": masked_batch,
+    "encoder-decoder": seq2seq_batch,
+    "vision": image_batch,
+}
+
+
 def hf(
     name: str,
     model: str,
-    batch: Callable[[int, int], tuple[Any, Any]],
     family: str,
     config: dict[str, Any],
     *,
@@ -215,12 +224,13 @@ def hf(
     discontinuous: bool = False,
     note: str = "",
 ) -> Architecture:
-    """A transformers model class built from a config class of the same family."""
+    """A transformers model class built from a config class of the same family, trained on
+    its family's batch."""
     config_class = model.split("For")[0].replace("LMHeadModel", "") + "Config"
     return Architecture(
         name,
         _hf(model, config_class, **config),
-        batch,
+        _FAMILY_BATCH[family],
         hf_loss,
         family,
         expected_error,
@@ -243,11 +253,10 @@ _QWEN2_MOE = _llama_like(
 
 ARCHITECTURES: list[Architecture] = [
     # decoders
-    hf("gpt2", "GPT2LMHeadModel", token_batch, "decoder", _GPT2, tags=("layernorm", "ci")),
+    hf("gpt2", "GPT2LMHeadModel", "decoder", _GPT2, tags=("layernorm", "ci")),
     hf(
         "gpt-neox",
         "GPTNeoXForCausalLM",
-        token_batch,
         "decoder",
         {
             **_DECODER,
@@ -259,18 +268,16 @@ ARCHITECTURES: list[Architecture] = [
     hf(
         "llama",
         "LlamaForCausalLM",
-        token_batch,
         "decoder",
         _llama_like(tie_word_embeddings=True),
         tags=("rmsnorm", "ci"),
     ),
-    hf("mistral", "MistralForCausalLM", token_batch, "decoder", _llama_like(sliding_window=4)),
-    hf("qwen2", "Qwen2ForCausalLM", token_batch, "decoder", _llama_like()),
-    hf("gemma", "GemmaForCausalLM", token_batch, "decoder", _llama_like(head_dim=8)),
+    hf("mistral", "MistralForCausalLM", "decoder", _llama_like(sliding_window=4)),
+    hf("qwen2", "Qwen2ForCausalLM", "decoder", _llama_like()),
+    hf("gemma", "GemmaForCausalLM", "decoder", _llama_like(head_dim=8)),
     hf(
         "phi",
         "PhiForCausalLM",
-        token_batch,
         "decoder",
         {
             **_DECODER,
@@ -282,7 +289,6 @@ ARCHITECTURES: list[Architecture] = [
     hf(
         "opt",
         "OPTForCausalLM",
-        token_batch,
         "decoder",
         {
             **_DECODER,
@@ -295,30 +301,26 @@ ARCHITECTURES: list[Architecture] = [
     hf(
         "bloom",
         "BloomForCausalLM",
-        token_batch,
         "decoder",
         {"vocab_size": VOCAB, "hidden_size": 32, "n_layer": 2, "n_head": 4},
     ),
     hf(
         "falcon",
         "FalconForCausalLM",
-        token_batch,
         "decoder",
         {**_DECODER, "num_attention_heads": 4, "alibi": False},
     ),
     # encoders (masked LM)
-    hf("bert", "BertForMaskedLM", masked_batch, "encoder", _encoder(), tags=("ci",)),
+    hf("bert", "BertForMaskedLM", "encoder", _encoder(), tags=("ci",)),
     hf(
         "roberta",
         "RobertaForMaskedLM",
-        masked_batch,
         "encoder",
         _encoder(pad_token_id=1, max_position_embeddings=66),
     ),
     hf(
         "distilbert",
         "DistilBertForMaskedLM",
-        masked_batch,
         "encoder",
         {
             "vocab_size": VOCAB,
@@ -333,7 +335,6 @@ ARCHITECTURES: list[Architecture] = [
     hf(
         "t5",
         "T5ForConditionalGeneration",
-        seq2seq_batch,
         "encoder-decoder",
         {
             "vocab_size": VOCAB,
@@ -348,7 +349,6 @@ ARCHITECTURES: list[Architecture] = [
     hf(
         "bart",
         "BartForConditionalGeneration",
-        seq2seq_batch,
         "encoder-decoder",
         {
             "vocab_size": VOCAB,
@@ -366,7 +366,6 @@ ARCHITECTURES: list[Architecture] = [
     hf(
         "vit",
         "ViTForImageClassification",
-        image_batch,
         "vision",
         {
             **_VISION,
@@ -380,10 +379,9 @@ ARCHITECTURES: list[Architecture] = [
     hf(
         "resnet",
         "ResNetForImageClassification",
-        image_batch,
         "vision",
         {
-            "num_labels": 5,
+            **_VISION,
             "embedding_size": 8,
             "hidden_sizes": [8, 16],
             "depths": [1, 1],
@@ -394,14 +392,12 @@ ARCHITECTURES: list[Architecture] = [
     hf(
         "convnext",
         "ConvNextForImageClassification",
-        image_batch,
         "vision",
         {**_VISION, "hidden_sizes": [8, 16], "depths": [1, 1], "num_stages": 2},
     ),
     hf(
         "swin",
         "SwinForImageClassification",
-        image_batch,
         "vision",
         {
             **_VISION,
@@ -414,8 +410,8 @@ ARCHITECTURES: list[Architecture] = [
     ),
     # mixture of experts. batched_mm routes with gathers of static shape; transformers' default
     # grouped_mm and its per-expert loop cannot be captured (see the two entries at the end).
-    hf("mixtral", "MixtralForCausalLM", token_batch, "moe", _MIXTRAL, discontinuous=True),
-    hf("qwen2-moe", "Qwen2MoeForCausalLM", token_batch, "moe", _QWEN2_MOE, discontinuous=True),
+    hf("mixtral", "MixtralForCausalLM", "moe", _MIXTRAL, discontinuous=True),
+    hf("qwen2-moe", "Qwen2MoeForCausalLM", "moe", _QWEN2_MOE, discontinuous=True),
     # plain torch
     Architecture(
         "nn-transformer", TinySeq2SeqTransformer, plain_token_batch, logits_ce, "encoder-decoder"
@@ -427,41 +423,54 @@ ARCHITECTURES: list[Architecture] = [
 
 #: Architectures outside the issue's list, built the same way: the fixes must be general.
 EXTRA_ARCHITECTURES: list[Architecture] = [
-    hf("gpt-j", "GPTJForCausalLM", token_batch, "decoder", {**_GPT2, "rotary_dim": 4}),
-    hf("qwen3", "Qwen3ForCausalLM", token_batch, "decoder", _llama_like(head_dim=8)),
-    hf("electra", "ElectraForMaskedLM", masked_batch, "encoder", _encoder(embedding_size=16)),
+    hf("gpt-j", "GPTJForCausalLM", "decoder", {**_GPT2, "rotary_dim": 4}),
+    hf("qwen3", "Qwen3ForCausalLM", "decoder", _llama_like(head_dim=8)),
+    hf("electra", "ElectraForMaskedLM", "encoder", _encoder(embedding_size=16)),
     hf(
         "mobilenet-v2",
         "MobileNetV2ForImageClassification",
-        image_batch,
         "vision",
-        {"num_labels": 5, "image_size": 32, "depth_multiplier": 0.25},
+        {**_VISION, "depth_multiplier": 0.25},
         tags=("batchnorm",),
     ),
 ]
 
+
+def _experts_kernel(
+    name: str, model: str, config: dict[str, Any], kernel: str, error: str, note: str
+) -> Architecture:
+    """A mixture of experts with transformers' experts kernel ``kernel``, which graph mode
+    cannot take: the error matches ``error`` and then names the first layer's experts."""
+    return hf(
+        name,
+        model,
+        "moe",
+        {**config, "experts_implementation": kernel},
+        expected_error=error + r"`model\.layers\.0\.mlp\.experts`",
+        note=note,
+    )
+
+
 #: Configurations graph mode cannot take yet: each must end in the project's own error that
 #: names the op and the module.
 UNSUPPORTED: list[Architecture] = [
-    hf(
+    _experts_kernel(
         "mixtral-grouped-mm",
         "MixtralForCausalLM",
-        token_batch,
-        "moe",
-        {**_MIXTRAL, "experts_implementation": "grouped_mm"},
-        expected_error=r"aten\._grouped_mm(?s:.*)in module: `model\.layers\.0\.mlp\.experts`",
+        _MIXTRAL,
+        "grouped_mm",
+        r"aten\._grouped_mm(?s:.*)in module: ",
         note="transformers' default experts kernel. torch 2.13's shape function for "
         "`aten._grouped_mm` accepts only bfloat16 while the CPU kernel also runs float32, so the "
         "fake tensors graph capture traces with fail. A float32 meta function upstream (or "
         'tracing in bf16) would take it; `experts_implementation="batched_mm"` does today.',
     ),
-    hf(
+    _experts_kernel(
         "qwen2-moe-expert-loop",
         "Qwen2MoeForCausalLM",
-        token_batch,
-        "moe",
-        {**_QWEN2_MOE, "experts_implementation": "eager"},
-        expected_error=r"data-dependent(?s:.*)aten\.nonzero(?s:.*)`model\.layers\.0\.mlp\.experts`",
+        _QWEN2_MOE,
+        "eager",
+        r"data-dependent(?s:.*)aten\.nonzero(?s:.*)",
         note="the per-expert loop asks `nonzero()` which experts were hit: the graph's shape "
         "would depend on the routing. Taking it needs dynamic shapes with data-dependent sizes "
         "(unbacked symbols) in the tracer and every pass; static routing (`batched_mm`, or "
