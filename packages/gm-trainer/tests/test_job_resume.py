@@ -125,11 +125,11 @@ def test_checkpoints_on_the_interval_at_the_end_and_pruned(runs: dict[str, Any])
 
 @pytest.mark.distributed
 def test_export_full_writes_the_final_model(runs: dict[str, Any]) -> None:
-    from gm_trace.testing.models import TinyGPT
+    from gm_trainer.job.builtin_model import GPT
 
     run = runs["root"] / "straight"
     exported = torch.load(run / "model.pt", weights_only=True)
-    model = TinyGPT(256, 32, 1, 2, max_seq_len=32)
+    model = GPT(256, 32, 1, 2, max_seq_len=32)  # the job's model
     model.load_state_dict(exported)  # full, unsharded tensors under the model's own keys
     again = export_full_state_dict(run / "checkpoints" / "step-00000008")
     assert exported.keys() == again.keys()

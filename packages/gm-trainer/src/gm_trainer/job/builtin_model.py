@@ -1,9 +1,18 @@
-"""The built-in model of ``gm-train`` (``model.source: builtin``): a small pre-norm GPT.
+"""The built-in model of ``gm-train`` (``model.source: builtin``): a GPT-2-style language model.
 
-It needs nothing beyond torch, so the embedded default job runs anywhere without a download.
+GPT-2's architecture at the size the job configures: token and learned position embeddings,
+``n_layers`` pre-LayerNorm blocks (causal self-attention with one fused query/key/value
+projection, then a 4x GELU MLP, each added to the residual stream), a final LayerNorm and an
+output head tied to the token embedding. It needs nothing beyond torch, so the embedded default
+job runs anywhere without a download.
+
+The module names are what a job's sharding YAML names: ``tok_emb``, ``pos_emb``, ``layers.N``
+(each with ``attn`` and ``mlp``), ``norm`` and ``lm_head``.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -12,58 +21,47 @@ from torch import Tensor, nn
 __all__ = ["GPT", "lm_loss"]
 
 
-class RMSNorm(nn.Module):
-    """Root-mean-square layer norm with a learned scale (written out, no fused kernel)."""
-
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-class Attention(nn.Module):
-    """Causal multi-head self-attention."""
+class CausalSelfAttention(nn.Module):
+    """Multi-head attention of each position over itself and the positions before it."""
 
     def __init__(self, dim: int, n_heads: int) -> None:
         super().__init__()
         if dim % n_heads:
             raise ValueError(f"dim={dim} is not divisible by n_heads={n_heads}")
         self.n_heads = n_heads
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.proj = nn.Linear(dim, dim, bias=False)
+        self.qkv = nn.Linear(dim, 3 * dim)  # query, key and value in one matmul
+        self.out = nn.Linear(dim, dim)  # writes into the residual stream
 
     def forward(self, x: Tensor) -> Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        batch, seq, dim = x.shape
+        # (batch, seq, 3 * dim) -> 3 x (batch, heads, seq, head_dim)
+        heads = self.qkv(x).view(batch, seq, 3, self.n_heads, dim // self.n_heads)
+        query, key, value = heads.permute(2, 0, 3, 1, 4).unbind(0)
+        mixed = F.scaled_dot_product_attention(query, key, value, is_causal=True)
+        return self.out(mixed.transpose(1, 2).reshape(batch, seq, dim))
 
 
-class FeedForward(nn.Module):
-    """The MLP of a block: 4x wider, GELU."""
+class MLP(nn.Module):
+    """Position-wise feed-forward: widen 4x, GELU (GPT-2's tanh approximation), narrow."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
-        self.fc = nn.Linear(dim, 4 * dim, bias=False)
-        self.proj = nn.Linear(4 * dim, dim, bias=False)
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)  # writes into the residual stream
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+        return self.down(F.gelu(self.up(x), approximate="tanh"))
 
 
 class Block(nn.Module):
-    """Pre-norm attention and MLP with residuals."""
+    """``x + attn(ln(x))``, then ``x + mlp(ln(x))``: each sublayer normalises its own input."""
 
     def __init__(self, dim: int, n_heads: int) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(dim)
-        self.attn = Attention(dim, n_heads)
-        self.mlp_norm = RMSNorm(dim)
-        self.mlp = FeedForward(dim)
+        self.attn_norm = nn.LayerNorm(dim)
+        self.attn = CausalSelfAttention(dim, n_heads)
+        self.mlp_norm = nn.LayerNorm(dim)
+        self.mlp = MLP(dim)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -71,37 +69,48 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token + learned position embeddings, ``n_layers`` blocks, a final RMSNorm and an LM
-    head tied to the token embedding (listed once, as ``tok_emb.weight``).
+    """A GPT-2-style decoder: ``tokens`` (batch, seq) -> next-token logits (batch, seq, vocab).
 
-    The same architecture and initialisation as ``gm_trace.testing.TinyGPT``, so runs and
-    checkpoints of earlier versions of gm-train keep their meaning.
+    ``lm_head.weight`` is ``tok_emb.weight`` (tied, as in GPT-2), so ``named_parameters()``
+    lists it once, as ``tok_emb.weight``.
     """
 
     def __init__(
         self, vocab_size: int, dim: int, n_layers: int, n_heads: int, max_seq_len: int
     ) -> None:
         super().__init__()
-        self.max_seq_len = max_seq_len
         self.tok_emb = nn.Embedding(vocab_size, dim)
         self.pos_emb = nn.Embedding(max_seq_len, dim)
         self.layers = nn.ModuleList(Block(dim, n_heads) for _ in range(n_layers))
-        self.norm = RMSNorm(dim)
+        self.norm = nn.LayerNorm(dim)
         self.lm_head = nn.Linear(dim, vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight
-        for module in self.modules():  # GPT-2 style: a fresh model's logits near uniform
-            if isinstance(module, (nn.Linear, nn.Embedding)):
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2's initialisation: weights from N(0, 0.02), zero biases, LayerNorms the
+        identity, and the two projections per block that write into the residual stream
+        scaled by ``1 / sqrt(2 * n_layers)``, so the stream's variance does not grow with
+        depth. A fresh model's logits are near uniform."""
+        residual = {m for block in self.layers for m in (block.attn.out, block.mlp.down)}
+        residual_std = 0.02 / math.sqrt(2 * max(len(self.layers), 1))
+        for module in self.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+            elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            elif isinstance(module, nn.Linear) and module is not self.lm_head:  # tied: tok_emb
+                std = residual_std if module in residual else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                nn.init.zeros_(module.bias)
 
     def forward(self, tokens: Tensor) -> Tensor:
-        """``tokens``: (batch, seq) int64 -> logits (batch, seq, vocab)."""
-        seq_len = tokens.shape[1]
-        if seq_len > self.max_seq_len:
-            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len={self.max_seq_len}")
-        positions = torch.arange(seq_len, device=tokens.device)
-        x = self.tok_emb(tokens) + self.pos_emb(positions)
-        for layer in self.layers:
-            x = layer(x)
+        seq_len, max_seq_len = tokens.shape[1], self.pos_emb.num_embeddings
+        if seq_len > max_seq_len:  # a static shape check, fine under tracing
+            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len={max_seq_len}")
+        x = self.tok_emb(tokens) + self.pos_emb(torch.arange(seq_len, device=tokens.device))
+        for block in self.layers:
+            x = block(x)
         return self.lm_head(self.norm(x))
 
 
