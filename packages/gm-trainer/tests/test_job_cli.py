@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -38,6 +39,21 @@ def gm_train(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedProce
         text=True,
         timeout=timeout,
     )
+
+
+def train_to_run_folder(
+    tmp_path: Path, *args: str
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """``gm-train ARGS logging.run_dir=run`` in ``tmp_path``: its result, asserted to have
+    succeeded, and the run folder."""
+    result = gm_train(*args, "logging.run_dir=run", cwd=tmp_path, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result, tmp_path / "run"
+
+
+def metrics(run: Path) -> list[dict[str, Any]]:
+    """The records of a run folder's ``metrics.jsonl``, in order."""
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 # --------------------------------------------------------------------------- in process
@@ -119,20 +135,10 @@ def test_bad_config_fails_fast_before_any_rank_starts(tmp_path: Path) -> None:
 @pytest.mark.distributed
 def test_two_rank_job_learns_and_fills_the_run_folder(tmp_path: Path) -> None:
     steps = 30
-    result = gm_train(
-        "--nproc",
-        "2",
-        *TINY,
-        f"train.steps={steps}",
-        "logging.interval=1",
-        "logging.run_dir=run",
-        cwd=tmp_path,
-        timeout=240,
+    result, run = train_to_run_folder(
+        tmp_path, "--nproc", "2", *TINY, f"train.steps={steps}", "logging.interval=1"
     )
-    assert result.returncode == 0, result.stdout + result.stderr
-    run = tmp_path / "run"
-
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = metrics(run)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     for key in ("loss", "grad_norm", "step_time_s", "tokens_per_s", "memory_mb", "lr"):
         assert all(isinstance(r[key], float) for r in records), key

@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from test_job_cli import gm_train
+from test_job_cli import gm_train, metrics
 
 from gm_config import ConfigError
 from gm_trainer.checkpoint import checkpoint_info
@@ -182,10 +181,6 @@ def test_tokenizer_larger_than_the_model_is_a_config_error(
 # --------------------------------------------------------------------------- resume
 
 
-def _metrics(run: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.distributed
 def test_jsonl_resume_continues_with_the_next_window_bitwise(tmp_path: Path) -> None:
     tok = make_tokenizer(tmp_path / "tok")
@@ -203,7 +198,7 @@ def test_jsonl_resume_continues_with_the_next_window_bitwise(tmp_path: Path) -> 
     ):
         result = gm_train(*job, *args, cwd=tmp_path, timeout=240)
         assert result.returncode == 0, result.stdout + result.stderr
-    straight, resumed = _metrics(tmp_path / "straight"), _metrics(tmp_path / "stopped")
+    straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "stopped")
     assert [r["step"] for r in resumed] == list(range(1, 7))
     assert [(r["loss"], r["grad_norm"]) for r in straight] == [
         (r["loss"], r["grad_norm"]) for r in resumed

@@ -7,7 +7,6 @@ Nothing is downloaded: configs, weights, tokenizer and corpora are made here.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from test_job_cli import gm_train
+from test_job_cli import gm_train, metrics
 from test_job_data import make_jsonl, make_tokenizer, sentences
 
 from gm_trainer.checkpoint import export_full_state_dict
@@ -44,10 +43,6 @@ def tiny_gpt2() -> Any:
         vocab_size=61, n_embd=32, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0,
         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1,
     )  # fmt: skip
-
-
-def metrics(run: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")

@@ -17,16 +17,12 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from test_job_cli import TINY, gm_train
+from test_job_cli import TINY, gm_train, metrics
 
 from gm_trainer.checkpoint import MARKER_NAME, checkpoint_info, export_full_state_dict
 from gm_trainer.job.cli import main
 
 CKPT = ["checkpoint.interval=3", "checkpoint.export_full=true", "logging.interval=1"]
-
-
-def metrics(run: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def checkpoints(run: Path) -> list[str]:

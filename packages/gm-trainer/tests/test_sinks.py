@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_job_cli import TINY, gm_train
+from test_job_cli import TINY, metrics, train_to_run_folder
 
 from gm_config import ConfigError
 from gm_trainer.flops import (
@@ -83,7 +83,8 @@ def test_job_writes_tensorboard_mfu_and_a_profile_trace(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    result = gm_train(
+    result, run = train_to_run_folder(
+        tmp_path,
         "--nproc",
         "1",
         *TINY,
@@ -95,13 +96,8 @@ def test_job_writes_tensorboard_mfu_and_a_profile_trace(tmp_path: Path) -> None:
         "profile.end_step=3",
         "checkpoint.interval=null",
         "checkpoint.at_end=false",
-        "logging.run_dir=run",
-        cwd=tmp_path,
-        timeout=240,
     )
-    assert result.returncode == 0, result.stdout + result.stderr
-    run = tmp_path / "run"
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = metrics(run)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for r in records:
         assert r["mfu"] == r["tokens_per_s"] * FLOPS_TINY / 0.5e12
