@@ -22,8 +22,8 @@ def _trace_seconds(n_layers: int) -> tuple[float, int]:
     model = TinyGPT(vocab_size=256, dim=64, n_layers=n_layers, n_heads=4, max_seq_len=64)
     batch = make_lm_batch(batch_size=4, seq_len=64, vocab_size=256)
     start = time.perf_counter()
-    gm = trace_model_graph(model, lm_loss, *batch)
-    return time.perf_counter() - start, len(gm.graph.nodes)
+    joint = trace_model_graph(model, lm_loss, *batch)
+    return time.perf_counter() - start, len(joint.graph_module.graph.nodes)
 
 
 def main() -> None:

@@ -205,3 +205,46 @@ def test_merge_with_an_empty_plan():
     a = PassPlan().add_module("x").add_pattern("y*")
     assert a.merge(PassPlan()) == a
     assert PassPlan().merge(a) == a
+
+
+# --- what a plan decides for a model ----------------------------------------------------------
+
+
+def test_owning_modules_run_from_the_owner_to_the_root():
+    from gm_config.pass_plan import owning_modules
+
+    assert owning_modules("layers.3.attn.wq.weight") == [
+        "layers.3.attn.wq",
+        "layers.3.attn",
+        "layers.3",
+        "layers",
+        "",
+    ]
+    assert owning_modules("bias") == [""]
+
+
+def test_an_empty_plan_covers_every_parameter_and_a_plan_its_modules_and_their_children():
+    assert PassPlan().covers("anything.weight")
+    plan = PassPlan().add_pattern("layers.*").add_module("head")
+    assert plan.covers("layers.0.attn.wq.weight") and plan.covers("head.weight")
+    assert not plan.covers("tok_emb.weight") and not plan.covers("headless.weight")
+
+
+def test_planned_modules_are_the_named_ones_exact_or_by_pattern():
+    plan = PassPlan().add_pattern("layers.*").add_module("norm")
+    names = ["tok_emb", "layers", "layers.0", "layers.0.mlp", "norm", "head"]
+    assert plan.planned_modules(names) == ["layers.0", "layers.0.mlp", "norm"]
+
+
+def test_the_innermost_module_that_says_decides_resharding():
+    plan = (
+        PassPlan()
+        .add_module("layers", reshard_after_forward=True)
+        .add_module("layers.1.mlp", reshard_after_forward=False)
+        .add_module("layers.2.mlp")  # says nothing: the enclosing module decides
+    )
+    assert plan.reshards("layers.0.attn.weight", default=False) is True
+    assert plan.reshards("layers.1.mlp.up.weight", default=True) is False
+    assert plan.reshards("layers.2.mlp.up.weight", default=False) is True
+    assert plan.reshards("tok_emb.weight", default=False) is False
+    assert plan.reshards("tok_emb.weight", default=True) is True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -80,6 +81,27 @@ class PassPlan:
                 return config
         return None
 
+    def covers(self, param_fqn: str) -> bool:
+        """Whether FSDP shards parameter ``param_fqn``: every parameter for an empty plan,
+        else those whose owning module or an ancestor of it is planned. The one place this is
+        decided (the fsdp pass selects by it)."""
+        return self.is_empty() or any(
+            self.lookup(owner) is not None for owner in owning_modules(param_fqn)
+        )
+
+    def planned_modules(self, module_fqns: Iterable[str]) -> list[str]:
+        """The modules among ``module_fqns`` (a model's module FQNs) that the plan names."""
+        return [fqn for fqn in module_fqns if self.lookup(fqn) is not None]
+
+    def reshards(self, param_fqn: str, default: bool) -> bool:
+        """Whether ``param_fqn`` is re-gathered for backward: the innermost planned module
+        around it that sets ``reshard_after_forward``, else ``default`` (the config's)."""
+        for owner in owning_modules(param_fqn):
+            entry = self.lookup(owner)
+            if entry is not None and entry.reshard_after_forward is not None:
+                return entry.reshard_after_forward
+        return default
+
     def merge(self, other: PassPlan) -> PassPlan:
         """A new plan holding both; ``other`` wins on a key clash. Neither input is changed.
 
@@ -94,6 +116,13 @@ class PassPlan:
     def is_empty(self) -> bool:
         """True when neither a module nor a pattern is registered."""
         return not self.fsdp_modules and not self.fsdp_patterns
+
+
+def owning_modules(param_fqn: str) -> list[str]:
+    """The owning module of a parameter and all its ancestors, innermost first, root ("")
+    last: ``"a.b.w"`` -> ``["a.b", "a", ""]``."""
+    parts = param_fqn.split(".")[:-1]
+    return [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
 
 
 def _check_key(value: object, what: str) -> None:

@@ -20,19 +20,9 @@ import torch.fx as fx
 from gm_config import PassConfig, PassPlan, reshard_requested
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_trace import node_meta
-from gm_trace.fsdp import owning_modules, verify_ranks_agree
+from gm_trace.fsdp import verify_ranks_agree
 from gm_trace.graph_build import is_all_gather, tensor_bytes
 from gm_trace.memory import is_view
-
-
-def wants_reshard(fqn: str, plan: PassPlan | None, default: bool) -> bool:
-    """The innermost planned module around ``fqn`` that says, else ``default``."""
-    if plan is not None:
-        for owner in owning_modules(fqn):
-            entry = plan.lookup(owner)
-            if entry is not None and entry.reshard_after_forward is not None:
-                return entry.reshard_after_forward
-    return default
 
 
 def _gather_chain(gather: fx.Node) -> list[fx.Node]:
@@ -114,7 +104,7 @@ class ReshardAfterForwardPass(GraphPass):
         for gather in [n for n in graph.nodes if node_meta.BUCKET in n.meta and is_all_gather(n)]:
             bucket = gather.meta[node_meta.BUCKET]
             default = ctx.config.reshard_after_forward
-            if not any(wants_reshard(fqn, ctx.plan, default) for fqn in bucket):
+            if not any(_reshards(fqn, ctx.plan, default) for fqn in bucket):
                 continue
             if _regather_for_backward(gather, order):
                 regathered.append(list(bucket))
@@ -124,3 +114,7 @@ class ReshardAfterForwardPass(GraphPass):
             return PassResult(graph_module, False)
         verify_ranks_agree(graph_module, ctx)
         return PassResult(graph_module, True)
+
+
+def _reshards(fqn: str, plan: PassPlan | None, default: bool) -> bool:
+    return plan.reshards(fqn, default) if plan is not None else default

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from gm_config import ConfigError, PassPlan
+from gm_config.pass_plan import owning_modules
 
 
 class FSDPConfigError(ConfigError):
@@ -79,13 +80,7 @@ def select_sharded_params(model: torch.nn.Module, plan: PassPlan | None) -> set[
                 UserWarning,
                 stacklevel=3,
             )
-    return {fqn for fqn in names if any(plan.lookup(owner) for owner in owning_modules(fqn))}
-
-
-def owning_modules(param_fqn: str) -> list[str]:
-    """The owning module of a parameter and all its ancestors, root ("") last."""
-    parts = param_fqn.split(".")[:-1]
-    return [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
+    return {fqn for fqn in names if plan.covers(fqn)}
 
 
 def block_of(fqn: str, plan: PassPlan | None) -> str:
@@ -98,7 +93,7 @@ def block_of(fqn: str, plan: PassPlan | None) -> str:
     """
     owners = owning_modules(fqn)
     if plan is not None and not plan.is_empty():
-        planned = [owner for owner in owners if plan.lookup(owner) is not None]
+        planned = plan.planned_modules(owners)
         if planned:
             return planned[-1]
     parts = fqn.split(".")

@@ -25,6 +25,7 @@ import torch.utils._pytree as pytree
 
 from gm_trainer.accumulation import MicroBatches
 from gm_trainer.errors import TrainingError
+from gm_trainer.gradients import scale_grads
 
 if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer
@@ -113,7 +114,7 @@ def _optimizer_step(trainer: GraphTrainer, window: MicroBatches, started: float)
     if math.isfinite(loss):
         scale = window.final_scale()
         if scale != 1.0:
-            trainer._scale_grads(scale)
+            scale_grads(trainer.model, scale)
         grad_norm = trainer.optimizer_step()
     elif trainer.nonfinite == "skip":
         grad_norm = trainer._skip_step()

@@ -2,15 +2,49 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from gm_trace.signature import InputSignature
+from gm_trainer.errors import TrainingError
+from gm_trainer.graph_key import describe_module_state, module_state_key
 
 _NO_BATCH = -(2**62)
 
 
 def agree_on_batch(
+    batch: tuple[Any, Any] | None,
+    model: torch.nn.Module,
+    rank: int,
+    world: int,
+    device: torch.device,
+) -> list[int]:
+    """The ranks whose data has ended (``batch=None`` here: this rank's has).
+
+    Raises :class:`TrainingError` when the ranks' graph keys (batch signature, module state)
+    differ: a rank that recompiled alone would issue collectives the others never match.
+    """
+    digest = None
+    if batch is not None:
+        signature = InputSignature.of(*batch)
+        text = str(signature.spec) + signature.describe() + str(module_state_key(model))
+        digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
+    ended, agreed = _agree_on_digest(digest, rank, world, device)
+    if not agreed:
+        raise TrainingError(
+            f"rank {rank}: ranks disagree on the batch signature or module state; every rank "
+            "must get batches of the same shapes and dtypes, and switch train()/eval() or "
+            "requires_grad together. This rank has:\n"
+            f"{signature.describe()}\n{describe_module_state(model)}"
+        )
+    return ended
+
+
+def _agree_on_digest(
     digest: int | None, rank: int, world: int, device: torch.device
 ) -> tuple[list[int], bool]:
     """One all-reduce over the world per micro-batch: ``(ranks whose data has ended, whether

@@ -15,7 +15,6 @@ train: ``train_step`` runs the graph and ACCUMULATES gradients on the live param
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -34,19 +33,14 @@ from gm_trace.sharding_layout import ShardingLayout
 from gm_trace.tracer import InputSignature, run_traced_graph, trace_model_graph
 from gm_trainer.device import default_device
 from gm_trainer.errors import TrainingError
+from gm_trainer.gradients import accumulate_grads, grad_norm_tensor
 from gm_trainer.graph_key import ClosureWatch, describe_module_state, module_state_key
 from gm_trainer.loop import train_loop
 from gm_trainer.mesh import MeshError, ResolvedMesh, resolve_mesh_context
 from gm_trainer.optim import OptimizerConfig, clip_to_norm
 from gm_trainer.ranks import agree_on_batch, broadcast_buffers
 from gm_trainer.step_guard import check_nonfinite_mode, first_nonfinite_grad, nonfinite_grad_error
-from gm_trainer.trainer_setup import (
-    FSDP_GROUP_NAME,
-    ResolvedRun,
-    grad_norm_tensor,
-    resolve_run,
-    trace_options,
-)
+from gm_trainer.trainer_setup import FSDP_GROUP_NAME, ResolvedRun, resolve_run, trace_options
 
 __all__ = ["FSDP_GROUP_NAME", "GraphTrainer", "TrainingError"]
 
@@ -294,7 +288,7 @@ class GraphTrainer:
         joint = self._graphs.get(key) or self.compile(input, label)
         self._closure_watch.check()
         outputs = run_traced_graph(joint, self.model, input, label)
-        self._accumulate(joint, outputs.grads, weight)
+        accumulate_grads(self.model, joint, outputs.grads, weight)
         return outputs.loss.detach()
 
     def _agree_on_batch(self, batch: tuple[Any, Any] | None) -> list[int]:
@@ -304,46 +298,9 @@ class GraphTrainer:
         rank that recompiles alone would issue collectives (FSDP, HSDP or TP) the others never
         match, and hang.
         """
-        digest = None
-        if batch is not None:
-            signature = InputSignature.of(*batch)
-            text = str(signature.spec) + signature.describe() + str(module_state_key(self.model))
-            digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
-        ended, agreed = agree_on_batch(
-            digest, self.rank, self.world_size, self._collective_device()
+        return agree_on_batch(
+            batch, self.model, self.rank, self.world_size, self._collective_device()
         )
-        if not agreed:
-            raise TrainingError(
-                f"rank {self.rank}: ranks disagree on the batch signature or module state; "
-                "every rank must get batches of the same shapes and dtypes, and switch "
-                "train()/eval() or requires_grad together. This rank has:\n"
-                f"{signature.describe()}\n{describe_module_state(self.model)}"
-            )
-        return ended
-
-    def _accumulate(
-        self, joint: JointGraph, grads: dict[str, torch.Tensor], weight: float = 1.0
-    ) -> None:
-        expected = set(joint.grad_fqns)
-        if set(grads) != expected:
-            raise TrainingError(
-                f"the graph returned gradients for {sorted(grads)} but the model expects "
-                f"{sorted(expected)}; missing {sorted(expected - set(grads))}, "
-                f"unexpected {sorted(set(grads) - expected)}"
-            )
-        for fqn in joint.grad_fqns:
-            param, grad = self.model.get_parameter(fqn), grads[fqn]
-            if grad.shape != param.shape:
-                raise TrainingError(
-                    f"gradient of {fqn!r} has shape {tuple(grad.shape)} but the parameter has "
-                    f"{tuple(param.shape)}"
-                )
-            if weight != 1.0:
-                grad = grad.mul_(weight) if param.grad is None else grad
-            if param.grad is None:
-                param.grad = grad
-            else:
-                param.grad.add_(grad, alpha=weight)
 
     def grad_norm(self) -> float:
         """The global 2-norm of the current gradients, as on the unsharded model."""
@@ -431,11 +388,6 @@ class GraphTrainer:
             dist.all_reduce(loss)
             loss /= self.world_size
         return loss.item()
-
-    def _scale_grads(self, factor: float) -> None:
-        for param in self.model.parameters():
-            if param.grad is not None:
-                param.grad.mul_(factor)
 
     def pass_summary(self) -> str:
         """Per compiled signature: each pass's time and whether it changed the graph, then

@@ -1,5 +1,5 @@
 """What ``GraphTrainer`` sets up around its graphs: the resolved run (process groups and the
-configuration the passes get), trace options, the gradient norm.
+configuration the passes get) and the trace options.
 
 Kept out of ``trainer.py`` so that the trainer reads as the training step.
 """
@@ -19,8 +19,7 @@ from gm_config import PassConfig, PassPlan, fsdp_requested
 from gm_trace.groups import register_process_group
 from gm_trainer.device import detect_device_type
 from gm_trainer.mesh import REPLICATE_GROUP_NAME, ResolvedMesh
-from gm_trainer.optim import global_grad_norm
-from gm_trainer.tp import TP_GROUP_NAME, tp_shard_dims
+from gm_trainer.tp import TP_GROUP_NAME
 
 if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer
@@ -110,34 +109,8 @@ def trace_options(trainer: GraphTrainer) -> dict[str, Any]:
     dtype = trainer.run.pass_config.param_dtype
     if dtype is not None:
         plan = trainer.run.pass_plan
-        planned = [
-            name
-            for name, _ in model.named_modules()
-            if name and plan is not None and plan.lookup(name) is not None
-        ]
+        names = [name for name, _ in model.named_modules() if name]
+        planned = plan.planned_modules(names) if plan is not None else []
         options["param_dtype"] = getattr(torch, dtype)
         options["cast_input_modules"] = ["", *planned]
     return options
-
-
-def grad_norm_tensor(trainer: GraphTrainer) -> torch.Tensor:
-    """The global 2-norm of the current gradients, as on the unsharded model (float64)."""
-    model = trainer.model
-    shards = trainer.row_shards
-    tp_group = trainer._mesh.tp_group if trainer._mesh is not None else None
-    tp_sharded = tp_shard_dims(model) if tp_group is not None else {}
-    # (FSDP-sharded?, TP-sharded?) -> gradients
-    buckets: dict[tuple[bool, bool], list[torch.Tensor]] = {
-        (s, t): [] for s in (True, False) for t in (True, False)
-    }
-    for fqn, param in model.named_parameters():
-        if param.grad is not None:
-            buckets[fqn in shards, fqn in tp_sharded].append(param.grad)
-    return global_grad_norm(
-        buckets[True, False],
-        buckets[False, False],
-        trainer.fsdp_group,
-        sharded_tp=buckets[True, True],
-        replicated_tp=buckets[False, True],
-        tp_group=tp_group,
-    )

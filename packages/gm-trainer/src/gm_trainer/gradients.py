@@ -1,0 +1,72 @@
+"""What the trainer does with the gradients a graph returns: add them to ``.grad``, scale
+them, and take their global norm over every shard and rank."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from gm_trace.joint_graph import JointGraph
+from gm_trainer.errors import TrainingError
+from gm_trainer.optim import global_grad_norm
+from gm_trainer.tp import tp_shard_dims
+
+if TYPE_CHECKING:
+    from gm_trainer.trainer import GraphTrainer
+
+
+def accumulate_grads(
+    model: torch.nn.Module, joint: JointGraph, grads: dict[str, torch.Tensor], weight: float
+) -> None:
+    """Add ``weight`` x each gradient of one graph run to its parameter's ``.grad`` (set it
+    when there is none, as autograd's AccumulateGrad does)."""
+    expected = set(joint.grad_fqns)
+    if set(grads) != expected:
+        raise TrainingError(
+            f"the graph returned gradients for {sorted(grads)} but the model expects "
+            f"{sorted(expected)}; missing {sorted(expected - set(grads))}, "
+            f"unexpected {sorted(set(grads) - expected)}"
+        )
+    for fqn in joint.grad_fqns:
+        param, grad = model.get_parameter(fqn), grads[fqn]
+        if grad.shape != param.shape:
+            raise TrainingError(
+                f"gradient of {fqn!r} has shape {tuple(grad.shape)} but the parameter has "
+                f"{tuple(param.shape)}"
+            )
+        if param.grad is None:
+            # The graph's gradient is this step's own tensor: scale it in place and keep it.
+            param.grad = grad.mul_(weight) if weight != 1.0 else grad
+        else:
+            param.grad.add_(grad, alpha=weight)
+
+
+def scale_grads(model: torch.nn.Module, factor: float) -> None:
+    """Multiply every existing gradient by ``factor`` in place."""
+    for param in model.parameters():
+        if param.grad is not None:
+            param.grad.mul_(factor)
+
+
+def grad_norm_tensor(trainer: GraphTrainer) -> torch.Tensor:
+    """The global 2-norm of the current gradients, as on the unsharded model (float64)."""
+    model = trainer.model
+    shards = trainer.row_shards
+    tp_group = trainer._mesh.tp_group if trainer._mesh is not None else None
+    tp_sharded = tp_shard_dims(model) if tp_group is not None else {}
+    # (FSDP-sharded?, TP-sharded?) -> gradients
+    buckets: dict[tuple[bool, bool], list[torch.Tensor]] = {
+        (s, t): [] for s in (True, False) for t in (True, False)
+    }
+    for fqn, param in model.named_parameters():
+        if param.grad is not None:
+            buckets[fqn in shards, fqn in tp_sharded].append(param.grad)
+    return global_grad_norm(
+        buckets[True, False],
+        buckets[False, False],
+        trainer.fsdp_group,
+        sharded_tp=buckets[True, True],
+        replicated_tp=buckets[False, True],
+        tp_group=tp_group,
+    )
