@@ -14,6 +14,7 @@ from pathlib import Path
 import checkpoint_bodies as bodies
 import pytest
 import torch
+from test_checkpoint import BATCH, mlp_trainer
 
 from gm_config import ConfigError, PassConfig
 from gm_trace.testing import MLP, make_regression_batch, mse_loss
@@ -30,7 +31,6 @@ from gm_trainer.checkpoint import (
 )
 from gm_trainer.job.run_folder import find_resume_point, prune_checkpoints, step_checkpoints
 
-BATCH = make_regression_batch(8, seed=0)
 SHARD = "__0_0.distcp"
 
 
@@ -41,8 +41,7 @@ def _keep_global_rng():
 
 
 def compiled_trainer() -> GraphTrainer:
-    torch.manual_seed(0)
-    trainer = GraphTrainer(MLP(), mse_loss, PassConfig(), optimizer_config={"lr": 1e-2})
+    trainer = mlp_trainer()
     trainer.compile(*BATCH)
     return trainer
 

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 import trainer_bodies as bodies
+from eager_reference import eager_adam
 
 from gm_config import PassConfig
 from gm_trace.testing import MLP, lm_loss, make_lm_batch, make_regression_batch, mse_loss
@@ -67,13 +68,7 @@ def test_ranks_with_different_batch_shapes_fail_on_every_rank(dist_pool):
 def _mlp_reference(batches, lr=1e-2):
     torch.manual_seed(0)
     model = MLP()
-    reference = copy.deepcopy(model)
-    optimizer = torch.optim.Adam(reference.parameters(), lr=lr)
-    for x, y in batches:
-        mse_loss(reference, x, y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return model, reference
+    return model, eager_adam(model, mse_loss, batches, lr)
 
 
 def test_single_process_mixed_precision_keeps_fp32_master_weights():

@@ -9,6 +9,7 @@ import warnings
 import pytest
 import state_bodies as bodies
 import torch
+from eager_reference import eager_adam
 
 from gm_config import PassConfig
 from gm_trace.testing import (
@@ -35,13 +36,7 @@ def _mlp() -> MLP:
 
 def _eager_adam(model, train_fn, batches):
     """Eager Adam on ``batches``; returns the trained copy."""
-    model = copy.deepcopy(model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    for x, y in batches:
-        train_fn(model, x, y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return model
+    return eager_adam(model, train_fn, batches, LR)
 
 
 # --------------------------------------------------------------------------- 11: non-finite

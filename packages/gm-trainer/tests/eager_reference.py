@@ -1,0 +1,27 @@
+"""Eager PyTorch references that the graph-mode trainer tests compare against."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def eager_adam(
+    model: nn.Module,
+    train_fn: Callable[..., torch.Tensor],
+    batches: Iterable[tuple[Any, Any]],
+    lr: float,
+) -> nn.Module:
+    """A copy of ``model`` trained eagerly by ``Adam(lr)``, one step per batch (``model`` itself
+    is left as it was)."""
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    for x, y in batches:
+        train_fn(model, x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
