@@ -13,8 +13,8 @@ import time
 
 import torch
 
+from gm_trace import trace_model_graph
 from gm_trace.testing import TinyGPT, lm_loss, make_lm_batch
-from gm_trace.tracer import trace_model_graph
 
 
 def _trace_seconds(n_layers: int) -> tuple[float, int]:

@@ -27,6 +27,14 @@ def names(gm) -> list[str]:
     return [n.name for n in gm.graph.nodes]
 
 
+def run_dce(fx, ctx, graph, output) -> tuple[bool, list[str]]:
+    """Output ``output`` from ``graph`` and run DCE on it: whether DCE changed the graph, and
+    the names of the nodes it kept."""
+    graph.output(output)
+    gm = fx.GraphModule(graph)
+    return DeadCodeElimination().run(gm, ctx).modified, names(gm)
+
+
 def test_pass_names():
     assert DeadCodeElimination.name == "dce"
     assert CanonicalizeGraph.name == "canonicalize"
@@ -67,10 +75,9 @@ def test_dce_keeps_unused_placeholders_and_the_output(fx, ctx):
     g = fx.Graph()
     x = g.placeholder("x")
     g.placeholder("unused_input")
-    g.output(x)
-    gm = fx.GraphModule(g)
-    assert DeadCodeElimination().run(gm, ctx).modified is False
-    assert names(gm) == ["x", "unused_input", "output"]
+    modified, kept = run_dce(fx, ctx, g, x)
+    assert modified is False
+    assert kept == ["x", "unused_input", "output"]
 
 
 def test_dce_keeps_an_unused_collective_and_its_wait(fx, ctx):
@@ -79,10 +86,9 @@ def test_dce_keeps_an_unused_collective_and_its_wait(fx, ctx):
     gathered = g.call_function(fx.ops.all_gather, (x, 2, "fsdp"), name="all_gather")
     g.call_function(fx.ops.wait, (gathered,), name="wait")
     g.call_function(fx.ops.mul, (x, x), name="dead")
-    g.output(x)
-    gm = fx.GraphModule(g)
-    assert DeadCodeElimination().run(gm, ctx).modified is True
-    assert names(gm) == ["x", "all_gather", "wait", "output"]
+    modified, kept = run_dce(fx, ctx, g, x)
+    assert modified is True
+    assert kept == ["x", "all_gather", "wait", "output"]
 
 
 def test_dce_keeps_a_collective_whose_wait_is_dead_code_by_name(fx, ctx):
@@ -92,10 +98,8 @@ def test_dce_keeps_a_collective_whose_wait_is_dead_code_by_name(fx, ctx):
     r = g.call_function("_c10d_functional.all_reduce.default", (x, "sum", "fsdp"), name="ar")
     g.call_function("_c10d_functional.wait_tensor.default", (r,), name="wait")
     g.call_function("aten.add.Tensor", (x, x), name="dead")
-    g.output(x)
-    gm = fx.GraphModule(g)
-    DeadCodeElimination().run(gm, ctx)
-    assert names(gm) == ["x", "ar", "wait", "output"]
+    _, kept = run_dce(fx, ctx, g, x)
+    assert kept == ["x", "ar", "wait", "output"]
 
 
 def test_dce_keeps_an_in_place_update_of_an_input_and_what_feeds_it(fx, ctx):
@@ -105,10 +109,9 @@ def test_dce_keeps_an_in_place_update_of_an_input_and_what_feeds_it(fx, ctx):
     g.call_function(fx.ops.copy_, (buf, doubled), name="copy_")
     g.call_function(fx.Op("aten.add_.Tensor"), (buf, 1), name="add_")
     g.call_function(fx.Op("aten.foo.out", mutable=True), (x,), name="out_variant")
-    g.output(x)
-    gm = fx.GraphModule(g)
-    assert DeadCodeElimination().run(gm, ctx).modified is False
-    assert names(gm) == ["buf", "x", "doubled", "copy_", "add_", "out_variant", "output"]
+    modified, kept = run_dce(fx, ctx, g, x)
+    assert modified is False
+    assert kept == ["buf", "x", "doubled", "copy_", "add_", "out_variant", "output"]
 
 
 def test_dce_keeps_an_in_place_method_call(fx, ctx):
@@ -116,10 +119,8 @@ def test_dce_keeps_an_in_place_method_call(fx, ctx):
     x = g.placeholder("x")
     g.call_method("add_", (x, 1), name="add_")
     g.call_method("add", (x, 1), name="dead_add")
-    g.output(x)
-    gm = fx.GraphModule(g)
-    DeadCodeElimination().run(gm, ctx)
-    assert names(gm) == ["x", "add_", "output"]
+    _, kept = run_dce(fx, ctx, g, x)
+    assert kept == ["x", "add_", "output"]
 
 
 def test_dce_keeps_a_node_that_says_it_is_impure(fx, ctx):
@@ -127,10 +128,8 @@ def test_dce_keeps_a_node_that_says_it_is_impure(fx, ctx):
     x = g.placeholder("x")
     g.call_function(fx.Op("aten._assert_async.msg"), (x, "msg"), name="assert", impure=True)
     g.call_function(fx.Op("aten.rand_like.default"), (x,), name="pure_dead", impure=False)
-    g.output(x)
-    gm = fx.GraphModule(g)
-    DeadCodeElimination().run(gm, ctx)
-    assert names(gm) == ["x", "assert", "output"]
+    _, kept = run_dce(fx, ctx, g, x)
+    assert kept == ["x", "assert", "output"]
 
 
 def test_dce_keeps_producers_of_side_effecting_nodes(fx, ctx):
@@ -139,10 +138,9 @@ def test_dce_keeps_producers_of_side_effecting_nodes(fx, ctx):
     a = g.call_function(fx.ops.mul, (x, 3), name="scaled")
     b = g.call_function(fx.ops.neg, (a,), name="negated")
     g.call_function(fx.ops.all_gather, (b, 2, "fsdp"), name="all_gather")
-    g.output(x)
-    gm = fx.GraphModule(g)
-    assert DeadCodeElimination().run(gm, ctx).modified is False
-    assert names(gm) == ["x", "scaled", "negated", "all_gather", "output"]
+    modified, kept = run_dce(fx, ctx, g, x)
+    assert modified is False
+    assert kept == ["x", "scaled", "negated", "all_gather", "output"]
 
 
 def test_dce_on_an_empty_body(fx, ctx):

@@ -17,9 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gm_config import PassConfig
 from gm_passes.graph_ops import is_collective, is_wait, op_name
+from gm_trace import run_traced_graph
 from gm_trace.testing import TinyGPT, lm_loss, make_lm_batch
 from gm_trace.testing.compile import compile_joint
-from gm_trace.tracer import run_traced_graph
 
 LR = 1e-2
 COLLECTIVE_NAMESPACES = ("_c10d_functional.", "c10d_functional.", "gm_c10d.")

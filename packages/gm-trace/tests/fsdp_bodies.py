@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from gm_config import PassConfig, PassPlan
 from gm_passes.graph_ops import is_collective, is_wait, op_name
+from gm_trace import run_traced_graph
 from gm_trace.fsdp import (
     CollectiveMismatchError,
     FSDPConfigError,
@@ -27,7 +28,6 @@ from gm_trace.testing import (
 )
 from gm_trace.testing.compile import compile_joint
 from gm_trace.testing.parity import assert_full_params_close, parity_tolerance
-from gm_trace.tracer import run_traced_graph
 
 STEPS = 10
 LR = 1e-2

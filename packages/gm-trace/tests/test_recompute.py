@@ -11,29 +11,17 @@ import torch
 
 from gm_config import PassConfig
 from gm_passes import PassPipeline
+from gm_trace import run_traced_graph, trace_model_graph
 from gm_trace.memory import is_view, peak_allocated_bytes
 from gm_trace.recompute import RecomputePass
 from gm_trace.testing import (
-    MLP,
-    ConvBN,
-    DropoutMLP,
+    REFERENCE_MODELS,
     TinyGPT,
-    ce_loss,
     lm_loss,
-    make_classification_batch,
-    make_image_batch,
     make_lm_batch,
     make_regression_batch,
     mse_loss,
 )
-from gm_trace.tracer import run_traced_graph, trace_model_graph
-
-CASES = {
-    "mlp": (MLP, mse_loss, make_regression_batch),
-    "dropout_mlp": (DropoutMLP, ce_loss, make_classification_batch),
-    "conv_bn": (ConvBN, ce_loss, make_image_batch),
-    "tiny_gpt": (lambda: TinyGPT(n_layers=2), lm_loss, make_lm_batch),
-}
 
 
 def _recomputed(model, train_fn, batch):
@@ -50,9 +38,9 @@ def _outputs(graph, model, batch, seed=0):
     return run_traced_graph(graph, copy.deepcopy(model), *batch)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(REFERENCE_MODELS))
 def test_steps_are_bitwise_identical(name):
-    factory, train_fn, make_batch = CASES[name]
+    factory, train_fn, make_batch = REFERENCE_MODELS[name]
     torch.manual_seed(0)
     model, batch = factory(), make_batch()
     plain, graph, stats = _recomputed(model, train_fn, batch)

@@ -14,20 +14,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from gm_trace.testing import (
-    MLP,
-    ConvBN,
-    DropoutMLP,
-    TinyGPT,
-    ce_loss,
-    lm_loss,
-    make_classification_batch,
-    make_image_batch,
-    make_lm_batch,
-    make_regression_batch,
-    mse_loss,
-)
-from gm_trace.tracer import (
+from gm_trace import (
     GraphCaptureError,
     GraphOutputs,
     GraphSignatureError,
@@ -35,19 +22,14 @@ from gm_trace.tracer import (
     run_traced_graph,
     trace_model_graph,
 )
-
-CASES: dict[str, tuple[Callable[[], nn.Module], Callable[..., Tensor], Callable[[int], Any]]] = {
-    "mlp": (MLP, mse_loss, lambda step: make_regression_batch(seed=step)),
-    "dropout_mlp": (DropoutMLP, ce_loss, lambda step: make_classification_batch(seed=step)),
-    "conv_bn": (ConvBN, ce_loss, lambda step: make_image_batch(seed=step)),
-    "tiny_gpt": (TinyGPT, lm_loss, lambda step: make_lm_batch(seed=step)),
-}
+from gm_trace.testing import MLP, REFERENCE_MODELS, make_regression_batch, mse_loss
 
 
 def _build(name: str) -> tuple[nn.Module, Callable[..., Tensor], Callable[[int], Any]]:
-    factory, train_fn, batch = CASES[name]
+    """The reference model ``name`` (seed 0), its train_fn, and ``batch(step)``."""
+    build, train_fn, make_batch = REFERENCE_MODELS[name]
     torch.manual_seed(0)
-    return factory(), train_fn, batch
+    return build(), train_fn, lambda step: make_batch(seed=step)
 
 
 def _eager_grads(model: nn.Module, train_fn: Callable[..., Tensor], batch: Any) -> Tensor:
@@ -68,7 +50,7 @@ def _assert_grads_equal(eager: nn.Module, out: GraphOutputs) -> None:
 # --------------------------------------------------------------------------- parity with eager
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(REFERENCE_MODELS))
 def test_five_adam_steps_are_bitwise_equal_to_eager(name: str) -> None:
     eager, train_fn, batch = _build(name)
     graph_model = copy.deepcopy(eager)

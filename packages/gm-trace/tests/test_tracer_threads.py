@@ -7,8 +7,8 @@ import threading
 
 import torch
 
+from gm_trace import JointGraph, run_traced_graph, trace_model_graph
 from gm_trace.testing import MLP, TinyGPT, lm_loss, make_lm_batch, make_regression_batch, mse_loss
-from gm_trace.tracer import JointGraph, run_traced_graph, trace_model_graph
 
 # Without the lock this interleaving fails in make_fx ("CURRENT_PATCHER is None"): thread A
 # starts tracing, B starts tracing, A finishes, B finishes. With the lock B cannot start before

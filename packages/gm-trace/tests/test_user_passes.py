@@ -7,8 +7,8 @@ import torch
 from gm_config import PassConfig
 from gm_passes import GraphPass, PassContext, PassPipeline, PassResult, register_pass
 from gm_passes.registry import unregister_pass
+from gm_trace import run_traced_graph, trace_model_graph
 from gm_trace.testing import TinyGPT, lm_loss, make_lm_batch
-from gm_trace.tracer import run_traced_graph, trace_model_graph
 
 
 class CountNodes(GraphPass):

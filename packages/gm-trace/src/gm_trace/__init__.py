@@ -11,22 +11,18 @@
 """
 
 from gm_trace.backend import BackendError, BackendPass, available_backends, register_backend
+from gm_trace.capture_errors import GraphCaptureError
 from gm_trace.fsdp import CollectiveMismatchError, FSDPConfigError, FSDPPass, RowShard
+from gm_trace.graph_annotate import OutputSpec
 from gm_trace.groups import register_process_group, resolve_process_group
 from gm_trace.joint_graph import JointGraph
 from gm_trace.overlap import AutoOverlapPass
 from gm_trace.recompute import RecomputePass
 from gm_trace.reshard import ReshardAfterForwardPass
+from gm_trace.run_graph import GraphOutputs, run_traced_graph
 from gm_trace.sharding_layout import ShardedParam, ShardingLayout, full_parameter
-from gm_trace.tracer import (
-    GraphCaptureError,
-    GraphOutputs,
-    GraphSignatureError,
-    InputSignature,
-    OutputSpec,
-    run_traced_graph,
-    trace_model_graph,
-)
+from gm_trace.signature import GraphSignatureError, InputSignature
+from gm_trace.tracer import trace_model_graph
 
 __all__ = [
     "AutoOverlapPass",

@@ -110,24 +110,10 @@ from gm_trace.graph_annotate import (
 )
 from gm_trace.joint_graph import JointGraph
 from gm_trace.mixed_precision import cast_floating, cast_inputs, keeps_own_dtype
-from gm_trace.run_graph import GraphOutputs, run_traced_graph
-from gm_trace.signature import (
-    GraphSignatureError,
-    InputSignature,
-    flatten_io,
-)
+from gm_trace.signature import InputSignature, flatten_io
 from gm_trace.trace_context import optional_make_fx_kwargs, tracing_context
 
-__all__ = [
-    "GraphCaptureError",
-    "GraphOutputs",
-    "GraphSignatureError",
-    "InputSignature",
-    "JointGraph",
-    "OutputSpec",
-    "run_traced_graph",
-    "trace_model_graph",
-]
+__all__ = ["trace_model_graph", "unique_named"]
 
 
 # make_fx keeps its tracing state in process globals (e.g. the module-call patcher), so two

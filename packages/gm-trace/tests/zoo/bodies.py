@@ -18,10 +18,10 @@ import torch.distributed as dist
 from architectures import BY_NAME, Architecture
 
 from gm_config import PassConfig
+from gm_trace import run_traced_graph
 from gm_trace.fsdp import full_parameter
 from gm_trace.testing.compile import compile_joint
 from gm_trace.testing.parity import parity_tolerance
-from gm_trace.tracer import run_traced_graph
 
 BATCH_NORM = torch.nn.modules.batchnorm._BatchNorm
 STEPS = 3

@@ -26,11 +26,11 @@ import torch.utils._pytree as pytree
 
 from gm_config import PassConfig, PassPlan
 from gm_passes import GraphPass, PassPipeline
+from gm_trace import InputSignature, run_traced_graph, trace_model_graph
 from gm_trace.joint_graph import JointGraph
 from gm_trace.overlap import format_schedule
 from gm_trace.sharding import RowShard
 from gm_trace.sharding_layout import ShardingLayout
-from gm_trace.tracer import InputSignature, run_traced_graph, trace_model_graph
 from gm_trainer.device import default_device
 from gm_trainer.errors import TrainingError
 from gm_trainer.gradients import accumulate_grads, grad_norm_tensor
