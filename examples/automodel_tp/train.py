@@ -4,10 +4,12 @@
     torchrun --nproc-per-node 4 examples/automodel_tp/train.py --tp 1 --dp-replicate 2  # HSDP
 
 The upper layer's part (the automodel path): build the mesh (``MeshContext``), split the
-attention and MLP linears over the TP group — their forward holds the TP collectives — and hand
-both to ``GraphTrainer``. Graph mode captures forward + backward as one graph, TP collectives
-included, and adds only the FSDP dimension: it shards every parameter over the ``fsdp_shard``
-dim of the mesh, so each rank holds 1/(tp x fsdp) of a TP-split weight.
+attention and MLP linears over the mesh's ``tp`` dim with torch's own DTensor tensor parallelism
+(``parallelize_module``, ``ColwiseParallel`` / ``RowwiseParallel``, as torchtitan and NeMo
+Automodel do), and hand both to ``GraphTrainer``. Graph mode captures forward + backward as one
+graph of plain local tensors — DTensor's redistributions become the graph's TP collectives —
+and adds only the FSDP dimension: it shards every parameter over the ``fsdp_shard`` dim of the
+mesh, so each rank holds 1/(tp x fsdp) of a TP-split weight.
 
 The data is synthetic and needs no download: each sequence counts up from a random start by a
 random stride (mod the vocabulary), so the next token follows from the two before it.
@@ -23,21 +25,37 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from gm_config import PassConfig
 from gm_trainer import GraphTrainer, MeshContext
 from gm_trainer.device import init_distributed
-from gm_trainer.tp import parallelize_linears, tp_shard_dims
 
-#: Which linears are split, Megatron style: column-parallel in, row-parallel out.
-TP_PLAN = {
-    "layers.*.attn.wq": "colwise",
-    "layers.*.attn.wk": "colwise",
-    "layers.*.attn.wv": "colwise",
-    "layers.*.attn.wo": "rowwise",
-    "layers.*.mlp.fc": "colwise",
-    "layers.*.mlp.proj": "rowwise",
-}
+
+def tp_plan(n_layers: int) -> dict[str, ParallelStyle]:
+    """Which linears are split, Megatron style: column-parallel in, row-parallel out."""
+    plan: dict[str, ParallelStyle] = {}
+    for i in range(n_layers):
+        for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.fc"):
+            plan[f"layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("attn.wo", "mlp.proj"):
+            plan[f"layers.{i}.{name}"] = RowwiseParallel()
+    return plan
+
+
+def tp_split_parameters(model: nn.Module) -> list[str]:
+    """The parameters TP ranks hold different slices of."""
+    return [
+        fqn
+        for fqn, p in model.named_parameters()
+        if isinstance(p, DTensor) and isinstance(p.placements[0], Shard)
+    ]
 
 
 class RMSNorm(nn.Module):
@@ -97,7 +115,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Pre-norm GPT with learned positions and an LM head tied to the token embedding.
 
-    Embeddings, norms and the head stay whole on every TP rank; ``TP_PLAN`` splits the rest.
+    Embeddings, norms and the head stay whole on every TP rank; :func:`tp_plan` splits the rest.
     """
 
     def __init__(
@@ -162,7 +180,8 @@ def setup(cfg: dict) -> tuple[MeshContext, GPT, GraphTrainer]:
     )
     model = build_model(cfg["model"], cfg["train"]["seed"])
     if mesh.tp_size > 1:
-        parallelize_linears(model, TP_PLAN, tp_rank=mesh.tp_rank, tp_size=mesh.tp_size)
+        plan = tp_plan(cfg["model"]["n_layers"])
+        parallelize_module(model, mesh.device_mesh["tp"], plan)
     trainer = GraphTrainer(
         model,
         lm_loss,
@@ -194,7 +213,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit("run on several ranks: torchrun --nproc-per-node 4 " + __file__)
     mesh, model, trainer = setup(cfg)
     if rank == 0:
-        split = sorted(tp_shard_dims(model))
+        split = tp_split_parameters(model)
         print(
             f"{world} ranks: tp={mesh.tp_size} x dp_shard={mesh.dp_shard_size} x "
             f"dp_replicate={mesh.dp_replicate_size}; {len(split)} TP-split parameters"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import checkpoint_bodies as bodies
@@ -143,16 +142,6 @@ def test_save_refuses_to_overwrite_unless_asked(saved):
     save_checkpoint(trainer, saved, overwrite=True)
     assert checkpoint_info(saved)["step"] == 3
     assert not list(saved.parent.glob("*.old")) and not list(saved.parent.glob("*.tmp"))
-
-
-def test_tensor_parallel_runs_are_refused(tmp_path):
-    trainer = mlp_trainer()
-    trainer.compile(*BATCH)
-    # What a mesh_context with tp=2 resolves to (the tp runs themselves: test_mesh.py).
-    tp_config = dataclasses.replace(trainer.run.pass_config, tp_size=2)
-    trainer._run = dataclasses.replace(trainer.run, pass_config=tp_config)
-    with pytest.raises(CheckpointError, match=r"tensor-parallel runs \(tp_size=2\) are not"):
-        save_checkpoint(trainer, tmp_path / "c")
 
 
 def test_extra_must_be_json(tmp_path):

@@ -109,9 +109,20 @@ def test_tp_layers_of_one_rank_are_the_whole_linear():
     assert torch.equal(rows[1].bias, linear.bias)
 
 
+#: The example's split, with gm_trainer.tp's own layers instead of DTensor.
+OWN_TP_PLAN = {
+    "layers.*.attn.wq": "colwise",
+    "layers.*.attn.wk": "colwise",
+    "layers.*.attn.wv": "colwise",
+    "layers.*.attn.wo": "rowwise",
+    "layers.*.mlp.fc": "colwise",
+    "layers.*.mlp.proj": "rowwise",
+}
+
+
 def test_parallelize_linears_marks_split_parameters_and_rejects_bad_plans():
     model = bodies.example.build_model(bodies.config(2, 1)["model"], 0)
-    parallelize_linears(model, bodies.example.TP_PLAN, tp_rank=1, tp_size=2)
+    parallelize_linears(model, OWN_TP_PLAN, tp_rank=1, tp_size=2)
     dims = tp_shard_dims(copy.deepcopy(model))  # a module attribute survives deepcopy
     assert dims["layers.0.attn.wq.weight"] == 0 and dims["layers.1.mlp.proj.weight"] == 1
     assert dims["layers.0.mlp.fc.bias"] == 0 and "layers.0.mlp.proj.bias" not in dims

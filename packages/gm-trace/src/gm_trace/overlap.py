@@ -72,7 +72,9 @@ def _first_compute_after(wait: fx.Node) -> fx.Node:
 
 
 def _prefetch(graph: fx.Graph, blocks_ahead: int) -> int:
-    gathers = [n for n in graph.nodes if is_all_gather(n)]
+    # Only the fsdp pass's parameter gathers: a TP all-gather of an activation cannot move
+    # above the compute that produces its input.
+    gathers = [n for n in graph.nodes if is_all_gather(n) and node_meta.BUCKET in n.meta]
     order = {node: i for i, node in enumerate(graph.nodes)}
     needed_at = {}
     for gather in gathers:

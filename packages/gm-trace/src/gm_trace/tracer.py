@@ -101,6 +101,7 @@ from gm_trace.capture_errors import (
     data_dependent_error,
     describe,
 )
+from gm_trace.dtensor import check_no_fake_constants, dtensor_state
 from gm_trace.graph_annotate import (
     OutputSpec,
     annotate,
@@ -205,6 +206,7 @@ def _trace_model_graph(
     signature = InputSignature._of_leaves(paths, leaves, spec)
     tensor_pos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
 
+    _refuse_dtensor_state(model)
     params, param_aliases = unique_named(model.named_parameters(remove_duplicate=False))
     buffers, buffer_aliases = unique_named(model.named_buffers(remove_duplicate=False))
     state_fqns = [fqn for fqn, _ in params] + [fqn for fqn, _ in buffers]
@@ -258,6 +260,7 @@ def _trace_model_graph(
     ]
     args = [*traced_state, *(leaves[i] for i in tensor_pos)]
     gm = _make_fx_graph(joint_step, model, args)
+    check_no_fake_constants(gm)
 
     grad_slots = record["grad_slots"]
     grad_fqns = [state_fqns[i] for i in grad_slots]
@@ -284,6 +287,17 @@ def _trace_model_graph(
         mutated_fqns=tuple(mutated_fqns),
         input_signature=signature,
     )
+
+
+def _refuse_dtensor_state(model: nn.Module) -> None:
+    found = dtensor_state(model)
+    if found:
+        fqn, tensor = found[0]
+        raise GraphCaptureError(
+            f"{fqn!r} is a DTensor (placements {tuple(tensor.placements)}); the graph holds "
+            "plain tensors: localize the DTensor parameters first and trace "
+            "with_dtensor_params(train_fn, specs) (gm_trace.dtensor; GraphTrainer does both)"
+        )
 
 
 def _module_named(model: nn.Module, fqn: str, what: str) -> nn.Module:

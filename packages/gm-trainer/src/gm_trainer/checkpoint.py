@@ -9,16 +9,19 @@ A checkpoint is a ``torch.distributed.checkpoint`` (DCP) directory plus a commit
 
 What is saved (the dict :func:`trainer_state_dict` returns; DCP flattens it with dots)::
 
-    "model":   model.state_dict() keys (tied aliases included); FSDP-sharded parameters are
-               DTensors with Shard(0) on the FSDP mesh, so DCP reshards them on load
+    "model":   model.state_dict() keys (tied aliases included); FSDP- or TP-sharded
+               parameters are DTensors saying which piece this rank holds (Shard(0) on the
+               FSDP mesh, Shard(d) on the TP mesh, or both: gm_trainer.checkpoint_layout), so
+               DCP reshards them on load
     "optim":   "state": {parameter FQN: {"exp_avg": ..., "step": ...}}, per-element states
                sharded like their parameter; "param_groups": JSON of the hyperparameters
     "trainer": JSON: format, step, data_position, world_size, optimizer class name
     "rng":     "rank<r>": {"cpu": ..., "cuda": ...}: each rank saves only its own generator
     "extra":   JSON of the caller's ``extra`` dict, as rank 0 had it
 
-Supported: no FSDP, FSDP over the world, HSDP (a ``mesh_context`` with ``tp=1``: replicas
-write identical chunks, which DCP stores once). Tensor-parallel runs are refused.
+Supported: no FSDP, FSDP over the world, HSDP (replicas write identical chunks, which DCP
+stores once), TP (DTensor ``parallelize_module`` or ``gm_trainer.tp`` layers), TP x FSDP and
+TP x HSDP.
 
 Resuming on another number of ranks works because parameters and optimizer states are saved
 as whole tensors cut into chunks: a loading rank reads exactly its rows. RNG states cannot be
@@ -51,7 +54,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from gm_trace.fsdp import RowShard
 from gm_trainer.checkpoint_io import (
     CHECKPOINT_FORMAT,
     MARKER_NAME,
@@ -63,6 +65,7 @@ from gm_trainer.checkpoint_io import (
     file_checksum,
     open_checkpoint,
 )
+from gm_trainer.checkpoint_layout import WHOLE, CheckpointLayout, Piece
 from gm_trainer.checkpoint_read import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -71,12 +74,9 @@ from gm_trainer.checkpoint_read import (
     read_metadata,
 )
 from gm_trainer.checkpoint_state import (
-    as_dtensor,
     canonical_names,
     check_keys,
     check_optimizer,
-    fsdp_mesh,
-    full_shape,
     load_trainer_state_dict,
     read_header,
     require_compiled,
@@ -224,25 +224,20 @@ def _load_template(trainer: GraphTrainer, metadata: Metadata) -> dict[str, Any]:
     """Empty tensors of this rank's shape for every entry to read, after checking the keys."""
     entries = _entries(metadata)
     model = trainer.model
-    shards = trainer.row_shards
+    layout = CheckpointLayout(trainer)
     names = canonical_names(model)
-    mesh = fsdp_mesh(trainer) if shards else None
     live = model.state_dict(keep_vars=True)
     saved_model = {path[1]: md for path, md in entries.items() if path[0] == "model"}
     check_keys("model", set(live), set(saved_model))
 
-    def empty(md: Any, shard: RowShard | None, device: torch.device) -> torch.Tensor:
-        if shard is None:
-            return torch.empty(md.size, dtype=md.properties.dtype, device=device)
-        local = torch.empty(
-            (shard.local_rows, *md.size[1:]), dtype=md.properties.dtype, device=device
-        )
-        return as_dtensor(local, shard, mesh)
+    def empty(md: Any, piece: Piece, device: torch.device) -> torch.Tensor:
+        shape = layout.local_shape(tuple(md.size), piece)
+        return layout.view(torch.empty(shape, dtype=md.properties.dtype, device=device), piece)
 
     template: dict[str, Any] = {"model": {}, "optim": {"state": {}}, "rng": {}}
     for key, target in live.items():
-        md, shard = saved_model[key], shards.get(names.get(id(target), ""))
-        full = full_shape(target, shard)
+        md, piece = saved_model[key], layout.of(names.get(id(target), ""))
+        full = layout.full_shape(target.shape, piece)
         if not isinstance(md, TensorStorageMetadata):
             raise CheckpointError(f"model {key!r} is not a tensor in the checkpoint")
         if tuple(md.size) != full:
@@ -255,7 +250,7 @@ def _load_template(trainer: GraphTrainer, metadata: Metadata) -> dict[str, Any]:
                 f"model {key!r} is {md.properties.dtype} in the checkpoint but {target.dtype} "
                 "in the model; cast the model to the checkpoint's dtype before loading"
             )
-        template["model"][key] = empty(md, shard, target.device)
+        template["model"][key] = empty(md, piece, target.device)
 
     params = {names[id(p)]: p for g in trainer.optimizer.param_groups for p in g["params"]}
     for path, md in entries.items():
@@ -267,16 +262,17 @@ def _load_template(trainer: GraphTrainer, metadata: Metadata) -> dict[str, Any]:
                 f"the checkpoint has optimizer state {name!r} for parameter {fqn!r}, which "
                 "this model does not have; is it the same model?"
             )
-        param, shard = params[fqn], shards.get(fqn)
-        per_element = shard is not None and len(md.size) > 0
-        if per_element and tuple(md.size) != full_shape(param, shard):
+        param, piece = params[fqn], layout.of(fqn)
+        per_element = not piece.whole and len(md.size) > 0
+        full = layout.full_shape(param.shape, piece)
+        if per_element and tuple(md.size) != full:
             raise CheckpointError(
                 f"optimizer state {name!r} of {fqn!r} has shape {tuple(md.size)} in the "
-                f"checkpoint, but the parameter has {full_shape(param, shard)}"
+                f"checkpoint, but the parameter has {full}"
             )
         device = param.device if len(md.size) > 0 else torch.device("cpu")
         template["optim"]["state"].setdefault(fqn, {})[name] = empty(
-            md, shard if per_element else None, device
+            md, piece if per_element else WHOLE, device
         )
 
     for key in ("trainer", "extra"):
@@ -291,7 +287,7 @@ def _load_template(trainer: GraphTrainer, metadata: Metadata) -> dict[str, Any]:
     mine = f"rank{trainer.rank}" if f"rank{trainer.rank}" in ranks else "rank0"
     for path, md in entries.items():
         if path[:2] == ("rng", mine):
-            template["rng"].setdefault(mine, {})[path[2]] = empty(md, None, torch.device("cpu"))
+            template["rng"].setdefault(mine, {})[path[2]] = empty(md, WHOLE, torch.device("cpu"))
     return template
 
 

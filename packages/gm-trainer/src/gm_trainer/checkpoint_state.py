@@ -12,11 +12,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
-from gm_trace.fsdp import RowShard
 from gm_trainer.checkpoint_io import CHECKPOINT_FORMAT, CheckpointError, check_header
+from gm_trainer.checkpoint_layout import CheckpointLayout
 
 if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer
@@ -36,9 +34,8 @@ def trainer_state_dict(
     require_compiled(trainer)
     extra_json = _extra_to_json(extra)  # validated on every rank, so all ranks fail alike
     model = trainer.model
-    shards = trainer.row_shards
+    layout = CheckpointLayout(trainer)
     names = canonical_names(model)
-    mesh = fsdp_mesh(trainer) if shards else None
     model_state: dict[str, Any] = {}
     for key, value in model.state_dict(keep_vars=True).items():
         if not isinstance(value, torch.Tensor):
@@ -46,13 +43,12 @@ def trainer_state_dict(
                 f"model state {key!r} is a {type(value).__name__}, not a tensor; "
                 "checkpoints hold tensors only (move extra module state into `extra`)"
             )
-        shard = shards.get(names.get(id(value), ""))
-        model_state[key] = as_dtensor(value.detach(), shard, mesh) if shard else value.detach()
+        model_state[key] = layout.view(value.detach(), layout.of(names.get(id(value), "")))
 
     optim_state: dict[str, dict[str, torch.Tensor]] = {}
     for param, state in trainer.optimizer.state.items():
         fqn = names[id(param)]
-        shard = shards.get(fqn)
+        piece = layout.of(fqn)
         entry = {}
         for name, value in state.items():
             if value is None:
@@ -62,14 +58,14 @@ def trainer_state_dict(
                     f"optimizer state {name!r} of {fqn!r} is a {type(value).__name__}; "
                     "only tensor optimizer states can be checkpointed"
                 )
-            if shard is not None and value.dim() > 0:
+            if not piece.whole and value.dim() > 0:
                 if value.shape != param.shape:
                     raise CheckpointError(
                         f"optimizer state {name!r} of {fqn!r} has shape {tuple(value.shape)}, "
                         f"not the shard's {tuple(param.shape)}; only per-element states "
                         "(Adam, SGD momentum, ...) and scalars can be resharded"
                     )
-                entry[name] = as_dtensor(value.detach(), shard, mesh)
+                entry[name] = layout.view(value.detach(), piece)
             else:
                 entry[name] = value.detach()
         optim_state[fqn] = entry
@@ -112,22 +108,23 @@ def restore(trainer: GraphTrainer, state: Mapping[str, Any], *, copy: bool) -> d
     header = read_header(state)
     check_optimizer(header["optimizer"], trainer)
     model = trainer.model
-    shards = trainer.row_shards
+    layout = CheckpointLayout(trainer)
     names = canonical_names(model)
     live = model.state_dict(keep_vars=True)
     saved = state.get("model", {})
     check_keys("model", set(live), set(saved))
     pieces = {}
     for key, target in live.items():
-        shard = shards.get(names.get(id(target), ""))
-        piece = _local_piece(f"model {key!r}", saved[key], full_shape(target, shard), shard)
+        where = layout.of(names.get(id(target), ""))
+        full = layout.full_shape(target.shape, where)
+        piece = layout.take(f"model {key!r}", saved[key], full, where)
         if piece.dtype != target.dtype:
             raise CheckpointError(
                 f"model {key!r} is {piece.dtype} in the checkpoint but {target.dtype} in the "
                 "model; cast the model to the checkpoint's dtype before loading"
             )
         pieces[key] = piece
-    optim_sd = _optimizer_state_dict(trainer, state.get("optim", {}), shards, names, copy)
+    optim_sd = _optimizer_state_dict(trainer, state.get("optim", {}), layout, names, copy)
 
     with torch.no_grad():
         for key, piece in pieces.items():
@@ -143,7 +140,7 @@ def restore(trainer: GraphTrainer, state: Mapping[str, Any], *, copy: bool) -> d
 def _optimizer_state_dict(
     trainer: GraphTrainer,
     saved: Mapping[str, Any],
-    shards: dict[str, RowShard],
+    layout: CheckpointLayout,
     names: dict[int, str],
     copy: bool,
 ) -> dict[str, Any]:
@@ -165,12 +162,12 @@ def _optimizer_state_dict(
     state = {}
     for fqn, entry in saved_state.items():
         param = params[index[fqn]]
-        shard = shards.get(fqn)
-        full = full_shape(param, shard)
+        where = layout.of(fqn)
+        full = layout.full_shape(param.shape, where)
         pieces = {}
         for name, value in entry.items():
-            if value.dim() > 0 and (shard is not None or tuple(value.shape) == full):
-                value = _local_piece(f"optimizer state {name!r} of {fqn!r}", value, full, shard)
+            if value.dim() > 0 and (not where.whole or tuple(value.shape) == full):
+                value = layout.take(f"optimizer state {name!r} of {fqn!r}", value, full, where)
             pieces[name] = value.clone() if copy else value
         state[index[fqn]] = pieces
     groups = json.loads(saved["param_groups"]) if "param_groups" in saved else None
@@ -202,58 +199,11 @@ def require_compiled(trainer: GraphTrainer) -> None:
             "optimizer; call trainer.compile(sample_input, sample_label) with a batch of the "
             "shape you train on (or run a train_step) before saving or loading a checkpoint"
         )
-    tp_size = trainer.run.pass_config.tp_size
-    if tp_size > 1:
-        # TP ranks hold different slices under the same key; DCP would keep only one of them.
-        raise CheckpointError(
-            f"checkpoints of tensor-parallel runs (tp_size={tp_size}) are not supported yet; "
-            "FSDP and HSDP runs (tp_size=1) are"
-        )
 
 
 def canonical_names(model: torch.nn.Module) -> dict[int, str]:
     # named_parameters() lists a tied parameter once, under the name FSDP shards it by.
     return {id(p): name for name, p in model.named_parameters()}
-
-
-def full_shape(tensor: torch.Tensor, shard: RowShard | None) -> tuple[int, ...]:
-    shape = tuple(tensor.shape)
-    return (shard.rows, *shape[1:]) if shard is not None else shape
-
-
-def fsdp_mesh(trainer: GraphTrainer) -> DeviceMesh:
-    # A mesh over the trainer's existing group: no new process group, no collective.
-    return DeviceMesh.from_group(trainer.fsdp_group, trainer.device.type, mesh_dim_names=("fsdp",))
-
-
-def as_dtensor(local: torch.Tensor, shard: RowShard, mesh: DeviceMesh) -> DTensor:
-    # Shard(0) splits dim 0 as torch.chunk does, exactly like RowShard, uneven/empty included.
-    full = (shard.rows, *local.shape[1:])
-    stride = torch.empty(full, device="meta").stride()
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full, stride=stride)
-
-
-def _local_piece(
-    what: str, value: Any, full: tuple[int, ...], shard: RowShard | None
-) -> torch.Tensor:
-    """This rank's rows of ``value`` (a DTensor or a whole tensor of shape ``full``)."""
-    if not isinstance(value, torch.Tensor):
-        raise CheckpointError(f"{what} is a {type(value).__name__} in the checkpoint, not a tensor")
-    if tuple(value.shape) != full:
-        raise CheckpointError(
-            f"{what} has shape {tuple(value.shape)} in the checkpoint but {full} here; the "
-            "checkpoint was written for a different model configuration"
-        )
-    if isinstance(value, DTensor):
-        same_layout = (
-            shard is not None
-            and value.placements == (Shard(0),)
-            and value.device_mesh.size() == shard.degree
-        )
-        if same_layout:
-            return value.to_local()
-        value = value.full_tensor()
-    return value[shard.start : shard.stop] if shard is not None else value
 
 
 def check_keys(section: str, live: set[str], saved: set[str]) -> None:

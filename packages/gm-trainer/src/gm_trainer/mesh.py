@@ -142,6 +142,9 @@ class ResolvedMesh:
     tp_group: dist.ProcessGroup | None
     """The tensor-parallel group, when it has more than one rank."""
     fsdp_dim: str
+    shard_tp_mesh: Any = None
+    """The 2-D ``(fsdp_dim, "tp")`` sub-mesh, when there is a TP group: checkpoints lay
+    TP x FSDP pieces out on it."""
     sequence_parallel: bool = False
     loss_parallel: bool = False
 
@@ -248,6 +251,8 @@ def resolve_mesh_context(mesh_context: Any) -> ResolvedMesh:
         replicate_group=replicate_group,
         tp_group=tp_group,
         fsdp_dim=fsdp_dim,
+        # Slicing reuses the mesh's groups: local, no collective.
+        shard_tp_mesh=fsdp_mesh[fsdp_dim, "tp"] if tp_group and "tp" in names else None,
         sequence_parallel=bool(getattr(mesh_context, "sequence_parallel", False)),
         loss_parallel=bool(getattr(mesh_context, "loss_parallel", False)),
     )

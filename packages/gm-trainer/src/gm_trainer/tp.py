@@ -29,12 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+# A parameter's own tag: the dim it is TP-split along (localized DTensor parameters carry it).
+from gm_trace.dtensor import TP_SHARD_DIM_ATTR
+
 TP_GROUP_NAME = "tp"
 
 #: Attribute of a module: ``{own parameter name: the dim it is TP-split along}``.
 TP_SHARD_DIMS_ATTR = "_gm_tp_shard_dims"
-#: Attribute of a parameter: the dim it is TP-split along (for TP layers of other libraries).
-TP_SHARD_DIM_ATTR = "_gm_tp_shard_dim"
 
 
 def _all_reduce(x: Tensor, group_name: str) -> Tensor:

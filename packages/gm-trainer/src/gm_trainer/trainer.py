@@ -26,12 +26,14 @@ import torch.utils._pytree as pytree
 
 from gm_config import PassConfig, PassPlan
 from gm_passes import GraphPass, PassPipeline
-from gm_trace import InputSignature, run_traced_graph, trace_model_graph
+from gm_trace import InputSignature, run_traced_graph
+from gm_trace.dtensor import DTensorSpec
 from gm_trace.joint_graph import JointGraph
 from gm_trace.overlap import format_schedule
 from gm_trace.sharding import RowShard
 from gm_trace.sharding_layout import ShardingLayout
 from gm_trainer.device import default_device
+from gm_trainer.dtensor_tp import adopt_dtensor_params, trace_step
 from gm_trainer.errors import TrainingError
 from gm_trainer.gradients import accumulate_grads, grad_norm_tensor
 from gm_trainer.graph_key import ClosureWatch, describe_module_state, module_state_key
@@ -40,7 +42,7 @@ from gm_trainer.mesh import MeshError, ResolvedMesh, resolve_mesh_context
 from gm_trainer.optim import OptimizerConfig, clip_to_norm
 from gm_trainer.ranks import agree_on_batch, broadcast_buffers
 from gm_trainer.step_guard import check_nonfinite_mode, first_nonfinite_grad, nonfinite_grad_error
-from gm_trainer.trainer_setup import FSDP_GROUP_NAME, ResolvedRun, resolve_run, trace_options
+from gm_trainer.trainer_setup import FSDP_GROUP_NAME, ResolvedRun, resolve_run
 
 __all__ = ["FSDP_GROUP_NAME", "GraphTrainer", "TrainingError"]
 
@@ -118,6 +120,8 @@ class GraphTrainer:
         self._run: ResolvedRun | None = None
         # The fsdp pass's layout, applied to self.model at the first compile.
         self.sharding: ShardingLayout | None = None
+        # DTensor (parallelize_module) parameters, localized at the first compile.
+        self.dtensor_specs: dict[str, DTensorSpec] = {}
         # Your own graph passes, run where their runs_after / runs_before put them.
         self.extra_passes = list(passes)
         self.optimizer_config = OptimizerConfig.from_dict(optimizer_config)
@@ -210,14 +214,9 @@ class GraphTrainer:
         first = not self._graphs
         if self._run is None:
             self._run = resolve_run(self)
-        joint = trace_model_graph(
-            self.model,
-            self.train_fn,
-            sample_input,
-            sample_label,
-            pre_hook=self._pytree_pre_hook if first else None,
-            **trace_options(self),
-        )
+            self.dtensor_specs = adopt_dtensor_params(self.model, self._run.mesh)
+        pre_hook = self._pytree_pre_hook if first else None
+        joint = trace_step(self, sample_input, sample_label, pre_hook=pre_hook)
         run = self._run
         pipeline = PassPipeline.from_config(run.pass_config, run.pass_plan, self.extra_passes)
         joint = joint.through(

@@ -1,0 +1,254 @@
+"""Rank bodies for the DTensor TP tests: models split with torch's ``parallelize_module``."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from pathlib import Path
+
+import mesh_bodies
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from gm_config import PassConfig
+from gm_passes.graph_ops import is_collective, is_wait, op_name
+from gm_trace import GraphCaptureError, trace_model_graph
+from gm_trace.testing import MLP, make_regression_batch, mse_loss
+from gm_trace.testing.parity import parity_tolerance
+from gm_trainer import GraphTrainer, MeshContext
+from gm_trainer.checkpoint import load_checkpoint, save_checkpoint
+from gm_trainer.mesh import MeshError
+
+STEPS, LR, CLIP = 5, 1e-3, 0.5
+OPTIMIZER = {"name": "adam", "lr": LR, "grad_clip": CLIP}
+VOCAB, SEQ, ROWS = 128, 8, 4
+
+
+def llama() -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    config._attn_implementation = "sdpa"
+    return transformers.LlamaForCausalLM(config)
+
+
+def llama_loss(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor):
+    logits = model(input_ids=tokens).logits
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def llama_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    stream = torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=g)
+    return stream[:, :-1], stream[:, 1:]
+
+
+def llama_plan(layers: int, sequence_parallel: bool) -> dict:
+    """torchtitan's plan: q/k/v/gate/up column-parallel, o/down row-parallel; with sequence
+    parallelism the norms and the residual stream are split along the sequence too."""
+    layer = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    top = {}
+    if sequence_parallel:
+        # HF builds positions and the causal mask from inputs_embeds.shape[1]: the residual
+        # stream stays a DTensor (use_local_output=False) with the global sequence length.
+        layer |= {
+            "input_layernorm": SequenceParallel(),
+            "self_attn": PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Shard(1)},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            ),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            "post_attention_layernorm": SequenceParallel(),
+            "mlp": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            ),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        }
+        top = {
+            "model.embed_tokens": RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+            ),
+            "model.norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        }
+    plan = dict(top)
+    for i in range(layers):
+        plan |= {f"model.layers.{i}.{name}": style for name, style in layer.items()}
+    return plan
+
+
+def _mlp_case():
+    torch.manual_seed(0)
+    model = MLP(16, 32, 8)
+    plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+    return model, mse_loss, plan, lambda step: make_regression_batch(8, 16, 8, seed=step)
+
+
+def _llama_case(sequence_parallel: bool = False):
+    return llama(), llama_loss, llama_plan(2, sequence_parallel), llama_batch
+
+
+CASES = {"mlp": _mlp_case, "llama": _llama_case, "llama_sp": lambda: _llama_case(True)}
+
+
+def _eager(model, train_fn, batch, steps: int) -> tuple[list[float], torch.nn.Module]:
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    losses = []
+    for step in range(steps):
+        loss = train_fn(model, *batch(step))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, model
+
+
+def _rows(batch, mesh: MeshContext):
+    per = batch[0].shape[0] // mesh.dp_size
+    return tuple(t[mesh.dp_rank * per : (mesh.dp_rank + 1) * per] for t in batch)
+
+
+def _trainer(case: str, tp: int, seed_model=None):
+    model, train_fn, plan, batch = CASES[case]()
+    reference = copy.deepcopy(model)
+    mesh = MeshContext.build(tp=tp, dp_shard=-1)
+    parallelize_module(model, mesh.device_mesh["tp"], plan)
+    trainer = GraphTrainer(
+        model, train_fn, PassConfig(), optimizer_config=OPTIMIZER, mesh_context=mesh
+    )
+    return trainer, reference, train_fn, batch, mesh
+
+
+def parity(rank: int, world: int, case: str, tp: int) -> dict:
+    """``STEPS`` Adam steps with global-norm clipping of the TP (x FSDP) graph == one eager
+    process on the global batch, and the TP collectives of one step, counted by kind."""
+    trainer, reference, train_fn, batch, mesh = _trainer(case, tp)
+    expected_losses, reference = _eager(reference, train_fn, batch, STEPS)
+    losses = []
+    for step in range(STEPS):
+        loss = trainer.train_step(*_rows(batch(step), mesh))
+        trainer.optimizer_step()
+        mean = loss.reshape(1).clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-5
+    )
+    tp_group = mesh.device_mesh["tp"].get_group()
+    worst = 0.0
+    for fqn, expected in reference.named_parameters():
+        actual = mesh_bodies.whole_parameter(trainer, fqn, tp_group)
+        torch.testing.assert_close(actual, expected.detach(), **parity_tolerance(STEPS), msg=fqn)
+        worst = max(worst, (actual - expected).abs().max().item())
+    (joint,) = trainer._graphs.values()
+    # phase (traced ones; "pass": inserted by the fsdp pass) / op / group
+    kinds = Counter(
+        f"{node.meta.get('gm_phase', 'pass')}/{op_name(node).split('.')[1]}/{node.args[-1]}"
+        for node in joint.graph_module.graph.nodes
+        if is_collective(node) and not is_wait(node)
+    )
+    return {
+        "worst_param": worst,
+        "losses": losses,
+        "collectives": dict(sorted(kinds.items())),
+        "split": _split(trainer),
+    }
+
+
+def resume(rank: int, world: int, root: str) -> dict:
+    """tp 2 x fsdp 2: save after 2 of 4 steps, resume in a new trainer: the same losses, bit
+    for bit, as training straight through."""
+    cfg = mesh_bodies.config(2, 1, steps=4)
+    batches = list(mesh_bodies.example.global_batches(cfg["model"], cfg["train"]))
+
+    def run(steps: range, trainer, mesh) -> list[float]:
+        return [
+            (
+                trainer.train_step(*mesh_bodies.example.local_rows(batches[i], mesh.dp_rank, 2)),
+                trainer.optimizer_step(),
+            )[0].item()
+            for i in steps
+        ]
+
+    mesh, _, straight = mesh_bodies.example.setup(cfg)
+    expected = run(range(4), straight, mesh)
+    mesh, _, first = mesh_bodies.example.setup(cfg)
+    losses = run(range(2), first, mesh)
+    save_checkpoint(first, Path(root) / "step-2")
+    mesh, _, second = mesh_bodies.example.setup(cfg)
+    second.compile(*mesh_bodies.example.local_rows(batches[0], mesh.dp_rank, 2))
+    load_checkpoint(second, Path(root) / "step-2")
+    losses += run(range(2, 4), second, mesh)
+    return {"expected": expected, "resumed": losses, "split": _split(second)}
+
+
+def _split(trainer: GraphTrainer) -> int:
+    """How many parameters TP ranks hold different slices of."""
+    return sum(spec.shard_dim is not None for spec in trainer.dtensor_specs.values())
+
+
+def unsupported(rank: int, world: int) -> dict[str, str]:
+    """What graph mode refuses, each with the parameter named."""
+    errors = {}
+    mesh = MeshContext.build(tp=2, dp_shard=1)
+    tp_mesh = mesh.device_mesh["tp"]
+
+    model, _, plan, batch = _mlp_case()
+    parallelize_module(model, tp_mesh, plan)
+    try:
+        trace_model_graph(model, mse_loss, *batch(0))
+    except GraphCaptureError as exc:
+        errors["traced as is"] = str(exc)
+
+    model, _, plan, batch = _mlp_case()
+    parallelize_module(model, tp_mesh, plan)
+    try:
+        GraphTrainer(model, mse_loss).train_step(*batch(0))
+    except MeshError as exc:
+        errors["no mesh context"] = str(exc)
+
+    model, _, _, batch = _mlp_case()
+    partial = DTensor.from_local(model.fc1.weight.detach(), tp_mesh, [Partial()])
+    model.fc1.weight = torch.nn.Parameter(partial)
+    try:
+        GraphTrainer(model, mse_loss, mesh_context=mesh).train_step(*batch(0))
+    except GraphCaptureError as exc:
+        errors["partial"] = str(exc)
+
+    model, _, _, batch = _mlp_case()
+    square = init_device_mesh("cpu", (1, 2), mesh_dim_names=("a", "b"))
+    weight = distribute_tensor(model.fc2.weight.detach(), square, [Replicate(), Shard(0)])
+    model.fc2.weight = torch.nn.Parameter(weight)
+    try:
+        GraphTrainer(model, mse_loss, mesh_context=mesh).train_step(*batch(0))
+    except GraphCaptureError as exc:
+        errors["2-D mesh"] = str(exc)
+    return errors
