@@ -116,7 +116,7 @@ def _checked_spec(fqn: str, param: DTensor) -> DTensorSpec:
     placement = placements[0]
     if type(placement) not in (Shard, Replicate):
         raise GraphCaptureError(
-            f"parameter {fqn!r} has placement {placement} ({_describe(param)}); graph mode takes "
+            f"parameter {fqn!r} has placement {placement!r} ({_describe(param)}); graph mode takes "
             "Shard(dim) and Replicate() parameters"
         )
     if isinstance(placement, Shard):
