@@ -139,7 +139,7 @@ def _rows(batch, mesh: MeshContext):
 def _trainer(case: str, tp: int, seed_model=None):
     model, train_fn, plan, batch = CASES[case]()
     reference = copy.deepcopy(model)
-    mesh = MeshContext.build(tp=tp, dp_shard=-1)
+    mesh = MeshContext.build(tp=tp, dp_shard=-1, sequence_parallel=case == "llama_sp")
     parallelize_module(model, mesh.device_mesh["tp"], plan)
     trainer = GraphTrainer(
         model, train_fn, PassConfig(), optimizer_config=OPTIMIZER, mesh_context=mesh
@@ -234,6 +234,14 @@ def unsupported(rank: int, world: int) -> dict[str, str]:
         GraphTrainer(model, mse_loss).train_step(*batch(0))
     except MeshError as exc:
         errors["no mesh context"] = str(exc)
+
+    model, _, plan, batch = _mlp_case()
+    parallelize_module(model, tp_mesh, plan)
+    says_sp = MeshContext.build(tp=2, dp_shard=1, sequence_parallel=True)
+    try:
+        GraphTrainer(model, mse_loss, mesh_context=says_sp).train_step(*batch(0))
+    except MeshError as exc:
+        errors["no sequence parallelism"] = str(exc)
 
     model, _, _, batch = _mlp_case()
     partial = DTensor.from_local(model.fc1.weight.detach(), tp_mesh, [Partial()])

@@ -58,3 +58,4 @@ def test_dtensor_models_graph_mode_cannot_take_are_clear_errors(dist_pool):
     assert "fc1.weight" in errors["no mesh context"] and "mesh_context" in errors["no mesh context"]
     assert "'fc1.weight' has placement Partial" in errors["partial"]
     assert "'fc2.weight' is a DTensor on a 2-D mesh" in errors["2-D mesh"]
+    assert "splits no activation along the sequence" in errors["no sequence parallelism"]

@@ -3,7 +3,8 @@
 The trainer localizes the model's DTensor parameters once (:func:`adopt_dtensor_params`: plain
 local TP shards from then on, which FSDP shards further), and every trace wraps them back into
 DTensors inside the traced step (:func:`trace_step`), with torch's ``loss_parallel`` around it
-when the run asks for it. The TP collectives DTensor issues are renamed to the ``"tp"`` role.
+when the run asks for it. The TP collectives DTensor issues are renamed to the ``"tp"`` role;
+``sequence_parallel=True`` is checked against them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
+from gm_passes.graph_ops import op_name
 from gm_trace.collectives import all_gather_op
 from gm_trace.dtensor import (
     DTensorSpec,
@@ -85,4 +87,20 @@ def trace_step(
         all_gather = all_gather_op(trainer.run.mesh.tp_group)
         if name_collective_groups(graph_module, names, all_gather):
             graph_module.recompile()
+        if trainer.run.pass_config.sequence_parallel:
+            _check_sequence_parallel(graph_module)
     return joint
+
+
+def _check_sequence_parallel(graph_module: Any) -> None:
+    """``sequence_parallel=True`` says the plan splits activations along the sequence: its
+    step then reduce-scatters on the TP group. Refuse a plan that does not."""
+    for node in graph_module.graph.nodes:
+        if op_name(node).endswith("reduce_scatter_tensor.default") and node.args[-1] == "tp":
+            return
+    raise MeshError(
+        "PassConfig.sequence_parallel=True (or the mesh context's), but the traced step has no "
+        "sequence-parallel collective (a reduce-scatter on 'tp'): the TP plan splits no "
+        "activation along the sequence; add SequenceParallel / Shard(1) layouts to the plan, "
+        "or set sequence_parallel=False"
+    )
