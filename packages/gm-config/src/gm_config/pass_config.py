@@ -54,13 +54,16 @@ class PassConfig:
     when a mesh context is given, else the world size."""
 
     tp_size: int = 1
-    """Tensor-parallel size. Informational: TP collectives live in the model's forward."""
+    """Tensor-parallel size, filled in from the mesh context. The TP collectives come from the
+    model (DTensor ``parallelize_module`` or ``gm_trainer.tp`` layers), not from a pass."""
 
     sequence_parallel: bool = False
-    """Sequence parallelism along the TP axis. Informational."""
+    """The TP plan splits activations along the sequence (``SequenceParallel``). For a DTensor
+    model the trainer checks that the traced step does (a reduce-scatter on the TP group)."""
 
     loss_parallel: bool = False
-    """Loss parallelism along the TP axis. Informational."""
+    """The TP plan leaves vocabulary-sharded logits: a DTensor model's step is traced inside
+    torch's ``loss_parallel()``."""
 
     bucket_cap_mb: float | None = 25.0
     """Merge the all-gathers (and, separately, the reduce-scatters) of one block — a planned
