@@ -341,6 +341,9 @@ def export_full_state_dict(
     ``out_file`` it is also written with ``torch.save``, atomically (load it with
     ``torch.load(out_file, weights_only=True)``); a failed write leaves no file behind.
     """
+    # Not format_utils.dcp_to_torch_save: it reads with DCP's default reader and planner,
+    # which unpickle the metadata as it is and check no file; this reads only what the
+    # commit marker vouches for (SafeFileSystemReader) and only the model entries.
     path, marker = open_checkpoint(checkpoint_dir)
     entries = _entries(read_metadata(path, marker))
     model: dict[str, torch.Tensor] = {}

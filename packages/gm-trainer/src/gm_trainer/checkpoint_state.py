@@ -20,6 +20,10 @@ if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer
 
 
+# Not torch.distributed.checkpoint.state_dict's get_model_state_dict / get_optimizer_state_dict:
+# they read the placement from the module's DTensor parameters (FSDP2's), while graph mode's
+# parameters are plain local shards whose place in the whole only the trainer's sharding
+# layout and TP specs know; CheckpointLayout builds the same DTensor views from those.
 def trainer_state_dict(
     trainer: GraphTrainer, extra: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
