@@ -26,6 +26,10 @@ DEFAULTS = {
     "backend": None,
     "extra_passes": (),
     "disable_passes": (),
+    "dynamic_dims": None,
+    "automatic_dynamic": True,
+    "pad_to_multiple": None,
+    "pad_values": None,
 }
 # to_dict gives YAML-friendly lists where the config keeps tuples.
 DEFAULTS_AS_DICT = {k: list(v) if isinstance(v, tuple) else v for k, v in DEFAULTS.items()}
@@ -36,6 +40,7 @@ BOOL_FIELDS = [
     "loss_parallel",
     "reshard_after_forward",
     "recompute_pointwise",
+    "automatic_dynamic",
 ]
 
 
@@ -73,6 +78,10 @@ def test_valid_non_default_values_are_kept():
         backend="inductor",
         extra_passes=["count_nodes"],
         disable_passes=("recompute",),
+        dynamic_dims={"input": {1: "seq"}},
+        automatic_dynamic=False,
+        pad_to_multiple={"seq": 32},
+        pad_values={"label": -100},
     )
     assert config.extra_passes == ("count_nodes",)  # YAML lists are kept as tuples
     assert config.to_dict() == {
@@ -91,6 +100,10 @@ def test_valid_non_default_values_are_kept():
         "backend": "inductor",
         "extra_passes": ["count_nodes"],
         "disable_passes": ["recompute"],
+        "dynamic_dims": {"input": {1: "seq"}},
+        "automatic_dynamic": False,
+        "pad_to_multiple": {"seq": 32},
+        "pad_values": {"label": -100},
     }
 
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gm_config.dynamic_dims import check_dynamic_dims, check_pad_to_multiple, check_pad_values
 from gm_config.errors import ConfigError
 
 #: The floating dtypes a mixed-precision policy may name (torch attribute names).
@@ -110,6 +111,28 @@ class PassConfig:
     disable_passes: tuple[str, ...] = ()
     """Passes not to run although the configuration switches them on (e.g. ``["recompute"]``)."""
 
+    dynamic_dims: dict[str, dict[int, str]] | None = None
+    """Batch dims whose size changes between batches, traced as symbols so that ONE graph
+    serves every size: input path (``"input"``, ``"label"``, ``"input['attention_mask']"``)
+    -> ``{dim: name}``. Dims with one name are one size in every leaf (``{"input": {0:
+    "batch", 1: "seq"}, "label": {0: "batch", 1: "seq"}}``). ``None``: only what
+    ``automatic_dynamic`` finds. ``GraphTrainer(dynamic_dims=...)`` sets the same."""
+
+    automatic_dynamic: bool = True
+    """After a batch whose shape differs from a compiled graph's only in some dims, trace
+    again with those dims symbolic (as ``torch.compile``'s ``automatic_dynamic_shapes``)
+    instead of compiling another static graph. ``False``: every new shape is a static graph."""
+
+    pad_to_multiple: dict[str, int] | None = None
+    """Pad the dims of these names (named in ``dynamic_dims``) up to a multiple and trace them
+    static, for backends that want static shapes: ``{"seq": 32}`` turns lengths 1..128 into
+    four graphs. Padding writes ``pad_values``; exact when the loss ignores the padded labels
+    (-100, cross-entropy's ``ignore_index``) and attention is causal or masked."""
+
+    pad_values: dict[str, float] | None = None
+    """The value padding writes, per input path; paths not named get 0 (input leaves) or
+    -100 (label leaves)."""
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -165,6 +188,11 @@ class PassConfig:
             if names is None or not all(isinstance(n, str) and n for n in names):
                 raise ConfigError(f"PassConfig.{name} must be a list of pass names, got {value!r}")
             setattr(self, name, names)  # YAML gives lists; keep the config hashable-friendly
+        self.dynamic_dims = check_dynamic_dims(self.dynamic_dims, "PassConfig.dynamic_dims")
+        self.pad_to_multiple = check_pad_to_multiple(
+            self.pad_to_multiple, self.dynamic_dims, "PassConfig.pad_to_multiple"
+        )
+        self.pad_values = check_pad_values(self.pad_values, "PassConfig.pad_values")
         if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
             raise ConfigError(
                 "PassConfig.backend must be None (run the graph as it is) or a backend name such "
