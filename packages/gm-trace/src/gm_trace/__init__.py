@@ -6,15 +6,19 @@
   (:class:`RecomputePass`), ``overlap`` (:class:`AutoOverlapPass`) and ``backend``
   (:class:`BackendPass`) are registered with ``gm_passes`` through the entry-point group
   ``gm_passes.passes``; :func:`register_backend` adds a compiler for ``PassConfig.backend``.
+- ``trace_model_graph(..., dynamic_dims=...)`` traces the marked batch dims as symbols; the
+  graph's :class:`ShapeGuards` say which sizes it takes (:mod:`gm_trace.dynamic_shapes`).
 - The fsdp pass decides a :class:`ShardingLayout`; :meth:`ShardingLayout.apply` shards the live
   model and :func:`full_parameter` rebuilds a whole parameter from the shards.
 """
 
 from gm_trace.backend import BackendError, BackendPass, available_backends, register_backend
 from gm_trace.capture_errors import GraphCaptureError
+from gm_trace.dynamic_shapes import DynamicShapeError
 from gm_trace.fsdp import CollectiveMismatchError, FSDPConfigError, FSDPPass, RowShard
 from gm_trace.graph_annotate import OutputSpec
 from gm_trace.groups import register_process_group, resolve_process_group
+from gm_trace.guards import ShapeGuard, ShapeGuards
 from gm_trace.joint_graph import JointGraph
 from gm_trace.overlap import AutoOverlapPass
 from gm_trace.recompute import RecomputePass
@@ -29,6 +33,7 @@ __all__ = [
     "BackendError",
     "BackendPass",
     "CollectiveMismatchError",
+    "DynamicShapeError",
     "FSDPConfigError",
     "FSDPPass",
     "GraphCaptureError",
@@ -40,6 +45,8 @@ __all__ = [
     "RecomputePass",
     "ReshardAfterForwardPass",
     "RowShard",
+    "ShapeGuard",
+    "ShapeGuards",
     "ShardedParam",
     "ShardingLayout",
     "available_backends",

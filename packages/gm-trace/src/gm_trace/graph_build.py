@@ -6,13 +6,16 @@ its inputs' fake values, so later passes can read shapes, dtypes and bytes of an
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+import sympy
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from gm_passes.graph_ops import is_collective, is_wait, op_name
+from gm_trace.dynamic_shapes import concrete_int
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -57,11 +60,14 @@ def is_all_gather(node: fx.Node) -> bool:
     return collective_kind(node) == "all_gather_into_tensor"
 
 
-def tensor_bytes(node: fx.Node) -> int:
-    """Bytes of the tensor a node produces (0 when it has no tensor value)."""
+def tensor_bytes(node: fx.Node, at: Mapping[sympy.Symbol, int] | None = None) -> int:
+    """Bytes of the tensor a node produces (0 when it has no tensor value).
+
+    A symbolic size (``dynamic_dims``) is evaluated at ``at`` (symbol -> size, see
+    ``ShapeGuards.at``), else at the size it was traced with; no guard is added."""
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
+        return concrete_int(val.numel() * val.element_size(), at)
     return 0
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch.fx as fx
 
 from gm_trace.graph_annotate import OutputSpec
+from gm_trace.guards import ShapeGuards
 from gm_trace.sharding_layout import ShardingLayout
 from gm_trace.signature import InputSignature
 
@@ -75,6 +76,11 @@ class JointGraph:
     compiled_step: CompiledStep | None = None
     """The backend pass's compiled form of ``graph_module``, run in its place."""
 
+    shape_guards: ShapeGuards | None = None
+    """For a graph traced with symbolic dims (``dynamic_dims``): the dims and the guards a
+    batch must pass to run on it (:mod:`gm_trace.guards`); ``None`` for a static graph, whose
+    ``input_signature`` alone says what it accepts."""
+
     @property
     def output_specs(self) -> tuple[OutputSpec, ...]:
         """What each output is, in order."""
@@ -134,4 +140,6 @@ class JointGraph:
             graph_module=graph_module,
             sharding=artifacts.get(SHARDING_LAYOUT, self.sharding),
             compiled_step=artifacts.get(COMPILED_STEP),
+            # A pass or a backend (Inductor) may have assumed more about the sizes.
+            shape_guards=self.shape_guards.refreshed() if self.shape_guards else None,
         )

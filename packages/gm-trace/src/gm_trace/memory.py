@@ -8,9 +8,10 @@ creation. An estimate for comparing schedules, not a promise about an allocator.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -59,8 +60,14 @@ def _aliases_input(node: fx.Node) -> bool:
     return is_view(node) or is_wait(node) or mutates_an_input(node)
 
 
-def estimate_peak_memory(graph_module: fx.GraphModule) -> int:
-    """The largest total of live tensor bytes at any point of the graph's execution."""
+def estimate_peak_memory(
+    graph_module: fx.GraphModule, at: Mapping[sympy.Symbol, int] | None = None
+) -> int:
+    """The largest total of live tensor bytes at any point of the graph's execution.
+
+    For a graph with symbolic sizes each tensor's bytes are a formula of the sizes; the
+    estimate evaluates them at ``at`` (symbol -> size: ``joint.shape_guards.at({"seq":
+    128})``), by default at the sizes the graph was traced with."""
     nodes = list(graph_module.graph.nodes)
     order = {node: i for i, node in enumerate(nodes)}
     owner: dict[fx.Node, fx.Node] = {}  # node -> the node whose allocation it reads
@@ -80,7 +87,7 @@ def estimate_peak_memory(graph_module: fx.GraphModule) -> int:
     for node in nodes:
         if owner[node] is not node:
             continue
-        nbytes = tensor_bytes(node)
+        nbytes = tensor_bytes(node, at)
         start = 0 if node.op == "placeholder" else order[node]
         stop = end if node.op == "placeholder" else last_use[node]
         delta[start] += nbytes

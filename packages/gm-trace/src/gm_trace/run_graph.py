@@ -43,7 +43,8 @@ def run_traced_graph(joint: JointGraph, model: nn.Module, input: Any, label: Any
 
     Raises:
         GraphSignatureError: ``input`` / ``label`` differ from the traced sample in structure,
-            shape, dtype, device or a constant value, or ``model`` lacks a traced state FQN.
+            shape, dtype, device or a constant value (a symbolic graph: in a static dim, or
+            its sizes fail ``joint.shape_guards``), or ``model`` lacks a traced state FQN.
     """
     expected: InputSignature = joint.input_signature
     try:
@@ -51,8 +52,20 @@ def run_traced_graph(joint: JointGraph, model: nn.Module, input: Any, label: Any
     except TypeError as exc:
         raise GraphSignatureError(str(exc)) from None
     actual = InputSignature._of_leaves(paths, leaves, spec)
+    guards = joint.shape_guards
+    if guards is not None:  # symbolic dims: the static rest must match, the sizes pass guards
+        actual = actual.generalized(guards.leaf_dims)
     if actual != expected:
         raise GraphSignatureError(signature_mismatch_message(expected, actual))
+    if guards is not None:
+        reason = guards.violation(leaves)
+        if reason is not None:
+            raise GraphSignatureError(
+                f"(input, label) do not pass the shape guards of this symbolic graph: {reason}."
+                " Trace again for these sizes (GraphTrainer does so by itself).\nGuards:\n"
+                + guards.describe(expected.paths)
+            )
+        leaves = guards.contiguous_leaves(leaves)
 
     live = _live_state(model, joint.state_fqns)
     args = [*live, *(leaf for leaf in leaves if isinstance(leaf, Tensor))]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,20 @@ class InputSignature:
         cls, paths: list[str], leaves: list[Any], spec: pytree.TreeSpec
     ) -> InputSignature:
         return cls(spec, tuple(paths), tuple(_leaf_signature(leaf) for leaf in leaves))
+
+    def generalized(self, dims: Mapping[int, Mapping[int, str]]) -> InputSignature:
+        """This signature with the symbolic dims (leaf index -> {dim: name}) of tensor leaves
+        shown by name instead of size: what a symbolic graph requires of every batch."""
+        if not dims:
+            return self
+        leaves = list(self.leaves)
+        for index, marked in dims.items():
+            if index >= len(leaves) or leaves[index][0] != "Tensor":
+                continue  # another structure: the comparison that follows tells
+            kind, shape, *rest = leaves[index]
+            shape = tuple(marked.get(d, size) for d, size in enumerate(shape))
+            leaves[index] = (kind, shape, *rest)
+        return InputSignature(self.spec, self.paths, tuple(leaves))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> InputSignature:
         return self  # immutable; also spares deep-copying the TreeSpec

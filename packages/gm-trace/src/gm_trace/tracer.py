@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +96,7 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
+from gm_trace import dynamic_shapes
 from gm_trace.capture_errors import (
     GraphCaptureError,
     capture_failure,
@@ -109,6 +111,7 @@ from gm_trace.graph_annotate import (
     mark_outputs,
     mark_recorded_nodes,
 )
+from gm_trace.guards import guards_of
 from gm_trace.joint_graph import JointGraph
 from gm_trace.mixed_precision import cast_floating, cast_inputs, keeps_own_dtype
 from gm_trace.signature import InputSignature, flatten_io
@@ -139,6 +142,8 @@ def trace_model_graph(
     state_shapes: Mapping[str, torch.Size] | None = None,
     param_dtype: torch.dtype | None = None,
     cast_input_modules: Sequence[str] = ("",),
+    dynamic_dims: Mapping[str, Mapping[int, str]] | None = None,
+    dynamic_fallback: bool = False,
 ) -> JointGraph:
     """Trace ``train_fn(model, input, label)`` plus its backward into one joint graph.
 
@@ -162,6 +167,11 @@ def trace_model_graph(
         cast_input_modules: with ``param_dtype``, the modules (FQNs, ``""`` is the root) whose
             floating forward inputs are cast to ``param_dtype``, as FSDP2 casts the inputs of
             every module it wraps.
+        dynamic_dims: input path -> ``{dim: name}``: trace these dims as symbols
+            (:mod:`gm_trace.dynamic_shapes`), so that the graph serves every size its
+            ``shape_guards`` allow; ``input_signature`` then shows them by name.
+        dynamic_fallback: when the symbolic trace fails, warn and trace with static shapes
+            instead of raising (for dims found changing rather than named by the user).
 
     Returns:
         A :class:`JointGraph`: the ``GraphModule`` (calling convention in this module's
@@ -186,6 +196,8 @@ def trace_model_graph(
             state_shapes=state_shapes,
             param_dtype=param_dtype,
             cast_input_modules=cast_input_modules,
+            dynamic_dims=dynamic_dims,
+            dynamic_fallback=dynamic_fallback,
         )
 
 
@@ -199,12 +211,19 @@ def _trace_model_graph(
     state_shapes: Mapping[str, torch.Size] | None,
     param_dtype: torch.dtype | None,
     cast_input_modules: Sequence[str],
+    dynamic_dims: Mapping[str, Mapping[int, str]] | None = None,
+    dynamic_fallback: bool = False,
 ) -> JointGraph:
     if pre_hook is not None:
         pre_hook()
     paths, leaves, spec = flatten_io(sample_input, sample_label)  # validates the leaf types
     signature = InputSignature._of_leaves(paths, leaves, spec)
     tensor_pos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+    symbolic = None
+    if dynamic_dims:
+        dims = dynamic_shapes.leaf_dims(dynamic_dims, paths, leaves)
+        symbolic = dynamic_shapes.SymbolicInputs(dims, leaves)
+        signature = signature.generalized(dims)
 
     _refuse_dtensor_state(model)
     params, param_aliases = unique_named(model.named_parameters(remove_duplicate=False))
@@ -258,8 +277,15 @@ def _trace_model_graph(
     traced_state = [
         _TraceAs(shapes[fqn], t) if fqn in shapes else t for fqn, t in zip(state_fqns, state)
     ]
-    args = [*traced_state, *(leaves[i] for i in tensor_pos)]
-    gm = _make_fx_graph(joint_step, model, args)
+    io_args = [symbolic.leaf(i, leaves[i]) if symbolic else leaves[i] for i in tensor_pos]
+    try:
+        gm = _make_fx_graph(joint_step, model, [*traced_state, *io_args], symbolic)
+    except GraphCaptureError as exc:
+        if symbolic is None or not dynamic_fallback:
+            raise
+        dynamic_shapes.warn_static_fallback(exc)
+        symbolic, signature = None, InputSignature._of_leaves(paths, leaves, spec)
+        gm = _make_fx_graph(joint_step, model, [*traced_state, *(leaves[i] for i in tensor_pos)])
     check_no_fake_constants(gm)
 
     grad_slots = record["grad_slots"]
@@ -286,6 +312,7 @@ def _trace_model_graph(
         grad_fqns=tuple(grad_fqns),
         mutated_fqns=tuple(mutated_fqns),
         input_signature=signature,
+        shape_guards=guards_of(symbolic) if symbolic is not None else None,
     )
 
 
@@ -324,13 +351,19 @@ class _TraceAs:
 
 
 def _make_fx_graph(
-    joint_step: Callable[..., Any], model: nn.Module, args: list[Tensor | _TraceAs]
+    joint_step: Callable[..., Any],
+    model: nn.Module,
+    args: list[Any],
+    symbolic: dynamic_shapes.SymbolicInputs | None = None,
 ) -> torch.fx.GraphModule:
     make_fx_kwargs = optional_make_fx_kwargs(joint_step, model)
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with tracing_context(), fake_mode:
+    if symbolic is not None:  # sizes of the marked dims are symbols; everything else static
+        make_fx_kwargs["tracing_mode"] = "symbolic"
+    fake_mode = symbolic.fake_mode if symbolic else FakeTensorMode(allow_non_fake_inputs=True)
+    with tracing_context(), fake_mode, symbolic.tracing() if symbolic else nullcontext():
         fake_args = [
-            a.fake() if isinstance(a, _TraceAs) else fake_mode.from_tensor(a) for a in args
+            a.fake() if hasattr(a, "fake") else fake_mode.from_tensor(a, static_shapes=True)
+            for a in args
         ]
         try:
             return make_fx(joint_step, **make_fx_kwargs)(*fake_args)
