@@ -23,16 +23,19 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import Tensor
+from torch._prims_common import make_contiguous_strides_for
 
 from gm_config import GraphModeRuntimeError, PassConfig, PassPlan
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_passes.graph_ops import is_collective, is_wait
 from gm_trace import node_meta
+from gm_trace.dynamic_shapes import is_symbolic, no_zero_one_specialization
 from gm_trace.joint_graph import COMPILED_STEP
 
 __all__ = [
@@ -114,8 +117,11 @@ class CompiledStep:
         self.graph_code = graph_code
         # Placeholders that are batch inputs: the layout the backend compiled for. State
         # tensors come from the model and keep the layout they were traced with.
+        # A symbolic input (dynamic_dims) was traced contiguous, whatever its sizes: None.
         self._input_layouts = [
-            (i, tuple(val.shape), tuple(val.stride()), val.dtype, val.device)
+            (i, None, None, val.dtype, val.device)
+            if is_symbolic(val)
+            else (i, tuple(val.shape), tuple(val.stride()), val.dtype, val.device)
             for i, (role, val) in enumerate(inputs)
             if role == "input" and isinstance(val, Tensor)
         ]
@@ -138,7 +144,9 @@ class CompiledStep:
         args = list(args)
         for i, shape, stride, dtype, device in self._input_layouts:
             arg = args[i]
-            if arg.stride() != stride:
+            if shape is None:
+                shape, stride = tuple(arg.shape), make_contiguous_strides_for(arg.shape)
+            if arg.stride() != tuple(stride):
                 # Same shape, dtype and device (run_traced_graph checked): only the layout
                 # differs, and a compiled graph is specialised to the traced one.
                 args[i] = torch.empty_strided(shape, stride, dtype=dtype, device=device)
@@ -171,7 +179,8 @@ class BackendPass(GraphPass):
         start = time.perf_counter()
         # The backend may rewrite what it gets: it gets a copy, and the pipeline keeps the
         # graph module as the passes left it.
-        with torch.no_grad():
+        symbolic = any(is_symbolic(x) for x in example_inputs)
+        with torch.no_grad(), no_zero_one_specialization() if symbolic else nullcontext():
             fn = compile_fn(copy.deepcopy(graph_module), example_inputs)
         seconds = time.perf_counter() - start
         if not callable(fn):
@@ -203,15 +212,21 @@ def _example_inputs(placeholders: list[fx.Node]) -> list[Tensor]:
     """One fake tensor per placeholder, like its ``meta["val"]`` but not requiring grad."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    inputs = []
-    for node in placeholders:
-        val = node.meta.get("val")
+    vals = [node.meta.get("val") for node in placeholders]
+    for node, val in zip(placeholders, vals):
         if not isinstance(val, Tensor):
             raise BackendError(
                 f"placeholder {node.name!r} has no meta['val'] tensor, so the backend cannot "
                 "be given example inputs; a pass that adds placeholders must set meta['val']"
             )
+    # Symbolic sizes (dynamic_dims) live in the graph's own ShapeEnv: the backend compiles
+    # for every size when its example inputs come from that fake mode.
+    symbolic = next((val for val in vals if is_symbolic(val)), None)
+    mode = (
+        symbolic.fake_mode if symbolic is not None else FakeTensorMode(allow_non_fake_inputs=True)
+    )
+    inputs = []
+    for val in vals:
         with mode:
             inputs.append(
                 torch.empty_strided(

@@ -30,6 +30,7 @@ from torch import Tensor
 from gm_passes.graph_ops import is_collective, mutates_an_input, op_name
 from gm_trace.aliasing import storage_of, written_storages
 from gm_trace.backend import BackendError
+from gm_trace.dynamic_shapes import is_symbolic
 
 # --------------------------------------------------------------------------- inductor
 
@@ -50,6 +51,11 @@ _KEEP_COLLECTIVES: dict[str, Any] = {
     # The generated Python wrapper is what the collective order is checked on.
     "cpp_wrapper": False,
 }
+
+#: A symbolic graph (dynamic_dims) has no SymInt inputs, so Inductor's caches key it by its
+#: tensor shapes and store none of the guards its compile added (``batch != 1``): a cache hit
+#: would run code specialised for sizes the graph's ShapeGuards do not exclude. Compiled cold.
+_SYMBOLIC_NO_CACHE: dict[str, Any] = {"fx_graph_cache": False, "fx_graph_remote_cache": False}
 
 _COLLECTIVE_CALL = re.compile(
     r"torch\.ops\.(_c10d_functional|c10d_functional|gm_c10d)\.(\w+)\.\w+\("
@@ -79,15 +85,64 @@ def compile_with_inductor(
         _register_gloo_all_gather_lowering()
         known = inductor_config.get_config_copy()
         settings = {k: v for k, v in _KEEP_COLLECTIVES.items() if k in known}
+    where: list[tuple[int, int]] = []
+    if any(is_symbolic(t) for t in example_inputs):
+        known = inductor_config.get_config_copy()
+        settings.update({k: v for k, v in _SYMBOLIC_NO_CACHE.items() if k in known})
+        example_inputs, where = _with_size_inputs(graph_module, example_inputs)
     _views_as_reshapes(graph_module)
-    with inductor_config.patch(settings), _output_code() as codes:
+    with inductor_config.patch(settings), _no_autograd_cache(settings), _output_code() as codes:
         try:
             fn = compile_fx(graph_module, example_inputs)
         except Exception as exc:
             raise _inductor_failure(exc) from _cause(exc)
     if expected:
         _check_collective_order(expected, codes)
-    return fn
+    if not where:
+        return fn
+
+    def with_sizes(*args: Any) -> Any:
+        return fn(*(args[i].size(d) for i, d in where), *args)
+
+    return with_sizes
+
+
+@contextlib.contextmanager
+def _no_autograd_cache(settings: dict[str, Any]) -> Iterator[None]:
+    """AOTAutograd's cache off too when Inductor's is (see ``_SYMBOLIC_NO_CACHE``)."""
+    if settings.get("fx_graph_cache", True):
+        yield
+        return
+    from torch._functorch import config as functorch_config
+
+    with functorch_config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False):
+        yield
+
+
+def _with_size_inputs(
+    graph_module: fx.GraphModule, example_inputs: list[Tensor]
+) -> tuple[list[Any], list[tuple[int, int]]]:
+    """Prepend one int placeholder per symbolic size of an input, as dynamo's graphs take
+    them: Inductor's passes expect each symbol to come from a node (a joint graph may need a
+    size only inside a decomposition, as ``mse_loss_backward`` divides by the element count).
+    Returns the new example inputs and, per size input, the (input, dim) it is read from."""
+    graph = graph_module.graph
+    first = graph.find_nodes(op="placeholder")[0]
+    sizes: list[Any] = []
+    where: list[tuple[int, int]] = []
+    seen = set()
+    for index, tensor in enumerate(example_inputs):
+        for dim, size in enumerate(tensor.shape):
+            symbol = size.node.expr if isinstance(size, torch.SymInt) else None
+            if symbol is not None and symbol.is_Symbol and symbol not in seen:
+                seen.add(symbol)
+                sizes.append(size)
+                where.append((index, dim))
+    with graph.inserting_before(first):
+        for k, size in enumerate(sizes):
+            graph.placeholder(f"gm_size_{k}").meta["val"] = size
+    graph_module.recompile()
+    return [*sizes, *example_inputs], where
 
 
 def _views_as_reshapes(graph_module: fx.GraphModule) -> None:
