@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,54 +16,60 @@ _NO_BATCH = -(2**62)
 
 
 def agree_on_batch(
-    batch: tuple[Any, Any] | None,
+    signature: InputSignature | None,
     model: torch.nn.Module,
     rank: int,
     world: int,
     device: torch.device,
-) -> list[int]:
-    """The ranks whose data has ended (``batch=None`` here: this rank's has).
+    *,
+    needs_graph: bool = False,
+) -> tuple[list[int], bool]:
+    """``(ranks whose data has ended, whether any rank needs a new graph)``.
 
-    Raises :class:`TrainingError` when the ranks' graph keys (batch signature, module state)
-    differ: a rank that recompiled alone would issue collectives the others never match.
+    ``signature`` is this rank's graph key for its batch -- the input signature, with the
+    symbolic dims by name (ranks may differ there) -- or ``None`` when its data has ended;
+    ``needs_graph``: no compiled graph takes this rank's batch. When one rank compiles,
+    every rank must (the compile checks collectives across ranks). Raises
+    :class:`TrainingError` when the ranks' graph keys (signature, module state) differ: a rank
+    that recompiled alone would issue collectives the others never match.
     """
     digest = None
-    if batch is not None:
-        signature = InputSignature.of(*batch)
+    if signature is not None:
         text = str(signature.spec) + signature.describe() + str(module_state_key(model))
         digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
-    ended, agreed = _agree_on_digest(digest, rank, world, device)
+    ended, agreed, compile_all = _agree_on_digest(digest, rank, world, device, needs_graph)
     if not agreed:
         raise TrainingError(
             f"rank {rank}: ranks disagree on the batch signature or module state; every rank "
-            "must get batches of the same shapes and dtypes, and switch train()/eval() or "
-            "requires_grad together. This rank has:\n"
+            "must get batches of the same shapes and dtypes (dims named in dynamic_dims may "
+            "differ), and switch train()/eval() or requires_grad together. This rank has:\n"
             f"{signature.describe()}\n{describe_module_state(model)}"
         )
-    return ended
+    return ended, compile_all
 
 
 def _agree_on_digest(
-    digest: int | None, rank: int, world: int, device: torch.device
-) -> tuple[list[int], bool]:
+    digest: int | None, rank: int, world: int, device: torch.device, needs_graph: bool = False
+) -> tuple[list[int], bool, bool]:
     """One all-reduce over the world per micro-batch: ``(ranks whose data has ended, whether
-    the ranks with a batch agree on its key)``.
+    the ranks with a batch agree on its key, whether any rank needs a new graph)``.
 
     ``digest`` is this rank's batch key, below 2**56 (``None``: no batch left). Every rank gets
     the same answer, so all can stop together, as torch's ``Join`` context lets them; keys must
     agree, since a rank that recompiled alone would issue collectives the others never match.
     """
-    probe = torch.zeros(2 + world, dtype=torch.int64, device=device)
+    probe = torch.zeros(3 + world, dtype=torch.int64, device=device)
     if digest is None:
         probe[0] = probe[1] = _NO_BATCH
-        probe[2 + rank] = 1
+        probe[3 + rank] = 1
     else:
-        probe[0], probe[1] = digest, -digest
+        probe[0], probe[1], probe[2] = digest, -digest, int(needs_graph)
     dist.all_reduce(probe, op=dist.ReduceOp.MAX)
-    ended = [r for r in range(world) if probe[2 + r].item()]
+    ended = [r for r in range(world) if probe[3 + r].item()]
     if ended or digest is None:
-        return ended, True
-    return [], probe[0].item() == digest and probe[1].item() == -digest
+        return ended, True, False
+    agreed = probe[0].item() == digest and probe[1].item() == -digest
+    return [], agreed, bool(probe[2].item())
 
 
 def broadcast_buffers(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,28 +26,26 @@ import torch.utils._pytree as pytree
 
 from gm_config import PassConfig, PassPlan
 from gm_passes import GraphPass, PassPipeline
-from gm_trace import InputSignature, run_traced_graph
+from gm_trace import run_traced_graph
 from gm_trace.dtensor import DTensorSpec
 from gm_trace.joint_graph import JointGraph
-from gm_trace.overlap import format_schedule
 from gm_trace.sharding import RowShard
 from gm_trace.sharding_layout import ShardingLayout
 from gm_trainer.device import default_device
 from gm_trainer.dtensor_tp import adopt_dtensor_params, trace_step
 from gm_trainer.errors import TrainingError
 from gm_trainer.gradients import accumulate_grads, grad_norm_tensor
-from gm_trainer.graph_key import ClosureWatch, describe_module_state, module_state_key
+from gm_trainer.graph_cache import GraphCache, with_dynamic_dims
+from gm_trainer.graph_key import ClosureWatch
 from gm_trainer.loop import train_loop
 from gm_trainer.mesh import MeshError, ResolvedMesh, resolve_mesh_context
 from gm_trainer.optim import OptimizerConfig, clip_to_norm
-from gm_trainer.ranks import agree_on_batch, broadcast_buffers
+from gm_trainer.padding import Padding
+from gm_trainer.ranks import broadcast_buffers
 from gm_trainer.step_guard import check_nonfinite_mode, first_nonfinite_grad, nonfinite_grad_error
 from gm_trainer.trainer_setup import FSDP_GROUP_NAME, ResolvedRun, resolve_run
 
 __all__ = ["FSDP_GROUP_NAME", "GraphTrainer", "TrainingError"]
-
-# A graph is cached per input signature and module state (training flags, trainable set).
-GraphKey = tuple[InputSignature, Any]
 
 
 class GraphTrainer:
@@ -74,6 +72,8 @@ class GraphTrainer:
         lr_scheduler: ``factory(optimizer) -> LRScheduler`` (e.g.
             :func:`gm_trainer.schedule.warmup_decay_factory`), built with the optimizer and
             stepped after every optimizer step; its state is in :meth:`state_dict`.
+        dynamic_dims: batch dims traced as symbols, one graph for all their sizes: path ->
+            ``{dim: name}``, as ``PassConfig.dynamic_dims`` (:mod:`gm_trainer.graph_cache`).
     """
 
     def __init__(
@@ -91,6 +91,7 @@ class GraphTrainer:
         nonfinite: str = "error",
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
         passes: Sequence[GraphPass] = (),
+        dynamic_dims: Mapping[str, Mapping[int, str]] | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -113,6 +114,8 @@ class GraphTrainer:
             raise ValueError(f"graph_cache_size must be an int >= 1, got {graph_cache_size!r}")
         pass_config = pass_config if pass_config is not None else PassConfig()
         pass_config.validate()
+        if dynamic_dims is not None:
+            pass_config = with_dynamic_dims(pass_config, dynamic_dims)
         # A copy, so that a later change to the caller's object changes nothing here.
         self.pass_config = dataclasses.replace(pass_config)
         self.pass_plan = pass_plan
@@ -140,7 +143,10 @@ class GraphTrainer:
         self.skipped_steps = 0  # steps dropped for a non-finite loss or gradient (not saved)
         self.data_position = 0  # micro-batches train() has consumed; checkpointed
         self.pipelines: list[PassPipeline] = []
-        self._graphs: dict[GraphKey, JointGraph] = {}
+        # The compiled graphs, which one a batch runs on, which dims are symbolic.
+        self._graph_cache = GraphCache(graph_cache_size, self.pass_config)
+        self._graphs = self._graph_cache.graphs
+        self._pad = Padding(self.pass_config)
         self._closure_watch: ClosureWatch | None = None
         self._pytree_pre_hook: Callable[[], None] | None = None
         distributed = dist.is_available() and dist.is_initialized()
@@ -199,18 +205,14 @@ class GraphTrainer:
     def compile(self, sample_input: Any, sample_label: Any) -> JointGraph:
         """Trace and transform the graph for this input signature and the model's current
         module state (training flags, trainable parameters); cached per both."""
-        sample_input, sample_label = self._to_device(sample_input), self._to_device(sample_label)
-        signature = InputSignature.of(sample_input, sample_label)
-        key = (signature, module_state_key(self.model))
-        if key in self._graphs:
-            return self._graphs[key]
-        if len(self._graphs) >= self.graph_cache_size:
-            raise TrainingError(
-                f"a new input signature or module state would be graph #{len(self._graphs) + 1}"
-                f", but graph_cache_size={self.graph_cache_size}:\n{signature.describe()}\n"
-                f"{describe_module_state(self.model)}\n"
-                "pad batches to a few fixed shapes, or raise graph_cache_size"
-            )
+        sample_input, sample_label = self._pad(
+            self._to_device(sample_input), self._to_device(sample_label)
+        )
+        cache = self._graph_cache
+        found = cache.lookup(sample_input, sample_label, self.model)
+        if found is not None:
+            return found
+        cache.begin(sample_input, sample_label, self.model)  # the bound; the symbolic dims
         first = not self._graphs
         if self._run is None:
             self._run = resolve_run(self)
@@ -233,10 +235,16 @@ class GraphTrainer:
             if self._lr_scheduler_factory is not None:
                 self.lr_scheduler = self._lr_scheduler_factory(self.optimizer)
         # Keyed by the state AFTER the passes, which is what later steps will see.
-        self._graphs[(signature, module_state_key(self.model))] = joint
+        cache.add(joint, self.model)
         if self._closure_watch is None:
             self._closure_watch = ClosureWatch(self.train_fn)
         return joint
+
+    @property
+    def compile_count(self) -> int:
+        """How many graphs this trainer traced and compiled (each new signature, each batch
+        that failed a symbolic graph's guards); ``pass_summary()`` says why."""
+        return self._graph_cache.compile_count
 
     def _adopt_sharding(self, layout: ShardingLayout | None) -> None:
         """Shard the live model the first time; every later graph must expect the same shards."""
@@ -283,8 +291,8 @@ class GraphTrainer:
 
     def _micro_step(self, input: Any, label: Any, weight: float) -> torch.Tensor:
         """Run the graph for one device-resident micro-batch; add ``weight`` x its gradients."""
-        key = (InputSignature.of(input, label), module_state_key(self.model))
-        joint = self._graphs.get(key) or self.compile(input, label)
+        input, label = self._pad(input, label)
+        joint = self._graph_cache.lookup(input, label, self.model) or self.compile(input, label)
         self._closure_watch.check()
         outputs = run_traced_graph(joint, self.model, input, label)
         accumulate_grads(self.model, joint, outputs.grads, weight)
@@ -297,7 +305,8 @@ class GraphTrainer:
         rank that recompiles alone would issue collectives (FSDP, HSDP or TP) the others never
         match, and hang.
         """
-        return agree_on_batch(
+        batch = self._pad(*batch) if batch is not None else None
+        return self._graph_cache.agree(
             batch, self.model, self.rank, self.world_size, self._collective_device()
         )
 
@@ -389,16 +398,10 @@ class GraphTrainer:
         return loss.item()
 
     def pass_summary(self) -> str:
-        """Per compiled signature: each pass's time and whether it changed the graph, then
-        the collective schedule (overlap per collective, bytes, bucket) when there is one."""
-        parts = []
-        for i, pipeline in enumerate(self.pipelines):
-            text = f"signature {i}:\n{pipeline.describe()}\n\n{pipeline.summary()}"
-            overlap = pipeline.context.stats.get("overlap", {}) if pipeline.context else {}
-            if overlap.get("schedule"):
-                text += "\n\ncollective schedule:\n" + format_schedule(overlap["schedule"])
-            parts.append(text)
-        return "\n\n".join(parts)
+        """Per compiled graph: why it was compiled, its signature (symbolic dims by name) and
+        guards, each pass's time and whether it changed the graph, then the collective
+        schedule (overlap per collective, bytes, bucket) when there is one."""
+        return self._graph_cache.summary(self.pipelines)
 
     def _to_device(self, tree: Any) -> Any:
         return pytree.tree_map(

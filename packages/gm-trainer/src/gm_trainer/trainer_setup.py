@@ -98,9 +98,15 @@ def _resolve_external_mesh(
 
 
 def trace_options(trainer: GraphTrainer) -> dict[str, Any]:
-    """Keyword arguments for ``trace_model_graph``: full state shapes and mixed precision."""
+    """Keyword arguments for ``trace_model_graph``: full state shapes, mixed precision and
+    the symbolic dims."""
     options: dict[str, Any] = {}
     model = trainer.model
+    # Symbolic dims, as the graph cache decided for this trace (gm_trainer.graph_cache).
+    cache = trainer._graph_cache
+    if cache.tracing_dims:
+        options["dynamic_dims"] = cache.tracing_dims
+        options["dynamic_fallback"] = cache.tracing_fallback
     # After the first compile the live parameters are shards; a retrace needs full shapes.
     if trainer.sharding is not None:
         options["state_shapes"] = trainer.sharding.full_shapes()

@@ -1,0 +1,292 @@
+"""The graphs one ``GraphTrainer`` compiled: which one a batch runs on, which dims a new trace
+makes symbolic, and the bound on how many there may be.
+
+A graph is keyed by the module state (training flags, trainable set) and its input
+signature, where the dims it traced as symbols are shown by name (``shape=('batch',
+'seq')``). A static graph takes exactly its shapes; a symbolic one takes every batch whose
+static parts match and whose sizes pass its :class:`~gm_trace.guards.ShapeGuards`.
+
+Which dims a new trace makes symbolic:
+
+- the dims ``PassConfig.dynamic_dims`` / ``GraphTrainer(dynamic_dims=...)`` name, except
+  those ``pad_to_multiple`` pads (padded dims stay static: that is what padding is for);
+- with ``automatic_dynamic`` (the default), every dim in which the batch differs from a
+  compiled graph of the same structure (same leaves, dtypes, devices, ranks, constants) --
+  and every dim found so once stays symbolic, as ``torch.compile``'s automatic dynamic does.
+
+A batch that fails the guards of every symbolic graph is traced again (graph ``N + 1``,
+bounded by ``graph_cache_size``); the reason is logged to ``gm_trainer.graphs`` and kept in
+:attr:`GraphCache.reasons`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gm_config import ConfigError, PassConfig
+from gm_config.dynamic_dims import DynamicDims, check_dynamic_dims, check_pad_to_multiple
+from gm_passes import PassPipeline
+from gm_trace.dynamic_shapes import leaf_dims
+from gm_trace.joint_graph import JointGraph
+from gm_trace.overlap import format_schedule
+from gm_trace.signature import InputSignature, flatten_io
+from gm_trainer.errors import TrainingError
+from gm_trainer.graph_key import describe_module_state, module_state_key
+from gm_trainer.ranks import agree_on_batch
+
+log = logging.getLogger("gm_trainer.graphs")
+
+
+def with_dynamic_dims(config: PassConfig, dynamic_dims: Any) -> PassConfig:
+    """A copy of ``config`` with ``GraphTrainer(dynamic_dims=...)`` filled in; a
+    :class:`ConfigError` when the config already names other dims."""
+    dims = check_dynamic_dims(dynamic_dims, "GraphTrainer(dynamic_dims=...)")
+    if config.dynamic_dims is not None and config.dynamic_dims != dims:
+        raise ConfigError(
+            f"GraphTrainer(dynamic_dims={dims}) and PassConfig.dynamic_dims="
+            f"{config.dynamic_dims} differ; name the dynamic dims in one place"
+        )
+    merged = dataclasses.replace(config, dynamic_dims=dims)
+    check_pad_to_multiple(merged.pad_to_multiple, merged.dynamic_dims or {})
+    return merged
+
+
+@dataclass(frozen=True)
+class CachedGraph:
+    """One compiled graph and what selects it."""
+
+    joint: JointGraph
+    state: Any
+    """The module state it was compiled for (:func:`~gm_trainer.graph_key.module_state_key`)."""
+    reason: str
+    """Why it was compiled."""
+
+
+class GraphCache:
+    """The compiled graphs of one trainer (see the module docstring)."""
+
+    def __init__(self, size: int, config: PassConfig) -> None:
+        self.size = size
+        padded = set(config.pad_to_multiple or {})
+        # Padded dims are static by design; the others named are symbolic from the start.
+        self.declared: DynamicDims = {
+            path: {d: name for d, name in dims.items() if name not in padded}
+            for path, dims in (config.dynamic_dims or {}).items()
+        }
+        self.declared = {path: dims for path, dims in self.declared.items() if dims}
+        self.padded = {
+            (path, d)
+            for path, dims in (config.dynamic_dims or {}).items()
+            for d, name in dims.items()
+            if name in padded
+        }
+        self.automatic = config.automatic_dynamic
+        self.entries: list[CachedGraph] = []
+        self.graphs: dict[Any, JointGraph] = {}
+        """The graphs by ``(input signature, module state, number)``, the signature showing
+        symbolic dims by name (``GraphTrainer._graphs``)."""
+        self.found: dict[str, dict[int, str]] = {}
+        """Dims automatic dynamic found changing: path -> {dim: name}."""
+        self.tracing_dims: DynamicDims | None = None
+        """The symbolic dims of the trace in progress (read by ``trace_options``)."""
+        self.tracing_fallback = False
+        """Whether the trace in progress may fall back to static (no dim named by the user)."""
+        self._reason = ""
+        self.force_compile = False
+        """Set when another rank compiles for this micro-batch: every rank must."""
+
+    @property
+    def compile_count(self) -> int:
+        """How many graphs were compiled."""
+        return len(self.entries)
+
+    @property
+    def reasons(self) -> list[str]:
+        """Why each graph was compiled, in order."""
+        return [entry.reason for entry in self.entries]
+
+    def lookup(self, input: Any, label: Any, model: torch.nn.Module) -> JointGraph | None:
+        """The graph this batch runs on, or ``None`` when it needs a new one (or another rank
+        does: every rank compiles together)."""
+        if self.force_compile:
+            return None
+        return self._lookup(input, label, module_state_key(model))[0]
+
+    def _lookup(self, input: Any, label: Any, state: Any) -> tuple[JointGraph | None, list[str]]:
+        """The graph for the batch, or ``None`` and why each graph of its signature refused."""
+        paths, leaves, spec = flatten_io(input, label)
+        signature = InputSignature._of_leaves(paths, leaves, spec)
+        misses = []
+        for i, entry in enumerate(self.entries):
+            guards = entry.joint.shape_guards
+            if entry.state != state:
+                continue
+            key = signature.generalized(guards.leaf_dims) if guards else signature
+            if key != entry.joint.input_signature:
+                continue
+            reason = guards.violation(leaves) if guards else None
+            if reason is None:
+                return entry.joint, []
+            misses.append(f"graph {i} (symbolic): {reason}")
+        return None, misses
+
+    def agreement_key(
+        self, input: Any, label: Any, model: torch.nn.Module
+    ) -> tuple[InputSignature, bool]:
+        """What the ranks must agree on for a micro-batch: its signature with every dim that
+        is or will be symbolic shown by name (ranks may differ there), and whether this rank
+        needs a new graph for it."""
+        paths, leaves, spec = flatten_io(input, label)
+        signature = InputSignature._of_leaves(paths, leaves, spec)
+        dims = {path: dict(marked) for path, marked in self.declared.items()}
+        for path, found in self.found.items():
+            if path in paths:
+                dims.setdefault(path, {}).update(found)
+        by_index = leaf_dims(dims, paths, leaves)
+        return signature.generalized(by_index), self.lookup(input, label, model) is None
+
+    def begin(self, input: Any, label: Any, model: torch.nn.Module) -> None:
+        """Before tracing a new graph for this batch: check the bound, decide its symbolic
+        dims (:attr:`tracing_dims`) and log why it is compiled."""
+        state = module_state_key(model)
+        hit, misses = self._lookup(input, label, state)
+        self.force_compile = False
+        paths, leaves, spec = flatten_io(input, label)
+        signature = InputSignature._of_leaves(paths, leaves, spec)
+        if len(self.entries) >= self.size:
+            raise TrainingError(
+                f"a new input signature or module state would be graph #{len(self.entries) + 1}"
+                f", but graph_cache_size={self.size}:\n{signature.describe()}\n"
+                f"{describe_module_state(model)}\n"
+                + "".join(f"{miss}\n" for miss in misses)
+                + "mark the dims that change as dynamic (GraphTrainer(dynamic_dims=...)), pad "
+                "batches to a few fixed shapes (PassConfig.pad_to_multiple), or raise "
+                "graph_cache_size"
+            )
+        changed = self._changed_dims(signature, state) if self.automatic else {}
+        for path, dims in changed.items():
+            self.found.setdefault(path, {}).update(dims)
+        # A declared path the batch lacks is the tracer's error to name.
+        tracing: DynamicDims = {p: dict(d) for p, d in self.declared.items()}
+        for path, found in self.found.items():
+            if path in paths:
+                tracing.setdefault(path, {}).update(
+                    {d: n for d, n in found.items() if d not in tracing.get(path, {})}
+                )
+        self.tracing_dims = tracing or None
+        self.tracing_fallback = not self.declared
+        if hit is not None:
+            why = "another rank needs a new graph for this micro-batch (ranks compile together)"
+        elif misses:
+            why = "; ".join(misses)
+        elif not self.entries:
+            why = "first batch"
+        else:
+            moved = [f"{p}.size({d})" for p, dims in changed.items() for d in dims]
+            why = "new signature" + (f" (changed: {', '.join(moved)})" if moved else "")
+        self._reason = f"{why}; traced {_describe_dims(tracing)}"
+        log.info("compiling graph %d: %s", len(self.entries), self._reason)
+
+    def add(self, joint: JointGraph, model: torch.nn.Module) -> None:
+        """Keep a compiled graph, under the module state after the passes (what later steps
+        see)."""
+        state = module_state_key(model)
+        if self.tracing_dims and joint.shape_guards is None:
+            # The symbolic trace failed and the tracer fell back to a static graph.
+            self.automatic = False
+            self.found.clear()
+        self.entries.append(CachedGraph(joint, state, self._reason))
+        self.graphs[(joint.input_signature, state, len(self.entries))] = joint
+        self.tracing_dims = None
+
+    def _changed_dims(self, signature: InputSignature, state: Any) -> dict[str, dict[int, str]]:
+        """Dims in which ``signature`` differs from a graph of the same structure."""
+        changed: dict[str, dict[int, str]] = {}
+        for entry in self.entries:
+            other = entry.joint.input_signature
+            if entry.state != state or other.spec != signature.spec:
+                continue
+            pairs = list(zip(signature.paths, signature.leaves, other.leaves))
+            if any(_without_shape(a) != _without_shape(b) for _, a, b in pairs):
+                continue
+            for path, mine, theirs in pairs:
+                if mine[0] != "Tensor":
+                    continue
+                for d, (a, b) in enumerate(zip(mine[1], theirs[1])):
+                    if a != b and (path, d) not in self.padded:
+                        changed.setdefault(path, {})[d] = _declared_name(self.declared, path, d)
+        return changed
+
+    def agree(
+        self,
+        batch: tuple[Any, Any] | None,
+        model: torch.nn.Module,
+        rank: int,
+        world: int,
+        device: torch.device,
+    ) -> list[int]:
+        """The ranks' agreement on a micro-batch (``None``: this rank's data has ended):
+        returns the ranks whose data has ended. The graph keys must agree (their symbolic
+        dims may differ); when any rank needs a new graph, every rank compiles one."""
+        key, needs_graph = None, False
+        if batch is not None:
+            key, needs_graph = self.agreement_key(*batch, model)
+        ended, compile_all = agree_on_batch(
+            key, model, rank, world, device, needs_graph=needs_graph
+        )
+        self.force_compile = compile_all and not ended
+        return ended
+
+    def summary(self, pipelines: Sequence[PassPipeline]) -> str:
+        """``GraphTrainer.pass_summary``: per graph, :meth:`describe` and its pipeline's
+        order, times and collective schedule."""
+        parts = []
+        for i, pipeline in enumerate(pipelines):
+            text = f"signature {i}: {self.describe(i)}\n\n{pipeline.describe()}"
+            text += f"\n\n{pipeline.summary()}"
+            overlap = pipeline.context.stats.get("overlap", {}) if pipeline.context else {}
+            if overlap.get("schedule"):
+                text += "\n\ncollective schedule:\n" + format_schedule(overlap["schedule"])
+            parts.append(text)
+        return "\n\n".join(parts)
+
+    def describe(self, index: int) -> str:
+        """Graph ``index``: why it was compiled, its signature and, if symbolic, its guards."""
+        entry = self.entries[index]
+        joint = entry.joint
+        text = f"compiled because: {entry.reason}\n{joint.input_signature.describe()}"
+        if joint.shape_guards is not None:
+            text += "\n  symbolic dims and guards:\n"
+            text += joint.shape_guards.describe(joint.input_signature.paths)
+        return text
+
+
+def _describe_dims(dims: DynamicDims) -> str:
+    """``symbolic: batch = input.size(0), label.size(0); seq = ...`` or ``static``."""
+    where: dict[str, list[str]] = {}
+    for path, marked in dims.items():
+        for d, name in marked.items():
+            where.setdefault(name, []).append(f"{path}.size({d})")
+    if not where:
+        return "static"
+    return "symbolic: " + "; ".join(
+        name if places == [name] else f"{name} = {', '.join(places)}"
+        for name, places in where.items()
+    )
+
+
+def _without_shape(leaf: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A leaf's signature with its shape reduced to its rank."""
+    if leaf[0] != "Tensor":
+        return leaf
+    return (leaf[0], len(leaf[1]), *leaf[2:])
+
+
+def _declared_name(declared: Mapping[str, Mapping[int, str]], path: str, dim: int) -> str:
+    return declared.get(path, {}).get(dim, f"{path}.size({dim})")
