@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import re
 
 import dynamic_bodies as bodies
 import pytest
@@ -166,12 +167,17 @@ def test_dynamic_dims_are_checked_where_they_are_given():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["tiny_gpt", "llama"])
-def test_fsdp_on_two_ranks_matches_eager_every_step(name, dist_pool):
-    results = dist_pool(2).run(bodies.fsdp_parity, name, bodies.STEPS, {}, timeout=600)
-    for count, worst, _ in results:
+@pytest.mark.parametrize(
+    ("name", "config"), [("tiny_gpt", {"reshard_after_forward": True}), ("llama", {})]
+)
+def test_fsdp_on_two_ranks_matches_eager_every_step(name, config, dist_pool):
+    """fsdp, reshard (TinyGPT), recompute and overlap on the symbolic graph."""
+    results = dist_pool(2).run(bodies.fsdp_parity, name, bodies.STEPS, config, timeout=600)
+    for count, worst, summary in results:
         assert count <= 2
         assert worst["loss"] <= 1e-5 and worst["grad"] <= 1e-5, worst
+        for name in ("fsdp", "recompute", "overlap", *(["reshard"] if config else [])):
+            assert re.search(rf"\n{name} +[\d.]+ ms  changed", summary), (name, summary)
 
 
 @pytest.mark.distributed

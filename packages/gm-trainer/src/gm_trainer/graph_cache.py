@@ -32,7 +32,7 @@ import torch
 from gm_config import ConfigError, PassConfig
 from gm_config.dynamic_dims import DynamicDims, check_dynamic_dims, check_pad_to_multiple
 from gm_passes import PassPipeline
-from gm_trace.dynamic_shapes import leaf_dims
+from gm_trace.dynamic_shapes import DynamicShapeError, leaf_dims
 from gm_trace.joint_graph import JointGraph
 from gm_trace.overlap import format_schedule
 from gm_trace.signature import InputSignature, flatten_io
@@ -148,7 +148,13 @@ class GraphCache:
         for path, found in self.found.items():
             if path in paths:
                 dims.setdefault(path, {}).update(found)
-        by_index = leaf_dims(dims, paths, leaves)
+        try:
+            by_index = leaf_dims(dims, paths, leaves)
+        except DynamicShapeError:
+            # Raising here, before the agreement's collective, would leave the other ranks
+            # waiting in it: the exact key disagrees (an error on every rank) or the trace
+            # names the problem on every rank.
+            by_index = {}
         return signature.generalized(by_index), self.lookup(input, label, model) is None
 
     def begin(self, input: Any, label: Any, model: torch.nn.Module) -> None:
