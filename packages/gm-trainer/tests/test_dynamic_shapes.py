@@ -11,6 +11,7 @@ import re
 import dynamic_bodies as bodies
 import pytest
 import torch
+import yaml
 from torch import nn
 
 from gm_config import ConfigError, PassConfig
@@ -206,3 +207,37 @@ def test_inductor_compiles_at_most_two_graphs_for_twenty_shapes(name, tmp_path, 
     assert trainer.compile_count <= 2
     # Each side keeps its own weights: the error may grow by a float32 ulp per step.
     assert worst <= 1e-5, worst
+
+
+class HashesItsLength(nn.Module):
+    """Looks its sequence length up in a dict: fine for an int, not for a symbolic size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = {8: 1.0, 9: 0.5, 10: 0.25}[x.shape[1]]
+        return self.proj(x) * scale
+
+
+def test_automatic_dynamic_falls_back_to_static_graphs_when_the_symbolic_trace_fails():
+    torch.manual_seed(0)
+    trainer = GraphTrainer(HashesItsLength(), lambda m, x, y: m(x).square().mean())
+    trainer.train_step(torch.randn(2, 8, 4), None)
+    with pytest.warns(RuntimeWarning, match="tracing with symbolic sizes failed"):
+        trainer.train_step(torch.randn(2, 9, 4), None)
+    trainer.train_step(torch.randn(2, 10, 4), None)  # automatic dynamic is off now: no warning
+    assert trainer.compile_count == 3
+    assert all(graph.shape_guards is None for graph in trainer._graphs.values())
+
+
+def test_the_job_key_is_parallel_dynamic_dims():
+    from gm_trainer.job.config import JobConfig
+
+    dims = {"input": {0: "batch", 1: "seq"}, "label": {0: "batch", 1: "seq"}}
+    job = JobConfig.from_dict({"parallel": {"dynamic_dims": dims, "pad_to_multiple": {"seq": 64}}})
+    assert job.parallel.dynamic_dims == dims
+    assert JobConfig.from_dict(yaml.safe_load(job.to_yaml())).parallel == job.parallel
+    with pytest.raises(ConfigError, match=r"^parallel: PassConfig\.dynamic_dims\['input'\]"):
+        JobConfig.from_dict({"parallel": {"dynamic_dims": {"input": {"x": "seq"}}}})
