@@ -18,11 +18,12 @@ from gm_trace.aliasing import storage_of, written_args
 class OutputSpec:
     """What output ``i`` of a traced graph is.
 
-    ``kind``: ``"loss"``, ``"grad"`` (gradient of parameter ``fqn``) or ``"mutated"`` (the new
-    value of state tensor ``fqn``, which the graph also updated in place).
+    ``kind``: ``"loss"``, ``"grad_norm"`` (the global gradient norm, when the ``optimizer``
+    pass put the update in the graph), ``"grad"`` (gradient of parameter ``fqn``) or
+    ``"mutated"`` (the new value of state tensor ``fqn``, which the graph also updated in place).
     """
 
-    kind: Literal["loss", "grad", "mutated"]
+    kind: Literal["loss", "grad_norm", "grad", "mutated"]
     fqn: str | None = None
 
 

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 #: ``PassContext.artifacts`` names of what the gm-trace passes decide.
 SHARDING_LAYOUT = "sharding_layout"
 COMPILED_STEP = "compiled_step"
+OPTIMIZER_UPDATE = "optimizer_update"
 
 
 @dataclass(frozen=True)
@@ -81,11 +82,22 @@ class JointGraph:
     batch must pass to run on it (:mod:`gm_trace.guards`); ``None`` for a static graph, whose
     ``input_signature`` alone says what it accepts."""
 
+    optimizer_update: Any = None
+    """What the ``optimizer`` pass traces into the graph (an
+    :class:`~gm_trace.optimizer_update.OptimizerUpdate`), set by the caller before the passes;
+    ``None``: the optimizer runs outside the graph."""
+
+    optimizer_in_graph: bool = False
+    """The ``optimizer`` pass put the update in the graph: no gradient outputs
+    (``grad_fqns`` is empty), output 1 is the global gradient norm, and the graph takes the
+    update's inputs after the label's tensors."""
+
     @property
     def output_specs(self) -> tuple[OutputSpec, ...]:
         """What each output is, in order."""
         return (
             OutputSpec("loss"),
+            *((OutputSpec("grad_norm"),) if self.optimizer_in_graph else ()),
             *(OutputSpec("grad", fqn) for fqn in self.grad_fqns),
             *(OutputSpec("mutated", fqn) for fqn in self.mutated_fqns),
         )
@@ -98,7 +110,8 @@ class JointGraph:
     @property
     def mutated_output_index(self) -> dict[str, int]:
         """State FQN -> position of its new value in the outputs."""
-        return {fqn: 1 + len(self.grad_fqns) + k for k, fqn in enumerate(self.mutated_fqns)}
+        first = 1 + self.optimizer_in_graph + len(self.grad_fqns)
+        return {fqn: first + k for k, fqn in enumerate(self.mutated_fqns)}
 
     @property
     def state_is_param(self) -> tuple[bool, ...]:
@@ -136,10 +149,14 @@ class JointGraph:
         process groups, ``dump_dir``)."""
         graph_module = pipeline.run(self.graph_module, graph_info=self, **run_options)
         artifacts = pipeline.context.artifacts
+        in_graph = OPTIMIZER_UPDATE in artifacts
         return self.replace(
             graph_module=graph_module,
             sharding=artifacts.get(SHARDING_LAYOUT, self.sharding),
             compiled_step=artifacts.get(COMPILED_STEP),
             # A pass or a backend (Inductor) may have assumed more about the sizes.
             shape_guards=self.shape_guards.refreshed() if self.shape_guards else None,
+            grad_fqns=() if in_graph else self.grad_fqns,
+            optimizer_update=artifacts.get(OPTIMIZER_UPDATE, self.optimizer_update),
+            optimizer_in_graph=in_graph or self.optimizer_in_graph,
         )

@@ -30,9 +30,17 @@ class GraphOutputs:
 
     loss: Tensor
     grads: dict[str, Tensor]
+    grad_norm: Tensor | None = None
+    """The global gradient norm the graph computed (optimizer in the graph), else ``None``."""
 
 
-def run_traced_graph(joint: JointGraph, model: nn.Module, input: Any, label: Any) -> GraphOutputs:
+def run_traced_graph(
+    joint: JointGraph,
+    model: nn.Module,
+    input: Any,
+    label: Any,
+    extra_args: Sequence[Tensor] = (),
+) -> GraphOutputs:
     """Run a graph from ``trace_model_graph`` on ``model``'s current parameters and buffers.
 
     Runs under ``torch.no_grad()`` (the graph already holds the backward ops). Buffers that the
@@ -40,6 +48,9 @@ def run_traced_graph(joint: JointGraph, model: nn.Module, input: Any, label: Any
     not written to ``.grad``. When the ``backend`` pass compiled the graph, its
     ``joint.compiled_step`` computes the outputs instead of the graph module itself. A sharded
     graph (``joint.sharding``) expects ``model`` to hold the shards (``ShardingLayout.apply``).
+    ``extra_args`` follow the input tensors: the optimizer update's inputs when the
+    ``optimizer`` pass ran (``OptimizerUpdate.input_keys``); the graph then updates the
+    parameters itself and returns the global gradient norm instead of gradients.
 
     Raises:
         GraphSignatureError: ``input`` / ``label`` differ from the traced sample in structure,
@@ -68,7 +79,7 @@ def run_traced_graph(joint: JointGraph, model: nn.Module, input: Any, label: Any
         leaves = guards.contiguous_leaves(leaves)
 
     live = _live_state(model, joint.state_fqns)
-    args = [*live, *(leaf for leaf in leaves if isinstance(leaf, Tensor))]
+    args = [*live, *(leaf for leaf in leaves if isinstance(leaf, Tensor)), *extra_args]
     gm, compiled = joint.graph_module, joint.compiled_step
     with torch.no_grad():
         outputs = gm(*args) if compiled is None else compiled.run(gm, args)
@@ -89,7 +100,8 @@ def run_traced_graph(joint: JointGraph, model: nn.Module, input: Any, label: Any
                 grads[spec.fqn] = _own_grad(value, by_fqn[spec.fqn], seen)
             elif spec.kind == "mutated" and value is not by_fqn[spec.fqn]:
                 by_fqn[spec.fqn].copy_(value)
-    return GraphOutputs(loss=outputs[0], grads=grads)
+    norm = outputs[1] if joint.optimizer_in_graph else None
+    return GraphOutputs(loss=outputs[0], grads=grads, grad_norm=norm)
 
 
 def _live_state(model: nn.Module, fqns: Sequence[str]) -> list[Tensor]:

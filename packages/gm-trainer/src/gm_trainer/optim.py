@@ -42,6 +42,13 @@ class OptimizerConfig:
     kwargs: dict[str, Any] | None = None
     """Extra keyword arguments for a named optimizer (e.g. ``{"momentum": 0.9}``)."""
 
+    in_graph: bool = False
+    """Trace the update (Adam, AdamW, SGD; the global-norm clip) into the step's graph: each
+    local shard is updated as soon as its gradient is reduced, gradients are never kept on
+    ``.grad``, and ``train_step`` then takes the whole optimizer step (one micro-batch per
+    step). An optimizer the graph cannot trace falls back to the eager update with a
+    ``RuntimeWarning`` saying why."""
+
     def __post_init__(self) -> None:
         if isinstance(self.name, str):
             _optimizer_class(self.name)  # fail now, not at the first batch
@@ -55,6 +62,8 @@ class OptimizerConfig:
             isinstance(self.grad_clip, (int, float)) and self.grad_clip > 0
         ):
             raise ValueError(f"optimizer grad_clip must be None or > 0, got {self.grad_clip!r}")
+        if not isinstance(self.in_graph, bool):
+            raise ValueError(f"optimizer in_graph must be True or False, got {self.in_graph!r}")
         self.betas = tuple(self.betas)  # YAML gives lists
 
     @classmethod

@@ -40,6 +40,7 @@ from gm_trainer.graph_key import ClosureWatch
 from gm_trainer.loop import train_loop
 from gm_trainer.mesh import MeshError, ResolvedMesh, resolve_mesh_context
 from gm_trainer.optim import OptimizerConfig, clip_to_norm
+from gm_trainer.optim_graph import finish_graph_step, graph_update_step, with_graph_update
 from gm_trainer.padding import Padding
 from gm_trainer.ranks import broadcast_buffers
 from gm_trainer.step_guard import check_nonfinite_mode, first_nonfinite_grad, nonfinite_grad_error
@@ -134,6 +135,10 @@ class GraphTrainer:
         self.graph_cache_size = graph_cache_size
         self.graph_dump_dir = Path(graph_dump_dir) if graph_dump_dir is not None else None
         self.optimizer: torch.optim.Optimizer | None = None
+        # OptimizerConfig(in_graph=True): see gm_trainer.optim_graph.
+        self._in_graph_reason: str | None = None  # why the update stays eager
+        self._step_inputs: Any = None
+        self._graph_norm: torch.Tensor | None = None
         self.nonfinite = check_nonfinite_mode(nonfinite)
         if lr_scheduler is not None and not callable(lr_scheduler):
             raise TypeError(f"lr_scheduler must be a factory(optimizer), got {lr_scheduler!r}")
@@ -220,7 +225,8 @@ class GraphTrainer:
         pre_hook = self._pytree_pre_hook if first else None
         joint = trace_step(self, sample_input, sample_label, pre_hook=pre_hook)
         run = self._run
-        pipeline = PassPipeline.from_config(run.pass_config, run.pass_plan, self.extra_passes)
+        joint, passes = with_graph_update(self, joint, self.extra_passes)
+        pipeline = PassPipeline.from_config(run.pass_config, run.pass_plan, passes)
         joint = joint.through(
             pipeline,
             model=self.model,
@@ -294,6 +300,8 @@ class GraphTrainer:
         input, label = self._pad(input, label)
         joint = self._graph_cache.lookup(input, label, self.model) or self.compile(input, label)
         self._closure_watch.check()
+        if joint.optimizer_in_graph:
+            return graph_update_step(self, joint, input, label)
         outputs = run_traced_graph(joint, self.model, input, label)
         accumulate_grads(self.model, joint, outputs.grads, weight)
         return outputs.loss.detach()
@@ -310,6 +318,12 @@ class GraphTrainer:
             batch, self.model, self.rank, self.world_size, self._collective_device()
         )
 
+    @property
+    def optimizer_in_graph(self) -> bool:
+        """True when the compiled graphs run the optimizer update themselves
+        (``OptimizerConfig(in_graph=True)`` and a traceable optimizer)."""
+        return any(joint.optimizer_in_graph for joint in self._graphs.values())
+
     def grad_norm(self) -> float:
         """The global 2-norm of the current gradients, as on the unsharded model."""
         return grad_norm_tensor(self).item()
@@ -325,6 +339,8 @@ class GraphTrainer:
         """
         if self.optimizer is None:
             raise RuntimeError("optimizer_step() before the first train_step(): nothing to step")
+        if self.optimizer_in_graph:
+            return finish_graph_step(self)
         norm = grad_norm_tensor(self)
         if not math.isfinite(norm.item()):
             if self.nonfinite == "skip":

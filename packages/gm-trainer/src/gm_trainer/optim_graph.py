@@ -1,0 +1,229 @@
+"""The optimizer update inside the graph (``OptimizerConfig(in_graph=True)``): what to trace,
+why it cannot be traced, and the inputs the graph takes every step.
+
+The graph (gm_trace's ``optimizer`` pass) updates the parameters and the state tensors of a
+real ``torch.optim`` optimizer in place, so checkpoints (``optimizer.state``), LR schedulers
+(``param_groups[i]["lr"]``) and ``optimizer.state_dict()`` keep working. What ``torch.optim``
+computes in Python per step — ``state["step"] += 1`` and the scalars that follow from the
+learning rate and the step (Adam's ``lr / (1 - beta1**step)``, ...) — is done here, in the
+same float64 arithmetic, and handed to the graph as 0-d tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gm_trace import run_traced_graph
+from gm_trace.optimizer_update import GroupRule, OptimizerUpdate, ParamUpdate
+from gm_trainer.errors import TrainingError
+
+if TYPE_CHECKING:
+    from gm_trainer.trainer import GraphTrainer
+
+#: ``torch.optim`` options the traced update implements only at these values.
+_FIXED = {"amsgrad": False, "dampening": 0, "fused": None, "capturable": False,
+          "differentiable": False, "decoupled_weight_decay": False}
+
+
+def untraceable_reason(trainer: GraphTrainer) -> str | None:
+    """Why the update of ``trainer``'s optimizer cannot go in the graph (``None``: it can)."""
+    config = trainer.optimizer_config
+    if not isinstance(config.name, str) or config.name.lower() not in ("adam", "adamw", "sgd"):
+        return (
+            f"the optimizer is {config.name!r}; the graph traces torch.optim Adam, AdamW and SGD "
+            "named in OptimizerConfig.name (a factory's parameter groups are only known after "
+            "sharding)"
+        )
+    for key, value in (config.kwargs or {}).items():
+        if key in _FIXED and value != _FIXED[key] and not (key == "fused" and value is False):
+            return f"OptimizerConfig.kwargs {key}={value!r} is not traced (only {_FIXED[key]!r})"
+    if trainer.nonfinite == "skip":
+        return (
+            "nonfinite='skip' needs the norm before the update, but the graph updates in the "
+            "same step; use nonfinite='error'"
+        )
+    if trainer._mesh is not None and trainer._mesh.tp_group is not None:
+        return "tensor parallelism: the traced global norm does not sum TP slices yet"
+    return None
+
+
+def plan_update(trainer: GraphTrainer, grad_fqns: Sequence[str]) -> OptimizerUpdate:
+    """The update to trace for the parameters with a gradient, from the trainer's config."""
+    config = trainer.optimizer_config
+    kwargs = config.kwargs or {}
+    kind = config.name.lower()
+    rule = GroupRule(
+        kind=kind,
+        betas=tuple(config.betas),
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        momentum=kwargs.get("momentum", 0.0),
+        nesterov=kwargs.get("nesterov", False),
+        maximize=kwargs.get("maximize", False),
+    )
+    params = tuple(ParamUpdate(fqn, 0) for fqn in grad_fqns)
+    return OptimizerUpdate(groups=(rule,), params=params, max_norm=config.grad_clip)
+
+
+class GraphStepInputs:
+    """Builds the graph's optimizer inputs for one step: bumps ``state["step"]`` and computes
+    the per-step scalars exactly as ``torch.optim``'s single-tensor code does."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.params = dict(model.named_parameters())
+        self._scalars: dict[tuple[int, str], torch.Tensor] = {}
+
+    def __call__(self, spec: OptimizerUpdate) -> list[torch.Tensor]:
+        """The tensors for ``spec.input_keys()``, after one ``torch.optim``-style step count."""
+        optimizer = self.optimizer
+        steps: dict[int, float] = {}
+        for p in spec.params:
+            param = self.params[p.fqn]
+            state = optimizer.state[param]
+            rule = spec.groups[p.group]
+            if not state:
+                _init_state(state, param, rule)
+            if "step" in state:
+                state["step"] += 1
+                steps.setdefault(p.group, float(state["step"]))
+        scalars = {}
+        for g, rule in enumerate(spec.groups):
+            group = optimizer.param_groups[g]
+            _check_group(group, rule, g)
+            values = _scalars(rule, float(group["lr"]), steps.get(g, 0.0))
+            for name, value in values.items():
+                tensor = self._scalars.get((g, name))
+                if tensor is None:
+                    tensor = self._scalars[(g, name)] = torch.empty((), dtype=torch.float64)
+                scalars[(g, name)] = tensor.fill_(value)
+        out: list[torch.Tensor] = []
+        for kind, owner, name in spec.input_keys():
+            if kind == "scalar":
+                out.append(scalars[(owner, name)])
+            else:
+                out.append(optimizer.state[self.params[owner]][name])
+        return out
+
+
+def _init_state(state: dict[str, Any], param: torch.Tensor, rule: GroupRule) -> None:
+    """``torch.optim``'s lazy state, created before the first traced step."""
+    zeros = torch.zeros_like(param, memory_format=torch.preserve_format)
+    if rule.kind == "sgd":
+        if rule.momentum != 0:
+            # Zero, then buf * momentum + grad: exactly torch.optim's first clone(grad).
+            state["momentum_buffer"] = zeros
+        return
+    state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
+    state["exp_avg"] = zeros
+    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def _scalars(rule: GroupRule, lr: float, step: float) -> dict[str, float]:
+    if rule.kind == "sgd":
+        return {"neg_lr": -lr}
+    beta1, beta2 = rule.betas
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    values = {
+        "neg_step_size": -(lr / bias_correction1),
+        "bias_correction2_sqrt": bias_correction2**0.5,
+    }
+    if rule.kind == "adamw":
+        values["decay"] = 1 - lr * rule.weight_decay
+    return values
+
+
+def _check_group(group: dict[str, Any], rule: GroupRule, index: int) -> None:
+    """The hyper-parameters baked into the graph must still be the optimizer's."""
+    baked = {"weight_decay": rule.weight_decay, "maximize": rule.maximize}
+    if rule.kind == "sgd":
+        baked.update(momentum=rule.momentum, nesterov=rule.nesterov)
+    else:
+        baked.update(betas=rule.betas, eps=rule.eps)
+    changed = {k: (v, group.get(k)) for k, v in baked.items() if _differs(group.get(k), v)}
+    if changed:
+        details = ", ".join(f"{k}: traced {a!r}, now {b!r}" for k, (a, b) in changed.items())
+        raise TrainingError(
+            f"param_groups[{index}] changed a hyper-parameter the in-graph update baked in "
+            f"({details}); only the learning rate may change between steps with "
+            "OptimizerConfig(in_graph=True) — set it in OptimizerConfig, or use in_graph=False"
+        )
+
+
+def _differs(live: Any, baked: Any) -> bool:
+    if isinstance(baked, tuple):
+        return tuple(live) != baked
+    return live != baked
+
+
+def with_graph_update(
+    trainer: GraphTrainer, joint: Any, passes: list[Any]
+) -> tuple[Any, list[Any]]:
+    """``joint`` and ``passes`` with the ``optimizer`` pass when ``in_graph`` asks for it and
+    the optimizer can be traced; otherwise unchanged, with a ``RuntimeWarning`` saying why."""
+    from gm_trace.optimizer_update import OptimizerUpdatePass
+
+    if not trainer.optimizer_config.in_graph:
+        return joint, passes
+    reason = untraceable_reason(trainer)
+    if reason is not None:
+        if trainer._in_graph_reason is None:
+            warnings.warn(
+                f"OptimizerConfig(in_graph=True): the update runs eagerly, outside the graph: "
+                f"{reason}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        trainer._in_graph_reason = reason
+        return joint, passes
+    spec = plan_update(trainer, joint.grad_fqns)
+    return joint.replace(optimizer_update=spec), [*passes, OptimizerUpdatePass()]
+
+
+def graph_update_step(trainer: GraphTrainer, joint: Any, input: Any, label: Any) -> Any:
+    """Run a graph that updates the parameters itself; keep its norm for ``optimizer_step``."""
+    if trainer._graph_norm is not None:
+        raise TrainingError(
+            "train_step() twice without optimizer_step(): with OptimizerConfig(in_graph=True) "
+            "every train_step() is a whole optimizer step, so gradients cannot be accumulated "
+            "over micro-batches yet; call optimizer_step() after each train_step() (train(): "
+            "accumulation_steps=1), or use in_graph=False to accumulate"
+        )
+    if trainer._step_inputs is None:
+        trainer._step_inputs = GraphStepInputs(trainer.model, trainer.optimizer)
+    extra = trainer._step_inputs(joint.optimizer_update)
+    outputs = run_traced_graph(joint, trainer.model, input, label, extra)
+    trainer._graph_norm = outputs.grad_norm
+    return outputs.loss.detach()
+
+
+def finish_graph_step(trainer: GraphTrainer) -> float:
+    """``optimizer_step`` after a graph that updated the parameters: count the step, step
+    the LR scheduler, sync buffers; returns the global gradient norm before clipping."""
+    if trainer._graph_norm is None:
+        raise RuntimeError(
+            "optimizer_step() without a train_step() since the last one: with "
+            "OptimizerConfig(in_graph=True) train_step() runs the update"
+        )
+    norm, trainer._graph_norm = trainer._graph_norm.item(), None
+    trainer.step += 1
+    if not math.isfinite(norm):
+        raise TrainingError(
+            f"the global gradient norm is {norm} at step {trainer.step}: with the update in "
+            "the graph it was already applied, so the weights and optimizer state are no "
+            "longer finite; restore the last checkpoint and lower the learning rate (or use "
+            "OptimizerConfig(in_graph=False) with nonfinite='skip')"
+        )
+    if trainer.lr_scheduler is not None:
+        # What torch's LRScheduler wraps optimizer.step() to record (else it warns that the
+        # scheduler stepped first): the graph took the optimizer's step.
+        trainer.optimizer._opt_called = True
+        trainer.lr_scheduler.step()
+    trainer._sync_buffers()
+    return norm
