@@ -1,0 +1,66 @@
+"""Rank bodies for the in-graph optimizer tests: module-level, importable by spawned ranks."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from gm_config import PassConfig
+from gm_trace.testing import TinyGPT, lm_loss, make_lm_batch
+from gm_trainer.trainer import GraphTrainer
+
+STEPS = 4
+
+
+def tiny_gpt() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
+
+
+def step_factory(optimizer):
+    """An LR scheduler that changes the learning rate every step."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+
+
+def in_graph_equals_eager_update(rank: int, world: int, optimizer: dict, backend=None):
+    """The same trainer with the optimizer in and out of the graph, on the same local
+    batches: per step the loss and global norm, and at the end every local shard and every
+    optimizer state tensor. Returns the largest differences and what the run looked like."""
+    model = tiny_gpt()
+    trainers = []
+    for in_graph in (False, True):
+        config = {"lr": 1e-2, **optimizer, "in_graph": in_graph}
+        trainers.append(
+            GraphTrainer(
+                copy.deepcopy(model),
+                lm_loss,
+                PassConfig(backend=backend if in_graph else None),
+                optimizer_config=config,
+                lr_scheduler=step_factory,
+            )
+        )
+    records = []
+    for step in range(STEPS):
+        x, y = make_lm_batch(2 * world, 16, 64, seed=step)
+        x, y = x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]
+        records.append([(t.train_step(x, y).item(), t.optimizer_step()) for t in trainers])
+    eager, graph = trainers
+    params = zip(eager.model.parameters(), graph.model.parameters())
+    states = [
+        (eager.optimizer.state[a][key], graph.optimizer.state[b][key])
+        for a, b in zip(eager.model.parameters(), graph.model.parameters())
+        for key in eager.optimizer.state[a]
+    ]
+    return {
+        "records": records,
+        "param_diff": max((a - b).abs().max().item() for a, b in params),
+        "state_diff": max((a - b).abs().max().item() for a, b in states),
+        "bitwise": all(torch.equal(a, b) for a, b in zip(
+            eager.model.parameters(), graph.model.parameters())) and all(
+            torch.equal(a, b) for a, b in states),
+        "grads_none": all(p.grad is None for p in graph.model.parameters()),
+        "in_graph": graph.optimizer_in_graph,
+        "lrs": [eager.optimizer.param_groups[0]["lr"], graph.optimizer.param_groups[0]["lr"]],
+        "sharded": graph.sharding is not None,
+    }
