@@ -3,7 +3,8 @@
 Run: ``python bench/fsdp_bench.py [--layers 4 12] [--steps 8] [--out bench/results/fsdp.json]``
 (or ``nox -s bench``). CPU, gloo, one thread per rank. Prints a markdown table and writes JSON.
 
-1. single process: eager (autograd + Adam) vs graph mode — median step time.
+1. single process: eager (autograd + Adam(foreach=True)) vs graph mode with the optimizer
+   outside and inside the graph (and with Inductor: --inductor) — median step time.
 2. 2 ranks: FSDP2 (``fully_shard`` per block + root; reshard_after_forward on / off; bf16
    ``MixedPrecisionPolicy``) vs graph-mode FSDP with overlap off, overlap on, bucketing +
    prefetch, with and without the recompute pass, reshard, bf16 — median step time, peak
@@ -45,18 +46,32 @@ GRAPH_CONFIGS = {
     "graph: reshard": RESHARD,
     "graph: reshard, no recompute": {**RESHARD, **NO_RECOMPUTE},
     "graph: reshard, bf16": {**RESHARD, **BF16},
+    # Keys beyond PassConfig's: "in_graph" (OptimizerConfig.in_graph), "accumulation"
+    # (micro-batches per optimizer step, each 1/k of the batch), "compute_only" (this rank's
+    # step on its own batch with no collective at all: the limit).
+    "graph: optimizer in graph": {"in_graph": True},
+    "graph: inductor": {"backend": "inductor"},
+    "graph: inductor, optimizer in graph": {"backend": "inductor", "in_graph": True},
+    "graph: accumulation 4": {"accumulation": 4},
+    "compute only (no communication)": {"compute_only": True},
+    "compute only, optimizer in graph": {"compute_only": True, "in_graph": True},
 }
+#: Rows run when --configs is not given (the others on request).
+DEFAULT_ROWS = [c for c in GRAPH_CONFIGS if "inductor" not in c]
 #: FSDP2 eager configurations: reshard_after_forward, MixedPrecisionPolicy.param_dtype.
 FSDP2_CONFIGS = {
     "fsdp2": (True, None),
     "fsdp2 keep": (False, None),
     "fsdp2 bf16": (True, "bfloat16"),
+    "fsdp2 keep, accumulation 4": (False, None),  # gradient sync only on the last micro-batch
 }
 
 
 def fsdp2_counterpart(config: str) -> str:
     """The FSDP2 row with the same reshard and dtype settings as a graph row."""
     settings = GRAPH_CONFIGS.get(config, {})
+    if settings.get("accumulation"):
+        return "fsdp2 keep, accumulation 4"
     if settings.get("param_dtype"):
         return "fsdp2 bf16"
     return "fsdp2" if settings.get("reshard_after_forward") else "fsdp2 keep"
@@ -105,25 +120,69 @@ def _eager_step(model, optimizer):
     return step
 
 
-def _graph_step(trainer):
+def _graph_step(trainer, accumulation: int = 1, compute_only: bool = False):
     def step(batch):
-        trainer.train_step(*batch)
+        micro = batch[0].shape[0] // accumulation
+        for i in range(accumulation):
+            part = [t[i * micro : (i + 1) * micro] for t in batch]
+            if compute_only:  # no per-batch agreement: not one collective
+                trainer._micro_step(*part, 1.0)
+            else:
+                trainer.train_step(*part)
         trainer.optimizer_step()
 
     return step
 
 
-def single_process(n_layers: int, steps: int) -> dict[str, float]:
+def _fsdp2_accumulating_step(model, optimizer, accumulation: int):
+    def step(batch):
+        micro = batch[0].shape[0] // accumulation
+        for i in range(accumulation):
+            # As DDP's no_sync: reduce-scatter only on the last micro-batch.
+            model.set_requires_gradient_sync(i == accumulation - 1)
+            lm_loss(model, *[t[i * micro : (i + 1) * micro] for t in batch]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step
+
+
+#: One-process rows: (pass config, OptimizerConfig fields); eager runs Adam(foreach=True).
+SINGLE_CONFIGS = {
+    "graph": ({}, {}),
+    "graph, optimizer in graph": ({}, {"in_graph": True}),
+    "graph + inductor": ({"backend": "inductor"}, {}),
+    "graph + inductor, optimizer in graph": ({"backend": "inductor"}, {"in_graph": True}),
+}
+
+
+def single_process(n_layers: int, steps: int, inductor: bool) -> dict[str, float]:
+    """Eager autograd + Adam(foreach=True) and the graph rows, stepping in turn on the same
+    batches (so a slower moment of a shared machine hits every row alike)."""
     from gm_trainer import GraphTrainer
 
     torch.set_num_threads(1)
     batches = _batches(steps, BATCH_PER_RANK)
     model = _model(n_layers)
     eager = copy.deepcopy(model)
-    eager_s = _timed_steps(_eager_step(eager, torch.optim.Adam(eager.parameters())), batches, 2)
-    trainer = GraphTrainer(model, lm_loss, PassConfig())
-    graph_s = _timed_steps(_graph_step(trainer), batches, 2)
-    return {"eager_s": eager_s, "graph_s": graph_s, "ratio": graph_s / eager_s}
+    steps_by_row = {"eager": _eager_step(eager, torch.optim.Adam(eager.parameters(), foreach=True))}
+    for row, (config, optimizer) in SINGLE_CONFIGS.items():
+        if "inductor" in row and not inductor:
+            continue
+        trainer = GraphTrainer(
+            copy.deepcopy(model), lm_loss, PassConfig(**config), optimizer_config=optimizer
+        )
+        steps_by_row[row] = _graph_step(trainer)
+    times: dict[str, list[float]] = {row: [] for row in steps_by_row}
+    for i, batch in enumerate(batches):
+        for row, step in steps_by_row.items():
+            start = time.perf_counter()
+            step(batch)
+            if i >= 2:
+                times[row].append(time.perf_counter() - start)
+    result = {row: statistics.median(t) for row, t in times.items()}
+    result["ratio"] = result["graph"] / result["eager"]  # the earlier reports' figure
+    return result
 
 
 def distributed_config(rank: int, world: int, n_layers: int, steps: int, config: str):
@@ -155,22 +214,35 @@ def distributed_config(rank: int, world: int, n_layers: int, steps: int, config:
         for layer in model.layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-        step = _eager_step(model, torch.optim.Adam(model.parameters()))
+        optimizer = torch.optim.Adam(model.parameters())
+        accumulation = 4 if "accumulation" in config else 1
+        step = _fsdp2_accumulating_step(model, optimizer, accumulation)
         with CommDebugMode() as comm:
             step(batches[0])
         result["collectives_per_step"] = comm.get_total_counts()
         step_s = _timed_steps(step, batches, 2)
     else:
-        trainer = GraphTrainer(model, lm_loss, PassConfig(**GRAPH_CONFIGS[config]))
-        step = _graph_step(trainer)
+        settings = dict(GRAPH_CONFIGS[config])
+        optimizer = {"in_graph": settings.pop("in_graph", False)}
+        accumulation = settings.pop("accumulation", 1)
+        compute_only = settings.pop("compute_only", False)
+        if compute_only:
+            settings["fsdp_enabled"] = False
+        trainer = GraphTrainer(model, lm_loss, PassConfig(**settings), optimizer_config=optimizer)
+        step = _graph_step(trainer, accumulation, compute_only)
         step_s = _timed_steps(step, batches, 2)
         stats = trainer.pipelines[0].context.stats
+        if compute_only:
+            stats["fsdp"] = {"collectives": {}, "bytes_per_step": {}}
         regathered = stats.get("reshard", {})  # reshard's extra all-gathers for backward
         result["collectives_per_step"] = sum(stats["fsdp"]["collectives"].values()) + len(
             regathered.get("regathered_buckets", [])
         )
-        result["bytes_per_step"] = sum(stats["fsdp"]["bytes_per_step"].values()) + regathered.get(
-            "extra_all_gather_bytes", 0
+        # Per optimizer step: the graph runs once per micro-batch.
+        result["collectives_per_step"] *= accumulation
+        result["bytes_per_step"] = accumulation * (
+            sum(stats["fsdp"]["bytes_per_step"].values())
+            + regathered.get("extra_all_gather_bytes", 0)
         )
     result["step_s"] = step_s
     result["peak_rss_growth_mb"] = (_rss_kib("VmHWM") - baseline) / 1024
@@ -196,12 +268,14 @@ def _fsdp2_bytes(n_layers: int, config: str) -> int:
     # FSDP2: an all-gather in forward, with reshard_after_forward again in backward for every
     # block but the root, and one reduce-scatter: the full parameter bytes moved, in
     # param_dtype (reduce_dtype defaults to it).
+    # With accumulation: a forward all-gather per micro-batch, one reduce-scatter per step.
     reshard, dtype = FSDP2_CONFIGS[config]
     itemsize = getattr(torch, dtype).itemsize if dtype else 4
     model = _model(n_layers)
     params = sum(p.numel() for p in model.parameters())
     blocks = sum(p.numel() for p in model.layers.parameters())
-    return (2 * params + (blocks if reshard else 0)) * itemsize
+    gathers = 4 if "accumulation" in config else 1
+    return ((gathers + 1) * params + (blocks if reshard else 0)) * itemsize
 
 
 def main() -> int:
@@ -212,13 +286,18 @@ def main() -> int:
     parser.add_argument(
         "--configs", nargs="+", help="run only these rows (FSDP2 rows are always run: the ratios)"
     )
+    parser.add_argument(
+        "--inductor", action="store_true", help="also the Inductor rows (a compile each)"
+    )
+    parser.add_argument("--no-trace-time", action="store_true", help="skip the trace-time rows")
     args = parser.parse_args()
 
     report: dict[str, object] = {"torch": torch.__version__, "single": {}, "fsdp": {}}
+    defaults = GRAPH_CONFIGS if args.inductor else DEFAULT_ROWS
     for n_layers in args.layers:
-        report["single"][n_layers] = single_process(n_layers, args.steps)
+        report["single"][n_layers] = single_process(n_layers, args.steps, args.inductor)
         rows = {}
-        wanted = [c for c in GRAPH_CONFIGS if args.configs is None or c in args.configs]
+        wanted = [c for c in GRAPH_CONFIGS if c in (args.configs or defaults)]
         for config in [*FSDP2_CONFIGS, *wanted]:
             try:
                 with DistributedPool(2) as pool:
@@ -237,8 +316,10 @@ def main() -> int:
                 or _fsdp2_bytes(n_layers, config),
             }
         report["fsdp"][n_layers] = rows
-    with DistributedPool(2) as pool:
-        report["trace_s"] = pool.run(trace_and_pass_time, [2, 4, 8, 16], timeout=900)[0]
+    report["trace_s"] = {}
+    if not args.no_trace_time:
+        with DistributedPool(2) as pool:
+            report["trace_s"] = pool.run(trace_and_pass_time, [2, 4, 8, 16], timeout=900)[0]
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -249,9 +330,16 @@ def main() -> int:
 
 
 def format_report(report: dict) -> str:
-    lines = ["| layers | eager s/step | graph s/step | graph / eager |", "|---|---|---|---|"]
+    lines = [
+        "One process, against eager autograd + Adam(foreach=True), stepping in turn:",
+        "",
+        "| layers | row | s/step | vs eager |",
+        "|---|---|---|---|",
+    ]
     for n, r in report["single"].items():
-        lines.append(f"| {n} | {r['eager_s']:.4f} | {r['graph_s']:.4f} | {r['ratio']:.2f} |")
+        for row, seconds in r.items():
+            if row != "ratio":
+                lines.append(f"| {n} | {row} | {seconds:.4f} | {seconds / r['eager']:.2f} |")
     lines += [
         "",
         "Ratios compare each row with the FSDP2 row of the same reshard and dtype settings "
@@ -275,6 +363,15 @@ def format_report(report: dict) -> str:
                 f"| {r['peak_rss_growth_mb'] / max(base['peak_rss_growth_mb'], 1e-9):.2f} "
                 f"| {r['collectives_per_step']} | {r['bytes_per_step'] / 2**20:.2f} |"
             )
+    compute = {n: rows.get("compute only (no communication)") for n, rows in report["fsdp"].items()}
+    lines += ["", "Against the compute-only step (the same rank, no communication):", ""]
+    lines += ["| layers | config | s/step | vs compute only |", "|---|---|---|---|"]
+    for n, rows in report["fsdp"].items():
+        base = compute[n]
+        for config, r in rows.items():
+            if base and "error" not in base and "error" not in r:
+                ratio = r["step_s"] / base["step_s"]
+                lines.append(f"| {n} | {config} | {r['step_s']:.4f} | {ratio:.2f} |")
     lines += ["", "| layers | trace + passes s (2 ranks) |", "|---|---|"]
     lines += [f"| {n} | {s:.2f} |" for n, s in report["trace_s"].items()]
     return "\n".join(lines)

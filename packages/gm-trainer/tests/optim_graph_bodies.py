@@ -8,6 +8,7 @@ import torch
 
 from gm_config import PassConfig
 from gm_trace.testing import TinyGPT, lm_loss, make_lm_batch
+from gm_trace.testing.parity import parity_tolerance
 from gm_trainer.trainer import GraphTrainer
 
 STEPS = 4
@@ -56,11 +57,61 @@ def in_graph_equals_eager_update(rank: int, world: int, optimizer: dict, backend
         "records": records,
         "param_diff": max((a - b).abs().max().item() for a, b in params),
         "state_diff": max((a - b).abs().max().item() for a, b in states),
-        "bitwise": all(torch.equal(a, b) for a, b in zip(
-            eager.model.parameters(), graph.model.parameters())) and all(
-            torch.equal(a, b) for a, b in states),
+        "bitwise": all(
+            torch.equal(a, b) for a, b in zip(eager.model.parameters(), graph.model.parameters())
+        )
+        and all(torch.equal(a, b) for a, b in states),
         "grads_none": all(p.grad is None for p in graph.model.parameters()),
         "in_graph": graph.optimizer_in_graph,
         "lrs": [eager.optimizer.param_groups[0]["lr"], graph.optimizer.param_groups[0]["lr"]],
         "sharded": graph.sharding is not None,
+    }
+
+
+def _collective_bytes(graph_module) -> dict[str, int]:
+    from gm_trace.graph_build import collective_kind, tensor_bytes
+
+    found: dict[str, int] = {}
+    for node in graph_module.graph.nodes:
+        kind = collective_kind(node)
+        if kind is not None:
+            found[kind] = found.get(kind, 0) + tensor_bytes(node.args[0])
+    return found
+
+
+def deferred_equals_per_micro_batch(rank: int, world: int, k: int = 4):
+    """train(accumulation_steps=k) (one reduction per step) against the same micro-batches
+    reduced one by one (the trainer's path before deferral), same weights and data."""
+    from gm_trainer.accumulation import MicroBatches
+    from gm_trainer.gradients import scale_grads
+
+    model = tiny_gpt()
+    deferred = GraphTrainer(
+        copy.deepcopy(model), lm_loss, PassConfig(), optimizer_config={"lr": 1e-2}
+    )
+    each = GraphTrainer(copy.deepcopy(model), lm_loss, PassConfig(), optimizer_config={"lr": 1e-2})
+    sizes = [2, 2, 2, 1]  # a smaller last micro-batch: sample weighting matters
+    micro = []
+    for step in range(2):
+        for i, size in enumerate(sizes):
+            x, y = make_lm_batch(size * world, 16, 64, seed=10 * step + i)
+            micro.append((x[size * rank : size * (rank + 1)], y[size * rank : size * (rank + 1)]))
+    records = deferred.train(micro, accumulation_steps=k)
+    norms = []
+    for step in range(2):
+        window = MicroBatches()
+        for x, y in micro[step * k : (step + 1) * k]:
+            window.add(each._micro_step(x, y, window.weight(x.shape[0])), x.shape[0], 0)
+        scale_grads(each.model, window.final_scale())
+        norms.append(each.optimizer_step())
+    plain = next(j for key, j in each._graphs.items() if len(key) == 2)
+    accumulating = next(j for key, j in deferred._graphs.items() if len(key) > 2)
+    for a, b in zip(deferred.model.parameters(), each.model.parameters()):
+        torch.testing.assert_close(a, b, **parity_tolerance(2))  # two optimizer steps
+    return {
+        "norms": ([r["grad_norm"] for r in records], norms),
+        "plain_bytes": _collective_bytes(plain.graph_module),
+        "accumulating_bytes": _collective_bytes(accumulating.graph_module),
+        "reduction_bytes": _collective_bytes(accumulating.deferred.graph_module),
+        "grads_none": all(p.grad is None for p in deferred.model.parameters()),
     }

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 SHARDING_LAYOUT = "sharding_layout"
 COMPILED_STEP = "compiled_step"
 OPTIMIZER_UPDATE = "optimizer_update"
+DEFERRED_REDUCTION = "deferred_reduction"
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,12 @@ class JointGraph:
     """What the ``optimizer`` pass traces into the graph (an
     :class:`~gm_trace.optimizer_update.OptimizerUpdate`), set by the caller before the passes;
     ``None``: the optimizer runs outside the graph."""
+
+    deferred: Any = None
+    """For a micro-batch graph that accumulates without reducing (the ``deferred_reduce``
+    pass): the :class:`~gm_trace.deferred_reduce.DeferredReduction` to run once per optimizer
+    step. The graph then returns no gradients and takes the accumulation buffers and the
+    micro-batch's weight after the label's tensors."""
 
     optimizer_in_graph: bool = False
     """The ``optimizer`` pass put the update in the graph: no gradient outputs
@@ -150,13 +157,15 @@ class JointGraph:
         graph_module = pipeline.run(self.graph_module, graph_info=self, **run_options)
         artifacts = pipeline.context.artifacts
         in_graph = OPTIMIZER_UPDATE in artifacts
+        deferred = artifacts.get(DEFERRED_REDUCTION)
         return self.replace(
             graph_module=graph_module,
             sharding=artifacts.get(SHARDING_LAYOUT, self.sharding),
             compiled_step=artifacts.get(COMPILED_STEP),
             # A pass or a backend (Inductor) may have assumed more about the sizes.
             shape_guards=self.shape_guards.refreshed() if self.shape_guards else None,
-            grad_fqns=() if in_graph else self.grad_fqns,
+            grad_fqns=() if in_graph or deferred else self.grad_fqns,
+            deferred=deferred,
             optimizer_update=artifacts.get(OPTIMIZER_UPDATE, self.optimizer_update),
             optimizer_in_graph=in_graph or self.optimizer_in_graph,
         )

@@ -130,7 +130,9 @@ class OptimizerUpdate:
         keys: list[tuple[str, Any, str]] = [
             ("scalar", g, name) for g, rule in enumerate(self.groups) for name in rule.scalars
         ]
-        keys += [("state", p.fqn, name) for p in self.params for name in self.groups[p.group].states]
+        keys += [
+            ("state", p.fqn, name) for p in self.params for name in self.groups[p.group].states
+        ]
         return keys
 
 
@@ -222,10 +224,17 @@ class _Emitter:
         }
         norm = self.global_norm([grads[p.fqn] for p in spec.params], [p.fqn for p in spec.params])
         if spec.max_norm is not None:
-            coef = self.op(aten.div.Tensor, self.op(aten.full.default, [], spec.max_norm,
-                                                   dtype=torch.float64,
-                                                   device=norm.meta["val"].device),
-                           self.op(aten.add.Tensor, norm, 1e-6))
+            coef = self.op(
+                aten.div.Tensor,
+                self.op(
+                    aten.full.default,
+                    [],
+                    spec.max_norm,
+                    dtype=torch.float64,
+                    device=norm.meta["val"].device,
+                ),
+                self.op(aten.add.Tensor, norm, 1e-6),
+            )
             coef = self.op(aten.clamp_max.default, coef, 1.0)
             grads = {fqn: self.op(aten.mul.Tensor, g, coef) for fqn, g in grads.items()}
         # Gradients in the order they are computed: the earliest reduced shard first.
@@ -248,8 +257,12 @@ class _Emitter:
             if not nodes:
                 return op(aten.zeros.default, [], dtype=torch.float64, device=device)
             parts = [
-                op(aten.sum.default, op(aten.pow.Tensor_Scalar,
-                                        op(aten._to_copy.default, g, dtype=torch.float64), 2))
+                op(
+                    aten.sum.default,
+                    op(
+                        aten.pow.Tensor_Scalar, op(aten._to_copy.default, g, dtype=torch.float64), 2
+                    ),
+                )
                 for g in nodes
             ]
             return op(aten.sum.default, op(aten.stack.default, parts))
@@ -267,8 +280,14 @@ class _Emitter:
         return op(aten.sqrt.default, total)
 
 
-def _adam(op: Any, rule: GroupRule, param: fx.Node, grad: fx.Node, states: list[fx.Node],
-          scalars: dict[str, fx.Node]) -> None:
+def _adam(
+    op: Any,
+    rule: GroupRule,
+    param: fx.Node,
+    grad: fx.Node,
+    states: list[fx.Node],
+    scalars: dict[str, fx.Node],
+) -> None:
     """``torch.optim.adam._single_tensor_adam`` for one parameter (amsgrad off)."""
     exp_avg, exp_avg_sq = states
     beta1, beta2 = rule.betas
@@ -283,15 +302,22 @@ def _adam(op: Any, rule: GroupRule, param: fx.Node, grad: fx.Node, states: list[
     op(aten.mul_.Tensor, exp_avg_sq, beta2)
     op(aten.addcmul_.default, exp_avg_sq, grad, grad, value=1 - beta2)
     root = op(aten.sqrt.default, exp_avg_sq)
-    denom = op(aten.add_.Tensor, op(aten.div.Tensor, root, scalars["bias_correction2_sqrt"]),
-               rule.eps)
+    denom = op(
+        aten.add_.Tensor, op(aten.div.Tensor, root, scalars["bias_correction2_sqrt"]), rule.eps
+    )
     # addcdiv_(exp_avg, denom, value=-step_size) computes self + (value * t1) / t2.
     step = op(aten.div.Tensor, op(aten.mul.Tensor, exp_avg, scalars["neg_step_size"]), denom)
     op(aten.add_.Tensor, param, step)
 
 
-def _sgd(op: Any, rule: GroupRule, param: fx.Node, grad: fx.Node, states: list[fx.Node],
-         scalars: dict[str, fx.Node]) -> None:
+def _sgd(
+    op: Any,
+    rule: GroupRule,
+    param: fx.Node,
+    grad: fx.Node,
+    states: list[fx.Node],
+    scalars: dict[str, fx.Node],
+) -> None:
     """``torch.optim.sgd._single_tensor_sgd`` for one parameter (dampening 0)."""
     if rule.maximize:
         grad = op(aten.neg.default, grad)

@@ -67,7 +67,7 @@ def train_loop(
             break
         seen += 1
         size = batch_size(input)
-        loss = trainer._micro_step(input, label, window.weight(size))
+        loss = trainer._micro_step(input, label, window.weight(size), accumulation_steps > 1)
         trainer.data_position += 1
         window.add(loss, size, count_tokens(input))
         if len(window) < accumulation_steps:
@@ -112,6 +112,7 @@ def _warn_uneven(trainer: GraphTrainer, ended: list[int], seen: int) -> None:
 def _optimizer_step(trainer: GraphTrainer, window: MicroBatches, started: float) -> dict[str, Any]:
     loss = trainer._mean_loss(window.mean_loss())
     if math.isfinite(loss):
+        trainer._deferred.reduce(trainer.model)  # once per step, not per micro-batch
         scale = window.final_scale()
         if scale != 1.0:
             scale_grads(trainer.model, scale)

@@ -26,8 +26,14 @@ if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer
 
 #: ``torch.optim`` options the traced update implements only at these values.
-_FIXED = {"amsgrad": False, "dampening": 0, "fused": None, "capturable": False,
-          "differentiable": False, "decoupled_weight_decay": False}
+_FIXED = {
+    "amsgrad": False,
+    "dampening": 0,
+    "fused": None,
+    "capturable": False,
+    "differentiable": False,
+    "decoupled_weight_decay": False,
+}
 
 
 def untraceable_reason(trainer: GraphTrainer) -> str | None:

@@ -27,10 +27,12 @@ import torch.utils._pytree as pytree
 from gm_config import PassConfig, PassPlan
 from gm_passes import GraphPass, PassPipeline
 from gm_trace import run_traced_graph
+from gm_trace.deferred_reduce import DeferredReducePass
 from gm_trace.dtensor import DTensorSpec
 from gm_trace.joint_graph import JointGraph
 from gm_trace.sharding import RowShard
 from gm_trace.sharding_layout import ShardingLayout
+from gm_trainer.deferred import DeferredGrads
 from gm_trainer.device import default_device
 from gm_trainer.dtensor_tp import adopt_dtensor_params, trace_step
 from gm_trainer.errors import TrainingError
@@ -139,6 +141,7 @@ class GraphTrainer:
         self._in_graph_reason: str | None = None  # why the update stays eager
         self._step_inputs: Any = None
         self._graph_norm: torch.Tensor | None = None
+        self._deferred = DeferredGrads()  # accumulation buffers (train(accumulation_steps>1))
         self.nonfinite = check_nonfinite_mode(nonfinite)
         if lr_scheduler is not None and not callable(lr_scheduler):
             raise TypeError(f"lr_scheduler must be a factory(optimizer), got {lr_scheduler!r}")
@@ -151,6 +154,10 @@ class GraphTrainer:
         # The compiled graphs, which one a batch runs on, which dims are symbolic.
         self._graph_cache = GraphCache(graph_cache_size, self.pass_config)
         self._graphs = self._graph_cache.graphs
+        # The variants for the micro-batches of an accumulation window (gm_trainer.deferred).
+        self._accumulate_cache = GraphCache(graph_cache_size, self.pass_config)
+        self._accumulate_pipelines: list[PassPipeline] = []
+        self._tracing_cache = self._graph_cache  # where the graph being traced will go
         self._pad = Padding(self.pass_config)
         self._closure_watch: ClosureWatch | None = None
         self._pytree_pre_hook: Callable[[], None] | None = None
@@ -207,25 +214,38 @@ class GraphTrainer:
             return {}
         return {fqn: p.shard for fqn, p in self.sharding.params.items()}
 
-    def compile(self, sample_input: Any, sample_label: Any) -> JointGraph:
+    def compile(
+        self, sample_input: Any, sample_label: Any, *, accumulate: bool = False
+    ) -> JointGraph:
         """Trace and transform the graph for this input signature and the model's current
-        module state (training flags, trainable parameters); cached per both."""
+        module state (training flags, trainable parameters); cached per both.
+
+        ``accumulate``: the variant for a micro-batch that only accumulates (under FSDP it
+        reduces nothing: :mod:`gm_trainer.deferred`); without FSDP, the plain graph."""
         sample_input, sample_label = self._pad(
             self._to_device(sample_input), self._to_device(sample_label)
         )
-        cache = self._graph_cache
+        variant = accumulate and self._accumulates()
+        cache = self._accumulate_cache if variant else self._graph_cache
         found = cache.lookup(sample_input, sample_label, self.model)
         if found is not None:
             return found
         cache.begin(sample_input, sample_label, self.model)  # the bound; the symbolic dims
-        first = not self._graphs
+        first = not self._graphs and not self._accumulate_cache.graphs
         if self._run is None:
             self._run = resolve_run(self)
             self.dtensor_specs = adopt_dtensor_params(self.model, self._run.mesh)
+        if variant and not self._accumulates():  # resolved now: nothing to defer
+            cache.tracing_dims = None
+            return self.compile(sample_input, sample_label)
         pre_hook = self._pytree_pre_hook if first else None
+        self._tracing_cache = cache
         joint = trace_step(self, sample_input, sample_label, pre_hook=pre_hook)
         run = self._run
-        joint, passes = with_graph_update(self, joint, self.extra_passes)
+        if variant:
+            joint, passes = joint, [*self.extra_passes, DeferredReducePass()]
+        else:
+            joint, passes = with_graph_update(self, joint, self.extra_passes)
         pipeline = PassPipeline.from_config(run.pass_config, run.pass_plan, passes)
         joint = joint.through(
             pipeline,
@@ -235,7 +255,7 @@ class GraphTrainer:
             dump_dir=self._dump_dir(),
         )
         self._adopt_sharding(joint.sharding)
-        self.pipelines.append(pipeline)
+        (self._accumulate_pipelines if variant else self.pipelines).append(pipeline)
         if self.optimizer is None:
             self.optimizer = self.optimizer_config.build(list(self.model.parameters()))
             if self._lr_scheduler_factory is not None:
@@ -250,7 +270,7 @@ class GraphTrainer:
     def compile_count(self) -> int:
         """How many graphs this trainer traced and compiled (each new signature, each batch
         that failed a symbolic graph's guards); ``pass_summary()`` says why."""
-        return self._graph_cache.compile_count
+        return self._graph_cache.compile_count + self._accumulate_cache.compile_count
 
     def _adopt_sharding(self, layout: ShardingLayout | None) -> None:
         """Shard the live model the first time; every later graph must expect the same shards."""
@@ -295,11 +315,30 @@ class GraphTrainer:
                 )
         return self._micro_step(input, label, 1.0)
 
-    def _micro_step(self, input: Any, label: Any, weight: float) -> torch.Tensor:
-        """Run the graph for one device-resident micro-batch; add ``weight`` x its gradients."""
+    def _accumulates(self) -> bool:
+        """Whether a micro-batch of an accumulation window runs its own graph variant."""
+        return self._run is None or self._run.fsdp_active
+
+    def _micro_step(
+        self, input: Any, label: Any, weight: float, accumulate: bool = False
+    ) -> torch.Tensor:
+        """Run the graph for one device-resident micro-batch; add ``weight`` x its gradients
+        (``accumulate``: one of several micro-batches of an optimizer step)."""
+        if accumulate and self.optimizer_config.in_graph and self._in_graph_reason is None:
+            raise TrainingError(
+                "OptimizerConfig(in_graph=True) takes one micro-batch per optimizer step; "
+                "gradient accumulation with the update in the graph is not supported yet: "
+                "use accumulation_steps=1, or in_graph=False to accumulate"
+            )
         input, label = self._pad(input, label)
-        joint = self._graph_cache.lookup(input, label, self.model) or self.compile(input, label)
+        cache = self._accumulate_cache if accumulate and self._accumulates() else self._graph_cache
+        joint = cache.lookup(input, label, self.model) or self.compile(
+            input, label, accumulate=accumulate
+        )
         self._closure_watch.check()
+        if joint.deferred is not None:
+            extra = self._deferred.args(joint.deferred, weight)
+            return run_traced_graph(joint, self.model, input, label, extra).loss.detach()
         if joint.optimizer_in_graph:
             return graph_update_step(self, joint, input, label)
         outputs = run_traced_graph(joint, self.model, input, label)
@@ -341,6 +380,7 @@ class GraphTrainer:
             raise RuntimeError("optimizer_step() before the first train_step(): nothing to step")
         if self.optimizer_in_graph:
             return finish_graph_step(self)
+        self._deferred.reduce(self.model)
         norm = grad_norm_tensor(self)
         if not math.isfinite(norm.item()):
             if self.nonfinite == "skip":
@@ -362,6 +402,7 @@ class GraphTrainer:
     def _skip_step(self, norm: float | None = None) -> float:
         """Drop this step's gradients without an update (``nonfinite="skip"``); returns the
         global gradient norm (``norm`` when the caller has it)."""
+        self._deferred.reduce(self.model)  # collectives: every rank skips alike
         if norm is None:
             norm = grad_norm_tensor(self).item()  # a collective: every rank gets here
         self.optimizer.zero_grad(set_to_none=True)
@@ -417,7 +458,11 @@ class GraphTrainer:
         """Per compiled graph: why it was compiled, its signature (symbolic dims by name) and
         guards, each pass's time and whether it changed the graph, then the collective
         schedule (overlap per collective, bytes, bucket) when there is one."""
-        return self._graph_cache.summary(self.pipelines)
+        summary = self._graph_cache.summary(self.pipelines)
+        if self._accumulate_pipelines:
+            variants = self._accumulate_cache.summary(self._accumulate_pipelines)
+            summary += "\n\naccumulating micro-batch variants:\n\n" + variants
+        return summary
 
     def _to_device(self, tree: Any) -> Any:
         return pytree.tree_map(

@@ -103,7 +103,7 @@ def trace_options(trainer: GraphTrainer) -> dict[str, Any]:
     options: dict[str, Any] = {}
     model = trainer.model
     # Symbolic dims, as the graph cache decided for this trace (gm_trainer.graph_cache).
-    cache = trainer._graph_cache
+    cache = trainer._tracing_cache  # the graph cache the traced graph goes into
     if cache.tracing_dims:
         options["dynamic_dims"] = cache.tracing_dims
         options["dynamic_fallback"] = cache.tracing_fallback

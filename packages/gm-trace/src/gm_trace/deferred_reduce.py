@@ -1,0 +1,192 @@
+"""``DeferredReducePass`` (pass name ``deferred_reduce``): no gradient collective per
+micro-batch while gradients accumulate.
+
+After ``fsdp``, each gradient reaches the output through a reduction over the FSDP group: the
+padded bucket ``[degree, piece]`` divided by the data-parallel size and reduce-scattered, or a
+replicated parameter's gradient divided and all-reduced. For a micro-batch that only
+accumulates, this pass cuts every such reduction at its input: the unreduced local gradient
+(the padded bucket, full size) is added, times the micro-batch's weight (a 0-d float64 input),
+into an accumulation buffer (a graph input, updated in place; float32 at least) and the graph
+returns no gradients. The cut-off reductions — divide, collective, wait, the HSDP all-reduce
+and the epilogue that slices each shard out — become a second, small graph,
+:attr:`DeferredReduction.graph_module`, which takes the buffers and returns the reduced
+gradients in ``grad_fqns`` order: run once per optimizer step, its collectives move the bytes
+of ONE micro-batch's reduction instead of ``k``.
+
+Placeholders added after the label's tensors: one buffer per reduction
+(:attr:`DeferredReduction.buffers`), then the weight. Runs right after ``fsdp``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from gm_config import GraphModeRuntimeError
+from gm_passes import GraphPass, PassContext, PassResult
+from gm_trace import node_meta
+from gm_trace.graph_build import collective_kind, fake_mode_of
+from gm_trace.joint_graph import DEFERRED_REDUCTION
+
+aten = torch.ops.aten
+
+#: ``meta[node_meta.ROLE]`` of the placeholders this pass adds.
+ACCUMULATION_INPUT = "accumulation"
+
+
+class DeferredReduceError(GraphModeRuntimeError):
+    """The ``deferred_reduce`` pass cannot cut this graph's gradient reductions."""
+
+
+@dataclass(frozen=True)
+class DeferredReduction:
+    """The reductions a micro-batch graph left for once per optimizer step."""
+
+    graph_module: fx.GraphModule
+    """``(*buffers) -> (*grads)``: the reduced gradient of each of ``grad_fqns``."""
+
+    buffers: tuple[tuple[tuple[int, ...], torch.dtype], ...]
+    """Shape and dtype of each accumulation buffer, in placeholder order (zero them at the
+    start of each optimizer step)."""
+
+    grad_fqns: tuple[str, ...]
+    """The parameters whose reduced gradients ``graph_module`` returns, in order."""
+
+
+class DeferredReducePass(GraphPass):
+    """Accumulate unreduced gradients; reduce once per optimizer step (module docstring).
+    Added by ``GraphTrainer`` for the micro-batches of an accumulation window."""
+
+    name = "deferred_reduce"
+    runs_after = ("canonicalize", "fsdp")
+    runs_before = ("reshard", "recompute", "optimizer", "overlap", "backend")
+
+    def run(self, graph_module: fx.GraphModule, ctx: PassContext) -> PassResult:
+        joint = ctx.graph_info
+        group = ctx.process_groups.get("fsdp", "fsdp")
+        graph = graph_module.graph
+        output = graph.output_node()
+        outputs = list(output.args[0])
+        grad_index = joint.grad_output_index
+        cuts = [
+            n
+            for n in graph.nodes
+            if collective_kind(n) in ("reduce_scatter_tensor", "all_reduce")
+            and n.args[-1] == group
+            and _reaches(n, output)
+        ]
+        closure = _downstream(cuts, output)
+        unreduced = [fqn for fqn, i in grad_index.items() if outputs[i] not in closure]
+        if not cuts or unreduced:
+            raise DeferredReduceError(
+                "gradient accumulation without per-micro-batch reductions needs every "
+                f"gradient reduced over the FSDP group; {unreduced or 'none'} are not "
+                "(train with accumulation_steps=1, or without FSDP, where nothing is reduced)"
+            )
+        mode = fake_mode_of(graph)
+        last = list(graph.find_nodes(op="placeholder"))[-1]
+        buffers, placeholders = [], []
+        for i, cut in enumerate(cuts):
+            base = cut.args[0].args[0]  # the collective's input is div(local gradient, size)
+            val = base.meta["val"]
+            dtype = torch.promote_types(val.dtype, torch.float32)
+            with graph.inserting_after(last):
+                last = graph.placeholder(f"grad_accumulator_{i}")
+            with unset_fake_temporarily(), mode:
+                last.meta["val"] = torch.empty(val.shape, dtype=dtype, device=val.device)
+            last.meta[node_meta.ROLE] = ACCUMULATION_INPUT
+            buffers.append((tuple(val.shape), dtype))
+            placeholders.append(last)
+        with graph.inserting_after(last):
+            weight = graph.placeholder("micro_batch_weight")
+        with unset_fake_temporarily(), mode:
+            weight.meta["val"] = torch.empty((), dtype=torch.float64)
+        weight.meta[node_meta.ROLE] = ACCUMULATION_INPUT
+        reduction = _reduction_graph(cuts, closure, placeholders, outputs, grad_index)
+        divisions = [cut.args[0] for cut in cuts]
+        for division, buffer in zip(divisions, placeholders):
+            _accumulate(graph, division.args[0], buffer, weight)
+        kept = [o for i, o in enumerate(outputs) if i not in set(grad_index.values())]
+        output.args = (tuple(kept),)
+        for node in reversed(list(graph.nodes)):
+            if node in closure and not node.users:
+                graph.erase_node(node)
+        for division in divisions:
+            if not division.users:
+                graph.erase_node(division)
+        ctx.publish(
+            DEFERRED_REDUCTION,
+            DeferredReduction(reduction, tuple(buffers), tuple(joint.grad_fqns)),
+        )
+        ctx.record(self.name, deferred_collectives=len(cuts))
+        return PassResult(graph_module, True)
+
+
+def _accumulate(graph: fx.Graph, base: fx.Node, buffer: fx.Node, weight: fx.Node) -> None:
+    """``buffer += weight * base`` right after ``base`` is computed."""
+    val = buffer.meta["val"]
+    with graph.inserting_after(base):
+        new = []
+        if base.meta["val"].dtype != val.dtype:
+            base = graph.call_function(aten._to_copy.default, (base,), {"dtype": val.dtype})
+            new.append(base)
+    with graph.inserting_after(base):
+        scaled = graph.call_function(aten.mul.Tensor, (base, weight))
+    with graph.inserting_after(scaled):
+        added = graph.call_function(aten.add_.Tensor, (buffer, scaled))
+    for node in (*new, scaled, added):
+        node.meta["val"] = val
+        node.meta[node_meta.PHASE] = "backward"
+
+
+def _reaches(node: fx.Node, output: fx.Node) -> bool:
+    return any(output in n.users for n in _downstream([node], output))
+
+
+def _downstream(starts: list[fx.Node], output: fx.Node) -> set[fx.Node]:
+    """Every node computed from ``starts`` (themselves included), the output node aside."""
+    seen: set[fx.Node] = set()
+    stack = list(starts)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(user for user in node.users if user is not output)
+    return seen
+
+
+def _reduction_graph(cuts, closure, buffers, outputs, grad_index) -> fx.GraphModule:
+    """``(*buffers) -> (*grads)``: each buffer divided as the cut collective's input was, then
+    the collective and everything after it, copied."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    inputs = []
+    for buffer in buffers:
+        node = graph.placeholder(buffer.name)
+        node.meta.update(buffer.meta)
+        inputs.append(node)
+    for cut, node in zip(cuts, inputs):
+        divide = cut.args[0]
+        base = divide.args[0]
+        if node.meta["val"].dtype != base.meta["val"].dtype:
+            node = graph.call_function(
+                aten._to_copy.default, (node,), {"dtype": base.meta["val"].dtype}
+            )
+            node.meta["val"] = base.meta["val"]
+        env[base] = node
+        env[divide] = graph.node_copy(divide, lambda n: env[n])
+    for node in cuts[0].graph.nodes:
+        if node in closure and node.op != "output":
+            missing = [n for n in node.all_input_nodes if n not in env]
+            if missing:
+                raise DeferredReduceError(
+                    f"the reduction of {node.name} reads {[n.name for n in missing]}, which "
+                    "the accumulating graph computes; it cannot run once per optimizer step"
+                )
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(tuple(env[outputs[i]] for i in grad_index.values()))
+    return fx.GraphModule(torch.nn.Module(), graph)

@@ -1,0 +1,60 @@
+"""Gradient accumulation without a reduction per micro-batch (``train(accumulation_steps=k)``
+under FSDP).
+
+The micro-batches of an optimizer step run a graph variant from the ``deferred_reduce`` pass:
+each adds its unreduced local gradients (full padded buckets), times its weight, into
+accumulation buffers held here; the reductions run once, before the optimizer step
+(:meth:`DeferredGrads.reduce`), and their gradients land on ``.grad`` as one reduced
+micro-batch's would. The buffers hold the full (unsharded) gradient of this rank: the memory
+of one unsharded gradient traded for ``k - 1`` fewer reduce-scatters per step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gm_trace.deferred_reduce import DeferredReduction
+from gm_trainer.errors import TrainingError
+
+
+class DeferredGrads:
+    """The accumulation buffers of one trainer and the reduction that empties them."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+        self.reduction: DeferredReduction | None = None
+        self.pending = False
+        self._weight = torch.empty((), dtype=torch.float64)
+
+    def args(self, reduction: DeferredReduction, weight: float) -> list[Any]:
+        """The graph's extra inputs for one micro-batch of ``weight``: buffers, then weight."""
+        if self.reduction is None or self.reduction.buffers != reduction.buffers:
+            if self.pending:
+                raise TrainingError(
+                    "a micro-batch graph accumulates into buffers laid out differently from "
+                    "the previous one of this optimizer step; the FSDP layout must not change "
+                    "inside an accumulation window"
+                )
+            self.buffers = [torch.zeros(shape, dtype=dtype) for shape, dtype in reduction.buffers]
+        self.reduction = reduction
+        self.pending = True
+        return [*self.buffers, self._weight.fill_(weight)]
+
+    def reduce(self, model: torch.nn.Module) -> None:
+        """Reduce what the micro-batches accumulated and ADD it to ``.grad``; empty the
+        buffers. Nothing to do when no micro-batch accumulated since the last call."""
+        if not self.pending:
+            return
+        with torch.no_grad():
+            grads = self.reduction.graph_module(*self.buffers)
+            for fqn, grad in zip(self.reduction.grad_fqns, grads):
+                param = model.get_parameter(fqn)
+                if param.grad is None:
+                    param.grad = torch.empty_like(param).copy_(grad)
+                else:
+                    param.grad.add_(grad)
+            for buffer in self.buffers:
+                buffer.zero_()
+        self.pending = False
