@@ -26,6 +26,8 @@ import torch.utils._pytree as pytree
 from gm_trainer.accumulation import MicroBatches
 from gm_trainer.errors import TrainingError
 from gm_trainer.gradients import scale_grads
+from gm_trainer.ranks import mean_over_world
+from gm_trainer.step_end import skip_step
 
 if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer
@@ -110,7 +112,7 @@ def _warn_uneven(trainer: GraphTrainer, ended: list[int], seen: int) -> None:
 
 
 def _optimizer_step(trainer: GraphTrainer, window: MicroBatches, started: float) -> dict[str, Any]:
-    loss = trainer._mean_loss(window.mean_loss())
+    loss = mean_over_world(window.mean_loss(), trainer.world_size, trainer._collective_device())
     if math.isfinite(loss):
         trainer._deferred.reduce(trainer.model)  # once per step, not per micro-batch
         scale = window.final_scale()
@@ -118,7 +120,7 @@ def _optimizer_step(trainer: GraphTrainer, window: MicroBatches, started: float)
             scale_grads(trainer.model, scale)
         grad_norm = trainer.optimizer_step()
     elif trainer.nonfinite == "skip":
-        grad_norm = trainer._skip_step()
+        grad_norm = skip_step(trainer)
     else:
         trainer.optimizer.zero_grad(set_to_none=True)
         raise TrainingError(

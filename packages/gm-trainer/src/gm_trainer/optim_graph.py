@@ -21,6 +21,7 @@ import torch
 from gm_trace import run_traced_graph
 from gm_trace.optimizer_update import GroupRule, OptimizerUpdate, ParamUpdate
 from gm_trainer.errors import TrainingError
+from gm_trainer.step_end import sync_buffers
 
 if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer
@@ -78,43 +79,65 @@ def plan_update(trainer: GraphTrainer, grad_fqns: Sequence[str]) -> OptimizerUpd
 
 class GraphStepInputs:
     """Builds the graph's optimizer inputs for one step: bumps ``state["step"]`` and computes
-    the per-step scalars exactly as ``torch.optim``'s single-tensor code does."""
+    the per-step scalars exactly as ``torch.optim``'s single-tensor code does.
+
+    The list of state tensors is built once and reused while ``optimizer.state`` still holds
+    the same tensors (a checkpoint load that replaces them is noticed by identity)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self.params = dict(model.named_parameters())
         self._scalars: dict[tuple[int, str], torch.Tensor] = {}
+        self._spec: OptimizerUpdate | None = None
+        self._inputs: list[Any] = []
+        self._checks: list[tuple[torch.Tensor, str, torch.Tensor]] = []
+        self._steps: list[torch.Tensor] = []
+        self._first_step: dict[int, torch.Tensor] = {}
 
     def __call__(self, spec: OptimizerUpdate) -> list[torch.Tensor]:
         """The tensors for ``spec.input_keys()``, after one ``torch.optim``-style step count."""
+        state = self.optimizer.state
+        if spec is not self._spec or any(state[p].get(k) is not t for p, k, t in self._checks):
+            self._layout(spec)
+        if self._steps:
+            torch._foreach_add_(self._steps, 1)  # each state["step"] += 1, as torch.optim
+        inputs = list(self._inputs)
+        for g, rule in enumerate(spec.groups):
+            group = self.optimizer.param_groups[g]
+            _check_group(group, rule, g)
+            step = self._first_step.get(g)
+            values = _scalars(rule, float(group["lr"]), float(step) if step is not None else 0.0)
+            for name, value in values.items():
+                self._scalars[(g, name)].fill_(value)
+        return inputs
+
+    def _layout(self, spec: OptimizerUpdate) -> None:
+        """Create missing state as ``torch.optim`` would; list the inputs in graph order."""
         optimizer = self.optimizer
-        steps: dict[int, float] = {}
         for p in spec.params:
             param = self.params[p.fqn]
-            state = optimizer.state[param]
-            rule = spec.groups[p.group]
-            if not state:
-                _init_state(state, param, rule)
-            if "step" in state:
-                state["step"] += 1
-                steps.setdefault(p.group, float(state["step"]))
-        scalars = {}
-        for g, rule in enumerate(spec.groups):
-            group = optimizer.param_groups[g]
-            _check_group(group, rule, g)
-            values = _scalars(rule, float(group["lr"]), steps.get(g, 0.0))
-            for name, value in values.items():
-                tensor = self._scalars.get((g, name))
-                if tensor is None:
-                    tensor = self._scalars[(g, name)] = torch.empty((), dtype=torch.float64)
-                scalars[(g, name)] = tensor.fill_(value)
-        out: list[torch.Tensor] = []
+            if not optimizer.state[param]:
+                _init_state(optimizer.state[param], param, spec.groups[p.group])
+        self._inputs, self._checks, self._steps, self._first_step = [], [], [], {}
+        for p in spec.params:
+            param = self.params[p.fqn]
+            step = optimizer.state[param].get("step")
+            if step is not None:
+                self._steps.append(step)
+                self._checks.append((param, "step", step))
+                self._first_step.setdefault(p.group, step)
         for kind, owner, name in spec.input_keys():
             if kind == "scalar":
-                out.append(scalars[(owner, name)])
+                key = (owner, name)
+                if key not in self._scalars:
+                    self._scalars[key] = torch.empty((), dtype=torch.float64)
+                self._inputs.append(self._scalars[key])
             else:
-                out.append(optimizer.state[self.params[owner]][name])
-        return out
+                param = self.params[owner]
+                tensor = optimizer.state[param][name]
+                self._inputs.append(tensor)
+                self._checks.append((param, name, tensor))
+        self._spec = spec
 
 
 def _init_state(state: dict[str, Any], param: torch.Tensor, rule: GroupRule) -> None:
@@ -231,5 +254,15 @@ def finish_graph_step(trainer: GraphTrainer) -> float:
         # scheduler stepped first): the graph took the optimizer's step.
         trainer.optimizer._opt_called = True
         trainer.lr_scheduler.step()
-    trainer._sync_buffers()
+    sync_buffers(trainer)
     return norm
+
+
+def refuse_accumulation_in_graph(trainer: GraphTrainer) -> None:
+    """A micro-batch of several per step cannot run a graph that takes the whole step."""
+    if trainer.optimizer_config.in_graph and trainer._in_graph_reason is None:
+        raise TrainingError(
+            "OptimizerConfig(in_graph=True) takes one micro-batch per optimizer step; "
+            "gradient accumulation with the update in the graph is not supported yet: "
+            "use accumulation_steps=1, or in_graph=False to accumulate"
+        )

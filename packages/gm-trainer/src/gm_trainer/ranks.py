@@ -95,3 +95,14 @@ def broadcast_buffers(
             for b in same:
                 b.detach().copy_(flat[offset : offset + b.numel()].view_as(b))
                 offset += b.numel()
+
+
+def mean_over_world(loss: torch.Tensor, world_size: int, device: torch.device) -> float:
+    """The mean of this rank's ``(1,)`` float loss over the world (one all-reduce)."""
+    if world_size > 1:
+        # Over the world: TP ranks of one replica hold the same loss, so the world mean
+        # is the data-parallel mean (FSDP and HSDP replicas alike).
+        loss = loss.to(device)
+        dist.all_reduce(loss)
+        loss /= world_size
+    return loss.item()

@@ -42,9 +42,14 @@ from gm_trainer.graph_key import ClosureWatch
 from gm_trainer.loop import train_loop
 from gm_trainer.mesh import MeshError, ResolvedMesh, resolve_mesh_context
 from gm_trainer.optim import OptimizerConfig, clip_to_norm
-from gm_trainer.optim_graph import finish_graph_step, graph_update_step, with_graph_update
+from gm_trainer.optim_graph import (
+    finish_graph_step,
+    graph_update_step,
+    refuse_accumulation_in_graph,
+    with_graph_update,
+)
 from gm_trainer.padding import Padding
-from gm_trainer.ranks import broadcast_buffers
+from gm_trainer.step_end import skip_step, sync_buffers
 from gm_trainer.step_guard import check_nonfinite_mode, first_nonfinite_grad, nonfinite_grad_error
 from gm_trainer.trainer_setup import FSDP_GROUP_NAME, ResolvedRun, resolve_run
 
@@ -139,8 +144,7 @@ class GraphTrainer:
         self.optimizer: torch.optim.Optimizer | None = None
         # OptimizerConfig(in_graph=True): see gm_trainer.optim_graph.
         self._in_graph_reason: str | None = None  # why the update stays eager
-        self._step_inputs: Any = None
-        self._graph_norm: torch.Tensor | None = None
+        self._step_inputs, self._graph_norm = None, None
         self._deferred = DeferredGrads()  # accumulation buffers (train(accumulation_steps>1))
         self.nonfinite = check_nonfinite_mode(nonfinite)
         if lr_scheduler is not None and not callable(lr_scheduler):
@@ -324,12 +328,8 @@ class GraphTrainer:
     ) -> torch.Tensor:
         """Run the graph for one device-resident micro-batch; add ``weight`` x its gradients
         (``accumulate``: one of several micro-batches of an optimizer step)."""
-        if accumulate and self.optimizer_config.in_graph and self._in_graph_reason is None:
-            raise TrainingError(
-                "OptimizerConfig(in_graph=True) takes one micro-batch per optimizer step; "
-                "gradient accumulation with the update in the graph is not supported yet: "
-                "use accumulation_steps=1, or in_graph=False to accumulate"
-            )
+        if accumulate:
+            refuse_accumulation_in_graph(self)
         input, label = self._pad(input, label)
         cache = self._accumulate_cache if accumulate and self._accumulates() else self._graph_cache
         joint = cache.lookup(input, label, self.model) or self.compile(
@@ -384,7 +384,7 @@ class GraphTrainer:
         norm = grad_norm_tensor(self)
         if not math.isfinite(norm.item()):
             if self.nonfinite == "skip":
-                return self._skip_step(norm.item())
+                return skip_step(self, norm.item())
             fqn = first_nonfinite_grad(self.model, self.fsdp_group, self._collective_device())
             self.optimizer.zero_grad(set_to_none=True)
             raise nonfinite_grad_error(fqn, norm.item(), self.step + 1)
@@ -396,31 +396,8 @@ class GraphTrainer:
         self.step += 1
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        self._sync_buffers()
+        sync_buffers(self)
         return norm.item()
-
-    def _skip_step(self, norm: float | None = None) -> float:
-        """Drop this step's gradients without an update (``nonfinite="skip"``); returns the
-        global gradient norm (``norm`` when the caller has it)."""
-        self._deferred.reduce(self.model)  # collectives: every rank skips alike
-        if norm is None:
-            norm = grad_norm_tensor(self).item()  # a collective: every rank gets here
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        self.skipped_steps += 1
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()  # the curve follows the step count, skipped or not
-        self._sync_buffers()
-        return norm
-
-    def _sync_buffers(self) -> None:
-        if not self.fsdp_active:
-            return
-        mutated = {fqn for joint in self._graphs.values() for fqn in joint.mutated_fqns}
-        buffers = [b for fqn, b in self.model.named_buffers() if fqn in mutated]
-        if buffers:
-            replicate = self._mesh.replicate_group if self._mesh is not None else None
-            broadcast_buffers(buffers, [self.fsdp_group, replicate])
 
     # ------------------------------------------------------------------ loop
 
@@ -443,16 +420,6 @@ class GraphTrainer:
         their data ended unevenly); an incomplete accumulation window at the end is applied.
         """
         return train_loop(self, dataloader, max_steps, log_interval, log_fn, accumulation_steps)
-
-    def _mean_loss(self, loss: torch.Tensor) -> float:
-        """The mean of this rank's ``(1,)`` float loss over the world."""
-        if self.world_size > 1:
-            # Over the world: TP ranks of one replica hold the same loss, so the world mean
-            # is the data-parallel mean (FSDP and HSDP replicas alike).
-            loss = loss.to(self._collective_device())
-            dist.all_reduce(loss)
-            loss /= self.world_size
-        return loss.item()
 
     def pass_summary(self) -> str:
         """Per compiled graph: why it was compiled, its signature (symbolic dims by name) and
