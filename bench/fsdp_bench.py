@@ -312,8 +312,9 @@ def main() -> int:
                 "peak_rss_growth_mb": max(r["peak_rss_growth_mb"] for r in per_rank),
                 "peak_alloc_mb": max(r["peak_alloc_mb"] for r in per_rank),
                 "collectives_per_step": per_rank[0]["collectives_per_step"],
-                "bytes_per_step": per_rank[0].get("bytes_per_step")
-                or _fsdp2_bytes(n_layers, config),
+                "bytes_per_step": per_rank[0]["bytes_per_step"]
+                if "bytes_per_step" in per_rank[0]
+                else _fsdp2_bytes(n_layers, config),
             }
         report["fsdp"][n_layers] = rows
     report["trace_s"] = {}
