@@ -7,6 +7,13 @@ from __future__ import annotations
 
 import optim_graph_bodies as bodies
 import pytest
+import torch
+
+from gm_config import PassConfig
+from gm_trace.testing import MLP, make_regression_batch, mse_loss
+from gm_trainer import GraphTrainer
+from gm_trainer.checkpoint import load_checkpoint, save_checkpoint
+from gm_trainer.errors import TrainingError
 
 OPTIMIZERS = {
     "adam-clip": {"name": "adam", "grad_clip": 0.05},
@@ -55,3 +62,46 @@ def test_accumulation_reduces_once_per_optimizer_step(dist_pool):
         assert result["reduction_bytes"] == {
             "reduce_scatter_tensor": plain["reduce_scatter_tensor"]
         }
+
+
+def _mlp_trainer(**optim) -> GraphTrainer:
+    torch.manual_seed(0)
+    config = {"lr": 1e-2, "grad_clip": 0.5, "in_graph": True, **optim}
+    return GraphTrainer(MLP(), mse_loss, PassConfig(), optimizer_config=config)
+
+
+def _batches(seeds):
+    return [make_regression_batch(8, seed=s) for s in seeds]
+
+
+def test_checkpoint_of_an_in_graph_run_resumes_bitwise(tmp_path):
+    with torch.random.fork_rng():
+        trainer = _mlp_trainer()
+        trainer.train(_batches(range(2)))
+        assert trainer.optimizer_in_graph and trainer.optimizer.state  # real torch.optim state
+        saved = save_checkpoint(trainer, tmp_path / "ckpt")
+        fresh = _mlp_trainer()
+        fresh.compile(*make_regression_batch(8, seed=0))
+        load_checkpoint(fresh, saved)
+        more = _batches((7, 8, 9))
+        assert fresh.train(more)[-1]["loss"] == trainer.train(more)[-1]["loss"]
+    for p, q in zip(fresh.model.parameters(), trainer.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_untraceable_optimizer_falls_back_to_the_eager_update_and_says_why():
+    trainer = _mlp_trainer(name="rmsprop")
+    with pytest.warns(RuntimeWarning, match="graph traces torch.optim Adam, AdamW and SGD"):
+        trainer.train(_batches(range(2)))
+    assert not trainer.optimizer_in_graph
+
+
+def test_what_the_in_graph_update_cannot_do_is_a_clear_error():
+    trainer = _mlp_trainer()
+    with pytest.raises(TrainingError, match="gradient accumulation with the update in the graph"):
+        trainer.train(_batches(range(2)), accumulation_steps=2)
+    trainer = _mlp_trainer()
+    trainer.train(_batches(range(1)))
+    trainer.optimizer.param_groups[0]["betas"] = (0.8, 0.99)
+    with pytest.raises(TrainingError, match=r"betas: traced \(0.9, 0.999\), now \(0.8, 0.99\)"):
+        trainer.train(_batches(range(1)))
