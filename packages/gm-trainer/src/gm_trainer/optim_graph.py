@@ -220,9 +220,9 @@ def graph_update_step(trainer: GraphTrainer, joint: Any, input: Any, label: Any)
     if trainer._graph_norm is not None:
         raise TrainingError(
             "train_step() twice without optimizer_step(): with OptimizerConfig(in_graph=True) "
-            "every train_step() is a whole optimizer step, so gradients cannot be accumulated "
-            "over micro-batches yet; call optimizer_step() after each train_step() (train(): "
-            "accumulation_steps=1), or use in_graph=False to accumulate"
+            "every train_step() is a whole optimizer step; call optimizer_step() after each "
+            "(to accumulate micro-batches use train(accumulation_steps=k), whose step runs "
+            "the update eagerly)"
         )
     if trainer._step_inputs is None:
         trainer._step_inputs = GraphStepInputs(trainer.model, trainer.optimizer)
@@ -235,11 +235,6 @@ def graph_update_step(trainer: GraphTrainer, joint: Any, input: Any, label: Any)
 def finish_graph_step(trainer: GraphTrainer) -> float:
     """``optimizer_step`` after a graph that updated the parameters: count the step, step
     the LR scheduler, sync buffers; returns the global gradient norm before clipping."""
-    if trainer._graph_norm is None:
-        raise RuntimeError(
-            "optimizer_step() without a train_step() since the last one: with "
-            "OptimizerConfig(in_graph=True) train_step() runs the update"
-        )
     norm, trainer._graph_norm = trainer._graph_norm.item(), None
     trainer.step += 1
     if not math.isfinite(norm):
@@ -256,13 +251,3 @@ def finish_graph_step(trainer: GraphTrainer) -> float:
         trainer.lr_scheduler.step()
     sync_buffers(trainer)
     return norm
-
-
-def refuse_accumulation_in_graph(trainer: GraphTrainer) -> None:
-    """A micro-batch of several per step cannot run a graph that takes the whole step."""
-    if trainer.optimizer_config.in_graph and trainer._in_graph_reason is None:
-        raise TrainingError(
-            "OptimizerConfig(in_graph=True) takes one micro-batch per optimizer step; "
-            "gradient accumulation with the update in the graph is not supported yet: "
-            "use accumulation_steps=1, or in_graph=False to accumulate"
-        )

@@ -45,7 +45,6 @@ from gm_trainer.optim import OptimizerConfig, clip_to_norm
 from gm_trainer.optim_graph import (
     finish_graph_step,
     graph_update_step,
-    refuse_accumulation_in_graph,
     with_graph_update,
 )
 from gm_trainer.padding import Padding
@@ -246,8 +245,9 @@ class GraphTrainer:
         self._tracing_cache = cache
         joint = trace_step(self, sample_input, sample_label, pre_hook=pre_hook)
         run = self._run
-        if variant:
-            joint, passes = joint, [*self.extra_passes, DeferredReducePass()]
+        if variant:  # no update in the graph; reduce once per step under FSDP
+            defer = [DeferredReducePass()] if run.fsdp_active else []
+            joint, passes = joint, [*self.extra_passes, *defer]
         else:
             joint, passes = with_graph_update(self, joint, self.extra_passes)
         pipeline = PassPipeline.from_config(run.pass_config, run.pass_plan, passes)
@@ -320,16 +320,16 @@ class GraphTrainer:
         return self._micro_step(input, label, 1.0)
 
     def _accumulates(self) -> bool:
-        """Whether a micro-batch of an accumulation window runs its own graph variant."""
-        return self._run is None or self._run.fsdp_active
+        """Whether a micro-batch of an accumulation window runs its own graph variant: under
+        FSDP (no reductions) and with the update in the graph (no update)."""
+        in_graph = self.optimizer_config.in_graph
+        return self._run is None or self._run.fsdp_active or in_graph
 
     def _micro_step(
         self, input: Any, label: Any, weight: float, accumulate: bool = False
     ) -> torch.Tensor:
         """Run the graph for one device-resident micro-batch; add ``weight`` x its gradients
         (``accumulate``: one of several micro-batches of an optimizer step)."""
-        if accumulate:
-            refuse_accumulation_in_graph(self)
         input, label = self._pad(input, label)
         cache = self._accumulate_cache if accumulate and self._accumulates() else self._graph_cache
         joint = cache.lookup(input, label, self.model) or self.compile(
@@ -378,7 +378,7 @@ class GraphTrainer:
         """
         if self.optimizer is None:
             raise RuntimeError("optimizer_step() before the first train_step(): nothing to step")
-        if self.optimizer_in_graph:
+        if self._graph_norm is not None:  # train_step's graph took the update
             return finish_graph_step(self)
         self._deferred.reduce(self.model)
         norm = grad_norm_tensor(self)
