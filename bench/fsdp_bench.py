@@ -126,7 +126,7 @@ def _graph_step(trainer, accumulation: int = 1, compute_only: bool = False):
         for i in range(accumulation):
             part = [t[i * micro : (i + 1) * micro] for t in batch]
             if compute_only:  # no per-batch agreement: not one collective
-                trainer._micro_step(*part, 1.0)
+                trainer._micro_step(*part, 1.0, accumulation > 1)
             else:
                 trainer.train_step(*part)
         trainer.optimizer_step()
@@ -250,6 +250,104 @@ def distributed_config(rank: int, world: int, n_layers: int, steps: int, config:
     return result
 
 
+#: Side-by-side rows (--interleaved): built in the same two rank processes and stepped in
+#: turn on the same batches, so a busy moment of a shared machine hits every row alike.
+#: name -> (kind, PassConfig fields, OptimizerConfig.in_graph)
+INTERLEAVED_ROWS = {
+    "fsdp2 keep": ("fsdp2", {}, False),
+    "graph: default": ("graph", {}, False),
+    "graph: optimizer in graph": ("graph", {}, True),
+    "compute only": ("compute", {}, False),
+    "compute only, optimizer in graph": ("compute", {}, True),
+    "graph: inductor": ("graph", {"backend": "inductor"}, False),
+    "graph: inductor, optimizer in graph": ("graph", {"backend": "inductor"}, True),
+}
+
+
+def interleaved(rank: int, world: int, n_layers: int, steps: int, rows: list[str], k: int):
+    """Median s/step per row, all rows stepping in turn; ``k`` micro-batches per step (the
+    graph rows then run ``train(accumulation_steps=k)``, FSDP2 syncs on the last only)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gm_trainer import GraphTrainer
+
+    torch.set_num_threads(1)
+    batches = [
+        tuple(t[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK] for t in batch)
+        for batch in _batches(steps, BATCH_PER_RANK * world)
+    ]
+    step_fns, trainers = {}, {}
+    for row in rows:
+        kind, config, in_graph = INTERLEAVED_ROWS[row]
+        model = _model(n_layers)
+        if kind == "fsdp2":
+            mesh = init_device_mesh("cpu", (world,))
+            for layer in model.layers:
+                fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+            fully_shard(model, mesh=mesh, reshard_after_forward=False)
+            optimizer = torch.optim.Adam(model.parameters())
+            step_fns[row] = _fsdp2_accumulating_step(model, optimizer, k)
+            continue
+        if kind == "compute":
+            config = {**config, "fsdp_enabled": False}
+        trainer = GraphTrainer(
+            model, lm_loss, PassConfig(**config), optimizer_config={"in_graph": in_graph}
+        )
+        trainers[row] = trainer
+        if kind == "compute" or k == 1:
+            step_fns[row] = _graph_step(trainer, k, compute_only=kind == "compute")
+        else:
+            step_fns[row] = _train_window(trainer, k)
+    times: dict[str, list[float]] = {row: [] for row in rows}
+    for i, batch in enumerate(batches):
+        for row, step in step_fns.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step(batch)
+            dist.barrier()
+            if i >= 2:
+                times[row].append(time.perf_counter() - start)
+    result = {row: {"step_s": statistics.median(t)} for row, t in times.items()}
+    for row, trainer in trainers.items():
+        result[row]["bytes_per_step"] = _graph_bytes_per_step(trainer, k)
+    return result
+
+
+def _train_window(trainer, k: int):
+    def step(batch):
+        micro = batch[0].shape[0] // k
+        trainer.train(
+            [[t[i * micro : (i + 1) * micro] for t in batch] for i in range(k)],
+            accumulation_steps=k,
+        )
+
+    return step
+
+
+def _graph_bytes_per_step(trainer, k: int) -> int:
+    """Bytes the collectives of one optimizer step move, counted in the graphs that ran."""
+    from gm_trace.graph_build import collective_kind, is_all_gather, tensor_bytes
+
+    def moved(graph_module) -> int:
+        # As FSDP2's figure: an all-gather moves its full output, a reduction its input.
+        return sum(
+            tensor_bytes(n) if is_all_gather(n) else tensor_bytes(n.args[0])
+            for n in graph_module.graph.nodes
+            if collective_kind(n) is not None
+        )
+
+    total = 0
+    for key, joint in trainer._graphs.items():
+        if len(key) > 2:  # the micro-batch variant of an accumulation window
+            total += k * moved(joint.graph_module)
+            if joint.deferred is not None:
+                total += moved(joint.deferred.graph_module)
+        elif k == 1:
+            total += moved(joint.graph_module)
+    return total
+
+
 def trace_and_pass_time(rank: int, world: int, layers: list[int]) -> dict[int, float]:
     from gm_trainer import GraphTrainer
 
@@ -264,7 +362,7 @@ def trace_and_pass_time(rank: int, world: int, layers: list[int]) -> dict[int, f
     return seconds
 
 
-def _fsdp2_bytes(n_layers: int, config: str) -> int:
+def _fsdp2_bytes(n_layers: int, config: str, k: int | None = None) -> int:
     # FSDP2: an all-gather in forward, with reshard_after_forward again in backward for every
     # block but the root, and one reduce-scatter: the full parameter bytes moved, in
     # param_dtype (reduce_dtype defaults to it).
@@ -274,7 +372,7 @@ def _fsdp2_bytes(n_layers: int, config: str) -> int:
     model = _model(n_layers)
     params = sum(p.numel() for p in model.parameters())
     blocks = sum(p.numel() for p in model.layers.parameters())
-    gathers = 4 if "accumulation" in config else 1
+    gathers = k if k is not None else 4 if "accumulation" in config else 1
     return ((gathers + 1) * params + (blocks if reshard else 0)) * itemsize
 
 
@@ -290,7 +388,16 @@ def main() -> int:
         "--inductor", action="store_true", help="also the Inductor rows (a compile each)"
     )
     parser.add_argument("--no-trace-time", action="store_true", help="skip the trace-time rows")
+    parser.add_argument(
+        "--interleaved",
+        type=int,
+        nargs="+",
+        metavar="K",
+        help="only the side-by-side rows (INTERLEAVED_ROWS), for each K micro-batches per step",
+    )
     args = parser.parse_args()
+    if args.interleaved:
+        return run_interleaved(args)
 
     report: dict[str, object] = {"torch": torch.__version__, "single": {}, "fsdp": {}}
     defaults = GRAPH_CONFIGS if args.inductor else DEFAULT_ROWS
@@ -326,6 +433,43 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(format_report(report))
+    print(f"\nwritten to {out}")
+    return 0
+
+
+def run_interleaved(args) -> int:
+    rows = [r for r in INTERLEAVED_ROWS if args.inductor or "inductor" not in r]
+    report = {"torch": torch.__version__, "interleaved": {}}
+    lines = [
+        "| layers | k | row | s/step | vs fsdp2 keep | vs compute only | MiB/step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n_layers in args.layers:
+        for k in args.interleaved:
+            wanted = [r for r in rows if k == 1 or "inductor" not in r]
+            with DistributedPool(2) as pool:
+                per_rank = pool.run(interleaved, n_layers, args.steps, wanted, k, timeout=1800)
+            result = {
+                row: {
+                    "step_s": max(r[row]["step_s"] for r in per_rank),
+                    "bytes_per_step": per_rank[0][row].get("bytes_per_step"),
+                }
+                for row in wanted
+            }
+            if "fsdp2 keep" in result:
+                result["fsdp2 keep"]["bytes_per_step"] = _fsdp2_bytes(n_layers, "fsdp2 keep", k)
+            report["interleaved"][f"{n_layers}x{k}"] = result
+            base, compute = result["fsdp2 keep"]["step_s"], result["compute only"]["step_s"]
+            for row, r in result.items():
+                mib = r["bytes_per_step"] / 2**20 if r["bytes_per_step"] is not None else 0.0
+                lines.append(
+                    f"| {n_layers} | {k} | {row} | {r['step_s']:.4f} | {r['step_s'] / base:.2f} "
+                    f"| {r['step_s'] / compute:.2f} | {mib:.2f} |"
+                )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print("\n".join(lines))
     print(f"\nwritten to {out}")
     return 0
 
