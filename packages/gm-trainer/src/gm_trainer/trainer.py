@@ -307,7 +307,8 @@ class GraphTrainer:
         """Run forward + backward for one (micro-)batch and ADD its gradients to ``.grad``.
 
         Returns this rank's loss (detached). Compiles on the first call and on a new input
-        signature; under FSDP every rank must present the same signature.
+        signature; under FSDP every rank must present the same signature. With
+        ``OptimizerConfig(in_graph=True)`` the graph also updates the weights: no ``.grad``.
         """
         input, label = self._to_device(input), self._to_device(label)
         if self.world_size > 1:
@@ -374,7 +375,8 @@ class GraphTrainer:
         with ``nonfinite="error"`` it raises :class:`TrainingError` naming the first parameter
         whose gradient is not finite; with ``"skip"`` the step is counted in ``skipped_steps``.
         Afterwards the buffers the graphs update (BatchNorm statistics) are made rank 0's on
-        every data-parallel rank, as DDP's ``broadcast_buffers`` does.
+        every data-parallel rank, as DDP's ``broadcast_buffers`` does. After a graph that took
+        the update (``in_graph``) it counts the step and steps the LR scheduler.
         """
         if self.optimizer is None:
             raise RuntimeError("optimizer_step() before the first train_step(): nothing to step")
