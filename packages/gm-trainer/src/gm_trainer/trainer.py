@@ -42,15 +42,11 @@ from gm_trainer.graph_key import ClosureWatch
 from gm_trainer.loop import train_loop
 from gm_trainer.mesh import MeshError, ResolvedMesh, resolve_mesh_context
 from gm_trainer.optim import OptimizerConfig, clip_to_norm
-from gm_trainer.optim_graph import (
-    finish_graph_step,
-    graph_update_step,
-    with_graph_update,
-)
+from gm_trainer.optim_graph import finish_graph_step, graph_update_step, with_graph_update
 from gm_trainer.padding import Padding
 from gm_trainer.step_end import skip_step, sync_buffers
 from gm_trainer.step_guard import check_nonfinite_mode, first_nonfinite_grad, nonfinite_grad_error
-from gm_trainer.trainer_setup import FSDP_GROUP_NAME, ResolvedRun, resolve_run
+from gm_trainer.trainer_setup import FSDP_GROUP_NAME, ResolvedRun, adopt_sharding, resolve_run
 
 __all__ = ["FSDP_GROUP_NAME", "GraphTrainer", "TrainingError"]
 
@@ -157,10 +153,10 @@ class GraphTrainer:
         # The compiled graphs, which one a batch runs on, which dims are symbolic.
         self._graph_cache = GraphCache(graph_cache_size, self.pass_config)
         self._graphs = self._graph_cache.graphs
-        # The variants for the micro-batches of an accumulation window (gm_trainer.deferred).
+        # Graphs of the micro-batches of an accumulation window (gm_trainer.deferred).
         self._accumulate_cache = GraphCache(graph_cache_size, self.pass_config)
         self._accumulate_pipelines: list[PassPipeline] = []
-        self._tracing_cache = self._graph_cache  # where the graph being traced will go
+        self._tracing_cache = self._graph_cache
         self._pad = Padding(self.pass_config)
         self._closure_watch: ClosureWatch | None = None
         self._pytree_pre_hook: Callable[[], None] | None = None
@@ -247,7 +243,7 @@ class GraphTrainer:
         run = self._run
         if variant:  # no update in the graph; reduce once per step under FSDP
             defer = [DeferredReducePass()] if run.fsdp_active else []
-            joint, passes = joint, [*self.extra_passes, *defer]
+            passes = [*self.extra_passes, *defer]
         else:
             joint, passes = with_graph_update(self, joint, self.extra_passes)
         pipeline = PassPipeline.from_config(run.pass_config, run.pass_plan, passes)
@@ -258,7 +254,7 @@ class GraphTrainer:
             process_groups=dict(run.process_groups),
             dump_dir=self._dump_dir(),
         )
-        self._adopt_sharding(joint.sharding)
+        adopt_sharding(self, joint.sharding)
         (self._accumulate_pipelines if variant else self.pipelines).append(pipeline)
         if self.optimizer is None:
             self.optimizer = self.optimizer_config.build(list(self.model.parameters()))
@@ -275,20 +271,6 @@ class GraphTrainer:
         """How many graphs this trainer traced and compiled (each new signature, each batch
         that failed a symbolic graph's guards); ``pass_summary()`` says why."""
         return self._graph_cache.compile_count + self._accumulate_cache.compile_count
-
-    def _adopt_sharding(self, layout: ShardingLayout | None) -> None:
-        """Shard the live model the first time; every later graph must expect the same shards."""
-        if self.sharding is None:
-            if layout is not None:
-                layout.apply(self.model)
-                self.sharding = layout
-            return
-        if layout is None or not self.sharding.same_shards(layout):
-            raise TrainingError(
-                "a new graph expects the parameters sharded differently from the first one "
-                f"({'unsharded' if layout is None else 'another layout'}); the plan, degree "
-                "or group must not change between compiles of one trainer"
-            )
 
     def _data_parallel_size(self) -> int:
         """Ranks that read different data: the FSDP group times its HSDP replicas (not TP)."""
@@ -323,8 +305,7 @@ class GraphTrainer:
     def _accumulates(self) -> bool:
         """Whether a micro-batch of an accumulation window runs its own graph variant: under
         FSDP (no reductions) and with the update in the graph (no update)."""
-        in_graph = self.optimizer_config.in_graph
-        return self._run is None or self._run.fsdp_active or in_graph
+        return self._run is None or self._run.fsdp_active or self.optimizer_config.in_graph
 
     def _micro_step(
         self, input: Any, label: Any, weight: float, accumulate: bool = False

@@ -17,7 +17,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from gm_config import PassConfig, PassPlan, fsdp_requested
 from gm_trace.groups import register_process_group
+from gm_trace.sharding_layout import ShardingLayout
 from gm_trainer.device import detect_device_type
+from gm_trainer.errors import TrainingError
 from gm_trainer.mesh import REPLICATE_GROUP_NAME, ResolvedMesh
 from gm_trainer.tp import TP_GROUP_NAME
 
@@ -120,3 +122,18 @@ def trace_options(trainer: GraphTrainer) -> dict[str, Any]:
         options["param_dtype"] = getattr(torch, dtype)
         options["cast_input_modules"] = ["", *planned]
     return options
+
+
+def adopt_sharding(trainer: GraphTrainer, layout: ShardingLayout | None) -> None:
+    """Shard the live model the first time; every later graph must expect the same shards."""
+    if trainer.sharding is None:
+        if layout is not None:
+            layout.apply(trainer.model)
+            trainer.sharding = layout
+        return
+    if layout is None or not trainer.sharding.same_shards(layout):
+        raise TrainingError(
+            "a new graph expects the parameters sharded differently from the first one "
+            f"({'unsharded' if layout is None else 'another layout'}); the plan, degree "
+            "or group must not change between compiles of one trainer"
+        )
