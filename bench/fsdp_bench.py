@@ -337,14 +337,13 @@ def _graph_bytes_per_step(trainer, k: int) -> int:
             if collective_kind(n) is not None
         )
 
+    if k == 1:
+        return sum(moved(joint.graph_module) for joint in trainer._graphs.values())
     total = 0
-    for key, joint in trainer._graphs.items():
-        if len(key) > 2:  # the micro-batch variant of an accumulation window
-            total += k * moved(joint.graph_module)
-            if joint.deferred is not None:
-                total += moved(joint.deferred.graph_module)
-        elif k == 1:
-            total += moved(joint.graph_module)
+    for joint in trainer._accumulate_cache.graphs.values():  # the micro-batch variants
+        total += k * moved(joint.graph_module)
+        if joint.deferred is not None:
+            total += moved(joint.deferred.graph_module)
     return total
 
 
