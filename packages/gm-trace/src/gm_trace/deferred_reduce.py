@@ -48,9 +48,9 @@ class DeferredReduction:
     graph_module: fx.GraphModule
     """``(*buffers) -> (*grads)``: the reduced gradient of each of ``grad_fqns``."""
 
-    buffers: tuple[tuple[tuple[int, ...], torch.dtype], ...]
-    """Shape and dtype of each accumulation buffer, in placeholder order (zero them at the
-    start of each optimizer step)."""
+    buffers: tuple[tuple[tuple[int, ...], torch.dtype, torch.device], ...]
+    """Shape, dtype and device of each accumulation buffer, in placeholder order (zeroed
+    before the first micro-batch of each optimizer step)."""
 
     grad_fqns: tuple[str, ...]
     """The parameters whose reduced gradients ``graph_module`` returns, in order."""
@@ -98,7 +98,7 @@ class DeferredReducePass(GraphPass):
             with unset_fake_temporarily(), mode:
                 last.meta["val"] = torch.empty(val.shape, dtype=dtype, device=val.device)
             last.meta[node_meta.ROLE] = ACCUMULATION_INPUT
-            buffers.append((tuple(val.shape), dtype))
+            buffers.append((tuple(val.shape), dtype, val.device))
             placeholders.append(last)
         with graph.inserting_after(last):
             weight = graph.placeholder("micro_batch_weight")

@@ -198,11 +198,9 @@ class _Emitter:
         for kind, owner, name in self.spec.input_keys():
             with self.graph.inserting_after(last):
                 node = self.graph.placeholder(f"opt_{len(made)}_{name}")
-            if kind == "scalar":
-                like = params[self.spec.params[0].fqn].meta["val"] if self.spec.params else None
-                device = like.device if like is not None else torch.device("cpu")
+            if kind == "scalar":  # a 0-d CPU tensor, which ops on any device accept
                 with unset_fake_temporarily(), self.mode:
-                    node.meta["val"] = torch.empty((), dtype=torch.float64, device=device)
+                    node.meta["val"] = torch.empty((), dtype=torch.float64)
             else:
                 with unset_fake_temporarily(), self.mode:
                     node.meta["val"] = torch.empty_like(params[owner].meta["val"])

@@ -37,7 +37,10 @@ class DeferredGrads:
                     "the previous one of this optimizer step; the FSDP layout must not change "
                     "inside an accumulation window"
                 )
-            self.buffers = [torch.zeros(shape, dtype=dtype) for shape, dtype in reduction.buffers]
+            self.buffers = [
+                torch.zeros(shape, dtype=dtype, device=device)
+                for shape, dtype, device in reduction.buffers
+            ]
         self.reduction = reduction
         self.pending = True
         return [*self.buffers, self._weight.fill_(weight)]
