@@ -10,6 +10,7 @@ import mesh_bodies
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from hf_configs import tiny_llama
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -38,15 +39,7 @@ def llama() -> torch.nn.Module:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    config = tiny_llama(vocab_size=VOCAB, hidden_size=64, intermediate_size=128)
     config._attn_implementation = "sdpa"
     return transformers.LlamaForCausalLM(config)
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from hf_configs import tiny_llama
 
 from gm_config import PassConfig
 from gm_trace.fsdp import full_parameter
@@ -49,16 +50,7 @@ def llama() -> tuple[torch.nn.Module, Callable[..., torch.Tensor], dict[str, Any
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        intermediate_size=48,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
+    config = tiny_llama(vocab_size=VOCAB, tie_word_embeddings=True)
     model = transformers.LlamaForCausalLM(config)
     return model, hf_loss, {"input['input_ids']": TOKENS, "label": TOKENS}
 

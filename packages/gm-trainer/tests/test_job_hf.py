@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from hf_configs import tiny_llama
 from test_job_cli import gm_train, metrics
 from test_job_data import make_jsonl, make_tokenizer, sentences
 
@@ -29,13 +30,6 @@ JOB = [
     "--nproc", "2", "model.source=hf", "model.seq_len=16", "train.global_batch_size=4",
     f"train.steps={STEPS}", "train.lr=3e-3", "logging.interval=1",
 ]  # fmt: skip
-
-
-def tiny_llama() -> Any:
-    return transformers.LlamaConfig(
-        vocab_size=61, hidden_size=32, num_hidden_layers=2, intermediate_size=48,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
 
 
 def tiny_gpt2() -> Any:

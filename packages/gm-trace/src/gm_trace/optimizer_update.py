@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -241,8 +241,8 @@ class _Emitter:
             rule = spec.groups[p.group]
             scalars = {name: inputs[(p.group, name)] for name in rule.scalars}
             states = [inputs[(p.fqn, name)] for name in rule.states]
-            update = _sgd if rule.kind == "sgd" else _adam
-            update(self.op, rule, params[p.fqn], grads[p.fqn], states, scalars)
+            apply = _sgd if rule.kind == "sgd" else _adam
+            apply(_UpdateNodes(self.op, rule, params[p.fqn], grads[p.fqn], states, scalars))
         kept = [o for i, o in enumerate(outputs) if i not in set(index.values())]
         self.output.args = ((kept[0], norm, *kept[1:]),)
 
@@ -278,15 +278,26 @@ class _Emitter:
         return op(aten.sqrt.default, total)
 
 
-def _adam(
-    op: Any,
-    rule: GroupRule,
-    param: fx.Node,
-    grad: fx.Node,
-    states: list[fx.Node],
-    scalars: dict[str, fx.Node],
-) -> None:
+class _UpdateNodes(NamedTuple):
+    """What one parameter's update is built from."""
+
+    op: Any
+    """Adds a node to the graph: ``op(target, *args, **kwargs) -> fx.Node``."""
+    rule: GroupRule
+    """The optimizer and hyper-parameters of the parameter's group."""
+    param: fx.Node
+    """The parameter's shard, updated in place."""
+    grad: fx.Node
+    """Its (reduced, clipped) gradient."""
+    states: list[fx.Node]
+    """Its optimizer states, updated in place (``exp_avg``, ``exp_avg_sq``; ``momentum_buffer``)."""
+    scalars: dict[str, fx.Node]
+    """The group's per-step scalars (learning rate, bias corrections)."""
+
+
+def _adam(update: _UpdateNodes) -> None:
     """``torch.optim.adam._single_tensor_adam`` for one parameter (amsgrad off)."""
+    op, rule, param, grad, states, scalars = update
     exp_avg, exp_avg_sq = states
     beta1, beta2 = rule.betas
     if rule.maximize:
@@ -308,15 +319,9 @@ def _adam(
     op(aten.add_.Tensor, param, step)
 
 
-def _sgd(
-    op: Any,
-    rule: GroupRule,
-    param: fx.Node,
-    grad: fx.Node,
-    states: list[fx.Node],
-    scalars: dict[str, fx.Node],
-) -> None:
+def _sgd(update: _UpdateNodes) -> None:
     """``torch.optim.sgd._single_tensor_sgd`` for one parameter (dampening 0)."""
+    op, rule, param, grad, states, scalars = update
     if rule.maximize:
         grad = op(aten.neg.default, grad)
     if rule.weight_decay != 0:

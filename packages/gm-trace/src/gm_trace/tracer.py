@@ -79,6 +79,7 @@ updates and dropout masks (``aten.bernoulli_`` on the global generator) are bitw
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
@@ -126,12 +127,19 @@ __all__ = ["trace_model_graph", "unique_named"]
 _TRACE_LOCK = threading.RLock()
 
 
-# --------------------------------------------------------------------------- public types
-
-
 # --------------------------------------------------------------------------- tracing
 
 
+def _serialized(trace: Callable[..., JointGraph]) -> Callable[..., JointGraph]:
+    @functools.wraps(trace)
+    def locked(*args: Any, **kwargs: Any) -> JointGraph:
+        with _TRACE_LOCK:
+            return trace(*args, **kwargs)
+
+    return locked
+
+
+@_serialized
 def trace_model_graph(
     model: nn.Module,
     train_fn: Callable[[nn.Module, Any, Any], Tensor],
@@ -186,34 +194,6 @@ def trace_model_graph(
     Thread safety: traces are serialised by a process-wide lock (``make_fx`` keeps global
     state), so threads may call this at once; running the returned graphs needs no lock.
     """
-    with _TRACE_LOCK:
-        return _trace_model_graph(
-            model,
-            train_fn,
-            sample_input,
-            sample_label,
-            pre_hook=pre_hook,
-            state_shapes=state_shapes,
-            param_dtype=param_dtype,
-            cast_input_modules=cast_input_modules,
-            dynamic_dims=dynamic_dims,
-            dynamic_fallback=dynamic_fallback,
-        )
-
-
-def _trace_model_graph(
-    model: nn.Module,
-    train_fn: Callable[[nn.Module, Any, Any], Tensor],
-    sample_input: Any,
-    sample_label: Any,
-    *,
-    pre_hook: Callable[[], None] | None,
-    state_shapes: Mapping[str, torch.Size] | None,
-    param_dtype: torch.dtype | None,
-    cast_input_modules: Sequence[str],
-    dynamic_dims: Mapping[str, Mapping[int, str]] | None = None,
-    dynamic_fallback: bool = False,
-) -> JointGraph:
     if pre_hook is not None:
         pre_hook()
     paths, leaves, spec = flatten_io(sample_input, sample_label)  # validates the leaf types
