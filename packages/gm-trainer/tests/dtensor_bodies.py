@@ -22,8 +22,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from gm_config import PassConfig
-from gm_passes.graph_ops import is_collective, is_wait, op_name
 from gm_trace import GraphCaptureError, trace_model_graph
+from gm_trace.graph_build import collective_kind
 from gm_trace.testing import MLP, make_regression_batch, mse_loss
 from gm_trace.testing.parity import parity_tolerance
 from gm_trainer import GraphTrainer, MeshContext
@@ -164,9 +164,9 @@ def parity(rank: int, world: int, case: str, tp: int) -> dict:
     (joint,) = trainer._graphs.values()
     # phase (traced ones; "pass": inserted by the fsdp pass) / op / group
     kinds = Counter(
-        f"{node.meta.get('gm_phase', 'pass')}/{op_name(node).split('.')[1]}/{node.args[-1]}"
+        f"{node.meta.get('gm_phase', 'pass')}/{collective_kind(node)}/{node.args[-1]}"
         for node in joint.graph_module.graph.nodes
-        if is_collective(node) and not is_wait(node)
+        if collective_kind(node) is not None
     )
     return {
         "worst_param": worst,

@@ -125,15 +125,6 @@ class JointGraph:
         """Per state placeholder: a parameter (``True``) or a buffer."""
         return tuple(i < self.n_params for i in range(len(self.state_fqns)))
 
-    @property
-    def param_fqns(self) -> tuple[str, ...]:
-        """The parameter placeholders' FQNs."""
-        return self.state_fqns[: self.n_params]
-
-    def canonical(self, fqn: str) -> str:
-        """The canonical FQN of a parameter or buffer named ``fqn`` (itself when not an alias)."""
-        return self.param_aliases.get(fqn, self.buffer_aliases.get(fqn, fqn))
-
     def grad_output_node(self, fqn: str) -> fx.Node:
         """The node returned as the gradient of parameter ``fqn`` (an alias is fine).
 

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
-from gm_passes.graph_ops import op_name
 from gm_trace.collectives import all_gather_op
 from gm_trace.dtensor import (
     DTensorSpec,
@@ -23,6 +22,7 @@ from gm_trace.dtensor import (
     name_collective_groups,
     with_dtensor_params,
 )
+from gm_trace.graph_build import collective_kind
 from gm_trace.joint_graph import JointGraph
 from gm_trace.tracer import trace_model_graph
 from gm_trainer.mesh import MeshError, ResolvedMesh
@@ -96,7 +96,7 @@ def _check_sequence_parallel(graph_module: Any) -> None:
     """``sequence_parallel=True`` says the plan splits activations along the sequence: its
     step then reduce-scatters on the TP group. Refuse a plan that does not."""
     for node in graph_module.graph.nodes:
-        if op_name(node).endswith("reduce_scatter_tensor.default") and node.args[-1] == "tp":
+        if collective_kind(node) == "reduce_scatter_tensor" and node.args[-1] == TP_GROUP_NAME:
             return
     raise MeshError(
         "PassConfig.sequence_parallel=True (or the mesh context's), but the traced step has no "
