@@ -30,6 +30,9 @@ DEFAULTS = {
     "automatic_dynamic": True,
     "pad_to_multiple": None,
     "pad_values": None,
+    "pp_degree": 1,
+    "pp_microbatches": 1,
+    "pp_schedule": "1f1b",
 }
 # to_dict gives YAML-friendly lists where the config keeps tuples.
 DEFAULTS_AS_DICT = {k: list(v) if isinstance(v, tuple) else v for k, v in DEFAULTS.items()}
@@ -82,6 +85,9 @@ def test_valid_non_default_values_are_kept():
         automatic_dynamic=False,
         pad_to_multiple={"seq": 32},
         pad_values={"label": -100},
+        pp_degree=2,
+        pp_microbatches=4,
+        pp_schedule="gpipe",
     )
     assert config.extra_passes == ("count_nodes",)  # YAML lists are kept as tuples
     assert config.to_dict() == {
@@ -104,6 +110,9 @@ def test_valid_non_default_values_are_kept():
         "automatic_dynamic": False,
         "pad_to_multiple": {"seq": 32},
         "pad_values": {"label": -100},
+        "pp_degree": 2,
+        "pp_microbatches": 4,
+        "pp_schedule": "gpipe",
     }
 
 

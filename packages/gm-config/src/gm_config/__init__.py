@@ -7,10 +7,12 @@ serialised anywhere.
 from gm_config.errors import ConfigError, GraphModeError, GraphModeRuntimeError
 from gm_config.pass_config import PassConfig
 from gm_config.pass_plan import FSDPModuleConfig, PassPlan, fsdp_requested, reshard_requested
+from gm_config.pipeline_stages import PP_SCHEDULES
 from gm_config.yaml_plan import LEGACY_KEYS, create_sharding_plan_from_yaml, sharding_plan_from_dict
 
 __all__ = [
     "LEGACY_KEYS",
+    "PP_SCHEDULES",
     "ConfigError",
     "FSDPModuleConfig",
     "GraphModeError",

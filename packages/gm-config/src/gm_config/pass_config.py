@@ -14,6 +14,7 @@ from typing import Any
 
 from gm_config.dynamic_dims import check_dynamic_dims, check_pad_to_multiple, check_pad_values
 from gm_config.errors import ConfigError
+from gm_config.pipeline_stages import PP_SCHEDULES
 
 #: The floating dtypes a mixed-precision policy may name (torch attribute names).
 FLOAT_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
@@ -133,6 +134,21 @@ class PassConfig:
     """The value padding writes, per input path; paths not named get 0 (input leaves) or
     -100 (label leaves)."""
 
+    pp_degree: int = dataclasses.field(default=1, metadata=_runs("pp_stages"))
+    """Pipeline-parallel stages: the model is cut into this many stages, one per group of
+    ``world / pp_degree`` ranks, which FSDP shards within. The cut follows
+    ``PassPlan.pp_stages`` (the sharding YAML's ``pp: {stages: ...}``) or, without it,
+    balances parameters over the model's blocks in execution order. ``1``: no pipeline."""
+
+    pp_microbatches: int = 1
+    """Micro-batches each ``train_step`` batch is split into (along dim 0 of every tensor leaf)
+    and pipelined through the stages. Gradients are their mean, as for the whole batch."""
+
+    pp_schedule: str = "1f1b"
+    """The pipeline schedule: ``"gpipe"`` (every forward, then every backward) or ``"1f1b"``
+    (one forward, one backward once the pipeline is full: a stage holds at most ``pp_degree``
+    micro-batches' activations instead of all of them)."""
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -193,6 +209,15 @@ class PassConfig:
             self.pad_to_multiple, self.dynamic_dims, "PassConfig.pad_to_multiple"
         )
         self.pad_values = check_pad_values(self.pad_values, "PassConfig.pad_values")
+        for name in ("pp_degree", "pp_microbatches"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ConfigError(f"PassConfig.{name} must be an int >= 1, got {value!r}")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ConfigError(
+                f"PassConfig.pp_schedule must be one of {list(PP_SCHEDULES)}, "
+                f"got {self.pp_schedule!r}"
+            )
         if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
             raise ConfigError(
                 "PassConfig.backend must be None (run the graph as it is) or a backend name such "

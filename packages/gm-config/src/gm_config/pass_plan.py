@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gm_config.errors import ConfigError
+from gm_config.pipeline_stages import check_stage_specs
 
 if TYPE_CHECKING:
     from gm_config.pass_config import PassConfig
@@ -52,6 +53,14 @@ class PassPlan:
 
     fsdp_enabled: bool = True
     """False turns sharding off for this plan even when modules are listed."""
+
+    pp_stages: tuple[tuple[str, ...], ...] | None = None
+    """Pipeline stages, first to last: the module or parameter FQNs each owns, ranges such as
+    ``"layers.0-3"`` allowed (:mod:`gm_config.pipeline_stages`). ``None``: with
+    ``PassConfig.pp_degree > 1`` the stages are balanced automatically."""
+
+    def __post_init__(self) -> None:
+        self.pp_stages = check_stage_specs(self.pp_stages, "PassPlan.pp_stages")
 
     def add_module(self, fqn: str, *, reshard_after_forward: bool | None = None) -> PassPlan:
         """Register an exact module FQN (``""`` is the root module). Returns self to chain."""
@@ -111,6 +120,7 @@ class PassPlan:
             fsdp_modules={**self.fsdp_modules, **other.fsdp_modules},
             fsdp_patterns={**self.fsdp_patterns, **other.fsdp_patterns},
             fsdp_enabled=other.fsdp_enabled,
+            pp_stages=other.pp_stages if other.pp_stages is not None else self.pp_stages,
         )
 
     def is_empty(self) -> bool:

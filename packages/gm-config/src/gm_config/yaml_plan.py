@@ -6,8 +6,14 @@
         - name: tok_embeddings
       patterns:
         - pattern: "layers.*"
+    pp:                      # optional: pipeline stages, first to last (PassConfig.pp_degree)
+      stages:
+        - ["tok_emb", "layers.0-3"]
+        - ["layers.4-7", "norm", "lm_head"]
 
-Only ``yaml.safe_load`` is used. Every error names the file, the key and what is accepted.
+A file with only a ``pp`` section shards every parameter within each stage (as an empty
+plan does). Only ``yaml.safe_load`` is used. Every error names the file, the key and what is
+accepted.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import yaml
 
 from gm_config.errors import ConfigError
 from gm_config.pass_plan import PassPlan
+from gm_config.pipeline_stages import check_stage_specs
 
 #: Keys of earlier releases that no pass consumes (``reshard_after_forward`` only at the
 #: section level: per module it is consumed). Accepted with a warning so that old files keep
@@ -63,11 +70,14 @@ def sharding_plan_from_dict(data: Any, *, source: str = "<sharding>") -> PassPla
             f"{source}: the top level must be a mapping with an 'fsdp' section, "
             f"got {type(data).__name__}"
         )
-    unknown = sorted(set(data) - {"fsdp"}, key=str)
+    unknown = sorted(set(data) - {"fsdp", "pp"}, key=str)
     if unknown:
-        raise ConfigError(f"{source}: unknown top-level key(s) {unknown}; accepted: ['fsdp']")
-    if "fsdp" not in data:
+        raise ConfigError(f"{source}: unknown top-level key(s) {unknown}; accepted: ['fsdp', 'pp']")
+    if "fsdp" not in data and "pp" not in data:
         raise ConfigError(f"{source}: missing the 'fsdp' section")
+    pp_stages = _pp_stages(data.get("pp"), source)
+    if "fsdp" not in data:  # a pipeline-only file: shard everything within each stage
+        return PassPlan(pp_stages=pp_stages)
     section = data["fsdp"]
     if section is None:
         section = {}
@@ -75,7 +85,7 @@ def sharding_plan_from_dict(data: Any, *, source: str = "<sharding>") -> PassPla
         raise ConfigError(f"{source}: 'fsdp' must be a mapping, got {type(section).__name__}")
     _check_keys(section, _SECTION_KEYS, f"{source}: fsdp")
 
-    plan = PassPlan()
+    plan = PassPlan(pp_stages=pp_stages)
     for i, entry in enumerate(_entry_list(section, "modules", source)):
         where = f"{source}: fsdp.modules[{i}]"
         plan.add_module(_entry_value(entry, "name", where), **_entry_options(entry, where))
@@ -90,6 +100,15 @@ def sharding_plan_from_dict(data: Any, *, source: str = "<sharding>") -> PassPla
         raise ConfigError(f"{source}: fsdp.enabled must be true or false, got {enabled!r}")
     plan.fsdp_enabled = enabled
     return plan
+
+
+def _pp_stages(section: Any, source: str) -> tuple[tuple[str, ...], ...] | None:
+    if section is None:
+        return None
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"{source}: 'pp' must be a mapping, got {type(section).__name__}")
+    _check_keys(section, frozenset({"stages"}), f"{source}: pp")
+    return check_stage_specs(section.get("stages"), f"{source}: pp.stages")
 
 
 def _check_keys(mapping: Mapping[str, Any], accepted: frozenset[str], where: str) -> None:
