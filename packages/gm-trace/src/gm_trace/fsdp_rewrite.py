@@ -53,7 +53,7 @@ class _ShardedParam:
 
 
 def plan_buckets(
-    params: list[_ShardedParam], blocks: dict[str, str], cap_bytes: int | None
+    params: list[_ShardedParam], blocks: dict[str, Any], cap_bytes: int | None
 ) -> list[list[_ShardedParam]]:
     """Consecutive parameters of one block, split where a bucket would pass ``cap_bytes``.
 
@@ -135,7 +135,10 @@ class Rewrite:
             elif fqn in grads:
                 replicated.append(fqn)
 
-        blocks = {p.fqn: block_of(p.fqn, plan) for p in sharded}
+        # A bucket never spans two pipeline stages: each stage gathers only its own.
+        blocks = {
+            p.fqn: (block_of(p.fqn, plan), p.placeholder.meta.get(node_meta.STAGE)) for p in sharded
+        }
         buckets = plan_buckets(sharded, blocks, cap_bytes)
         erased = {cast for param in sharded for cast in param.casts}
         first_compute = next(

@@ -28,6 +28,7 @@ SHARDING_LAYOUT = "sharding_layout"
 COMPILED_STEP = "compiled_step"
 OPTIMIZER_UPDATE = "optimizer_update"
 DEFERRED_REDUCTION = "deferred_reduction"
+PIPELINE_STAGES = "pipeline_stages"
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,11 @@ class JointGraph:
     (``grad_fqns`` is empty), output 1 is the global gradient norm, and the graph takes the
     update's inputs after the label's tensors."""
 
+    stages: Any = None
+    """The pipeline stages the ``pp_stages`` pass assigned (a
+    :class:`~gm_trace.stage_split.StageAssignment`; every node carries its stage in
+    ``meta["gm_stage"]``); ``None`` without pipeline parallelism."""
+
     @property
     def output_specs(self) -> tuple[OutputSpec, ...]:
         """What each output is, in order."""
@@ -159,4 +165,5 @@ class JointGraph:
             deferred=deferred,
             optimizer_update=artifacts.get(OPTIMIZER_UPDATE, self.optimizer_update),
             optimizer_in_graph=in_graph or self.optimizer_in_graph,
+            stages=artifacts.get(PIPELINE_STAGES, self.stages),
         )

@@ -52,6 +52,11 @@ FULL_PARAM = "gm_full_param"
 
 # --------------------------------------------------------------------------- set by later passes
 
+STAGE = "gm_stage"
+"""The pipeline stage that computes the node (``pp_stages`` pass; ``None``: every stage that
+needs it computes it — the batch, constants and ops on them alone). Nodes later passes insert
+have none and are placed by :func:`gm_trace.stage_split.derive_stage`."""
+
 RECOMPUTED = "gm_recomputed"
 """A copy of a forward op the recompute pass placed in backward (``True``)."""
 

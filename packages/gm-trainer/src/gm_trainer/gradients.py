@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from gm_trace.joint_graph import JointGraph
 from gm_trainer.errors import TrainingError
@@ -35,11 +36,16 @@ def accumulate_grads(
                 f"gradient of {fqn!r} has shape {tuple(grad.shape)} but the parameter has "
                 f"{tuple(param.shape)}"
             )
-        if param.grad is None:
-            # The graph's gradient is this step's own tensor: scale it in place and keep it.
-            param.grad = grad.mul_(weight) if weight != 1.0 else grad
-        else:
-            param.grad.add_(grad, alpha=weight)
+        add_to_grad(param, grad, weight)
+
+
+def add_to_grad(param: torch.Tensor, grad: torch.Tensor, weight: float) -> None:
+    """``param.grad += weight * grad``, setting it when there is none (``grad`` is a graph
+    output of this step, so it may be kept and scaled in place)."""
+    if param.grad is None:
+        param.grad = grad.mul_(weight) if weight != 1.0 else grad
+    else:
+        param.grad.add_(grad, alpha=weight)
 
 
 def scale_grads(model: torch.nn.Module, factor: float) -> None:
@@ -62,7 +68,7 @@ def grad_norm_tensor(trainer: GraphTrainer) -> torch.Tensor:
     for fqn, param in model.named_parameters():
         if param.grad is not None:
             buckets[fqn in shards, fqn in tp_sharded].append(param.grad)
-    return global_grad_norm(
+    norm = global_grad_norm(
         buckets[True, False],
         buckets[False, False],
         trainer.fsdp_group,
@@ -70,3 +76,10 @@ def grad_norm_tensor(trainer: GraphTrainer) -> torch.Tensor:
         replicated_tp=buckets[False, True],
         tp_group=tp_group,
     )
+    pp_group = trainer._run.pp_group if trainer._run is not None else None
+    if pp_group is None:
+        return norm
+    # Each stage holds its own parameters: sum the squares over the pipeline.
+    squared = norm.square()
+    dist.all_reduce(squared, group=pp_group)
+    return squared.sqrt()

@@ -44,6 +44,7 @@ from gm_trainer.mesh import MeshError, ResolvedMesh, resolve_mesh_context
 from gm_trainer.optim import OptimizerConfig, clip_to_norm
 from gm_trainer.optim_graph import finish_graph_step, graph_update_step, with_graph_update
 from gm_trainer.padding import Padding
+from gm_trainer.pipeline_runtime import pipeline_runner
 from gm_trainer.step_end import skip_step, sync_buffers
 from gm_trainer.step_guard import check_nonfinite_mode, first_nonfinite_grad, nonfinite_grad_error
 from gm_trainer.trainer_setup import FSDP_GROUP_NAME, ResolvedRun, adopt_sharding, resolve_run
@@ -160,6 +161,8 @@ class GraphTrainer:
         self._pad = Padding(self.pass_config)
         self._closure_watch: ClosureWatch | None = None
         self._pytree_pre_hook: Callable[[], None] | None = None
+        # PassConfig.pp_degree > 1: train_step runs this rank's pipeline stage.
+        self._pipeline = pipeline_runner(self)
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
         self.world_size = dist.get_world_size() if distributed else 1
@@ -313,6 +316,8 @@ class GraphTrainer:
         """Run the graph for one device-resident micro-batch; add ``weight`` x its gradients
         (``accumulate``: one of several micro-batches of an optimizer step)."""
         input, label = self._pad(input, label)
+        if self._pipeline is not None:
+            return self._pipeline.step(input, label, weight)
         cache = self._accumulate_cache if accumulate and self._accumulates() else self._graph_cache
         joint = cache.lookup(input, label, self.model) or self.compile(
             input, label, accumulate=accumulate
@@ -409,6 +414,8 @@ class GraphTrainer:
         guards, each pass's time and whether it changed the graph, then the collective
         schedule (overlap per collective, bytes, bucket) when there is one."""
         summary = self._graph_cache.summary(self.pipelines)
+        if self._pipeline is not None:
+            summary += "\n\n" + self._pipeline.summary()
         if self._accumulate_pipelines:
             variants = self._accumulate_cache.summary(self._accumulate_pipelines)
             summary += "\n\naccumulating micro-batch variants:\n\n" + variants

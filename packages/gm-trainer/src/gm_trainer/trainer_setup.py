@@ -20,7 +20,7 @@ from gm_trace.groups import register_process_group
 from gm_trace.sharding_layout import ShardingLayout
 from gm_trainer.device import detect_device_type
 from gm_trainer.errors import TrainingError
-from gm_trainer.mesh import REPLICATE_GROUP_NAME, ResolvedMesh
+from gm_trainer.mesh import REPLICATE_GROUP_NAME, MeshError, ResolvedMesh
 from gm_trainer.tp import TP_GROUP_NAME
 
 if TYPE_CHECKING:
@@ -52,6 +52,16 @@ class ResolvedRun:
     process_groups: Mapping[str, str]
     """Group roles beyond ``"fsdp"`` -> registered names, for the passes (HSDP, TP)."""
 
+    pp_group: dist.ProcessGroup | None = None
+    """The ranks of this rank's pipeline, one per stage; ``None`` without pipeline
+    parallelism."""
+
+    pp_stage: int = 0
+    """The pipeline stage this rank runs."""
+
+    pp_ranks: tuple[int, ...] = ()
+    """The global rank running each stage of this rank's pipeline."""
+
     @property
     def fsdp_active(self) -> bool:
         """True when gradients are synchronised over an FSDP group of more than one rank."""
@@ -63,6 +73,8 @@ def resolve_run(trainer: GraphTrainer) -> ResolvedRun:
     the trainer's ``PassConfig``. Called once, before the first trace, on every rank."""
     config, plan, mesh = trainer.pass_config, trainer.pass_plan, trainer._mesh
     fsdp_wanted = fsdp_requested(config, plan)
+    if config.pp_degree > 1:
+        return _resolve_pipeline_mesh(config, plan, trainer.world_size, fsdp_wanted)
     if mesh is not None:
         return _resolve_external_mesh(config, plan, mesh, fsdp_wanted)
     if not fsdp_wanted or trainer.world_size == 1:
@@ -74,6 +86,34 @@ def resolve_run(trainer: GraphTrainer) -> ResolvedRun:
     register_process_group(FSDP_GROUP_NAME, group)
     resolved = dataclasses.replace(config, fsdp_degree=config.fsdp_degree or group.size())
     return ResolvedRun(resolved, plan, None, group, {})
+
+
+def _resolve_pipeline_mesh(
+    config: PassConfig, plan: PassPlan | None, world: int, fsdp_wanted: bool
+) -> ResolvedRun:
+    """A ``(pp, fsdp)`` mesh, as torchtitan lays it out: rank = stage * dp + dp index, FSDP
+    within each stage, one pipeline per dp index."""
+    pp = config.pp_degree
+    if world % pp:
+        raise MeshError(
+            f"PassConfig.pp_degree={pp} must divide the world size {world}; every stage runs "
+            f"on world / pp_degree ranks (choose a pp_degree among "
+            f"{[d for d in range(1, world + 1) if world % d == 0]})"
+        )
+    dp = world // pp
+    device_mesh = init_device_mesh(
+        detect_device_type(), (pp, dp), mesh_dim_names=("pp", FSDP_GROUP_NAME)
+    )
+    pp_group = device_mesh.get_group("pp")
+    pp_ranks = tuple(dist.get_process_group_ranks(pp_group))
+    stage = pp_ranks.index(dist.get_rank())
+    if dp == 1 or not fsdp_wanted:  # an unregistered "fsdp" would mean the world
+        resolved = dataclasses.replace(config, fsdp_enabled=False)
+        return ResolvedRun(resolved, plan, None, None, {}, pp_group, stage, pp_ranks)
+    group = device_mesh.get_group(FSDP_GROUP_NAME)
+    register_process_group(FSDP_GROUP_NAME, group)
+    resolved = dataclasses.replace(config, fsdp_degree=config.fsdp_degree or dp)
+    return ResolvedRun(resolved, plan, None, group, {}, pp_group, stage, pp_ranks)
 
 
 def _resolve_external_mesh(

@@ -1,0 +1,287 @@
+"""Cut a staged joint graph into one forward and one backward graph per pipeline stage.
+
+Runs on the graph the passes left (after ``pp_stages``, ``fsdp``, ``reshard``, ``recompute``,
+``overlap``): every node has a stage (``meta["gm_stage"]``, or derived for nodes the later
+passes inserted: an all-gather goes with its parameter, a reduce-scatter with its gradient).
+Within a stage, a node is in the FORWARD half when the tracer recorded it in forward or a
+forward node needs it (the all-gathers forward reads), otherwise in the BACKWARD half (the
+re-gathers for backward, the reduce-scatters). Nodes without a stage (ops on the batch alone)
+are copied into every half that reads them.
+
+Values are named by their node in the full graph (``Key``). A half takes the values it reads
+but does not compute and returns the values anything else reads, so one dict per micro-batch
+carries a stage's values from its forward to its backward. Every value one stage computes and
+another reads is a :class:`Transfer`: forward values travel to later stages right after the
+producer's forward, gradients (and any value an earlier stage's backward reads) to earlier
+stages right after the producer's backward. Every rank cuts the same graph the same way, so
+both ends of a transfer agree on its tag, shape and dtype without talking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from gm_trace import node_meta
+from gm_trace.joint_graph import JointGraph
+from gm_trace.stage_split import PipelineSplitError, check_flow, derive_stage, node_phase
+
+__all__ = ["HalfGraph", "PipelineCut", "Slot", "StageProgram", "Transfer", "cut_pipeline"]
+
+FORWARD, BACKWARD = "forward", "backward"
+
+Key = str
+"""A value of the full graph: its node's name."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A placeholder of the full graph, filled by the runtime: a state tensor by FQN or the
+    ``index``-th tensor leaf of ``(input, label)``."""
+
+    fqn: str | None
+    index: int | None
+
+
+@dataclass(frozen=True)
+class HalfGraph:
+    """One half of one stage: ``graph_module(*values of inputs) -> values of outputs``."""
+
+    graph_module: fx.GraphModule
+    inputs: tuple[Key, ...]
+    outputs: tuple[Key, ...]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One value sent from stage ``src`` to stage ``dst`` once per micro-batch."""
+
+    key: Key
+    src: int
+    dst: int
+    phase: str
+    """When it travels: right after the producer's ``"forward"`` or ``"backward"``."""
+    tag: int
+    """Its index among all transfers: with the micro-batch, the point-to-point tag."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes per micro-batch."""
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class StageProgram:
+    """What one stage runs per micro-batch and what it exchanges."""
+
+    stage: int
+    forward: HalfGraph
+    backward: HalfGraph
+    slots: Mapping[Key, Slot]
+    """The placeholders either half reads, filled from the model and the micro-batch."""
+    sends: tuple[Transfer, ...]
+    receives: tuple[Transfer, ...]
+    keep: tuple[Key, ...]
+    """Values held from a micro-batch's forward to its backward (saved activations,
+    received inputs backward reads, values sent after backward)."""
+    grads: Mapping[Key, tuple[str, ...]]
+    """Gradient outputs this stage computes: key -> the parameter FQNs it is the gradient of."""
+    loss: Key | None
+    """The loss, on the stage that computes it."""
+
+    def transfers(self, direction: str, phase: str) -> tuple[Transfer, ...]:
+        """This stage's ``"send"`` or ``"receive"`` transfers of ``phase``."""
+        found = self.sends if direction == "send" else self.receives
+        return tuple(t for t in found if t.phase == phase)
+
+
+@dataclass(frozen=True)
+class PipelineCut:
+    """Every stage's program; every rank computes the same one."""
+
+    programs: tuple[StageProgram, ...]
+    transfers: tuple[Transfer, ...]
+    loss_stage: int
+
+    def boundary_bytes(self) -> list[int]:
+        """Bytes per micro-batch crossing each boundary ``s | s+1``, both directions."""
+        crossing = [0] * (len(self.programs) - 1)
+        for t in self.transfers:
+            for boundary in range(min(t.src, t.dst), max(t.src, t.dst)):
+                crossing[boundary] += t.nbytes
+        return crossing
+
+
+def cut_pipeline(joint: JointGraph, n_stages: int) -> PipelineCut:
+    """Cut ``joint`` (staged by the ``pp_stages`` pass, then rewritten by later passes) into
+    ``n_stages`` stage programs."""
+    graph = joint.graph_module.graph
+    nodes = list(graph.nodes)
+    stage = _stages(nodes)
+    half = _halves(nodes, stage)
+    check_flow(graph)
+    output = graph.output_node()
+    slots = _slots(nodes)
+
+    transfers = _transfers(nodes, stage, half)
+    results = output.args[0]
+    loss_node = results[0]
+    grad_of: dict[fx.Node, tuple[str, ...]] = {}
+    for fqn, index in joint.grad_output_index.items():
+        grad_of.setdefault(results[index], ())
+        grad_of[results[index]] += (fqn,)
+    programs = []
+    for s in range(n_stages):
+        members = {
+            phase: [
+                n
+                for n in nodes
+                if n.op == "call_function" and stage.get(n) == s and half.get(n) == phase
+            ]
+            for phase in (FORWARD, BACKWARD)
+        }
+        halves = {
+            phase: _half_graph(joint.graph_module, members[phase], stage) for phase in members
+        }
+        for value in grad_of:
+            if stage.get(value) == s and half.get(value) != BACKWARD:
+                raise PipelineSplitError(
+                    f"the gradient {value.name!r} of {grad_of[value]} is computed in stage "
+                    f"{s}'s forward; the pipeline runtime expects gradients from backward"
+                )
+        sends = tuple(t for t in transfers if t.src == s)
+        receives = tuple(t for t in transfers if t.dst == s)
+        received = {t.key for t in receives}
+        keep = {k for k in halves[BACKWARD].inputs if k not in slots}
+        keep |= {t.key for t in sends if t.phase == BACKWARD}
+        programs.append(
+            StageProgram(
+                stage=s,
+                forward=halves[FORWARD],
+                backward=halves[BACKWARD],
+                slots={
+                    k: slots[k]
+                    for k in {*halves[FORWARD].inputs, *halves[BACKWARD].inputs}
+                    if k in slots and k not in received
+                },
+                sends=sends,
+                receives=receives,
+                keep=tuple(sorted(keep)),
+                grads={v.name: fqns for v, fqns in grad_of.items() if stage.get(v) == s},
+                loss=loss_node.name if stage.get(loss_node) == s else None,
+            )
+        )
+    loss_stage = stage.get(loss_node)
+    if loss_stage is None:
+        raise PipelineSplitError("the loss does not depend on any stage's parameters")
+    return PipelineCut(tuple(programs), tuple(transfers), loss_stage)
+
+
+def _stages(nodes: list[fx.Node]) -> dict[fx.Node, int]:
+    """Every node's stage; nodes later passes inserted are derived from their inputs."""
+    for node in nodes:
+        if node.op != "output" and node.meta.get(node_meta.STAGE) is None:
+            node.meta[node_meta.STAGE] = derive_stage(node)
+    return {n: n.meta[node_meta.STAGE] for n in nodes if n.meta.get(node_meta.STAGE) is not None}
+
+
+def _halves(nodes: list[fx.Node], stage: dict[fx.Node, int]) -> dict[fx.Node, str]:
+    """``"forward"`` or ``"backward"`` for every staged node (placeholders: forward)."""
+    half: dict[fx.Node, str] = {}
+    for node in nodes:  # recorded phases; anything reading a backward value is backward
+        if node not in stage:
+            continue
+        phase = FORWARD if node.op == "placeholder" else node_phase(node)
+        if node.meta.get(node_meta.REGATHER):  # the reshard pass's copies serve backward
+            phase = BACKWARD
+        if phase is None and any(half.get(n) == BACKWARD for n in node.all_input_nodes):
+            phase = BACKWARD
+        if phase is not None:
+            half[node] = phase
+    for node in reversed(nodes):  # the rest: forward when forward reads it
+        if node in stage and node not in half:
+            half[node] = FORWARD if any(half.get(u) == FORWARD for u in node.users) else BACKWARD
+    return half
+
+
+def _slots(nodes: list[fx.Node]) -> dict[Key, Slot]:
+    slots: dict[Key, Slot] = {}
+    index = 0
+    for node in nodes:
+        if node.op != "placeholder":
+            continue
+        if node.meta.get(node_meta.ROLE) == "input":
+            slots[node.name] = Slot(None, index)
+            index += 1
+        else:
+            slots[node.name] = Slot(node.meta[node_meta.FQN], None)
+    return slots
+
+
+def _transfers(
+    nodes: list[fx.Node], stage: dict[fx.Node, int], half: dict[fx.Node, str]
+) -> list[Transfer]:
+    transfers: list[Transfer] = []
+    for node in nodes:
+        if node not in stage:
+            continue
+        readers = sorted({stage[u] for u in node.users if u in stage} - {stage[node]})
+        for dst in readers:
+            phase = FORWARD if dst > stage[node] else BACKWARD
+            if phase == FORWARD and half[node] == BACKWARD:  # check_flow raises first
+                raise PipelineSplitError(f"{node.name!r} would flow forward from a backward")
+            val = node.meta["val"]
+            transfers.append(
+                Transfer(
+                    node.name, stage[node], dst, phase, len(transfers), tuple(val.shape), val.dtype
+                )
+            )
+    return transfers
+
+
+def _half_graph(
+    root: fx.GraphModule, members: list[fx.Node], stage: dict[fx.Node, int]
+) -> HalfGraph:
+    """The graph of ``members`` (in graph order) plus the unstaged ops they read."""
+    chosen = set(members)
+    stack = [n for m in members for n in m.all_input_nodes]
+    while stack:  # unstaged ops on the batch and constants: compute them here too
+        node = stack.pop()
+        if node not in stage and node.op == "call_function" and node not in chosen:
+            chosen.add(node)
+            stack.extend(node.all_input_nodes)
+    ordered = [n for n in root.graph.nodes if n in chosen]
+    inputs = [
+        n for n in dict.fromkeys(i for m in ordered for i in m.all_input_nodes) if n not in chosen
+    ]
+    inputs = [n for n in inputs if n.op != "get_attr"] + [n for n in inputs if n.op == "get_attr"]
+    outputs = [
+        m
+        for m in members
+        if any(u.op == "output" or (u in stage and u not in chosen) for u in m.users)
+    ]
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in inputs:
+        if node.op == "get_attr":  # a constant of the full graph: read it from the root
+            env[node] = graph.get_attr(node.target)
+        else:
+            env[node] = graph.placeholder(node.name)
+            env[node].meta = dict(node.meta)
+    for node in ordered:
+        env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output(tuple(env[n] for n in outputs))
+    graph.lint()
+    return HalfGraph(
+        fx.GraphModule(root, graph),
+        tuple(n.name for n in inputs if n.op != "get_attr"),
+        tuple(n.name for n in outputs),
+    )

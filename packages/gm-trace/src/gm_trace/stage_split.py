@@ -1,0 +1,198 @@
+"""``PipelineStagesPass`` (pass name ``pp_stages``): give every node of the joint graph the
+pipeline stage that computes it.
+
+Runs on the traced graph, before ``fsdp``. The stages come from ``PassPlan.pp_stages`` or, when
+none are named, from a balanced split of the model's blocks (``layers.3``, ``tok_emb``) in the
+order the forward first uses them. Each node is assigned, in ``meta[STAGE]``:
+
+- a state placeholder: the stage owning its FQN;
+- an op recorded inside a module (``nn_module_stack``; backward ops inherit their forward op's
+  stack): that module's stage;
+- any other op (the loss, glue code in ``forward``, nodes later passes insert): derived from
+  its inputs by :func:`derive_stage` — in forward the latest stage among them, in backward the
+  earliest stage among its gradient inputs;
+- batch placeholders, constants and ops on them alone: no stage (every rank has the batch, so
+  every stage that needs them computes them).
+
+Data may only flow the way a pipeline runs: forward values to later stages, backward values to
+earlier ones. A cut that breaks this (a forward op fed by a later stage, a backward value an
+earlier stage would need in its forward) is a :class:`PipelineSplitError` naming both ops,
+raised before anything runs. :mod:`gm_trace.stage_cut` then cuts the graph the passes left into
+per-stage forward and backward graphs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from gm_config import ConfigError, PassConfig, PassPlan
+from gm_config.pipeline_stages import (
+    balanced_stages,
+    resolve_stages,
+    stage_of,
+    stage_param_counts,
+)
+from gm_passes import GraphPass, PassContext, PassResult
+from gm_trace import node_meta
+from gm_trace.joint_graph import PIPELINE_STAGES
+from gm_trace.sharding import block_of
+
+__all__ = [
+    "PipelineSplitError",
+    "PipelineStagesPass",
+    "StageAssignment",
+    "check_flow",
+    "derive_stage",
+    "node_phase",
+]
+
+
+class PipelineSplitError(ConfigError):
+    """The pipeline stages cannot be cut from this graph as configured."""
+
+
+@dataclass(frozen=True)
+class StageAssignment:
+    """Which modules each pipeline stage owns, as the ``pp_stages`` pass decided."""
+
+    stages: tuple[tuple[str, ...], ...]
+    """Per stage, the module or parameter FQNs it owns (ranges expanded)."""
+
+    param_counts: tuple[int, ...]
+    """Parameter elements per stage."""
+
+    automatic: bool
+    """True when the stages were balanced automatically (no ``PassPlan.pp_stages``)."""
+
+
+class PipelineStagesPass(GraphPass):
+    """Assign each node a pipeline stage (see module docstring)."""
+
+    name = "pp_stages"
+    runs_after = ("canonicalize",)
+    runs_before = ("fsdp",)
+    options = ("pp_degree",)
+
+    @classmethod
+    def enabled_by(cls, config: PassConfig, plan: PassPlan | None) -> str | None:
+        return "PassConfig.pp_degree" if config.pp_degree > 1 else None
+
+    def run(self, graph_module: fx.GraphModule, ctx: PassContext) -> PassResult:
+        graph = graph_module.graph
+        numels = {
+            n.meta[node_meta.FQN]: n.meta["val"].numel()
+            for n in graph.nodes
+            if n.op == "placeholder" and n.meta.get(node_meta.ROLE) == "param"
+        }
+        named = ctx.plan.pp_stages if ctx.plan is not None else None
+        degree = ctx.config.pp_degree
+        if named is not None:
+            modules = [name for name, _ in ctx.model.named_modules()] if ctx.model else []
+            stages = resolve_stages(named, degree, modules, numels)
+        else:
+            stages = balanced_stages(_blocks_in_use_order(graph, numels), degree)
+        for node in graph.nodes:
+            node.meta[node_meta.STAGE] = _explicit_stage(node, stages)
+        for node in graph.nodes:
+            if node.meta[node_meta.STAGE] is None:
+                node.meta[node_meta.STAGE] = derive_stage(node)
+        check_flow(graph)
+        counts = tuple(stage_param_counts(stages, numels))
+        ctx.publish(PIPELINE_STAGES, StageAssignment(stages, counts, named is None))
+        ctx.record(self.name, stages=[list(s) for s in stages], params_per_stage=list(counts))
+        return PassResult(graph_module, True)
+
+
+def _blocks_in_use_order(graph: fx.Graph, numels: Mapping[str, int]) -> list[tuple[str, int]]:
+    """The parameters' blocks with their sizes, ordered by the forward op that first reads
+    one of their parameters."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    first_use: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op != "placeholder" or node.meta.get(node_meta.ROLE) != "param":
+            continue
+        fqn = node.meta[node_meta.FQN]
+        block = block_of(fqn, None) or fqn  # a parameter of the root is a block of its own
+        uses = [order[u] for u in node.users if node_phase(u) == "forward"]
+        first_use[block] = min(first_use.get(block, len(order)), *uses, len(order))
+        sizes[block] = sizes.get(block, 0) + numels[fqn]
+    return [(block, sizes[block]) for block in sorted(first_use, key=first_use.__getitem__)]
+
+
+def _explicit_stage(node: fx.Node, stages: tuple[tuple[str, ...], ...]) -> int | None:
+    if node.op == "placeholder":
+        fqn = node.meta.get(node_meta.FQN)
+        return stage_of(fqn, stages) if fqn is not None else None
+    for path, _ in reversed(list(node.meta.get("nn_module_stack", {}).values())):
+        found = stage_of(path, stages) if path else None
+        if found is not None:
+            return found
+    return None
+
+
+def node_phase(node: fx.Node) -> str | None:
+    """``"forward"`` / ``"backward"`` as the tracer recorded it; ``None`` for placeholders and
+    nodes that passes inserted without one."""
+    return node.meta.get(node_meta.PHASE)
+
+
+def derive_stage(node: fx.Node) -> int | None:
+    """The stage of a node no module places: forward values run where their latest input
+    is; a backward value runs where the earliest gradient it reads is (gradients flow to
+    earlier stages); nodes without staged inputs have none."""
+    if node.op != "call_function":
+        return None
+    staged = [(n, n.meta.get(node_meta.STAGE)) for n in node.all_input_nodes]
+    staged = [(n, s) for n, s in staged if s is not None]
+    if not staged:
+        return None
+    if node_phase(node) == "backward":
+        grads = [s for n, s in staged if node_phase(n) == "backward"]
+        if grads:
+            return min(grads)
+    return max(s for _, s in staged)
+
+
+def check_flow(graph: fx.Graph) -> None:
+    """Raise :class:`PipelineSplitError` for an edge the pipeline cannot carry: a forward op
+    fed by a later stage, a later stage fed by an earlier stage's backward, or anything but
+    a tensor crossing a boundary."""
+    for node in graph.nodes:
+        dst = node.meta.get(node_meta.STAGE)
+        if dst is None or node.op == "output":
+            continue
+        for src_node in node.all_input_nodes:
+            src = src_node.meta.get(node_meta.STAGE)
+            if src is None or src == dst:
+                continue
+            if src > dst and node_phase(node) != "backward":
+                raise PipelineSplitError(
+                    f"{_describe(node)} runs in stage {dst} but reads {_describe(src_node)} "
+                    f"from the later stage {src}: the stage boundaries cut the forward "
+                    "against its data flow; move these modules into one stage or reorder "
+                    "the stages"
+                )
+            if src < dst and node_phase(src_node) == "backward":
+                raise PipelineSplitError(
+                    f"{_describe(node)} in stage {dst} needs the backward value "
+                    f"{_describe(src_node)} of the earlier stage {src}, which runs after it; "
+                    "move these modules into one stage"
+                )
+            if not isinstance(src_node.meta.get("val"), torch.Tensor):
+                raise PipelineSplitError(
+                    f"{_describe(src_node)} crosses from stage {src} to stage {dst} but is "
+                    f"not a tensor ({type(src_node.meta.get('val')).__name__}): a "
+                    "data-dependent value cannot be sent between stages; cut elsewhere"
+                )
+
+
+def _describe(node: fx.Node) -> str:
+    stack = list(node.meta.get("nn_module_stack", {}).values())
+    where = f" in module {stack[-1][0]!r}" if stack and stack[-1][0] else ""
+    fqn = node.meta.get(node_meta.FQN)
+    return f"{node.name!r}" + (f" ({fqn})" if fqn else where)

@@ -1,0 +1,299 @@
+"""Run one ``train_step`` batch through the pipeline: this rank's stage, every micro-batch.
+
+``GraphTrainer`` hands a batch here when ``PassConfig.pp_degree > 1``. The batch (the same on
+every rank of a pipeline) is split along dim 0 into ``pp_microbatches``; the joint graph is
+traced for one micro-batch, run through the passes (``pp_stages`` first, then FSDP within each
+stage) and cut into per-stage forward and backward graphs (:mod:`gm_trace.stage_cut`). This
+rank runs its stage's halves in the schedule's order (:mod:`gm_trainer.pipeline_schedule`),
+receiving what earlier stages computed for a forward and what later stages computed for a
+backward, and adds the mean of the micro-batches' gradients to its parameters' ``.grad``. The
+loss comes from the stage that computes it, averaged over micro-batches, to every rank.
+
+Sends never block (``isend``, waited at the end of the step); a receive blocks until its
+value arrives, which is what the measured bubble counts. Parameters of other stages are freed
+on this rank: it never reads them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from gm_config import ConfigError
+from gm_trace import node_meta
+from gm_trace.joint_graph import JointGraph
+from gm_trace.signature import InputSignature, flatten_io
+from gm_trace.stage_cut import FORWARD, PipelineCut, StageProgram, Transfer, cut_pipeline
+from gm_trainer.errors import TrainingError
+from gm_trainer.gradients import add_to_grad
+from gm_trainer.pipeline_schedule import Action, in_flight, stage_actions
+
+if TYPE_CHECKING:
+    from gm_trainer.trainer import GraphTrainer
+
+Env = dict[str, torch.Tensor]
+
+
+@dataclass
+class PipelineStats:
+    """What the last ``train_step`` measured on this rank."""
+
+    step_s: float = 0.0
+    """Wall time of the whole schedule."""
+    wait_s: float = 0.0
+    """Time spent waiting for values from other stages: the bubble."""
+    peak_held_bytes: int = 0
+    """The most bytes of activations held between micro-batches' forward and backward."""
+    steps: int = 0
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of the step this stage waited for other stages."""
+        return self.wait_s / self.step_s if self.step_s else 0.0
+
+
+@dataclass
+class _Step:
+    """The state of one schedule run."""
+
+    batches: list[list[torch.Tensor]]
+    state: dict[str, torch.Tensor]
+    weight: float
+    envs: dict[int, Env] = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    pending: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
+
+
+class PipelineRunner:
+    """One rank's stage of a pipeline-parallel ``GraphTrainer``."""
+
+    def __init__(self, trainer: GraphTrainer) -> None:
+        self.trainer = trainer
+        self.cut: PipelineCut | None = None
+        self.program: StageProgram | None = None
+        self.stats = PipelineStats()
+        self._joint: JointGraph | None = None
+
+    # ------------------------------------------------------------------ set-up
+
+    @property
+    def stage(self) -> int:
+        """This rank's stage."""
+        return self.trainer.run.pp_stage
+
+    def _adopt(self, joint: JointGraph) -> None:
+        config = self.trainer.run.pass_config
+        self.cut = cut_pipeline(joint, config.pp_degree)
+        self.program = self.cut.programs[self.stage]
+        self._joint = joint
+        self._free_other_stages(joint)
+
+    def _free_other_stages(self, joint: JointGraph) -> None:
+        """Drop the storage of parameters another stage owns: nothing here reads them."""
+        theirs = {
+            n.meta[node_meta.FQN]
+            for n in joint.graph_module.graph.nodes
+            if n.op == "placeholder"
+            and n.meta.get(node_meta.ROLE) == "param"
+            and n.meta.get(node_meta.STAGE) not in (None, self.stage)
+        }
+        for fqn in theirs:
+            param = self.trainer.model.get_parameter(fqn)
+            param.data = param.data.new_empty(0)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, input: Any, label: Any, weight: float) -> torch.Tensor:
+        """Run the schedule for one batch; add ``weight`` x the mean micro-batch gradient."""
+        trainer = self.trainer
+        config = trainer.pass_config
+        micro = split_microbatches(input, label, config.pp_microbatches)
+        if self._joint is None:
+            self._adopt(trainer.compile(*micro[0]))
+        elif InputSignature.of(*micro[0]) != self._joint.input_signature:
+            raise TrainingError(
+                "a pipeline-parallel trainer runs one micro-batch shape, traced with\n"
+                f"{self._joint.input_signature.describe()}\nbut this batch's micro-batches "
+                f"are\n{InputSignature.of(*micro[0]).describe()}\nkeep the batch shape and "
+                "pp_microbatches fixed"
+            )
+        model = trainer.model
+        state = dict(model.named_parameters())
+        state.update(model.named_buffers())
+        batches = [
+            [leaf for leaf in pytree.tree_leaves(mb) if isinstance(leaf, torch.Tensor)]
+            for mb in micro
+        ]
+        step = _Step(batches, state, weight / len(micro))
+        actions = stage_actions(config.pp_schedule, self.stage, config.pp_degree, len(micro))
+        started = time.perf_counter()
+        self.stats.wait_s = 0.0
+        params = {t.untyped_storage().data_ptr() for t in state.values()}
+        held = peak = 0
+        for action in actions:
+            if action.phase == FORWARD:
+                self._forward(step, action.microbatch)
+                held += _bytes(step.envs[action.microbatch], params)
+                peak = max(peak, held)
+            else:
+                held -= _bytes(step.envs[action.microbatch], params)
+                self._backward(step, action.microbatch)
+        for work, _ in step.pending:
+            work.wait()
+        loss = self._loss(step)
+        self.stats.step_s = time.perf_counter() - started
+        self.stats.peak_held_bytes = peak
+        self.stats.steps += 1
+        return loss
+
+    def _forward(self, step: _Step, m: int) -> None:
+        program = self.program
+        env = self._slots(step, m)
+        self._receive(program.transfers("receive", FORWARD), m, env)
+        _run(program.forward.graph_module, program.forward.inputs, program.forward.outputs, env)
+        self._send(step, program.transfers("send", FORWARD), m, env)
+        if program.loss is not None:
+            step.losses.append(env[program.loss].detach())
+        step.envs[m] = {k: env[k] for k in program.keep if k in env}
+
+    def _backward(self, step: _Step, m: int) -> None:
+        program = self.program
+        env = {**self._slots(step, m), **step.envs.pop(m)}
+        self._receive(program.transfers("receive", "backward"), m, env)
+        _run(program.backward.graph_module, program.backward.inputs, program.backward.outputs, env)
+        self._send(step, program.transfers("send", "backward"), m, env)
+        for key, fqns in program.grads.items():
+            for fqn in fqns:
+                add_to_grad(self.trainer.model.get_parameter(fqn), env[key], step.weight)
+
+    def _slots(self, step: _Step, m: int) -> Env:
+        env: Env = {}
+        for key, slot in self.program.slots.items():
+            env[key] = step.state[slot.fqn] if slot.fqn is not None else step.batches[m][slot.index]
+        return env
+
+    # ------------------------------------------------------------------ communication
+
+    def _peer(self, stage: int) -> int:
+        return self.trainer.run.pp_ranks[stage]
+
+    def _tag(self, transfer: Transfer, m: int) -> int:
+        return m * len(self.cut.transfers) + transfer.tag
+
+    def _send(self, step: _Step, transfers: tuple[Transfer, ...], m: int, env: Env) -> None:
+        for t in transfers:
+            tensor = env[t.key].detach().contiguous()
+            step.pending.append(
+                (dist.isend(tensor, self._peer(t.dst), tag=self._tag(t, m)), tensor)
+            )
+
+    def _receive(self, transfers: tuple[Transfer, ...], m: int, env: Env) -> None:
+        device = self.trainer.device
+        works = []
+        for t in transfers:
+            env[t.key] = torch.empty(t.shape, dtype=t.dtype, device=device)
+            works.append(dist.irecv(env[t.key], self._peer(t.src), tag=self._tag(t, m)))
+        started = time.perf_counter()
+        for work in works:
+            work.wait()
+        self.stats.wait_s += time.perf_counter() - started
+
+    def _loss(self, step: _Step) -> torch.Tensor:
+        """The mean micro-batch loss, from the stage that computes it, on every rank."""
+        run = self.trainer.run
+        if step.losses:
+            loss = torch.stack(step.losses).mean().reshape(())
+        else:
+            dtype = self._joint.graph_module.graph.output_node().args[0][0].meta["val"].dtype
+            loss = torch.empty((), dtype=dtype, device=self.trainer.device)
+        dist.broadcast(loss, src=run.pp_ranks[self.cut.loss_stage], group=run.pp_group)
+        return loss
+
+    # ------------------------------------------------------------------ reports
+
+    def summary(self) -> str:
+        """Per stage: its modules and parameters; per boundary: bytes crossing it; this
+        rank's measured bubble and held activations."""
+        if self.cut is None:
+            return "pipeline: not compiled yet"
+        config = self.trainer.run.pass_config
+        stages = self._joint.stages
+        lines = [
+            f"pipeline: {config.pp_degree} stages, {config.pp_microbatches} micro-batches, "
+            f"schedule {config.pp_schedule}"
+            + (" (stages balanced automatically)" if stages.automatic else "")
+        ]
+        for index, (modules, count) in enumerate(zip(stages.stages, stages.param_counts)):
+            lines.append(f"  stage {index}: {count:,} parameters: {', '.join(modules)}")
+        for index, nbytes in enumerate(self.cut.boundary_bytes()):
+            lines.append(f"  boundary {index}|{index + 1}: {nbytes:,} bytes per micro-batch")
+        actions = stage_actions(
+            config.pp_schedule, self.stage, config.pp_degree, config.pp_microbatches
+        )
+        lines.append(
+            f"  this rank (stage {self.stage}): at most {in_flight(actions)} micro-batches in "
+            f"flight, {self.stats.peak_held_bytes:,} activation bytes held at peak, bubble "
+            f"{self.stats.bubble_fraction:.1%} of the last step"
+        )
+        return "\n".join(lines)
+
+
+def pipeline_runner(trainer: GraphTrainer) -> PipelineRunner | None:
+    """The runner for ``trainer``'s pipeline stage, or ``None`` when ``pp_degree`` is 1.
+    Refuses, before anything runs, what the pipeline does not combine with yet."""
+    config = trainer.pass_config
+    if config.pp_degree == 1:
+        return None
+    refused = {
+        "a mesh_context (TP / HSDP)": trainer._mesh is not None,
+        "OptimizerConfig(in_graph=True)": trainer.optimizer_config.in_graph,
+        "dynamic_dims": bool(config.dynamic_dims),
+        f"PassConfig.backend={config.backend!r}": config.backend is not None,
+    }
+    for what, present in refused.items():
+        if present:
+            raise ConfigError(
+                f"PassConfig.pp_degree={config.pp_degree} does not combine with {what} yet: "
+                "the stage graphs run as captured, with FSDP within each stage; drop one of "
+                "the two"
+            )
+    return PipelineRunner(trainer)
+
+
+def split_microbatches(input: Any, label: Any, n: int) -> list[tuple[Any, Any]]:
+    """``(input, label)`` cut into ``n`` equal micro-batches along dim 0 of every tensor leaf
+    (other leaves are repeated)."""
+    paths, leaves, spec = flatten_io(input, label)
+    columns = []
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            columns.append([leaf] * n)
+            continue
+        if leaf.dim() == 0 or leaf.shape[0] % n:
+            raise ConfigError(
+                f"PassConfig.pp_microbatches={n} must divide dim 0 of every tensor of the "
+                f"batch, but {path} has shape {tuple(leaf.shape)}; choose a batch size that "
+                f"is a multiple of {n} or another pp_microbatches"
+            )
+        columns.append(list(leaf.chunk(n)))
+    return [pytree.tree_unflatten([c[m] for c in columns], spec) for m in range(n)]
+
+
+def _run(graph_module: Any, inputs: tuple[str, ...], outputs: tuple[str, ...], env: Env) -> None:
+    with torch.no_grad():
+        results = graph_module(*(env[k] for k in inputs))
+    env.update(zip(outputs, results))
+
+
+def _bytes(env: Env, exclude: set[int]) -> int:
+    """Bytes of the distinct storages ``env`` holds, other than those in ``exclude``."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in env.values()}
+    return sum(n for ptr, n in storages.items() if ptr not in exclude)
+
+
+__all__ = ["Action", "PipelineRunner", "PipelineStats", "pipeline_runner", "split_microbatches"]

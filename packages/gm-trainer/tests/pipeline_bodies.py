@@ -1,0 +1,130 @@
+"""Rank bodies for the pipeline-parallel tests: GraphTrainer with ``pp_degree > 1`` against one
+eager process on the global batch."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hf_configs import tiny_llama
+
+from gm_config import PassConfig, PassPlan
+from gm_trace.graph_build import collective_kind
+from gm_trace.sharding_layout import full_parameter
+from gm_trace.testing import TinyGPT, lm_loss
+from gm_trace.testing.parity import parity_tolerance
+from gm_trainer import GraphTrainer
+
+STEPS, LR = 5, 1e-3
+VOCAB, SEQ = 64, 8
+
+
+def tinygpt() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return TinyGPT(vocab_size=VOCAB, dim=32, n_layers=4, n_heads=4, max_seq_len=SEQ)
+
+
+def llama() -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = tiny_llama(vocab_size=VOCAB, num_hidden_layers=4)
+    config._attn_implementation = "sdpa"
+    return transformers.LlamaForCausalLM(config)
+
+
+def llama_loss(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor):
+    logits = model(input_ids=tokens).logits
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+MODELS = {"tinygpt": (tinygpt, lm_loss), "llama": (llama, llama_loss)}
+STAGES = {
+    "tinygpt": [["tok_emb", "pos_emb", "layers.0-1"], ["layers.2-3", "norm", "lm_head"]],
+    "llama": [["model.embed_tokens", "model.layers.0-1"], ["model.layers.2-3", "model.norm", "lm_head"]],
+}
+
+
+def global_batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    stream = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=g)
+    return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
+
+
+def _eager(model, train_fn, rows: int):
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        loss = train_fn(model, *global_batch(step, rows))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, model
+
+
+def parity(
+    rank: int,
+    world: int,
+    case: str,
+    pp: int,
+    schedule: str,
+    microbatches: int,
+    named_stages: bool = True,
+) -> dict:
+    """``STEPS`` Adam steps of the pipeline (x FSDP over ``world // pp``) == one eager process
+    on the global batch; what each stage ran."""
+    make, train_fn = MODELS[case]
+    model = make()
+    dp = world // pp
+    rows_per_dp = 2 * microbatches
+    expected_losses, reference = _eager(model, train_fn, rows_per_dp * dp)
+    config = PassConfig(pp_degree=pp, pp_microbatches=microbatches, pp_schedule=schedule)
+    plan = PassPlan(pp_stages=STAGES[case]) if named_stages else None
+    trainer = GraphTrainer(model, train_fn, config, plan, optimizer_config={"lr": LR})
+    dp_index = rank % dp
+    losses = []
+    for step in range(STEPS):
+        tokens, targets = global_batch(step, rows_per_dp * dp)
+        rows = slice(dp_index * rows_per_dp, (dp_index + 1) * rows_per_dp)
+        loss = trainer.train_step(tokens[rows], targets[rows])
+        trainer.optimizer_step()
+        mean = loss.reshape(1).clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-5
+    )
+    program = trainer._pipeline.program
+    owned = set()
+    for fqns in program.grads.values():
+        owned.update(fqns)
+    worst = 0.0
+    for fqn in sorted(owned):
+        actual = full_parameter(trainer.model, fqn, trainer.sharding, trainer.fsdp_group)
+        expected = reference.get_parameter(fqn).detach()
+        torch.testing.assert_close(actual, expected, **parity_tolerance(STEPS), msg=fqn)
+        worst = max(worst, (actual - expected).abs().max().item())
+    collectives = Counter(
+        f"{half}/{collective_kind(n)}"
+        for half in ("forward", "backward")
+        for n in getattr(program, half).graph_module.graph.nodes
+        if collective_kind(n) is not None
+    )
+    stats = trainer._pipeline.stats
+    return {
+        "stage": trainer.run.pp_stage,
+        "owned": sorted(owned),
+        "worst": worst,
+        "losses": losses,
+        "collectives": dict(collectives),
+        "sends": len(program.sends),
+        "receives": len(program.receives),
+        "peak_held": stats.peak_held_bytes,
+        "bubble": stats.bubble_fraction,
+        "summary": trainer.pass_summary(),
+    }
