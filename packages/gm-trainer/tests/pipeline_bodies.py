@@ -44,7 +44,10 @@ def llama_loss(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tens
 MODELS = {"tinygpt": (tinygpt, lm_loss), "llama": (llama, llama_loss)}
 STAGES = {
     "tinygpt": [["tok_emb", "pos_emb", "layers.0-1"], ["layers.2-3", "norm", "lm_head"]],
-    "llama": [["model.embed_tokens", "model.layers.0-1"], ["model.layers.2-3", "model.norm", "lm_head"]],
+    "llama": [
+        ["model.embed_tokens", "model.layers.0-1"],
+        ["model.layers.2-3", "model.norm", "lm_head"],
+    ],
 }
 
 
@@ -127,4 +130,50 @@ def parity(
         "peak_held": stats.peak_held_bytes,
         "bubble": stats.bubble_fraction,
         "summary": trainer.pass_summary(),
+    }
+
+
+def held_activations(rank: int, world: int, microbatches: int) -> dict:
+    """Per schedule, the activation bytes this stage held at most and its bubble."""
+    found = {}
+    for schedule in ("gpipe", "1f1b"):
+        config = PassConfig(pp_degree=world, pp_microbatches=microbatches, pp_schedule=schedule)
+        plan = PassPlan(pp_stages=STAGES["tinygpt"])
+        trainer = GraphTrainer(tinygpt(), lm_loss, config, plan, optimizer_config={"lr": LR})
+        for step in range(2):
+            trainer.train_step(*global_batch(step, 2 * microbatches))
+            trainer.optimizer_step()
+        stats = trainer._pipeline.stats
+        found[schedule] = {"held": stats.peak_held_bytes, "bubble": stats.bubble_fraction}
+    return found
+
+
+def bad_configs(rank: int, world: int) -> dict:
+    """The message of each configuration the pipeline must refuse before training."""
+    tokens, targets = global_batch(0, 4)
+
+    def message(config: PassConfig, plan: PassPlan | None = None, rows: int = 4, **kw) -> str:
+        try:
+            trainer = GraphTrainer(tinygpt(), lm_loss, config, plan, **kw)
+            trainer.train_step(tokens[:rows], targets[:rows])
+        except Exception as exc:  # the type is asserted by the test
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+    pp2 = PassConfig(pp_degree=2, pp_microbatches=2)
+    return {
+        "not covered": message(
+            pp2, PassPlan(pp_stages=[["tok_emb", "layers.0-1"], ["layers.2-3"]])
+        ),
+        "no parameters": message(
+            pp2,
+            PassPlan(pp_stages=[["tok_emb", "pos_emb", "layers", "norm"], ["lm_head"]]),
+        ),
+        "against the flow": message(
+            pp2,
+            PassPlan(pp_stages=[["layers.2-3", "norm"], ["tok_emb", "pos_emb", "layers.0-1"]]),
+        ),
+        "pp does not divide": message(PassConfig(pp_degree=3)),
+        "microbatches": message(PassConfig(pp_degree=2, pp_microbatches=3)),
+        "in-graph optimizer": message(pp2, optimizer_config={"in_graph": True}),
     }

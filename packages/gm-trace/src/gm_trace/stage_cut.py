@@ -27,7 +27,7 @@ import torch.fx as fx
 
 from gm_trace import node_meta
 from gm_trace.joint_graph import JointGraph
-from gm_trace.stage_split import PipelineSplitError, check_flow, derive_stage, node_phase
+from gm_trace.stage_split import PipelineSplitError, check_flow, derive_stages, node_phase
 
 __all__ = ["HalfGraph", "PipelineCut", "Slot", "StageProgram", "Transfer", "cut_pipeline"]
 
@@ -92,6 +92,9 @@ class StageProgram:
     keep: tuple[Key, ...]
     """Values held from a micro-batch's forward to its backward (saved activations,
     received inputs backward reads, values sent after backward)."""
+    held_bytes: int
+    """Static estimate of the bytes ``keep`` holds per micro-batch (from the traced shapes;
+    views of parameters count in full)."""
     grads: Mapping[Key, tuple[str, ...]]
     """Gradient outputs this stage computes: key -> the parameter FQNs it is the gradient of."""
     loss: Key | None
@@ -132,6 +135,7 @@ def cut_pipeline(joint: JointGraph, n_stages: int) -> PipelineCut:
     slots = _slots(nodes)
 
     transfers = _transfers(nodes, stage, half)
+    by_name = {n.name: n for n in nodes}
     results = output.args[0]
     loss_node = results[0]
     grad_of: dict[fx.Node, tuple[str, ...]] = {}
@@ -175,6 +179,7 @@ def cut_pipeline(joint: JointGraph, n_stages: int) -> PipelineCut:
                 sends=sends,
                 receives=receives,
                 keep=tuple(sorted(keep)),
+                held_bytes=sum(_nbytes(by_name[k]) for k in keep),
                 grads={v.name: fqns for v, fqns in grad_of.items() if stage.get(v) == s},
                 loss=loss_node.name if stage.get(loss_node) == s else None,
             )
@@ -185,11 +190,23 @@ def cut_pipeline(joint: JointGraph, n_stages: int) -> PipelineCut:
     return PipelineCut(tuple(programs), tuple(transfers), loss_stage)
 
 
+def _nbytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
 def _stages(nodes: list[fx.Node]) -> dict[fx.Node, int]:
     """Every node's stage; nodes later passes inserted are derived from their inputs."""
-    for node in nodes:
-        if node.op != "output" and node.meta.get(node_meta.STAGE) is None:
-            node.meta[node_meta.STAGE] = derive_stage(node)
+    derive_stages(nodes[0].graph)
+    for node in reversed(nodes):
+        # A forward op the recompute pass copied into backward for another stage's backward
+        # (or for such a copy) is computed in its own stage's forward and sent instead.
+        if node.meta.get(node_meta.RECOMPUTED) and any(
+            u.meta.get(node_meta.STAGE) not in (None, node.meta[node_meta.STAGE])
+            or (u.meta.get(node_meta.RECOMPUTED) and node_phase(u) == FORWARD)
+            for u in node.users
+        ):
+            node.meta[node_meta.PHASE] = FORWARD
     return {n: n.meta[node_meta.STAGE] for n in nodes if n.meta.get(node_meta.STAGE) is not None}
 
 

@@ -235,9 +235,11 @@ class PipelineRunner:
         actions = stage_actions(
             config.pp_schedule, self.stage, config.pp_degree, config.pp_microbatches
         )
+        flight = in_flight(actions)
         lines.append(
-            f"  this rank (stage {self.stage}): at most {in_flight(actions)} micro-batches in "
-            f"flight, {self.stats.peak_held_bytes:,} activation bytes held at peak, bubble "
+            f"  this rank (stage {self.stage}): at most {flight} micro-batches in flight; "
+            f"activations held at peak {self.stats.peak_held_bytes:,} bytes measured, "
+            f"{flight * self.program.held_bytes:,} estimated; bubble "
             f"{self.stats.bubble_fraction:.1%} of the last step"
         )
         return "\n".join(lines)
