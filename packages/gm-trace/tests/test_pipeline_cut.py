@@ -15,6 +15,7 @@ from gm_trace.stage_cut import FORWARD, cut_pipeline
 from gm_trace.stage_split import PipelineSplitError
 from gm_trace.testing import ConvBN, TinyGPT, ce_loss, lm_loss, make_image_batch, make_lm_batch
 from gm_trace.testing.compile import compile_joint
+from gm_trace.testing.pipeline import run_stages_in_one_process
 
 GPT_STAGES = [["tok_emb", "pos_emb", "layers.0-1"], ["layers.2-3", "norm", "lm_head"]]
 
@@ -25,19 +26,7 @@ def _gpt() -> TinyGPT:
 
 
 def _run_stages(cut, model, batch):
-    """Every stage's forward in order, then every backward in reverse, in one process: the
-    values one stage sends are simply there for the next (one dict holds them all)."""
-    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    leaves = [x for x in torch.utils._pytree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
-    env = {}
-    for program in cut.programs:
-        for key, slot in program.slots.items():
-            env[key] = state[slot.fqn] if slot.fqn is not None else leaves[slot.index]
-    for half in [p.forward for p in cut.programs] + [p.backward for p in cut.programs[::-1]]:
-        with torch.no_grad():
-            env.update(zip(half.outputs, half.graph_module(*(env[k] for k in half.inputs))))
-    grads = {fqn: env[key] for p in cut.programs for key, fqns in p.grads.items() for fqn in fqns}
-    return env[cut.programs[cut.loss_stage].loss], grads
+    return run_stages_in_one_process(cut, model, *batch)
 
 
 def test_stages_compute_the_whole_graph_bitwise_tied_embedding():
