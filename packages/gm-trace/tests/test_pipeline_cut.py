@@ -4,6 +4,7 @@ graphs, run one after the other, compute exactly what the whole graph computes."
 from __future__ import annotations
 
 import copy
+import operator
 
 import pytest
 import torch
@@ -145,3 +146,22 @@ def test_a_stage_boundary_inside_a_block_still_cuts():
     loss, grads = _run_stages(cut_pipeline(joint, 2), model, batch)
     assert torch.equal(loss, whole.loss)
     assert all(torch.equal(grads[fqn], g) for fqn, g in whole.grads.items())
+
+
+def test_a_non_tensor_crossing_a_boundary_is_refused():
+    """Only tensors travel between stages: a multi-output op's tuple read by another stage
+    (its ``getitem`` there) is refused by name."""
+    model, batch = _gpt(), make_lm_batch()
+    joint, _ = compile_joint(
+        model, lm_loss, batch, PassConfig(pp_degree=2), PassPlan(pp_stages=GPT_STAGES)
+    )
+    graph = joint.graph_module.graph
+    tuple_reader = next(
+        n for n in graph.nodes if n.target is operator.getitem and n.meta[node_meta.STAGE] == 0
+    )
+    tuple_reader.meta[node_meta.STAGE] = 1
+    with pytest.raises(
+        PipelineSplitError,
+        match=r"crosses from stage 0 to stage 1 but is not a tensor \((list|tuple)\)",
+    ):
+        cut_pipeline(joint, 2)

@@ -213,8 +213,9 @@ def check_flow(graph: fx.Graph) -> None:
             if not isinstance(src_node.meta.get("val"), torch.Tensor):
                 raise PipelineSplitError(
                     f"{_describe(src_node)} crosses from stage {src} to stage {dst} but is "
-                    f"not a tensor ({type(src_node.meta.get('val')).__name__}): a "
-                    "data-dependent value cannot be sent between stages; cut elsewhere"
+                    f"not a tensor ({type(src_node.meta.get('val')).__name__}): only tensors "
+                    "travel between stages (a multi-output op and its readers, or a size "
+                    "computed from data, stay in one stage); cut elsewhere"
                 )
 
 

@@ -167,9 +167,12 @@ class PipelineRunner:
         self._receive(program.transfers("receive", "backward"), m, env)
         _run(program.backward.graph_module, program.backward.inputs, program.backward.outputs, env)
         self._send(step, program.transfers("send", "backward"), m, env)
+        sent = {t.key for t in program.sends}
         for key, fqns in program.grads.items():
             for fqn in fqns:
-                add_to_grad(self.trainer.model.get_parameter(fqn), env[key], step.weight)
+                # add_to_grad may scale the graph's output in place: not one still being sent
+                grad = env[key].clone() if key in sent or len(fqns) > 1 else env[key]
+                add_to_grad(self.trainer.model.get_parameter(fqn), grad, step.weight)
 
     def _slots(self, step: _Step, m: int) -> Env:
         env: Env = {}
