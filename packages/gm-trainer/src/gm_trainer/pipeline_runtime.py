@@ -9,9 +9,9 @@ receiving what earlier stages computed for a forward and what later stages compu
 backward, and adds the mean of the micro-batches' gradients to its parameters' ``.grad``. The
 loss comes from the stage that computes it, averaged over micro-batches, to every rank.
 
-Sends never block (``isend``, waited at the end of the step); a receive blocks until its
-value arrives, which is what the measured bubble counts. Parameters of other stages are freed
-on this rank: it never reads them.
+Sends never block (``isend``, waited at the end of the step); the receives of the next action
+are posted before the current one computes, and waiting for them is the measured bubble.
+Parameters of other stages are freed on this rank: it never reads them.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer
 
 Env = dict[str, torch.Tensor]
+_Receives = list[tuple[str, torch.Tensor, Any]]
 
 
 @dataclass
@@ -135,14 +136,18 @@ class PipelineRunner:
         self.stats.wait_s = 0.0
         params = {t.untyped_storage().data_ptr() for t in state.values()}
         held = peak = 0
-        for action in actions:
+        incoming = self._post_receives(actions[0])
+        for index, action in enumerate(actions):
+            # The next action's receives are posted first, so they arrive during this one.
+            following = actions[index + 1] if index + 1 < len(actions) else None
+            received, incoming = incoming, following and self._post_receives(following)
             if action.phase == FORWARD:
-                self._forward(step, action.microbatch)
+                self._forward(step, action.microbatch, received)
                 held += _bytes(step.envs[action.microbatch], params)
                 peak = max(peak, held)
             else:
                 held -= _bytes(step.envs[action.microbatch], params)
-                self._backward(step, action.microbatch)
+                self._backward(step, action.microbatch, received)
         for work, _ in step.pending:
             work.wait()
         loss = self._loss(step)
@@ -151,20 +156,20 @@ class PipelineRunner:
         self.stats.steps += 1
         return loss
 
-    def _forward(self, step: _Step, m: int) -> None:
+    def _forward(self, step: _Step, m: int, received: _Receives) -> None:
         program = self.program
         env = self._slots(step, m)
-        self._receive(program.transfers("receive", FORWARD), m, env)
+        self._wait(received, env)
         _run(program.forward.graph_module, program.forward.inputs, program.forward.outputs, env)
         self._send(step, program.transfers("send", FORWARD), m, env)
         if program.loss is not None:
             step.losses.append(env[program.loss].detach())
         step.envs[m] = {k: env[k] for k in program.keep if k in env}
 
-    def _backward(self, step: _Step, m: int) -> None:
+    def _backward(self, step: _Step, m: int, received: _Receives) -> None:
         program = self.program
         env = {**self._slots(step, m), **step.envs.pop(m)}
-        self._receive(program.transfers("receive", "backward"), m, env)
+        self._wait(received, env)
         _run(program.backward.graph_module, program.backward.inputs, program.backward.outputs, env)
         self._send(step, program.transfers("send", "backward"), m, env)
         sent = {t.key for t in program.sends}
@@ -195,15 +200,20 @@ class PipelineRunner:
                 (dist.isend(tensor, self._peer(t.dst), tag=self._tag(t, m)), tensor)
             )
 
-    def _receive(self, transfers: tuple[Transfer, ...], m: int, env: Env) -> None:
-        device = self.trainer.device
-        works = []
-        for t in transfers:
-            env[t.key] = torch.empty(t.shape, dtype=t.dtype, device=device)
-            works.append(dist.irecv(env[t.key], self._peer(t.src), tag=self._tag(t, m)))
+    def _post_receives(self, action: Action) -> _Receives:
+        """Post the receives ``action`` needs; their buffers fill in the background."""
+        posted = []
+        for t in self.program.transfers("receive", action.phase):
+            buffer = torch.empty(t.shape, dtype=t.dtype, device=self.trainer.device)
+            work = dist.irecv(buffer, self._peer(t.src), tag=self._tag(t, action.microbatch))
+            posted.append((t.key, buffer, work))
+        return posted
+
+    def _wait(self, received: _Receives, env: Env) -> None:
         started = time.perf_counter()
-        for work in works:
+        for key, buffer, work in received:
             work.wait()
+            env[key] = buffer
         self.stats.wait_s += time.perf_counter() - started
 
     def _loss(self, step: _Step) -> torch.Tensor:
