@@ -78,6 +78,7 @@ def parity(
     schedule: str,
     microbatches: int,
     named_stages: bool = True,
+    virtual: int = 1,
 ) -> dict:
     """``STEPS`` Adam steps of the pipeline (x FSDP over ``world // pp``) == one eager process
     on the global batch; what each stage ran."""
@@ -86,7 +87,12 @@ def parity(
     dp = world // pp
     rows_per_dp = 2 * microbatches
     expected_losses, reference = _eager(model, train_fn, rows_per_dp * dp)
-    config = PassConfig(pp_degree=pp, pp_microbatches=microbatches, pp_schedule=schedule)
+    config = PassConfig(
+        pp_degree=pp,
+        pp_microbatches=microbatches,
+        pp_schedule=schedule,
+        pp_virtual_stages=virtual,
+    )
     plan = PassPlan(pp_stages=STAGES[case]) if named_stages else None
     trainer = GraphTrainer(model, train_fn, config, plan, optimizer_config={"lr": LR})
     dp_index = rank % dp
@@ -102,10 +108,8 @@ def parity(
     torch.testing.assert_close(
         torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-5
     )
-    program = trainer._pipeline.program
-    owned = set()
-    for fqns in program.grads.values():
-        owned.update(fqns)
+    programs = list(trainer._pipeline.programs.values())
+    owned = {fqn for program in programs for fqns in program.grads.values() for fqn in fqns}
     worst = 0.0
     for fqn in sorted(owned):
         actual = full_parameter(trainer.model, fqn, trainer.sharding, trainer.fsdp_group)
@@ -114,6 +118,7 @@ def parity(
         worst = max(worst, (actual - expected).abs().max().item())
     collectives = Counter(
         f"{half}/{collective_kind(n)}"
+        for program in programs
         for half in ("forward", "backward")
         for n in getattr(program, half).graph_module.graph.nodes
         if collective_kind(n) is not None
@@ -125,8 +130,9 @@ def parity(
         "worst": worst,
         "losses": losses,
         "collectives": dict(collectives),
-        "sends": len(program.sends),
-        "receives": len(program.receives),
+        "stages": sorted(trainer._pipeline.programs),
+        "sends": sum(len(p.sends) for p in programs),
+        "receives": sum(len(p.receives) for p in programs),
         "peak_held": stats.peak_held_bytes,
         "bubble": stats.bubble_fraction,
         "summary": trainer.pass_summary(),

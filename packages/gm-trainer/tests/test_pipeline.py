@@ -6,7 +6,7 @@ from __future__ import annotations
 import pipeline_bodies as bodies
 import pytest
 
-from gm_trainer.pipeline_schedule import Action, in_flight, stage_actions
+from gm_trainer.pipeline_schedule import Action, in_flight, interleaved_actions, rank_actions
 
 pytestmark = pytest.mark.distributed
 
@@ -51,6 +51,14 @@ def test_pp2_fsdp2_matches_eager_and_counts_its_communication(dist_pool):
     assert all(r["sends"] == 2 and r["receives"] == 2 for r in results)
 
 
+def test_interleaved_1f1b_with_two_stages_per_rank_matches_eager(dist_pool):
+    results = dist_pool(2).run(
+        bodies.parity, "tinygpt", 2, "interleaved_1f1b", 4, False, 2, timeout=300
+    )
+    assert [r["stages"] for r in results] == [[0, 2], [1, 3]]
+    assert "4 stages on 2 ranks" in results[0]["summary"]
+
+
 def test_automatic_stages_balance_parameters_and_match_eager(dist_pool):
     results = dist_pool(2).run(bodies.parity, "llama", 2, "1f1b", 2, False, timeout=300)
     summary = results[0]["summary"]
@@ -87,7 +95,7 @@ def test_bad_pipeline_configurations_are_clear_errors(dist_pool):
 
 
 @pytest.mark.parametrize(
-    ("schedule", "stage", "expected"),
+    ("schedule", "rank", "expected"),
     [
         ("gpipe", 0, "F0 F1 F2 F3 B0 B1 B2 B3"),
         ("1f1b", 0, "F0 F1 F2 F3 B0 B1 B2 B3"),
@@ -95,8 +103,46 @@ def test_bad_pipeline_configurations_are_clear_errors(dist_pool):
         ("1f1b", 3, "F0 B0 F1 B1 F2 B2 F3 B3"),
     ],
 )
-def test_schedules_order_forwards_and_backwards(schedule, stage, expected):
-    actions = stage_actions(schedule, stage, 4, 4)
+def test_schedules_order_forwards_and_backwards(schedule, rank, expected):
+    actions = rank_actions(schedule, rank, 4, 4)
     assert " ".join(f"{a.phase[0].upper()}{a.microbatch}" for a in actions) == expected
-    assert in_flight(actions) == (4 if schedule == "gpipe" else 4 - stage)
-    assert in_flight([Action("forward", 0), Action("backward", 0)]) == 1
+    assert in_flight(actions) == (4 if schedule == "gpipe" else 4 - rank)
+
+
+@pytest.mark.parametrize(("ranks", "virtual", "microbatches"), [(2, 2, 4), (4, 2, 8), (2, 3, 6)])
+def test_interleaved_orders_run_everything_after_what_it_reads(ranks, virtual, microbatches):
+    orders = interleaved_actions(ranks, virtual, microbatches)
+    n_stages = ranks * virtual
+    for rank, order in enumerate(orders):  # every action of the rank's stages, once
+        assert sorted(order) == sorted(
+            Action(phase, m, s)
+            for phase in ("forward", "backward")
+            for m in range(microbatches)
+            for s in range(rank, n_stages, ranks)
+        )
+    # Replay the orders with blocking dependencies: a deadlock would leave actions behind.
+    done, cursors = set(), [0] * ranks
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank, order in enumerate(orders):
+            if cursors[rank] == len(order):
+                continue
+            a = order[cursors[rank]]
+            needs = (
+                [Action("forward", a.microbatch, a.stage - 1)]
+                if a.phase == "forward"
+                else [
+                    Action("forward", a.microbatch, a.stage),
+                    Action("backward", a.microbatch, a.stage + 1),
+                ]
+            )
+            if all(n in done or not 0 <= n.stage < n_stages for n in needs):
+                done.add(a)
+                cursors[rank] += 1
+                progressed = True
+    assert cursors == [len(o) for o in orders]
+    # Megatron's interleaved warm-up bounds the activations each rank holds
+    for rank, order in enumerate(orders):
+        warmup = 2 * (ranks - rank - 1) + (virtual - 1) * ranks
+        assert in_flight(order) <= warmup + 1

@@ -74,7 +74,7 @@ class PipelineStagesPass(GraphPass):
     name = "pp_stages"
     runs_after = ("canonicalize",)
     runs_before = ("fsdp",)
-    options = ("pp_degree",)
+    options = ("pp_degree", "pp_virtual_stages")
 
     @classmethod
     def enabled_by(cls, config: PassConfig, plan: PassPlan | None) -> str | None:
@@ -88,12 +88,12 @@ class PipelineStagesPass(GraphPass):
             if n.op == "placeholder" and n.meta.get(node_meta.ROLE) == "param"
         }
         named = ctx.plan.pp_stages if ctx.plan is not None else None
-        degree = ctx.config.pp_degree
+        n_stages = ctx.config.pp_degree * ctx.config.pp_virtual_stages
         if named is not None:
             modules = [name for name, _ in ctx.model.named_modules()] if ctx.model else []
-            stages = resolve_stages(named, degree, modules, numels)
+            stages = resolve_stages(named, n_stages, modules, numels)
         else:
-            stages = balanced_stages(_blocks_in_use_order(graph, numels), degree)
+            stages = balanced_stages(_blocks_in_use_order(graph, numels), n_stages)
         for node in graph.nodes:
             node.meta[node_meta.STAGE] = _explicit_stage(node, stages)
         derive_stages(graph)
