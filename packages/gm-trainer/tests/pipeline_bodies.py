@@ -182,4 +182,57 @@ def bad_configs(rank: int, world: int) -> dict:
         "pp does not divide": message(PassConfig(pp_degree=3)),
         "microbatches": message(PassConfig(pp_degree=2, pp_microbatches=3)),
         "in-graph optimizer": message(pp2, optimizer_config={"in_graph": True}),
+        "mesh without pp": message(pp2, mesh_context=_tp_mesh()),
     }
+
+
+def _tp_mesh():
+    from gm_trainer import MeshContext
+
+    return MeshContext.build(tp=2)
+
+
+def tp_parity(rank: int, world: int) -> dict:
+    """PP 2 x DTensor TP 2 (``MeshContext.build(pp=2, tp=2)``): ``STEPS`` Adam steps of an HF
+    Llama == one eager process."""
+    import dtensor_bodies
+    import mesh_bodies
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from gm_trainer import MeshContext
+
+    model = llama()
+    expected_losses, reference = _eager(model, llama_loss, 4)
+    mesh = MeshContext.build(pp=2, tp=2, dp_shard=1)
+    tp_mesh = mesh.device_mesh["tp"]
+    parallelize_module(model, tp_mesh, dtensor_bodies.llama_plan(4, sequence_parallel=False))
+    config = PassConfig(pp_degree=2, pp_microbatches=2)
+    plan = PassPlan(pp_stages=STAGES["llama"])
+    trainer = GraphTrainer(
+        model, llama_loss, config, plan, optimizer_config={"lr": LR}, mesh_context=mesh
+    )
+    losses = [
+        (trainer.train_step(*global_batch(step, 4)), trainer.optimizer_step())[0].item()
+        for step in range(STEPS)
+    ]
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-5
+    )
+    owned = {
+        fqn
+        for program in trainer._pipeline.programs.values()
+        for fqns in program.grads.values()
+        for fqn in fqns
+    }
+    for fqn in sorted(owned):
+        actual = mesh_bodies.whole_parameter(trainer, fqn, tp_mesh.get_group())
+        expected = reference.get_parameter(fqn).detach()
+        torch.testing.assert_close(actual, expected, **parity_tolerance(STEPS), msg=fqn)
+    tp_collectives = Counter(
+        collective_kind(n)
+        for program in trainer._pipeline.programs.values()
+        for half in (program.forward, program.backward)
+        for n in half.graph_module.graph.nodes
+        if collective_kind(n) is not None and n.args[-1] == "tp"
+    )
+    return {"stage": trainer.run.pp_stage, "owned": len(owned), "tp": dict(tp_collectives)}

@@ -92,6 +92,8 @@ def test_bad_pipeline_configurations_are_clear_errors(dist_pool):
     assert "pp_microbatches=3 must divide dim 0" in errors["microbatches"]
     assert "input has shape (4, 8)" in errors["microbatches"]
     assert "does not combine with OptimizerConfig(in_graph=True)" in errors["in-graph optimizer"]
+    assert errors["mesh without pp"].startswith("MeshError: PassConfig.pp_degree=2 but the mesh")
+    assert "MeshContext.build(pp=2" in errors["mesh without pp"]
 
 
 @pytest.mark.parametrize(
@@ -146,3 +148,11 @@ def test_interleaved_orders_run_everything_after_what_it_reads(ranks, virtual, m
     for rank, order in enumerate(orders):
         warmup = 2 * (ranks - rank - 1) + (virtual - 1) * ranks
         assert in_flight(order) <= warmup + 1
+
+
+def test_pp2_tp2_mesh_context_matches_eager(dist_pool):
+    results = dist_pool(4).run(bodies.tp_parity, timeout=600)
+    # rank = (stage x dp + dp index) x tp + tp index: ranks 0, 1 are stage 0's TP pair
+    assert [r["stage"] for r in results] == [0, 0, 1, 1]
+    # each stage's row-parallel linears all-reduce their outputs over "tp" in forward
+    assert all(r["tp"].get("all_reduce") for r in results)

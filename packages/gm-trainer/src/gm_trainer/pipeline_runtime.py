@@ -292,7 +292,6 @@ def pipeline_runner(trainer: GraphTrainer) -> PipelineRunner | None:
     if config.pp_degree == 1:
         return None
     refused = {
-        "a mesh_context (TP / HSDP)": trainer._mesh is not None,
         "OptimizerConfig(in_graph=True)": trainer.optimizer_config.in_graph,
         "dynamic_dims": bool(config.dynamic_dims),
         f"PassConfig.backend={config.backend!r}": config.backend is not None,
