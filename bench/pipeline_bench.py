@@ -71,7 +71,7 @@ def _rank(rank: int, world: int, layers: int, microbatches: int, steps: int) -> 
         report[schedule] = {
             "held": runner.stats.peak_held_bytes,
             "estimate": max(p.held_bytes for p in runner.programs.values())
-            * in_flight(runner._actions()),
+            * in_flight(runner.actions),
             "bubble": statistics.median(bubbles[schedule]),
             "step_ms": 1e3 * statistics.median(times[schedule]),
             "boundary": runner.cut.boundary_bytes(),

@@ -7,8 +7,8 @@ import copy
 from collections import Counter
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from eager_reference import world_mean_losses
 from hf_configs import tiny_llama
 
 from gm_config import PassConfig, PassPlan
@@ -96,15 +96,9 @@ def parity(
     plan = PassPlan(pp_stages=STAGES[case]) if named_stages else None
     trainer = GraphTrainer(model, train_fn, config, plan, optimizer_config={"lr": LR})
     dp_index = rank % dp
-    losses = []
-    for step in range(STEPS):
-        tokens, targets = global_batch(step, rows_per_dp * dp)
-        rows = slice(dp_index * rows_per_dp, (dp_index + 1) * rows_per_dp)
-        loss = trainer.train_step(tokens[rows], targets[rows])
-        trainer.optimizer_step()
-        mean = loss.reshape(1).clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+    rows = slice(dp_index * rows_per_dp, (dp_index + 1) * rows_per_dp)
+    batches = (global_batch(step, rows_per_dp * dp) for step in range(STEPS))
+    losses = world_mean_losses(trainer, ((x[rows], y[rows]) for x, y in batches))
     torch.testing.assert_close(
         torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-5
     )

@@ -28,7 +28,7 @@ from gm_config import ConfigError
 from gm_trace import node_meta
 from gm_trace.joint_graph import JointGraph
 from gm_trace.signature import InputSignature, flatten_io
-from gm_trace.stage_cut import FORWARD, PipelineCut, StageProgram, Transfer, cut_pipeline
+from gm_trace.stage_cut import BACKWARD, FORWARD, PipelineCut, StageProgram, Transfer, cut_pipeline
 from gm_trainer.errors import TrainingError
 from gm_trainer.gradients import add_to_grad
 from gm_trainer.pipeline_schedule import Action, in_flight, rank_actions
@@ -82,6 +82,8 @@ class PipelineRunner:
         self.cut: PipelineCut | None = None
         self.programs: dict[int, StageProgram] = {}
         """This rank's stages (``pp_index + k * pp_degree``) and what each runs."""
+        self.actions: list[Action] = []
+        """This rank's schedule: the order of its forward and backward halves."""
         self.stats = PipelineStats()
         self._joint: JointGraph | None = None
 
@@ -98,6 +100,13 @@ class PipelineRunner:
         self.cut = cut_pipeline(joint, n_stages)
         for stage in range(self.pp_index, n_stages, config.pp_degree):
             self.programs[stage] = self.cut.programs[stage]
+        self.actions = rank_actions(
+            config.pp_schedule,
+            self.pp_index,
+            config.pp_degree,
+            config.pp_microbatches,
+            config.pp_virtual_stages,
+        )
         self._joint = joint
         self._free_other_stages(joint)
 
@@ -138,7 +147,7 @@ class PipelineRunner:
             for mb in micro
         ]
         step = _Step(batches, state, weight / len(micro))
-        actions = self._actions()
+        actions = self.actions
         started = time.perf_counter()
         self.stats.wait_s = 0.0
         params = {t.untyped_storage().data_ptr() for t in state.values()}
@@ -164,16 +173,6 @@ class PipelineRunner:
         self.stats.steps += 1
         return loss
 
-    def _actions(self) -> list[Action]:
-        config = self.trainer.run.pass_config
-        return rank_actions(
-            config.pp_schedule,
-            self.pp_index,
-            config.pp_degree,
-            config.pp_microbatches,
-            config.pp_virtual_stages,
-        )
-
     def _forward(self, step: _Step, action: Action, received: _Receives) -> None:
         program, m = self.programs[action.stage], action.microbatch
         env = self._slots(step, program, m)
@@ -189,7 +188,7 @@ class PipelineRunner:
         env = {**self._slots(step, program, m), **step.envs.pop((program.stage, m))}
         self._wait(step, received, env)
         _run(program.backward.graph_module, program.backward.inputs, program.backward.outputs, env)
-        self._send(step, program.transfers("send", "backward"), m, env)
+        self._send(step, program.transfers("send", BACKWARD), m, env)
         sent = {t.key for t in program.sends}
         for key, fqns in program.grads.items():
             for fqn in fqns:
@@ -274,7 +273,7 @@ class PipelineRunner:
             lines.append(f"  stage {index}: {count:,} parameters: {', '.join(modules)}")
         for index, nbytes in enumerate(self.cut.boundary_bytes()):
             lines.append(f"  boundary {index}|{index + 1}: {nbytes:,} bytes per micro-batch")
-        flight = in_flight(self._actions())
+        flight = in_flight(self.actions)
         estimate = flight * max(p.held_bytes for p in self.programs.values())
         lines.append(
             f"  this rank (stage {', '.join(map(str, self.programs))}): at most {flight} "

@@ -18,8 +18,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from gm_config import PP_SCHEDULES, ConfigError
-
-FORWARD, BACKWARD = "forward", "backward"
+from gm_trace.stage_cut import BACKWARD, FORWARD
 
 
 class Action(NamedTuple):
