@@ -3,6 +3,7 @@ than a field's type, and the model, loss and FSDP plan built for ``model.source`
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,4 +156,30 @@ def build_model(job: JobConfig) -> BuiltModel:
     from gm_trainer.job.builtin_model import GPT, lm_loss
 
     model = GPT(m.vocab_size, m.dim, m.n_layers, m.n_heads, max_seq_len=m.seq_len)
-    return BuiltModel(model, lm_loss, job.sharding, "GPT")
+    sharding = job.sharding
+    pp = job.parallel.pp_degree
+    if pp > 1 and (sharding is None or "pp" not in sharding):
+        sharding = {**(sharding or {}), "pp": {"stages": builtin_stages(m.n_layers, pp)}}
+    return BuiltModel(model, lm_loss, sharding, "GPT")
+
+
+def builtin_stages(n_layers: int, pp: int) -> list[list[str]]:
+    """The built-in GPT's default pipeline stages: the layers split evenly (earlier stages
+    take one more when ``pp`` does not divide them), the embeddings on the first stage, the
+    final norm and the (tied) head on the last. The head is named: it owns no parameter of
+    its own, so a split by parameters alone would not place it."""
+    stages: list[list[str]] = [[] for _ in range(pp)]
+    stages[0] += ["tok_emb", "pos_emb"]
+    for stage, layers in enumerate(_even_ranges(n_layers, pp)):
+        stages[stage] += [f"layers.{i}" for i in layers]
+    stages[-1] += ["norm", "lm_head"]
+    return stages
+
+
+def _even_ranges(n: int, parts: int) -> list[range]:
+    """``range(n)`` cut into ``parts`` contiguous pieces, sizes differing by at most one."""
+    base, extra = divmod(n, parts)
+    bounds = [0]
+    for part in range(parts):
+        bounds.append(bounds[-1] + base + (part < extra))
+    return [range(a, b) for a, b in itertools.pairwise(bounds)]
