@@ -36,7 +36,7 @@ from gm_trainer.job.run_folder import (
     step_checkpoints,
     summarize,
 )
-from gm_trainer.job.sources import build_model, builtin_stages
+from gm_trainer.job.sources import build_model
 from gm_trainer.logs import console_logger
 
 
@@ -407,7 +407,6 @@ def test_what_a_pipeline_job_cannot_run(overrides: list[str], world: int, expect
     ],
 )
 def test_builtin_model_default_pipeline_stages(layers: int, pp: int, expected: list) -> None:
-    assert builtin_stages(layers, pp) == expected
     c = load_config(None, [f"model.n_layers={layers}", f"parallel.pp_degree={pp}"])
     assert build_model(c).pass_plan().pp_stages == tuple(tuple(s) for s in expected)
     # a pp section of the sharding YAML wins

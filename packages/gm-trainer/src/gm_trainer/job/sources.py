@@ -139,11 +139,14 @@ def build_model(job: JobConfig) -> BuiltModel:
     """Build the configured model (seed the global RNG first for identical ranks).
 
     ``sharding: null`` takes the source's default plan: for ``hf`` each decoder layer is a block.
+    Under ``parallel.pp_degree > 1`` a sharding without a ``pp`` section gets default stages
+    (:func:`default_stages`).
     """
     m = job.model
     if m.source == "hf":
         from gm_trainer.job.hf_model import (
             build_hf_model,
+            decoder_layers,
             default_sharding,
             hf_lm_loss,
             load_hf_config,
@@ -152,28 +155,48 @@ def build_model(job: JobConfig) -> BuiltModel:
         hf_config = load_hf_config(m.config)
         model = build_hf_model(hf_config, m.weights)
         plan = job.sharding if job.sharding is not None else default_sharding(model)
-        return BuiltModel(model, hf_lm_loss, plan, type(model).__name__)
-    from gm_trainer.job.builtin_model import GPT, lm_loss
+        layers, loss, name = decoder_layers(model), hf_lm_loss, type(model).__name__
+    else:
+        from gm_trainer.job.builtin_model import GPT, lm_loss
 
-    model = GPT(m.vocab_size, m.dim, m.n_layers, m.n_heads, max_seq_len=m.seq_len)
-    sharding = job.sharding
+        model = GPT(m.vocab_size, m.dim, m.n_layers, m.n_heads, max_seq_len=m.seq_len)
+        plan, layers, loss, name = (
+            job.sharding,
+            [f"layers.{i}" for i in range(m.n_layers)],
+            lm_loss,
+            "GPT",
+        )
     pp = job.parallel.pp_degree
-    if pp > 1 and (sharding is None or "pp" not in sharding):
-        sharding = {**(sharding or {}), "pp": {"stages": builtin_stages(m.n_layers, pp)}}
-    return BuiltModel(model, lm_loss, sharding, "GPT")
+    if pp > 1 and (plan is None or "pp" not in plan) and layers:
+        plan = {**(plan or {}), "pp": {"stages": default_stages(model, layers, pp)}}
+    return BuiltModel(model, loss, plan, name)
 
 
-def builtin_stages(n_layers: int, pp: int) -> list[list[str]]:
-    """The built-in GPT's default pipeline stages: the layers split evenly (earlier stages
-    take one more when ``pp`` does not divide them), the embeddings on the first stage, the
-    final norm and the (tied) head on the last. The head is named: it owns no parameter of
-    its own, so a split by parameters alone would not place it."""
+def default_stages(model: nn.Module, layers: list[str], pp: int) -> list[list[str]]:
+    """Pipeline stages for a decoder: the ``layers`` split evenly (earlier stages take one
+    more when ``pp`` does not divide them); every other module holding parameters of its own
+    goes to the first stage when it comes before the first layer, else to the last. Tied
+    heads (``lm_head``, whose weight is the embedding's) are named too: the automatic split
+    by parameters alone does not place a module that owns no parameter."""
     stages: list[list[str]] = [[] for _ in range(pp)]
-    stages[0] += ["tok_emb", "pos_emb"]
-    for stage, layers in enumerate(_even_ranges(n_layers, pp)):
-        stages[stage] += [f"layers.{i}" for i in layers]
-    stages[-1] += ["norm", "lm_head"]
+    for stage, part in enumerate(_even_ranges(len(layers), pp)):
+        stages[stage] += [layers[i] for i in part]
+    inside = tuple(layer + "." for layer in layers)
+    edges: tuple[list[str], list[str]] = ([], [])  # before the first layer, after it
+    past = 0
+    for name, module in model.named_modules():
+        if name in layers:
+            past = 1
+        elif name and not name.startswith(inside) and _owns_parameters(module):
+            edges[past].append(name)
+    stages[0][:0] = edges[0]
+    stages[-1] += edges[1]
     return stages
+
+
+def _owns_parameters(module: nn.Module) -> bool:
+    """Whether ``module`` registers a parameter itself (a tied one included)."""
+    return next(module.named_parameters(recurse=False, remove_duplicate=False), None) is not None
 
 
 def _even_ranges(n: int, parts: int) -> list[range]:
