@@ -79,7 +79,8 @@ def _owned(fqn: str, stage: int) -> bool:
 def save_resume_reload(rank: int, world: int, root: str) -> dict:
     """PP 2 (x FSDP ``world // 2``): train, save at SAVE_AT, train on. Then (1) a fresh PP
     trainer loads the checkpoint and trains the same steps, (2) a trainer without pipeline
-    parallelism (FSDP over the world) loads it and trains one step."""
+    parallelism (FSDP over the world) loads it and trains one step, (3) whose checkpoint a PP
+    trainer loads."""
     dp = world // 2
     ckpt = Path(root) / "pp"
     straight = pipeline_trainer(0)
@@ -111,6 +112,13 @@ def save_resume_reload(rank: int, world: int, root: str) -> dict:
     load_checkpoint(flat, ckpt)
     loaded = full_model_state(flat)
     flat_loss = _steps(flat, range(SAVE_AT, SAVE_AT + 1), rank, world, dp, flat=True)
+    # (3) and back: a checkpoint of the run without pipeline loads into a pipeline trainer
+    save_checkpoint(flat, Path(root) / "flat")
+    flat_full = full_model_state(flat)
+    back = pipeline_trainer(3)
+    back.compile(*[t[: ROWS // MICRO] for t in batch(0, rank, dp)])
+    load_checkpoint(back, Path(root) / "flat")
+    back_full = full_model_state(back)
     return {
         "stage": stage,
         "saved_keys": saved_keys,
@@ -120,6 +128,8 @@ def save_resume_reload(rank: int, world: int, root: str) -> dict:
         "flat_equal": all(torch.equal(loaded[k], full[k]) for k in full)
         and set(loaded) == set(full),
         "flat_loss": flat_loss,
+        "back_equal": set(back_full) == set(flat_full)
+        and all(torch.equal(back_full[k], flat_full[k]) for k in flat_full),
         "full": full if rank == 0 else None,
         "full_digest": sum(float(v.double().sum()) for v in full.values()),
         "files": _files_by_key(ckpt),

@@ -30,6 +30,7 @@ def test_pipeline_checkpoint_resumes_bitwise_and_loads_without_pipeline(tmp_path
         assert r["resumed"] == r["losses"][bodies.SAVE_AT :]
         # every rank gathered the same whole model, which a trainer without pipeline loads
         assert r["flat_equal"]
+        assert r["back_equal"]  # and a checkpoint without pipeline loads into one
         assert r["full_digest"] == results[0]["full_digest"]
     # the chunks of a stage's tensors are in the files of that stage's ranks only
     files = results[0]["files"]
