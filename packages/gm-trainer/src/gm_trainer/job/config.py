@@ -364,7 +364,7 @@ class JobConfig:
             raise ConfigError(
                 "parallel.fsdp_enabled / sharding.fsdp.enabled is off, but with "
                 f"{dp} data-parallel ranks only the fsdp pass keeps them in sync; turn it on "
-                + f"or use --nproc {pp}"
+                f"or use --nproc {pp}"
             )
 
     def to_dict(self) -> dict[str, Any]:
