@@ -36,6 +36,7 @@ from gm_trainer.job.run_folder import (
     step_checkpoints,
     summarize,
 )
+from gm_trainer.job.sources import build_model
 from gm_trainer.logs import console_logger
 
 
@@ -356,6 +357,64 @@ def test_what_gm_train_cannot_run_on_two_ranks(overrides: list[str], expected: s
     with pytest.raises(ConfigError) as info:
         c.check_world_size(2)
     assert expected in str(info.value)
+
+
+def test_pipeline_ranks_of_one_pipeline_read_the_same_rows() -> None:
+    # pp 2 on 4 ranks: 2 data-parallel ranks read 5 rows each (4 ranks would not divide 10)
+    c = load_config(None, ["parallel.pp_degree=2", "train.global_batch_size=10"])
+    c.check_world_size(2)  # one pipeline, no data parallelism
+    c.check_world_size(4)
+    with pytest.raises(
+        ConfigError, match=r"divisible by data-parallel ranks \* train.accumulation = 3 \* 1"
+    ):
+        c.check_world_size(6)
+    load_config(None, ["parallel.pp_degree=2", "parallel.fsdp_enabled=false"]).check_world_size(2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "expected"),
+    [
+        ([], 3, r"parallel.pp_degree=2 must divide the 3 rank\(s\).*use one of \[1, 3\]"),
+        (
+            ["parallel.pp_microbatches=4", "train.global_batch_size=12"],
+            4,
+            r"parallel.pp_microbatches=4 must divide the 6 rows each pipeline reads",
+        ),
+        (["dist.dp_replicate=2"], 4, r"dist.dp_replicate=2 does not combine with parallel.pp"),
+        (["parallel.fsdp_degree=4"], 4, r"the 2 rank\(s\) of each pipeline stage.*use null or 2"),
+        (["parallel.fsdp_enabled=false"], 4, r"with 2 data-parallel ranks.*--nproc 2"),
+    ],
+)
+def test_what_a_pipeline_job_cannot_run(overrides: list[str], world: int, expected: str) -> None:
+    c = load_config(None, ["parallel.pp_degree=2", *overrides])
+    with pytest.raises(ConfigError, match=expected):
+        c.check_world_size(world)
+
+
+@pytest.mark.parametrize(
+    ("layers", "pp", "expected"),
+    [
+        (
+            4,
+            2,
+            [
+                ["tok_emb", "pos_emb", "layers.0", "layers.1"],
+                ["layers.2", "layers.3", "norm", "lm_head"],
+            ],
+        ),
+        (3, 2, [["tok_emb", "pos_emb", "layers.0", "layers.1"], ["layers.2", "norm", "lm_head"]]),
+        (2, 3, [["tok_emb", "pos_emb", "layers.0"], ["layers.1"], ["norm", "lm_head"]]),
+    ],
+)
+def test_builtin_model_default_pipeline_stages(layers: int, pp: int, expected: list) -> None:
+    c = load_config(None, [f"model.n_layers={layers}", f"parallel.pp_degree={pp}"])
+    assert build_model(c).pass_plan().pp_stages == tuple(tuple(s) for s in expected)
+    # a pp section of the sharding YAML wins
+    named = load_config(None, ["parallel.pp_degree=2"])
+    named.sharding = {
+        "pp": {"stages": [["tok_emb", "pos_emb", "layers.0"], ["layers.1", "norm", "lm_head"]]}
+    }
+    assert build_model(named).pass_plan().pp_stages[0] == ("tok_emb", "pos_emb", "layers.0")
 
 
 def test_single_rank_runs_without_fsdp() -> None:

@@ -73,10 +73,12 @@ from gm_trainer.checkpoint_read import (
     latest_checkpoint,
     read_metadata,
 )
+from gm_trainer.checkpoint_stages import foreign_state, own_state
 from gm_trainer.checkpoint_state import (
     canonical_names,
     check_keys,
     check_optimizer,
+    full_model_state,
     load_trainer_state_dict,
     read_header,
     require_compiled,
@@ -95,6 +97,7 @@ __all__ = [
     "CheckpointWarning",
     "checkpoint_info",
     "export_full_state_dict",
+    "full_model_state",
     "latest_checkpoint",
     "load_checkpoint",
     "load_trainer_state_dict",
@@ -226,9 +229,9 @@ def _load_template(trainer: GraphTrainer, metadata: Metadata) -> dict[str, Any]:
     model = trainer.model
     layout = CheckpointLayout(trainer)
     names = canonical_names(model)
-    live = model.state_dict(keep_vars=True)
+    live = own_state(trainer)  # under pipeline parallelism: this rank's stage's only
     saved_model = {path[1]: md for path, md in entries.items() if path[0] == "model"}
-    check_keys("model", set(live), set(saved_model))
+    check_keys("model", set(live), set(saved_model), known=set(model.state_dict()))
 
     def empty(md: Any, piece: Piece, device: torch.device) -> torch.Tensor:
         shape = layout.local_shape(tuple(md.size), piece)
@@ -253,9 +256,10 @@ def _load_template(trainer: GraphTrainer, metadata: Metadata) -> dict[str, Any]:
         template["model"][key] = empty(md, piece, target.device)
 
     params = {names[id(p)]: p for g in trainer.optimizer.param_groups for p in g["params"]}
+    foreign = foreign_state(trainer)
     for path, md in entries.items():
-        if path[:2] != ("optim", "state"):
-            continue
+        if path[:2] != ("optim", "state") or path[2] in foreign:
+            continue  # another pipeline stage loads the state of its own parameters
         fqn, name = path[2], path[3]
         if fqn not in params:
             raise CheckpointError(

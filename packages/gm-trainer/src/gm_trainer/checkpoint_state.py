@@ -12,9 +12,11 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from gm_trainer.checkpoint_io import CHECKPOINT_FORMAT, CheckpointError, check_header
 from gm_trainer.checkpoint_layout import CheckpointLayout
+from gm_trainer.checkpoint_stages import foreign_state, gather_stages, own_state
 
 if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer
@@ -37,21 +39,16 @@ def trainer_state_dict(
     """
     require_compiled(trainer)
     extra_json = _extra_to_json(extra)  # validated on every rank, so all ranks fail alike
-    model = trainer.model
+    model_state = model_state_views(trainer)
     layout = CheckpointLayout(trainer)
-    names = canonical_names(model)
-    model_state: dict[str, Any] = {}
-    for key, value in model.state_dict(keep_vars=True).items():
-        if not isinstance(value, torch.Tensor):
-            raise CheckpointError(
-                f"model state {key!r} is a {type(value).__name__}, not a tensor; "
-                "checkpoints hold tensors only (move extra module state into `extra`)"
-            )
-        model_state[key] = layout.view(value.detach(), layout.of(names.get(id(value), "")))
+    names = canonical_names(trainer.model)
+    foreign = foreign_state(trainer)
 
     optim_state: dict[str, dict[str, torch.Tensor]] = {}
     for param, state in trainer.optimizer.state.items():
         fqn = names[id(param)]
+        if fqn in foreign:
+            continue  # another pipeline stage's parameter: that stage saves its state
         piece = layout.of(fqn)
         entry = {}
         for name, value in state.items():
@@ -95,6 +92,36 @@ def trainer_state_dict(
     return state
 
 
+def model_state_views(trainer: GraphTrainer) -> dict[str, Any]:
+    """The "model" entry of :func:`trainer_state_dict`: this rank's parameters and buffers
+    (its pipeline stage's only), sharded ones as DTensor views of the live shards."""
+    require_compiled(trainer)
+    layout = CheckpointLayout(trainer)
+    names = canonical_names(trainer.model)
+    views: dict[str, Any] = {}
+    for key, value in own_state(trainer).items():
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(
+                f"model state {key!r} is a {type(value).__name__}, not a tensor; "
+                "checkpoints hold tensors only (move extra module state into `extra`)"
+            )
+        views[key] = layout.view(value.detach(), layout.of(names.get(id(value), "")))
+    return views
+
+
+def full_model_state(trainer: GraphTrainer) -> dict[str, torch.Tensor]:
+    """A copy of the model's ``state_dict()`` with every tensor whole, on every rank; a
+    collective.
+
+    FSDP- and TP-sharded entries are gathered over their groups; under pipeline parallelism
+    each stage then broadcasts its entries over the pipeline group, so that every rank gets
+    the weights of all stages.
+    """
+    views = model_state_views(trainer)
+    full = {k: v.full_tensor() if isinstance(v, DTensor) else v.clone() for k, v in views.items()}
+    return gather_stages(trainer, full) if trainer._pipeline is not None else full
+
+
 def load_trainer_state_dict(trainer: GraphTrainer, state: Mapping[str, Any]) -> dict[str, Any]:
     """Restore ``state`` (from :func:`trainer_state_dict`, in any world size) into ``trainer``.
 
@@ -114,9 +141,9 @@ def restore(trainer: GraphTrainer, state: Mapping[str, Any], *, copy: bool) -> d
     model = trainer.model
     layout = CheckpointLayout(trainer)
     names = canonical_names(model)
-    live = model.state_dict(keep_vars=True)
+    live = own_state(trainer)
     saved = state.get("model", {})
-    check_keys("model", set(live), set(saved))
+    check_keys("model", set(live), set(saved), known=set(model.state_dict()))
     pieces = {}
     for key, target in live.items():
         where = layout.of(names.get(id(target), ""))
@@ -156,7 +183,8 @@ def _optimizer_state_dict(
     optimizer = trainer.optimizer
     params = [p for group in optimizer.param_groups for p in group["params"]]
     index = {names[id(p)]: i for i, p in enumerate(params)}
-    saved_state = saved.get("state", {})
+    foreign = foreign_state(trainer)
+    saved_state = {k: v for k, v in saved.get("state", {}).items() if k not in foreign}
     unknown = sorted(set(saved_state) - set(index))
     if unknown:
         raise CheckpointError(
@@ -210,8 +238,12 @@ def canonical_names(model: torch.nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
 
 
-def check_keys(section: str, live: set[str], saved: set[str]) -> None:
-    missing, unexpected = sorted(live - saved), sorted(saved - live)
+def check_keys(
+    section: str, live: set[str], saved: set[str], known: set[str] | None = None
+) -> None:
+    """Raise unless ``saved`` has every key of ``live`` and nothing outside ``known``
+    (default ``live``; a pipeline stage loads its keys of a checkpoint of the whole model)."""
+    missing, unexpected = sorted(live - saved), sorted(saved - (live if known is None else known))
     if missing or unexpected:
         parts = []
         if missing:

@@ -303,38 +303,68 @@ class JobConfig:
     def check_world_size(self, world_size: int) -> None:
         """Raise :class:`ConfigError` unless the job can run on ``world_size`` ranks.
 
-        gm-train shards over ``world_size / dist.dp_replicate`` ranks per replica (no TP), and
-        only the fsdp pass synchronises gradients, so several ranks need it on.
+        gm-train runs ``parallel.pp_degree`` pipeline stages, each on ``world_size /
+        pp_degree`` data-parallel ranks (the ranks of one pipeline read the same rows), and
+        shards over the data-parallel ranks of one replica (``dist.dp_replicate``; no TP).
+        Only the fsdp pass synchronises gradients, so several data-parallel ranks need it on.
         """
         t, p, replicas = self.train, self.parallel, self.dist.dp_replicate
-        if t.global_batch_size % (world_size * t.accumulation):
+        pp = p.pp_degree
+        if world_size % pp:
+            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            raise ConfigError(
+                f"parallel.pp_degree={pp} must divide the {world_size} rank(s): every pipeline "
+                f"stage runs on world_size / pp_degree ranks; use one of {divisors} (or "
+                f"--nproc a multiple of {pp})"
+            )
+        dp = world_size // pp  # ranks that read different rows
+        if pp > 1 and replicas > 1:
+            raise ConfigError(
+                f"dist.dp_replicate={replicas} does not combine with parallel.pp_degree={pp} "
+                "yet (a pipeline stage shards over all its data-parallel ranks); use 1"
+            )
+        per_pipeline = " / parallel.pp_degree" if pp > 1 else ""
+        if t.global_batch_size % (dp * t.accumulation):
             raise ConfigError(
                 f"train.global_batch_size={t.global_batch_size} must be divisible by "
-                f"world_size * train.accumulation = {world_size} * {t.accumulation}"
+                f"data-parallel ranks * train.accumulation = {dp} * {t.accumulation} (the "
+                f"data-parallel ranks: world_size{per_pipeline})"
+            )
+        rows = t.global_batch_size // (dp * t.accumulation)
+        if pp > 1 and rows % p.pp_microbatches:
+            raise ConfigError(
+                f"parallel.pp_microbatches={p.pp_microbatches} must divide the {rows} rows each "
+                f"pipeline reads per micro-batch (train.global_batch_size / "
+                f"train.accumulation / {dp} data-parallel rank(s)); use a divisor of {rows} "
+                "or another train.global_batch_size"
             )
         if world_size % replicas:
             raise ConfigError(
                 f"dist.dp_replicate={replicas} does not divide the {world_size} rank(s); use a "
                 f"divisor of {world_size} (1: plain FSDP over every rank)"
             )
-        shard = world_size // replicas
+        shard = dp // replicas
         if p.fsdp_degree is not None and p.fsdp_degree != shard:
-            over = f"all {shard}" if replicas == 1 else f"{shard}"
-            per = "" if replicas == 1 else f" ({world_size} / dist.dp_replicate={replicas})"
+            if pp > 1:
+                over = f"the {shard} rank(s) of each pipeline stage ({world_size} / pp_degree {pp})"
+            elif replicas > 1:
+                over = f"{shard} rank(s) ({world_size} / dist.dp_replicate={replicas})"
+            else:
+                over = f"all {shard} rank(s)"
             raise ConfigError(
-                f"parallel.fsdp_degree={p.fsdp_degree}: gm-train shards over {over} "
-                f"rank(s){per}; use null or {shard}"
+                f"parallel.fsdp_degree={p.fsdp_degree}: gm-train shards over {over}; use null "
+                f"or {shard}"
             )
         if p.tp_size != 1:
             raise ConfigError(
                 f"parallel.tp_size={p.tp_size}: gm-train's model has no tensor parallelism; use 1"
             )
         plan = self.pass_plan()
-        if world_size > 1 and not fsdp_requested(p, plan):
+        if dp > 1 and not fsdp_requested(p, plan):
             raise ConfigError(
                 "parallel.fsdp_enabled / sharding.fsdp.enabled is off, but with "
-                f"{world_size} ranks only the fsdp pass keeps them in sync; turn it on "
-                "or use --nproc 1"
+                f"{dp} data-parallel ranks only the fsdp pass keeps them in sync; turn it on "
+                f"or use --nproc {pp}"
             )
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """Held-out evaluation of a ``gm-train`` job (``train.eval_interval``).
 
 The traced graph computes gradients too, so evaluation runs an eager copy of the model: every
-rank gathers the full parameters (the model section of the trainer's checkpoint state, whose
-sharded entries are DTensors), computes the summed loss of its share of the held-out windows
-(window ``k`` on rank ``k % world_size``) and one all-reduce gives the exact mean over all.
+rank gathers the full parameters (:func:`gm_trainer.checkpoint.full_model_state`: over the
+FSDP shards and, under pipeline parallelism, over the stages), computes the summed loss of its
+share of the held-out windows (window ``k`` on rank ``k % world_size``) and one all-reduce
+gives the exact mean over all.
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from gm_trainer.checkpoint import trainer_state_dict
+from gm_trainer.checkpoint import full_model_state
 from gm_trainer.job.dataset import Windows
 
 
@@ -39,8 +39,7 @@ class Evaluator:
 
     def __call__(self, trainer: Any) -> dict[str, float]:
         """``{"eval_loss": ..., "eval_perplexity": ...}``; every rank must call it."""
-        state = trainer_state_dict(trainer)["model"]
-        full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+        full = full_model_state(trainer)  # gathered over FSDP shards and pipeline stages
         self.model.to(trainer.device)
         self.model.load_state_dict(full)
         rank, world = trainer.rank, trainer.world_size

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from gm_config import ConfigError
+from gm_config import ConfigError, PassConfig
 from gm_trainer.checkpoint import (
     checkpoint_info,
     export_full_state_dict,
@@ -114,6 +114,8 @@ def _train(
     n_params = sum(p.numel() for p in model.parameters())  # before sharding
     job_data = load_job_data(d, m.seq_len, run_dir)  # the CLI has tokenised it: a cache hit
     micro = t.global_batch_size // t.accumulation
+    pp = config.parallel.pp_degree
+    dp = world_size // pp  # ranks that read different rows: one pipeline's ranks read the same
     evaluator = None
     if t.eval_interval is not None and job_data.eval is not None:
         evaluator = Evaluator(model, built.loss, job_data.eval, micro // world_size)
@@ -127,8 +129,8 @@ def _train(
             job_data.train,
             batch_size=micro,
             num_batches=t.steps * t.accumulation,
-            rank=rank,
-            world_size=world_size,
+            rank=rank % dp,  # rank = stage * dp + data-parallel index
+            world_size=dp,
             seed=d.seed,
             start=position,
         )
@@ -146,7 +148,7 @@ def _train(
     progress = Progress(t.steps, start_step=start_step) if folder is not None else None
     if progress is not None:
         progress.write(
-            f"gm-train: {world_size} rank(s) on {trainer.device} | "
+            f"gm-train: {world_size} rank(s){_pipeline_note(pp, dp)} on {trainer.device} | "
             f"{built.name} {n_params / 1e6:.2f}M params | corpus "
             f"{job_data.train.tokens.numel() / 1e6:.2f}M tokens, {job_data.train.count} windows "
             f"({job_data.documents_from}) | {t.global_batch_size} x {m.seq_len} tokens per step | "
@@ -157,7 +159,7 @@ def _train(
     position = 0
     if resume is not None:
         # Compile first (FSDP shards the model, the optimizer is built), then load.
-        trainer.compile(*next(iter(batches_from(0))))
+        trainer.compile(*_graph_batch(next(iter(batches_from(0))), config.parallel))
         saved = load_checkpoint(trainer, resume)
         restore_scheduler(trainer, saved)  # the curve goes on where the checkpoint stopped
         check_same_model(config, saved.get("config"), resume)
@@ -281,6 +283,7 @@ def _train(
     summary = folder.finish(
         [*folder.history, *records],
         world_size=world_size,
+        pp_degree=pp,
         device=str(trainer.device),
         parameters=n_params,
         tokens_per_step=t.global_batch_size * m.seq_len,
@@ -361,3 +364,17 @@ def _reconcile(trainer: GraphTrainer, config: JobConfig, saved: Any) -> list[str
 def _hsdp_mesh(replicas: int) -> MeshContext | None:
     """HSDP over ``replicas`` groups of ranks when asked for; ``None``: FSDP over every rank."""
     return MeshContext.build(dp_replicate=replicas) if replicas > 1 else None
+
+
+def _pipeline_note(pp: int, dp: int) -> str:
+    return f" (pipeline: {pp} stages x {dp} data-parallel)" if pp > 1 else ""
+
+
+def _graph_batch(batch: tuple[Any, Any], parallel: PassConfig) -> tuple[Any, Any]:
+    """What the trainer traces for ``batch``: under pipeline parallelism its first
+    micro-batch, as ``train_step`` will."""
+    if parallel.pp_degree == 1:
+        return batch
+    from gm_trainer.pipeline_runtime import split_microbatches
+
+    return split_microbatches(*batch, parallel.pp_microbatches)[0]
