@@ -94,12 +94,16 @@ class PipelineRunner:
         """This rank's place in its pipeline: it runs stages ``pp_index + k * pp_degree``."""
         return self.trainer.run.pp_stage
 
+    @property
+    def own_stages(self) -> range:
+        """The stages this rank runs (known from the resolved run, before the first step)."""
+        config = self.trainer.run.pass_config
+        return range(self.pp_index, config.pp_degree * config.pp_virtual_stages, config.pp_degree)
+
     def _adopt(self, joint: JointGraph) -> None:
         config = self.trainer.run.pass_config
-        n_stages = config.pp_degree * config.pp_virtual_stages
-        self.cut = cut_pipeline(joint, n_stages)
-        for stage in range(self.pp_index, n_stages, config.pp_degree):
-            self.programs[stage] = self.cut.programs[stage]
+        self.cut = cut_pipeline(joint, config.pp_degree * config.pp_virtual_stages)
+        self.programs = {stage: self.cut.programs[stage] for stage in self.own_stages}
         self.actions = rank_actions(
             config.pp_schedule,
             self.pp_index,
