@@ -128,6 +128,7 @@ def parity(
         "sends": sum(len(p.sends) for p in programs),
         "receives": sum(len(p.receives) for p in programs),
         "peak_held": stats.peak_held_bytes,
+        "messages": stats.messages,
         "bubble": stats.bubble_fraction,
         "summary": trainer.pass_summary(),
     }

@@ -38,7 +38,7 @@ def test_pp2_fsdp2_matches_eager_and_counts_its_communication(dist_pool):
     results = dist_pool(4).run(bodies.parity, "tinygpt", 2, "1f1b", 4, timeout=600)
     assert [r["stage"] for r in results] == [0, 0, 1, 1]
     assert len({tuple(r["losses"]) for r in results}) == 1
-    # FSDP within each stage: per micro-batch one all-gather in forward and one
+    # FSDP within each stage: per micro-batch (4 per step) one all-gather in forward and one
     # reduce-scatter in backward per bucket of the stage's own blocks, never another stage's
     # (stage 0: tok_emb, pos_emb, layers.0, layers.1; stage 1: layers.2, layers.3, norm).
     for result, buckets in zip(results, [4, 4, 3, 3]):
@@ -47,8 +47,9 @@ def test_pp2_fsdp2_matches_eager_and_counts_its_communication(dist_pool):
             "backward/reduce_scatter_tensor": buckets,
         }
     # point to point per micro-batch: stage 0 sends the activation and the tied embedding,
-    # stage 1 sends their gradients
+    # stage 1 sends their gradients; so 2 x 4 messages per rank and step
     assert all(r["sends"] == 2 and r["receives"] == 2 for r in results)
+    assert all(r["messages"] == 2 * 4 for r in results)
 
 
 def test_interleaved_1f1b_with_two_stages_per_rank_matches_eager(dist_pool):

@@ -51,6 +51,8 @@ class PipelineStats:
     """Time spent waiting for values from other stages: the bubble."""
     peak_held_bytes: int = 0
     """The most bytes of activations held between micro-batches' forward and backward."""
+    messages: int = 0
+    """Point-to-point messages this rank sent (and, alike, received) in the step."""
     steps: int = 0
 
     @property
@@ -171,6 +173,7 @@ class PipelineRunner:
                 self._backward(step, action, received)
         for work, _ in step.pending:
             work.wait()
+        self.stats.messages = len(step.pending)
         loss = self._loss(step)
         self.stats.step_s = time.perf_counter() - started
         self.stats.peak_held_bytes = peak
