@@ -157,3 +157,8 @@ def test_pp2_tp2_mesh_context_matches_eager(dist_pool):
     assert [r["stage"] for r in results] == [0, 0, 1, 1]
     # each stage's row-parallel linears all-reduce their outputs over "tp" in forward
     assert all(r["tp"].get("all_reduce") for r in results)
+
+
+def test_train_loop_with_reshard_clipping_and_accumulation_matches_eager(dist_pool):
+    results = dist_pool(4).run(bodies.loop_parity, 2, timeout=600)
+    assert all(r["steps"] == 3 for r in results)
