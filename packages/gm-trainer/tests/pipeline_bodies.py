@@ -79,6 +79,7 @@ def parity(
     microbatches: int,
     named_stages: bool = True,
     virtual: int = 1,
+    backend: str | None = None,
 ) -> dict:
     """``STEPS`` Adam steps of the pipeline (x FSDP over ``world // pp``) == one eager process
     on the global batch; what each stage ran."""
@@ -92,6 +93,7 @@ def parity(
         pp_microbatches=microbatches,
         pp_schedule=schedule,
         pp_virtual_stages=virtual,
+        backend=backend,
     )
     plan = PassPlan(pp_stages=STAGES[case]) if named_stages else None
     trainer = GraphTrainer(model, train_fn, config, plan, optimizer_config={"lr": LR})
@@ -131,6 +133,7 @@ def parity(
         "messages": stats.messages,
         "bubble": stats.bubble_fraction,
         "summary": trainer.pass_summary(),
+        "compiled": sorted(trainer._pipeline.compiled),
     }
 
 

@@ -71,6 +71,8 @@ class Transfer:
     """Its index among all transfers: with the micro-batch, the point-to-point tag."""
     shape: tuple[int, ...]
     dtype: torch.dtype
+    stride: tuple[int, ...]
+    """The layout the producer traced (it is sent contiguous, and laid out so again)."""
 
     @property
     def nbytes(self) -> int:
@@ -278,7 +280,14 @@ def _transfers(
             val = node.meta["val"]
             transfers.append(
                 Transfer(
-                    node.name, stage[node], dst, phase, len(transfers), tuple(val.shape), val.dtype
+                    node.name,
+                    stage[node],
+                    dst,
+                    phase,
+                    len(transfers),
+                    tuple(val.shape),
+                    val.dtype,
+                    tuple(val.stride()),
                 )
             )
     return transfers
