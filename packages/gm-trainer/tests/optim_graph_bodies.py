@@ -116,3 +116,70 @@ def deferred_equals_per_micro_batch(rank: int, world: int, k: int = 4):
         "reduction_bytes": _collective_bytes(accumulating.deferred.graph_module),
         "grads_none": all(p.grad is None for p in deferred.model.parameters()),
     }
+
+
+def flagged_lm_loss(model, input, label):
+    """``lm_loss`` plus what ``flags`` asks for: ``flags[0]`` is added to the loss (``inf``: a
+    non-finite loss with finite gradients); ``flags[1] == 0`` makes the gradient of
+    ``lm_head.weight`` NaN through ``0 * sqrt(0 * |w|)`` while the loss stays finite (with 1
+    it adds exact zeros)."""
+    tokens, flags = input
+    weight = model.lm_head.weight
+    nan_grad = 0 * torch.sqrt(weight.abs().sum() * flags[1])
+    return lm_loss(model, tokens, label) + flags[0] + nan_grad
+
+
+def nonfinite_step_changes_nothing(rank: int, world: int, mode: str):
+    """A step with a NaN gradient, then one with an ``inf`` loss (finite gradients), both on
+    the last rank only, between good steps, with ``nonfinite=mode``, the optimizer in and out
+    of the graph. Returns per trainer whether each bad step left every shard and optimizer
+    state as it was, what was raised, and whether the two trainers end equal."""
+    from gm_trainer.errors import TrainingError
+
+    def batch(seed: int, flags: tuple[float, float] = (0.0, 1.0)):
+        x, y = make_lm_batch(2 * world, 16, 64, seed=seed)
+        x, y = x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]
+        bad = rank == world - 1
+        return (x, torch.tensor(flags if bad else (0.0, 1.0))), y
+
+    def snapshot(trainer):
+        params = [p.detach().clone() for p in trainer.model.parameters()]
+        states = [v.clone() for s in trainer.optimizer.state.values() for v in s.values()]
+        return params, states
+
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(a[0] + a[1], b[0] + b[1]))
+
+    model = tiny_gpt()
+    out = {}
+    for in_graph in (False, True):
+        config = {"lr": 1e-2, "grad_clip": 0.5, "in_graph": in_graph}
+        trainer = GraphTrainer(
+            copy.deepcopy(model),
+            flagged_lm_loss,
+            PassConfig(),
+            optimizer_config=config,
+            lr_scheduler=step_factory,
+            nonfinite=mode,
+        )
+        trainer.train([batch(0), batch(1)])
+        unchanged, errors = [], []
+        for bad in (batch(2, (0.0, 0.0)), batch(3, (float("inf"), 1.0))):
+            before = snapshot(trainer)
+            try:
+                trainer.train([bad])
+            except TrainingError as exc:
+                errors.append(str(exc))
+            unchanged.append(same(before, snapshot(trainer)))
+        trainer.train([batch(4), batch(5)])
+        out[in_graph] = {
+            "trainer": trainer,
+            "unchanged": unchanged,
+            "errors": errors,
+            "in_graph": trainer.optimizer_in_graph,
+            "steps": (trainer.step, trainer.skipped_steps),
+            "lr": trainer.optimizer.param_groups[0]["lr"],
+        }
+    eager, graph = out[False].pop("trainer"), out[True].pop("trainer")
+    out["equal_at_end"] = same(snapshot(eager), snapshot(graph))
+    return out

@@ -113,3 +113,31 @@ def test_what_the_in_graph_update_cannot_do_is_a_clear_error():
     trainer.optimizer.param_groups[0]["betas"] = (0.8, 0.99)
     with pytest.raises(TrainingError, match=r"betas: traced \(0.9, 0.999\), now \(0.8, 0.99\)"):
         trainer.train(_batches(range(1)))
+
+
+def _check_nonfinite(result, mode):
+    eager, graph = result[False], result[True]
+    assert graph["in_graph"] and not eager["in_graph"]
+    for run in (eager, graph):
+        assert run["unchanged"] == [True, True]  # no weight, no optimizer state moved
+        if mode == "error":
+            assert len(run["errors"]) == 2
+            assert "not finite" in run["errors"][0] and "no weight" in run["errors"][0]
+            assert run["errors"][1].startswith("the loss is inf")
+        else:
+            assert run["errors"] == []
+    # Skipped steps count (and move the LR schedule); raised ones do not.
+    assert eager["steps"] == graph["steps"] == ((6, 2) if mode == "skip" else (4, 0))
+    assert eager["lr"] == graph["lr"]
+    assert result["equal_at_end"]  # the step counts the graph bumped were taken back
+
+
+@pytest.mark.parametrize("mode", ["error", "skip"])
+def test_nonfinite_step_changes_nothing_in_the_graph_one_process(mode):
+    _check_nonfinite(bodies.nonfinite_step_changes_nothing(0, 1, mode), mode)
+
+
+@pytest.mark.distributed
+def test_nonfinite_step_on_one_rank_changes_nothing_in_the_graph_under_fsdp(dist_pool):
+    for result in dist_pool(2).run(bodies.nonfinite_step_changes_nothing, "error"):
+        _check_nonfinite(result, "error")

@@ -24,10 +24,11 @@ import torch
 import torch.utils._pytree as pytree
 
 from gm_trainer.accumulation import MicroBatches
-from gm_trainer.errors import TrainingError
 from gm_trainer.gradients import scale_grads
+from gm_trainer.optim_graph import finish_graph_step
 from gm_trainer.ranks import mean_over_world
 from gm_trainer.step_end import skip_step
+from gm_trainer.step_guard import nonfinite_loss_error
 
 if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer
@@ -113,7 +114,9 @@ def _warn_uneven(trainer: GraphTrainer, ended: list[int], seen: int) -> None:
 
 def _optimizer_step(trainer: GraphTrainer, window: MicroBatches, started: float) -> dict[str, Any]:
     loss = mean_over_world(window.mean_loss(), trainer.world_size, trainer._collective_device())
-    if math.isfinite(loss):
+    if trainer._graph_norm is not None:  # the graph took the update (or masked it)
+        grad_norm = finish_graph_step(trainer, loss)
+    elif math.isfinite(loss):
         trainer._deferred.reduce(trainer.model)  # once per step, not per micro-batch
         scale = window.final_scale()
         if scale != 1.0:
@@ -123,11 +126,7 @@ def _optimizer_step(trainer: GraphTrainer, window: MicroBatches, started: float)
         grad_norm = skip_step(trainer)
     else:
         trainer.optimizer.zero_grad(set_to_none=True)
-        raise TrainingError(
-            f"the loss is {loss} at step {trainer.step + 1}; training stopped and no "
-            "optimizer update was applied for this step (check the learning rate, "
-            "the data and the loss function, or pass GraphTrainer(nonfinite='skip'))"
-        )
+        raise nonfinite_loss_error(loss, trainer.step + 1)
     elapsed = time.perf_counter() - started
     ranks = trainer._data_parallel_size()
     return {
