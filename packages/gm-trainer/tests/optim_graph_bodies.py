@@ -130,8 +130,9 @@ def flagged_lm_loss(model, input, label):
 
 
 def nonfinite_step_changes_nothing(rank: int, world: int, mode: str):
-    """A step with a NaN gradient, then one with an ``inf`` loss (finite gradients), both on
-    the last rank only, between good steps, with ``nonfinite=mode``, the optimizer in and out
+    """A step with a NaN gradient, one with an ``inf`` loss (finite gradients) and a window of
+    two micro-batches whose first has an ``inf`` loss, all on the last rank only, between good
+    steps, with ``nonfinite=mode``, the optimizer in and out
     of the graph. Returns per trainer whether each bad step left every shard and optimizer
     state as it was, what was raised, and whether the two trainers end equal."""
     from gm_trainer.errors import TrainingError
@@ -164,10 +165,16 @@ def nonfinite_step_changes_nothing(rank: int, world: int, mode: str):
         )
         trainer.train([batch(0), batch(1)])
         unchanged, errors = [], []
-        for bad in (batch(2, (0.0, 0.0)), batch(3, (float("inf"), 1.0))):
+        bad_windows = (
+            [batch(2, (0.0, 0.0))],
+            [batch(3, (float("inf"), 1.0))],
+            # An earlier micro-batch of a window: the last one's graph must not update either.
+            [batch(6, (float("inf"), 1.0)), batch(7)],
+        )
+        for window in bad_windows:
             before = snapshot(trainer)
             try:
-                trainer.train([bad])
+                trainer.train(window, accumulation_steps=len(window))
             except TrainingError as exc:
                 errors.append(str(exc))
             unchanged.append(same(before, snapshot(trainer)))
@@ -183,3 +190,47 @@ def nonfinite_step_changes_nothing(rank: int, world: int, mode: str):
     eager, graph = out[False].pop("trainer"), out[True].pop("trainer")
     out["equal_at_end"] = same(snapshot(eager), snapshot(graph))
     return out
+
+
+def last_micro_batch_takes_the_update(rank: int, world: int, k: int = 4):
+    """train(accumulation_steps=k) with the optimizer in and out of the graph, same weights
+    and micro-batches (a smaller last one: sample weighting), two windows and a lone step.
+    Returns per-step records, the largest difference and bitwise equality of shards and
+    states, and the collectives of the last micro-batch's graph."""
+    model = tiny_gpt()
+    sizes = [2] * (k - 1) + [1]
+    micro = []
+    for step in range(2):
+        for i, size in enumerate(sizes):
+            x, y = make_lm_batch(size * world, 16, 64, seed=10 * step + i)
+            micro.append((x[size * rank : size * (rank + 1)], y[size * rank : size * (rank + 1)]))
+    trainers = []
+    for in_graph in (False, True):
+        config = {"lr": 1e-2, "grad_clip": 0.5, "in_graph": in_graph}
+        trainer = GraphTrainer(
+            copy.deepcopy(model),
+            lm_loss,
+            PassConfig(),
+            optimizer_config=config,
+            lr_scheduler=step_factory,
+        )
+        records = trainer.train(micro, accumulation_steps=k)
+        records += trainer.train(micro[:2], accumulation_steps=k)  # data ends: eager step
+        trainers.append((trainer, [(r["loss"], r["grad_norm"]) for r in records]))
+    (eager, eager_records), (graph, graph_records) = trainers
+    pairs = list(zip(eager.model.parameters(), graph.model.parameters()))
+    pairs += [
+        (eager.optimizer.state[a][key], graph.optimizer.state[b][key])
+        for a, b in zip(eager.model.parameters(), graph.model.parameters())
+        for key in eager.optimizer.state[a]
+    ]
+    last = next(iter(graph._last_cache.graphs.values()))
+    return {
+        "records": (eager_records, graph_records),
+        "bitwise": all(torch.equal(a, b) for a, b in pairs),
+        "pairs": pairs,
+        "last_in_graph": last.optimizer_in_graph and graph.optimizer_in_graph,
+        "last_bytes": _collective_bytes(last.graph_module),
+        "grads_none": all(p.grad is None for p in graph.model.parameters()),
+        "lrs": [eager.optimizer.param_groups[0]["lr"], graph.optimizer.param_groups[0]["lr"]],
+    }

@@ -100,6 +100,8 @@ class GraphCache:
         self._reason = ""
         self.force_compile = False
         """Set when another rank compiles for this micro-batch: every rank must."""
+        self.pipelines: list[PassPipeline] = []
+        """The pass pipeline of each graph, in compile order."""
 
     @property
     def compile_count(self) -> int:

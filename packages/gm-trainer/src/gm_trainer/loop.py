@@ -70,7 +70,8 @@ def train_loop(
             break
         seen += 1
         size = batch_size(input)
-        loss = trainer._micro_step(input, label, window.weight(size), accumulation_steps > 1)
+        last = window.last(size) if len(window) == accumulation_steps - 1 > 0 else None
+        loss = trainer._micro_step(input, label, window.weight(size), accumulation_steps > 1, last)
         trainer.data_position += 1
         window.add(loss, size, count_tokens(input))
         if len(window) < accumulation_steps:
@@ -126,6 +127,7 @@ def _optimizer_step(trainer: GraphTrainer, window: MicroBatches, started: float)
         grad_norm = skip_step(trainer)
     else:
         trainer.optimizer.zero_grad(set_to_none=True)
+        trainer._deferred.discard()  # else the next window would add to this one's sums
         raise nonfinite_loss_error(loss, trainer.step + 1)
     elapsed = time.perf_counter() - started
     ranks = trainer._data_parallel_size()

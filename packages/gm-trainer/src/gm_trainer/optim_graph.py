@@ -216,18 +216,21 @@ def with_graph_update(
     return joint.replace(optimizer_update=spec), [*passes, OptimizerUpdatePass()]
 
 
-def graph_update_step(trainer: GraphTrainer, joint: Any, input: Any, label: Any) -> Any:
-    """Run a graph that updates the parameters itself; keep its norm for ``optimizer_step``."""
+def graph_update_step(
+    trainer: GraphTrainer, joint: Any, input: Any, label: Any, accumulated: Sequence[Any] = ()
+) -> Any:
+    """Run a graph that updates the parameters itself; keep its norm for ``optimizer_step``.
+    ``accumulated``: the inputs of a window's last micro-batch graph, before the update's."""
     if trainer._graph_norm is not None:
         raise TrainingError(
             "train_step() twice without optimizer_step(): with OptimizerConfig(in_graph=True) "
             "every train_step() is a whole optimizer step; call optimizer_step() after each "
-            "(to accumulate micro-batches use train(accumulation_steps=k), whose step runs "
-            "the update eagerly)"
+            "(to accumulate micro-batches use train(accumulation_steps=k), whose last "
+            "micro-batch's graph takes the update)"
         )
     if trainer._step_inputs is None:
         trainer._step_inputs = GraphStepInputs(trainer.model, trainer.optimizer)
-    extra = trainer._step_inputs(joint.optimizer_update)
+    extra = [*accumulated, *trainer._step_inputs(joint.optimizer_update)]
     outputs = run_traced_graph(joint, trainer.model, input, label, extra)
     trainer._graph_norm = outputs.grad_norm
     return outputs.loss.detach()
