@@ -234,3 +234,35 @@ def last_micro_batch_takes_the_update(rank: int, world: int, k: int = 4):
         "grads_none": all(p.grad is None for p in graph.model.parameters()),
         "lrs": [eager.optimizer.param_groups[0]["lr"], graph.optimizer.param_groups[0]["lr"]],
     }
+
+
+def signatures_per_micro_batch(rank: int, world: int):
+    """How many times a batch signature is computed (``InputSignature._of_leaves``) per
+    micro-batch once the graphs are compiled: by ``train_step`` and by ``train`` with
+    accumulation (the optimizer in the graph)."""
+    from gm_trace.signature import InputSignature
+
+    trainer = GraphTrainer(tiny_gpt(), lm_loss, PassConfig(), optimizer_config={"in_graph": True})
+    x, y = make_lm_batch(2, 16, 64, seed=rank)
+    window = [(x, y)] * 2
+    trainer.train_step(x, y)
+    trainer.optimizer_step()
+    trainer.train(window, accumulation_steps=2)  # compiles both micro-batch variants
+    calls = 0
+    of_leaves = InputSignature._of_leaves.__func__
+
+    def counted(cls, *args):
+        nonlocal calls
+        calls += 1
+        return of_leaves(cls, *args)
+
+    InputSignature._of_leaves = classmethod(counted)
+    try:
+        for _ in range(3):
+            trainer.train_step(x, y)
+            trainer.optimizer_step()
+        per_step, calls = calls, 0
+        trainer.train(window * 2, accumulation_steps=2)
+    finally:
+        InputSignature._of_leaves = classmethod(of_leaves)
+    return {"train_step": per_step / 3, "train": calls / 4, "compiles": trainer.compile_count}

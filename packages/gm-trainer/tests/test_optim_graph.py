@@ -162,3 +162,11 @@ def test_nonfinite_step_changes_nothing_in_the_graph_one_process(mode):
 def test_nonfinite_step_on_one_rank_changes_nothing_in_the_graph_under_fsdp(dist_pool):
     for result in dist_pool(2).run(bodies.nonfinite_step_changes_nothing, "error"):
         _check_nonfinite(result, "error")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_each_micro_batch_computes_its_signature_once(world, dist_pool):
+    run = dist_pool(world).run if world > 1 else lambda body: [body(0, 1)]
+    for result in run(bodies.signatures_per_micro_batch):
+        # The ranks' agreement looks the graph up and hands it on to the step and the call.
+        assert result == {"train_step": 1, "train": 1, "compiles": 3}

@@ -57,21 +57,22 @@ def train_loop(
     seen = 0
     while max_steps is None or len(records) < max_steps:
         batch = next(batches, _END)
-        if batch is _END:
-            input = label = None
-        else:
+        input = label = last = found = None
+        if batch is not _END:
             input, label = trainer._to_device(split_batch(batch))
+            size = batch_size(input)
+            last = window.last(size) if len(window) == accumulation_steps - 1 > 0 else None
+        accumulate = accumulation_steps > 1
         if trainer.world_size > 1:
-            ended = trainer._agree_on_batch(None if batch is _END else (input, label))
+            mine = None if batch is _END else (input, label)
+            ended, found = trainer._agree_on_batch(mine, accumulate, last is not None)
             if ended:
                 _warn_uneven(trainer, ended, seen)
                 break
         elif batch is _END:
             break
         seen += 1
-        size = batch_size(input)
-        last = window.last(size) if len(window) == accumulation_steps - 1 > 0 else None
-        loss = trainer._micro_step(input, label, window.weight(size), accumulation_steps > 1, last)
+        loss = trainer._micro_step(input, label, window.weight(size), accumulate, last, found)
         trainer.data_position += 1
         window.add(loss, size, count_tokens(input))
         if len(window) < accumulation_steps:

@@ -217,10 +217,11 @@ def with_graph_update(
 
 
 def graph_update_step(
-    trainer: GraphTrainer, joint: Any, input: Any, label: Any, accumulated: Sequence[Any] = ()
+    trainer: GraphTrainer, joint: Any, batch: tuple[Any, Any, Any], accumulated: Sequence[Any]
 ) -> Any:
     """Run a graph that updates the parameters itself; keep its norm for ``optimizer_step``.
-    ``accumulated``: the inputs of a window's last micro-batch graph, before the update's."""
+    ``batch``: input, label and their checked leaves (or ``None``); ``accumulated``: the
+    inputs of a window's last micro-batch graph, before the update's."""
     if trainer._graph_norm is not None:
         raise TrainingError(
             "train_step() twice without optimizer_step(): with OptimizerConfig(in_graph=True) "
@@ -231,7 +232,8 @@ def graph_update_step(
     if trainer._step_inputs is None:
         trainer._step_inputs = GraphStepInputs(trainer.model, trainer.optimizer)
     extra = [*accumulated, *trainer._step_inputs(joint.optimizer_update)]
-    outputs = run_traced_graph(joint, trainer.model, input, label, extra)
+    input, label, leaves = batch
+    outputs = run_traced_graph(joint, trainer.model, input, label, extra, leaves=leaves)
     trainer._graph_norm = outputs.grad_norm
     return outputs.loss.detach()
 

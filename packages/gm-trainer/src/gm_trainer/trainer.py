@@ -39,7 +39,7 @@ from gm_trainer.device import default_device
 from gm_trainer.dtensor_tp import adopt_dtensor_params, trace_step
 from gm_trainer.errors import TrainingError
 from gm_trainer.gradients import accumulate_grads, grad_norm_tensor
-from gm_trainer.graph_cache import GraphCache, with_dynamic_dims
+from gm_trainer.graph_cache import Found, GraphCache, with_dynamic_dims
 from gm_trainer.graph_key import ClosureWatch
 from gm_trainer.loop import train_loop
 from gm_trainer.mesh import MeshError, ResolvedMesh, resolve_mesh_context
@@ -309,14 +309,15 @@ class GraphTrainer:
         ``OptimizerConfig(in_graph=True)`` the graph also updates the weights: no ``.grad``.
         """
         input, label = self._to_device(input), self._to_device(label)
+        found = None
         if self.world_size > 1:
-            ended = self._agree_on_batch((input, label))
+            ended, found = self._agree_on_batch((input, label))
             if ended:
                 raise TrainingError(
                     f"rank {self.rank}: rank(s) {ended} have no batch for this train_step(); "
                     "every rank must call train_step() with a batch the same number of times"
                 )
-        return self._micro_step(input, label, 1.0)
+        return self._micro_step(input, label, 1.0, found=found)
 
     def _accumulates(self) -> bool:
         """Whether a micro-batch of an accumulation window runs its own graph variant: under
@@ -339,39 +340,47 @@ class GraphTrainer:
         weight: float,
         accumulate: bool = False,
         last: LastOfWindow | None = None,
+        found: Found | None = None,
     ) -> torch.Tensor:
         """Run the graph for one device-resident micro-batch; add ``weight`` x its gradients
         (``accumulate``: one of several micro-batches of an optimizer step; ``last``: the
-        last of them, whose graph may take the update)."""
-        input, label = self._pad(input, label)
+        last of them, whose graph may take the update; ``found``: its graph, when the ranks'
+        agreement looked it up already)."""
         if self._pipeline is not None:
-            return self._pipeline.step(input, label, weight)
-        cache = self._cache_for(accumulate, last is not None)
-        joint = cache.lookup(input, label, self.model) or self.compile(
-            input, label, accumulate=accumulate, last=last is not None
-        )
+            return self._pipeline.step(*self._pad(input, label), weight)
+        ends = last is not None
+        if found is None:
+            input, label = self._pad(input, label)
+            found = self._cache_for(accumulate, ends).find(input, label, self.model)
+        if found is None:
+            joint, leaves = self.compile(input, label, accumulate=accumulate, last=ends), None
+        else:
+            joint, input, label, leaves = found
         self._closure_watch.check()
+        extra: list[Any] = []
         if joint.last_micro_batch is not None:
             extra = self._deferred.last_args(joint.last_micro_batch, self.model, weight, last)
-            return graph_update_step(self, joint, input, label, extra)
-        if joint.deferred is not None:
+        elif joint.deferred is not None:
             extra = self._deferred.args(joint.deferred, weight)
-            return run_traced_graph(joint, self.model, input, label, extra).loss.detach()
         if joint.optimizer_in_graph:
-            return graph_update_step(self, joint, input, label)
-        outputs = run_traced_graph(joint, self.model, input, label)
-        accumulate_grads(self.model, joint, outputs.grads, weight)
+            return graph_update_step(self, joint, (input, label, leaves), extra)
+        outputs = run_traced_graph(joint, self.model, input, label, extra, leaves=leaves)
+        if joint.deferred is None:
+            accumulate_grads(self.model, joint, outputs.grads, weight)
         return outputs.loss.detach()
 
-    def _agree_on_batch(self, batch: tuple[Any, Any] | None) -> list[int]:
+    def _agree_on_batch(
+        self, batch: tuple[Any, Any] | None, accumulate: bool = False, last: bool = False
+    ) -> tuple[list[int], Found | None]:
         """One tiny all-reduce over the world per micro-batch (``None``: no batch left).
 
-        Returns the ranks whose data has ended. Raises when the ranks' graph keys differ: a
-        rank that recompiles alone would issue collectives (FSDP, HSDP or TP) the others never
-        match, and hang.
+        Returns the ranks whose data has ended and the graph for the batch (handed on to
+        :meth:`_micro_step`; ``None`` when one is compiled). Raises when the ranks' graph keys
+        differ: a rank that recompiles alone would issue collectives (FSDP, HSDP or TP) the
+        others never match, and hang.
         """
         batch = self._pad(*batch) if batch is not None else None
-        return self._graph_cache.agree(
+        return self._cache_for(accumulate, last).agree(
             batch, self.model, self.rank, self.world_size, self._collective_device()
         )
 
