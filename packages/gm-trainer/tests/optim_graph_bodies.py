@@ -114,6 +114,10 @@ def deferred_equals_per_micro_batch(rank: int, world: int, k: int = 4):
         "plain_bytes": _collective_bytes(plain.graph_module),
         "accumulating_bytes": _collective_bytes(accumulating.graph_module),
         "reduction_bytes": _collective_bytes(accumulating.deferred.graph_module),
+        # The window's last micro-batch reduces the window's sum inside its own graph.
+        "last_bytes": _collective_bytes(
+            next(iter(deferred._last_cache.graphs.values())).graph_module
+        ),
         "grads_none": all(p.grad is None for p in deferred.model.parameters()),
     }
 

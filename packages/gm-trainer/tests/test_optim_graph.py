@@ -62,6 +62,9 @@ def test_accumulation_reduces_once_per_optimizer_step(dist_pool):
         assert result["reduction_bytes"] == {
             "reduce_scatter_tensor": plain["reduce_scatter_tensor"]
         }
+        # ... which the window's last micro-batch runs in its graph, after its backward's
+        # gradients as the overlap pass schedules them, instead of after the window.
+        assert result["last_bytes"]["reduce_scatter_tensor"] == plain["reduce_scatter_tensor"]
 
 
 def _mlp_trainer(**optim) -> GraphTrainer:

@@ -1,5 +1,6 @@
 """``LastMicroBatchPass`` (pass name ``last_micro_batch``): the last micro-batch of an
-accumulation window, whose graph then carries the optimizer update.
+accumulation window, whose graph then reduces the window's gradients (under FSDP, overlapped
+with its backward as in a plain step) and, with the ``optimizer`` pass, carries the update.
 
 The earlier micro-batches of the window only accumulated (under FSDP into the buffers of the
 ``deferred_reduce`` pass, unreduced; without FSDP into ``.grad``). This pass makes the last
@@ -12,7 +13,8 @@ micro-batch's graph finish the step's gradients exactly as the eager path after 
   accumulated ``.grad`` is an input);
 
 and then every gradient is multiplied by the window's final scale (sample weighting,
-:mod:`gm_trainer.accumulation`). The ``optimizer`` pass, which runs next, consumes them.
+:mod:`gm_trainer.accumulation`; 1 when the caller scales after the graph). The ``optimizer``
+pass, when it runs next, consumes them; else they are the graph's gradient outputs.
 A last input, the sum of the earlier micro-batches' losses on this rank, turns the scale into
 NaN when one of them was not finite, so the ``optimizer`` pass's finite-check masks the
 update on every rank.
@@ -59,8 +61,8 @@ class LastMicroBatch:
 
 class LastMicroBatchPass(GraphPass):
     """Finish an accumulation window's gradients in its last micro-batch's graph (module
-    docstring). Added by ``GraphTrainer`` with ``OptimizerConfig(in_graph=True)`` and
-    ``train(accumulation_steps>1)``."""
+    docstring). Added by ``GraphTrainer`` for ``train(accumulation_steps>1)`` under FSDP or
+    with ``OptimizerConfig(in_graph=True)``."""
 
     name = "last_micro_batch"
     runs_after = ("canonicalize", "fsdp")

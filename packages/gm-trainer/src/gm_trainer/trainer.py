@@ -326,11 +326,13 @@ class GraphTrainer:
 
     def _cache_for(self, accumulate: bool, last: bool = False) -> GraphCache:
         """The graphs of a plain step, of an accumulating micro-batch, or of a window's last
-        micro-batch when it takes the update."""
+        micro-batch when it takes the update or, under FSDP, reduces the window's gradients
+        (overlapped with its backward, instead of after the window)."""
         if not accumulate:
             return self._graph_cache
-        if last and self.optimizer_config.in_graph and untraceable_reason(self) is None:
-            return self._last_cache
+        in_graph = self.optimizer_config.in_graph and untraceable_reason(self) is None
+        if last and (in_graph or (self._run is not None and self._run.fsdp_active)):
+            return self._last_cache  # takes the update, or (FSDP) reduces the window's sum
         return self._accumulate_cache if self._accumulates() else self._graph_cache
 
     def _micro_step(
@@ -359,7 +361,10 @@ class GraphTrainer:
         self._closure_watch.check()
         extra: list[Any] = []
         if joint.last_micro_batch is not None:
+            if not joint.optimizer_in_graph:  # the loop scales .grad, as after any window
+                last = last._replace(scale=1.0)
             extra = self._deferred.last_args(joint.last_micro_batch, self.model, weight, last)
+            weight = 1.0  # the graph weighed this micro-batch's gradient itself
         elif joint.deferred is not None:
             extra = self._deferred.args(joint.deferred, weight)
         if joint.optimizer_in_graph:
