@@ -26,30 +26,24 @@ import torch.utils._pytree as pytree
 
 from gm_config import PassConfig, PassPlan
 from gm_passes import GraphPass, PassPipeline
-from gm_trace import run_traced_graph
 from gm_trace.deferred_reduce import DeferredReducePass
 from gm_trace.dtensor import DTensorSpec
 from gm_trace.joint_graph import JointGraph
 from gm_trace.last_micro_batch import LastMicroBatchPass
 from gm_trace.sharding import RowShard
 from gm_trace.sharding_layout import ShardingLayout
-from gm_trainer.accumulation import LastOfWindow
 from gm_trainer.deferred import DeferredGrads
 from gm_trainer.device import default_device
 from gm_trainer.dtensor_tp import adopt_dtensor_params, trace_step
 from gm_trainer.errors import TrainingError
-from gm_trainer.gradients import accumulate_grads, grad_norm_tensor
-from gm_trainer.graph_cache import Found, GraphCache, with_dynamic_dims
+from gm_trainer.gradients import grad_norm_tensor
+from gm_trainer.graph_cache import GraphCache, with_dynamic_dims
 from gm_trainer.graph_key import ClosureWatch
 from gm_trainer.loop import train_loop
 from gm_trainer.mesh import MeshError, ResolvedMesh, resolve_mesh_context
+from gm_trainer.micro_step import accumulates, agree_on_batch, cache_for, micro_step
 from gm_trainer.optim import OptimizerConfig, clip_to_norm
-from gm_trainer.optim_graph import (
-    finish_graph_step,
-    graph_update_step,
-    untraceable_reason,
-    with_graph_update,
-)
+from gm_trainer.optim_graph import finish_graph_step, with_graph_update
 from gm_trainer.padding import Padding
 from gm_trainer.pipeline_runtime import pipeline_runner
 from gm_trainer.step_end import skip_step, sync_buffers
@@ -319,75 +313,9 @@ class GraphTrainer:
                 )
         return self._micro_step(input, label, 1.0, found=found)
 
-    def _accumulates(self) -> bool:
-        """Whether a micro-batch of an accumulation window runs its own graph variant: under
-        FSDP (no reductions) and with the update in the graph (no update)."""
-        return self._run is None or self._run.fsdp_active or self.optimizer_config.in_graph
-
-    def _cache_for(self, accumulate: bool, last: bool = False) -> GraphCache:
-        """The graphs of a plain step, of an accumulating micro-batch, or of a window's last
-        micro-batch when it takes the update or, under FSDP, reduces the window's gradients
-        (overlapped with its backward, instead of after the window)."""
-        if not accumulate:
-            return self._graph_cache
-        in_graph = self.optimizer_config.in_graph and untraceable_reason(self) is None
-        if last and (in_graph or (self._run is not None and self._run.fsdp_active)):
-            return self._last_cache  # takes the update, or (FSDP) reduces the window's sum
-        return self._accumulate_cache if self._accumulates() else self._graph_cache
-
-    def _micro_step(
-        self,
-        input: Any,
-        label: Any,
-        weight: float,
-        accumulate: bool = False,
-        last: LastOfWindow | None = None,
-        found: Found | None = None,
-    ) -> torch.Tensor:
-        """Run the graph for one device-resident micro-batch; add ``weight`` x its gradients
-        (``accumulate``: one of several micro-batches of an optimizer step; ``last``: the
-        last of them, whose graph may take the update; ``found``: its graph, when the ranks'
-        agreement looked it up already)."""
-        if self._pipeline is not None:
-            return self._pipeline.step(*self._pad(input, label), weight)
-        ends = last is not None
-        if found is None:
-            input, label = self._pad(input, label)
-            found = self._cache_for(accumulate, ends).find(input, label, self.model)
-        if found is None:
-            joint, leaves = self.compile(input, label, accumulate=accumulate, last=ends), None
-        else:
-            joint, input, label, leaves = found
-        self._closure_watch.check()
-        extra: list[Any] = []
-        if joint.last_micro_batch is not None:
-            if not joint.optimizer_in_graph:  # the loop scales .grad, as after any window
-                last = last._replace(scale=1.0)
-            extra = self._deferred.last_args(joint.last_micro_batch, self.model, weight, last)
-            weight = 1.0  # the graph weighed this micro-batch's gradient itself
-        elif joint.deferred is not None:
-            extra = self._deferred.args(joint.deferred, weight)
-        if joint.optimizer_in_graph:
-            return graph_update_step(self, joint, (input, label, leaves), extra)
-        outputs = run_traced_graph(joint, self.model, input, label, extra, leaves=leaves)
-        if joint.deferred is None:
-            accumulate_grads(self.model, joint, outputs.grads, weight)
-        return outputs.loss.detach()
-
-    def _agree_on_batch(
-        self, batch: tuple[Any, Any] | None, accumulate: bool = False, last: bool = False
-    ) -> tuple[list[int], Found | None]:
-        """One tiny all-reduce over the world per micro-batch (``None``: no batch left).
-
-        Returns the ranks whose data has ended and the graph for the batch (handed on to
-        :meth:`_micro_step`; ``None`` when one is compiled). Raises when the ranks' graph keys
-        differ: a rank that recompiles alone would issue collectives (FSDP, HSDP or TP) the
-        others never match, and hang.
-        """
-        batch = self._pad(*batch) if batch is not None else None
-        return self._cache_for(accumulate, last).agree(
-            batch, self.model, self.rank, self.world_size, self._collective_device()
-        )
+    # One micro-batch: which graph runs it, the ranks' agreement on it, the run itself.
+    _accumulates, _cache_for = accumulates, cache_for
+    _micro_step, _agree_on_batch = micro_step, agree_on_batch
 
     @property
     def optimizer_in_graph(self) -> bool:
