@@ -25,7 +25,7 @@ from gm_trace.testing import TinyGPT, lm_loss, make_lm_batch
 def measure(rank: int, world: int, n_layers: int, steps: int, in_graph: bool) -> dict[str, float]:
     """Median step seconds, median seconds inside the graph call, the overhead share, and
     signatures computed per step."""
-    from gm_trace.signature import InputSignature
+    from gm_trace.testing.counting import counting_signatures
     from gm_trainer import GraphTrainer
 
     torch.set_num_threads(1)
@@ -33,15 +33,6 @@ def measure(rank: int, world: int, n_layers: int, steps: int, in_graph: bool) ->
     model = TinyGPT(vocab_size=256, dim=128, n_layers=n_layers, n_heads=4, max_seq_len=128)
     trainer = GraphTrainer(model, lm_loss, PassConfig(), optimizer_config={"in_graph": in_graph})
     batch = make_lm_batch(8, 128, 256, seed=rank)
-    signatures = 0
-    of_leaves = InputSignature._of_leaves.__func__
-
-    def counted(cls, *args):
-        nonlocal signatures
-        signatures += 1
-        return of_leaves(cls, *args)
-
-    InputSignature._of_leaves = classmethod(counted)
     (joint,) = [trainer.compile(*batch)]
     module = joint.graph_module
     inside: list[float] = []
@@ -55,13 +46,14 @@ def measure(rank: int, world: int, n_layers: int, steps: int, in_graph: bool) ->
 
     module.forward = timed
     totals = []
-    for i in range(steps):
-        if i == 3:
-            signatures = 0
-        start = time.perf_counter()
-        trainer.train_step(*batch)
-        trainer.optimizer_step()
-        totals.append(time.perf_counter() - start)
+    with counting_signatures() as signatures:
+        for i in range(steps):
+            if i == 3:
+                signatures[0] = 0
+            start = time.perf_counter()
+            trainer.train_step(*batch)
+            trainer.optimizer_step()
+            totals.append(time.perf_counter() - start)
     # The eager optimizer is the step's own work, not overhead: time it apart.
     step_s = statistics.median(totals[3:])
     graph_s = statistics.median(inside[3:])
@@ -69,7 +61,7 @@ def measure(rank: int, world: int, n_layers: int, steps: int, in_graph: bool) ->
         "step_s": step_s,
         "graph_s": graph_s,
         "overhead": (step_s - graph_s) / step_s,
-        "signatures_per_step": signatures / (steps - 3),
+        "signatures_per_step": signatures[0] / (steps - 3),
     }
 
 

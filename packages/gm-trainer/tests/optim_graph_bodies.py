@@ -24,6 +24,22 @@ def step_factory(optimizer):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
 
 
+def clipped_trainers(model, loss_fn, **options) -> list[GraphTrainer]:
+    """Two trainers of copies of ``model``, Adam with a clip and a per-step LR schedule, the
+    update out of and in the graph."""
+    return [
+        GraphTrainer(
+            copy.deepcopy(model),
+            loss_fn,
+            PassConfig(),
+            optimizer_config={"lr": 1e-2, "grad_clip": 0.5, "in_graph": in_graph},
+            lr_scheduler=step_factory,
+            **options,
+        )
+        for in_graph in (False, True)
+    ]
+
+
 def in_graph_equals_eager_update(rank: int, world: int, optimizer: dict, backend=None):
     """The same trainer with the optimizer in and out of the graph, on the same local
     batches: per step the loss and global norm, and at the end every local shard and every
@@ -155,18 +171,10 @@ def nonfinite_step_changes_nothing(rank: int, world: int, mode: str):
     def same(a, b):
         return all(torch.equal(x, y) for x, y in zip(a[0] + a[1], b[0] + b[1]))
 
-    model = tiny_gpt()
     out = {}
-    for in_graph in (False, True):
-        config = {"lr": 1e-2, "grad_clip": 0.5, "in_graph": in_graph}
-        trainer = GraphTrainer(
-            copy.deepcopy(model),
-            flagged_lm_loss,
-            PassConfig(),
-            optimizer_config=config,
-            lr_scheduler=step_factory,
-            nonfinite=mode,
-        )
+    for in_graph, trainer in enumerate(
+        clipped_trainers(tiny_gpt(), flagged_lm_loss, nonfinite=mode)
+    ):
         trainer.train([batch(0), batch(1)])
         unchanged, errors = [], []
         bad_windows = (
@@ -183,7 +191,7 @@ def nonfinite_step_changes_nothing(rank: int, world: int, mode: str):
                 errors.append(str(exc))
             unchanged.append(same(before, snapshot(trainer)))
         trainer.train([batch(4), batch(5)])
-        out[in_graph] = {
+        out[bool(in_graph)] = {
             "trainer": trainer,
             "unchanged": unchanged,
             "errors": errors,
@@ -209,15 +217,7 @@ def last_micro_batch_takes_the_update(rank: int, world: int, k: int = 4):
             x, y = make_lm_batch(size * world, 16, 64, seed=10 * step + i)
             micro.append((x[size * rank : size * (rank + 1)], y[size * rank : size * (rank + 1)]))
     trainers = []
-    for in_graph in (False, True):
-        config = {"lr": 1e-2, "grad_clip": 0.5, "in_graph": in_graph}
-        trainer = GraphTrainer(
-            copy.deepcopy(model),
-            lm_loss,
-            PassConfig(),
-            optimizer_config=config,
-            lr_scheduler=step_factory,
-        )
+    for trainer in clipped_trainers(model, lm_loss):
         records = trainer.train(micro, accumulation_steps=k)
         records += trainer.train(micro[:2], accumulation_steps=k)  # data ends: eager step
         trainers.append((trainer, [(r["loss"], r["grad_norm"]) for r in records]))
@@ -244,7 +244,7 @@ def signatures_per_micro_batch(rank: int, world: int):
     """How many times a batch signature is computed (``InputSignature._of_leaves``) per
     micro-batch once the graphs are compiled: by ``train_step`` and by ``train`` with
     accumulation (the optimizer in the graph)."""
-    from gm_trace.signature import InputSignature
+    from gm_trace.testing.counting import counting_signatures
 
     trainer = GraphTrainer(tiny_gpt(), lm_loss, PassConfig(), optimizer_config={"in_graph": True})
     x, y = make_lm_batch(2, 16, 64, seed=rank)
@@ -252,21 +252,14 @@ def signatures_per_micro_batch(rank: int, world: int):
     trainer.train_step(x, y)
     trainer.optimizer_step()
     trainer.train(window, accumulation_steps=2)  # compiles both micro-batch variants
-    calls = 0
-    of_leaves = InputSignature._of_leaves.__func__
-
-    def counted(cls, *args):
-        nonlocal calls
-        calls += 1
-        return of_leaves(cls, *args)
-
-    InputSignature._of_leaves = classmethod(counted)
-    try:
+    with counting_signatures() as per_step:
         for _ in range(3):
             trainer.train_step(x, y)
             trainer.optimizer_step()
-        per_step, calls = calls, 0
+    with counting_signatures() as per_micro_batch:
         trainer.train(window * 2, accumulation_steps=2)
-    finally:
-        InputSignature._of_leaves = classmethod(of_leaves)
-    return {"train_step": per_step / 3, "train": calls / 4, "compiles": trainer.compile_count}
+    return {
+        "train_step": per_step[0] / 3,
+        "train": per_micro_batch[0] / 4,
+        "compiles": trainer.compile_count,
+    }

@@ -20,6 +20,7 @@ Placeholders added after the label's tensors: one buffer per reduction
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -67,11 +68,9 @@ class DeferredReducePass(GraphPass):
     def run(self, graph_module: fx.GraphModule, ctx: PassContext) -> PassResult:
         joint = ctx.graph_info
         graph = graph_module.graph
-        output = graph.output_node()
-        outputs = list(output.args[0])
-        grad_index = joint.grad_output_index
-        cuts, closure = gradient_reductions(graph, ctx.process_groups.get("fsdp", "fsdp"))
-        unreduced = [fqn for fqn, i in grad_index.items() if outputs[i] not in closure]
+        output, outputs, grad_index, cuts, closure, unreduced = gradient_reductions(
+            graph_module, ctx
+        )
         if not cuts or unreduced:
             raise DeferredReduceError(
                 "gradient accumulation without per-micro-batch reductions needs every "
@@ -100,10 +99,30 @@ class DeferredReducePass(GraphPass):
         return PassResult(graph_module, True)
 
 
-def gradient_reductions(graph: fx.Graph, group: str) -> tuple[list[fx.Node], set[fx.Node]]:
-    """The collectives over ``group`` that the outputs depend on (each reduces gradients:
-    its input is ``div(local gradient, size)``), and every node computed from them."""
+class GradientReductions(NamedTuple):
+    """A graph's gradient outputs and the reductions over the FSDP group that lead to them."""
+
+    output: fx.Node
+    outputs: list[fx.Node]
+    """The output node's values (loss, gradients, ...), as a list to edit."""
+    grad_index: dict[str, int]
+    """Parameter FQN -> index of its gradient in ``outputs``."""
+    cuts: list[fx.Node]
+    """The collectives over the FSDP group the outputs depend on (each reduces gradients: its
+    input is ``div(local gradient, size)``)."""
+    closure: set[fx.Node]
+    """Every node computed from them."""
+    unreduced: list[str]
+    """Parameters whose gradient output no cut leads to."""
+
+
+def gradient_reductions(graph_module: fx.GraphModule, ctx: PassContext) -> GradientReductions:
+    """The :class:`GradientReductions` of the graph a pass runs on."""
+    graph = graph_module.graph
+    group = ctx.process_groups.get("fsdp", "fsdp")
     output = graph.output_node()
+    outputs = list(output.args[0])
+    grad_index = ctx.graph_info.grad_output_index
     cuts = [
         n
         for n in graph.nodes
@@ -111,7 +130,9 @@ def gradient_reductions(graph: fx.Graph, group: str) -> tuple[list[fx.Node], set
         and n.args[-1] == group
         and _reaches(n, output)
     ]
-    return cuts, _downstream(cuts, output)
+    closure = _downstream(cuts, output)
+    unreduced = [fqn for fqn, i in grad_index.items() if outputs[i] not in closure]
+    return GradientReductions(output, outputs, grad_index, cuts, closure, unreduced)
 
 
 def new_input(

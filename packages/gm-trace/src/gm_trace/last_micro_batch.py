@@ -35,6 +35,7 @@ from gm_passes import GraphPass, PassContext, PassResult
 from gm_trace import node_meta
 from gm_trace.deferred_reduce import (
     DeferredReduceError,
+    DeferredReducePass,
     accumulated,
     accumulation_inputs,
     gradient_reductions,
@@ -65,17 +66,11 @@ class LastMicroBatchPass(GraphPass):
     with ``OptimizerConfig(in_graph=True)``."""
 
     name = "last_micro_batch"
-    runs_after = ("canonicalize", "fsdp")
-    runs_before = ("reshard", "recompute", "optimizer", "overlap", "backend")
+    runs_after, runs_before = DeferredReducePass.runs_after, DeferredReducePass.runs_before
 
     def run(self, graph_module: fx.GraphModule, ctx: PassContext) -> PassResult:
-        joint = ctx.graph_info
+        output, outputs, grad_index, cuts, _, unreduced = gradient_reductions(graph_module, ctx)
         graph = graph_module.graph
-        output = graph.output_node()
-        outputs = list(output.args[0])
-        grad_index = joint.grad_output_index
-        cuts, closure = gradient_reductions(graph, ctx.process_groups.get("fsdp", "fsdp"))
-        unreduced = [fqn for fqn, i in grad_index.items() if outputs[i] not in closure]
         if cuts and unreduced:
             raise DeferredReduceError(
                 "the last micro-batch of a window reduces the accumulated gradients once, "
@@ -119,7 +114,9 @@ class LastMicroBatchPass(GraphPass):
         output.args = (tuple(outputs),)
         ctx.publish(
             LAST_MICRO_BATCH,
-            LastMicroBatch(tuple(layout) if layout is not None else None, tuple(joint.grad_fqns)),
+            LastMicroBatch(
+                tuple(layout) if layout is not None else None, tuple(ctx.graph_info.grad_fqns)
+            ),
         )
         ctx.record(self.name, reduced_once=len(cuts), accumulated=len(bases))
         return PassResult(graph_module, True)

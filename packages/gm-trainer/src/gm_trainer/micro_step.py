@@ -34,9 +34,11 @@ def cache_for(trainer: GraphTrainer, accumulate: bool, last: bool = False) -> Gr
     (overlapped with its backward, instead of after the window)."""
     if not accumulate:
         return trainer._graph_cache
-    in_graph = trainer.optimizer_config.in_graph and untraceable_reason(trainer) is None
-    if last and (in_graph or (trainer._run is not None and trainer._run.fsdp_active)):
-        return trainer._last_cache  # takes the update, or (FSDP) reduces the window's sum
+    if last and (
+        (trainer._run is not None and trainer._run.fsdp_active)  # reduces the window's sum
+        or (trainer.optimizer_config.in_graph and untraceable_reason(trainer) is None)
+    ):
+        return trainer._last_cache
     return trainer._accumulate_cache if accumulates(trainer) else trainer._graph_cache
 
 
