@@ -71,7 +71,7 @@ def test_a_pipeline_job_trains_evaluates_and_resumes_bitwise(tmp_path: Path) -> 
     summary = json.loads((tmp_path / "straight" / "summary.json").read_text())
     assert (summary["world_size"], summary["pp_degree"], summary["steps"]) == (2, 2, 4)
     passes = (tmp_path / "straight" / "passes.txt").read_text()
-    assert "pipeline: 2 stages, 2 micro-batches, schedule gpipe" in passes
+    assert "pipeline: 2 stages on 2 ranks, 2 micro-batches, schedule gpipe" in passes
     # The whole model, gathered from both stages' files, loads into the job's model.
     exported = torch.load(tmp_path / "straight" / "model.pt", weights_only=True)
     GPT(256, 32, 2, 2, max_seq_len=32).load_state_dict(exported)
