@@ -184,6 +184,40 @@ def bad_configs(rank: int, world: int) -> dict:
     }
 
 
+def fsdp_off(rank: int, world: int) -> str:
+    """PP 2 on 4 ranks with FSDP off: nothing would sync the two pipelines' gradients."""
+    tokens, targets = global_batch(0, 4)
+    config = PassConfig(pp_degree=2, pp_microbatches=2, fsdp_enabled=False)
+    trainer = GraphTrainer(tinygpt(), lm_loss, config)
+    try:
+        trainer.train_step(tokens, targets)
+    except Exception as exc:  # the type is asserted by the test
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def hsdp_parity(rank: int, world: int) -> dict:
+    """PP 2 x HSDP replicas 2 (``MeshContext.build(pp=2, dp_replicate=2, dp_shard=1)``): the
+    same losses as one eager process on the global batch."""
+    from gm_trainer import MeshContext
+
+    model, rows = tinygpt(), 8
+    mesh = MeshContext.build(pp=2, dp_replicate=2, dp_shard=1)
+    expected_losses, _ = _eager(model, lm_loss, rows * mesh.dp_size)
+    config = PassConfig(pp_degree=2, pp_microbatches=4)
+    plan = PassPlan(pp_stages=STAGES["tinygpt"])
+    trainer = GraphTrainer(
+        model, lm_loss, config, plan, optimizer_config={"lr": LR}, mesh_context=mesh
+    )
+    mine = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
+    batches = (global_batch(step, rows * mesh.dp_size) for step in range(STEPS))
+    losses = world_mean_losses(trainer, ((x[mine], y[mine]) for x, y in batches))
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-5
+    )
+    return {"stage": trainer.run.pp_stage, "dp_rank": mesh.dp_rank}
+
+
 def _tp_mesh():
     from gm_trainer import MeshContext
 

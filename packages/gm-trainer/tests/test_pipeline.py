@@ -62,6 +62,14 @@ def test_interleaved_1f1b_with_two_stages_per_rank_matches_eager(dist_pool):
     assert "4 stages on 2 ranks" in results[0]["summary"]
 
 
+def test_pp2_hsdp_replicas_match_eager_and_fsdp_off_is_refused(dist_pool):
+    results = dist_pool(4).run(bodies.hsdp_parity, timeout=600)
+    assert [(r["stage"], r["dp_rank"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    error = dist_pool(4).run(bodies.fsdp_off)[0]
+    assert error.startswith("MeshError: PassConfig.pp_degree=2 on 4 ranks leaves 2")
+    assert "turn FSDP on" in error
+
+
 def test_automatic_stages_balance_parameters_and_match_eager(dist_pool):
     results = dist_pool(2).run(bodies.parity, "llama", 2, "1f1b", 2, False, timeout=300)
     summary = results[0]["summary"]

@@ -109,7 +109,13 @@ def _resolve_pipeline_mesh(
     pp_group = device_mesh.get_group("pp")
     pp_ranks = tuple(dist.get_process_group_ranks(pp_group))
     stage = pp_ranks.index(dist.get_rank())
-    if dp == 1 or not fsdp_wanted:  # an unregistered "fsdp" would mean the world
+    if dp > 1 and not fsdp_wanted:
+        raise MeshError(
+            f"PassConfig.pp_degree={pp} on {world} ranks leaves {dp} data-parallel ranks per "
+            "stage, but FSDP is off (PassConfig.fsdp_enabled or the plan), and only the fsdp "
+            "pass keeps their gradients in sync; turn FSDP on or use pp_degree ranks"
+        )
+    if dp == 1:  # an unregistered "fsdp" would mean the world
         resolved = dataclasses.replace(config, fsdp_enabled=False)
         return ResolvedRun(resolved, plan, None, None, {}, pp_group, stage, pp_ranks)
     group = device_mesh.get_group(FSDP_GROUP_NAME)
