@@ -365,7 +365,8 @@ def test_pipeline_ranks_of_one_pipeline_read_the_same_rows() -> None:
     c.check_world_size(2)  # one pipeline, no data parallelism
     c.check_world_size(4)
     with pytest.raises(
-        ConfigError, match=r"divisible by data-parallel ranks \* train.accumulation = 3 \* 1"
+        ConfigError,
+        match=r"divisible by \(world_size / parallel.pp_degree\) \* train.accumulation = 3 \* 1",
     ):
         c.check_world_size(6)
     load_config(None, ["parallel.pp_degree=2", "parallel.fsdp_enabled=false"]).check_world_size(2)
