@@ -188,12 +188,13 @@ def zoo(session: nox.Session) -> None:
 
 @nox.session(tags=["bench"], default=False)
 def bench(session: nox.Session) -> None:
-    """Benchmarks (not run by CI): graph mode vs eager and FSDP2, trace time, and the symbolic
-    graph vs the static one."""
+    """Benchmarks (not run by CI): graph mode vs eager and FSDP2, trace time, the symbolic
+    graph vs the static one, and the pipeline schedules."""
     _install_layer(session, "gm-trainer", torch=True)
     session.run("python", str(ROOT / "bench" / "fsdp_bench.py"), *session.posargs)
     session.run("python", str(ROOT / "bench" / "trace_time.py"))
     session.run("python", str(ROOT / "bench" / "dynamic_bench.py"), "--backend", "none")
+    session.run("python", str(ROOT / "bench" / "pipeline_bench.py"))
 
 
 @nox.session(tags=["train"], default=False)

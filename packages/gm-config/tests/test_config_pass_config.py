@@ -33,6 +33,7 @@ DEFAULTS = {
     "pp_degree": 1,
     "pp_microbatches": 1,
     "pp_schedule": "1f1b",
+    "pp_virtual_stages": 1,
 }
 # to_dict gives YAML-friendly lists where the config keeps tuples.
 DEFAULTS_AS_DICT = {k: list(v) if isinstance(v, tuple) else v for k, v in DEFAULTS.items()}
@@ -87,7 +88,8 @@ def test_valid_non_default_values_are_kept():
         pad_values={"label": -100},
         pp_degree=2,
         pp_microbatches=4,
-        pp_schedule="gpipe",
+        pp_schedule="interleaved_1f1b",
+        pp_virtual_stages=2,
     )
     assert config.extra_passes == ("count_nodes",)  # YAML lists are kept as tuples
     assert config.to_dict() == {
@@ -112,7 +114,8 @@ def test_valid_non_default_values_are_kept():
         "pad_values": {"label": -100},
         "pp_degree": 2,
         "pp_microbatches": 4,
-        "pp_schedule": "gpipe",
+        "pp_schedule": "interleaved_1f1b",
+        "pp_virtual_stages": 2,
     }
 
 

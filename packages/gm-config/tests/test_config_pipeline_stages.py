@@ -29,7 +29,10 @@ PARAMS = {
         ("pp_degree", 0, "pp_degree must be an int >= 1"),
         ("pp_degree", True, "pp_degree must be an int >= 1"),
         ("pp_microbatches", 2.0, "pp_microbatches must be an int >= 1"),
-        ("pp_schedule", "interleaved", "pp_schedule must be one of ['gpipe', '1f1b']"),
+        ("pp_schedule", "zb", "pp_schedule must be one of ['gpipe', '1f1b', 'interleaved_1f1b']"),
+        ("pp_virtual_stages", 0, "pp_virtual_stages must be an int >= 1"),
+        ("pp_virtual_stages", 2, "pp_virtual_stages=2 with pp_schedule='1f1b'"),
+        ("pp_schedule", "interleaved_1f1b", "pp_virtual_stages=1 with pp_schedule='interleaved"),
     ],
 )
 def test_bad_pipeline_fields_are_named(field, value, says):
@@ -94,7 +97,7 @@ def test_resolve_expands_and_assigns_by_the_longest_prefix():
 @pytest.mark.parametrize(
     ("stages", "degree", "says"),
     [
-        ([["tok_emb", "layers.0-3", "norm", "head"]], 2, r"list 1 stage.*pp_degree is 2"),
+        ([["tok_emb", "layers.0-3", "norm", "head"]], 2, r"list 1 stage.*the pipeline has 2"),
         ([["tok_emb", "layers.0-1"], ["layers.2-3", "norm"]], 2, "do not cover .*head.weight"),
         ([["tok_emb", "layerz.0"], ["head"]], 2, "stage 0 names 'layerz.0'"),
         ([["tok_emb", "layers"], ["layers.0", "norm", "head"]], 2, None),
@@ -137,5 +140,5 @@ def test_balanced_stages_minimise_the_largest_stage(sizes, degree, expected):
 
 
 def test_balanced_stages_need_enough_blocks():
-    with pytest.raises(ConfigError, match=r"pp_degree=3 needs at least that many blocks.*a, b"):
+    with pytest.raises(ConfigError, match=r"3 pipeline stages need at least as many blocks.*a, b"):
         balanced_stages([("a", 1), ("b", 1)], 3)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import mesh_bodies
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from eager_reference import world_mean_losses
 from hf_configs import tiny_llama
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -145,13 +145,7 @@ def parity(rank: int, world: int, case: str, tp: int) -> dict:
     process on the global batch, and the TP collectives of one step, counted by kind."""
     trainer, reference, train_fn, batch, mesh = _trainer(case, tp)
     expected_losses, reference = _eager(reference, train_fn, batch, STEPS)
-    losses = []
-    for step in range(STEPS):
-        loss = trainer.train_step(*_rows(batch(step), mesh))
-        trainer.optimizer_step()
-        mean = loss.reshape(1).clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+    losses = world_mean_losses(trainer, (_rows(batch(step), mesh) for step in range(STEPS)))
     torch.testing.assert_close(
         torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-5
     )

@@ -25,3 +25,18 @@ def eager_adam(
         optimizer.step()
         optimizer.zero_grad()
     return model
+
+
+def world_mean_losses(trainer: Any, batches: Iterable[tuple[Any, Any]]) -> list[float]:
+    """Train ``trainer`` one optimizer step per batch; each step's loss averaged over the
+    world (every rank must call it)."""
+    import torch.distributed as dist
+
+    losses = []
+    for input, label in batches:
+        loss = trainer.train_step(input, label)
+        trainer.optimizer_step()
+        mean = loss.reshape(1).clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
+    return losses

@@ -7,8 +7,8 @@ import copy
 from collections import Counter
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from eager_reference import world_mean_losses
 from hf_configs import tiny_llama
 
 from gm_config import PassConfig, PassPlan
@@ -44,7 +44,10 @@ def llama_loss(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tens
 MODELS = {"tinygpt": (tinygpt, lm_loss), "llama": (llama, llama_loss)}
 STAGES = {
     "tinygpt": [["tok_emb", "pos_emb", "layers.0-1"], ["layers.2-3", "norm", "lm_head"]],
-    "llama": [["model.embed_tokens", "model.layers.0-1"], ["model.layers.2-3", "model.norm", "lm_head"]],
+    "llama": [
+        ["model.embed_tokens", "model.layers.0-1"],
+        ["model.layers.2-3", "model.norm", "lm_head"],
+    ],
 }
 
 
@@ -75,6 +78,7 @@ def parity(
     schedule: str,
     microbatches: int,
     named_stages: bool = True,
+    virtual: int = 1,
 ) -> dict:
     """``STEPS`` Adam steps of the pipeline (x FSDP over ``world // pp``) == one eager process
     on the global batch; what each stage ran."""
@@ -83,26 +87,23 @@ def parity(
     dp = world // pp
     rows_per_dp = 2 * microbatches
     expected_losses, reference = _eager(model, train_fn, rows_per_dp * dp)
-    config = PassConfig(pp_degree=pp, pp_microbatches=microbatches, pp_schedule=schedule)
+    config = PassConfig(
+        pp_degree=pp,
+        pp_microbatches=microbatches,
+        pp_schedule=schedule,
+        pp_virtual_stages=virtual,
+    )
     plan = PassPlan(pp_stages=STAGES[case]) if named_stages else None
     trainer = GraphTrainer(model, train_fn, config, plan, optimizer_config={"lr": LR})
     dp_index = rank % dp
-    losses = []
-    for step in range(STEPS):
-        tokens, targets = global_batch(step, rows_per_dp * dp)
-        rows = slice(dp_index * rows_per_dp, (dp_index + 1) * rows_per_dp)
-        loss = trainer.train_step(tokens[rows], targets[rows])
-        trainer.optimizer_step()
-        mean = loss.reshape(1).clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+    rows = slice(dp_index * rows_per_dp, (dp_index + 1) * rows_per_dp)
+    batches = (global_batch(step, rows_per_dp * dp) for step in range(STEPS))
+    losses = world_mean_losses(trainer, ((x[rows], y[rows]) for x, y in batches))
     torch.testing.assert_close(
         torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-5
     )
-    program = trainer._pipeline.program
-    owned = set()
-    for fqns in program.grads.values():
-        owned.update(fqns)
+    programs = list(trainer._pipeline.programs.values())
+    owned = {fqn for program in programs for fqns in program.grads.values() for fqn in fqns}
     worst = 0.0
     for fqn in sorted(owned):
         actual = full_parameter(trainer.model, fqn, trainer.sharding, trainer.fsdp_group)
@@ -111,6 +112,7 @@ def parity(
         worst = max(worst, (actual - expected).abs().max().item())
     collectives = Counter(
         f"{half}/{collective_kind(n)}"
+        for program in programs
         for half in ("forward", "backward")
         for n in getattr(program, half).graph_module.graph.nodes
         if collective_kind(n) is not None
@@ -122,9 +124,110 @@ def parity(
         "worst": worst,
         "losses": losses,
         "collectives": dict(collectives),
-        "sends": len(program.sends),
-        "receives": len(program.receives),
+        "stages": sorted(trainer._pipeline.programs),
+        "sends": sum(len(p.sends) for p in programs),
+        "receives": sum(len(p.receives) for p in programs),
         "peak_held": stats.peak_held_bytes,
+        "messages": stats.messages,
         "bubble": stats.bubble_fraction,
         "summary": trainer.pass_summary(),
     }
+
+
+def held_activations(rank: int, world: int, microbatches: int) -> dict:
+    """Per schedule, the activation bytes this stage held at most and its bubble."""
+    found = {}
+    for schedule in ("gpipe", "1f1b"):
+        config = PassConfig(pp_degree=world, pp_microbatches=microbatches, pp_schedule=schedule)
+        plan = PassPlan(pp_stages=STAGES["tinygpt"])
+        trainer = GraphTrainer(tinygpt(), lm_loss, config, plan, optimizer_config={"lr": LR})
+        for step in range(2):
+            trainer.train_step(*global_batch(step, 2 * microbatches))
+            trainer.optimizer_step()
+        stats = trainer._pipeline.stats
+        found[schedule] = {"held": stats.peak_held_bytes, "bubble": stats.bubble_fraction}
+    return found
+
+
+def bad_configs(rank: int, world: int) -> dict:
+    """The message of each configuration the pipeline must refuse before training."""
+    tokens, targets = global_batch(0, 4)
+
+    def message(config: PassConfig, plan: PassPlan | None = None, rows: int = 4, **kw) -> str:
+        try:
+            trainer = GraphTrainer(tinygpt(), lm_loss, config, plan, **kw)
+            trainer.train_step(tokens[:rows], targets[:rows])
+        except Exception as exc:  # the type is asserted by the test
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+    pp2 = PassConfig(pp_degree=2, pp_microbatches=2)
+    return {
+        "not covered": message(
+            pp2, PassPlan(pp_stages=[["tok_emb", "layers.0-1"], ["layers.2-3"]])
+        ),
+        "no parameters": message(
+            pp2,
+            PassPlan(pp_stages=[["tok_emb", "pos_emb", "layers", "norm"], ["lm_head"]]),
+        ),
+        "against the flow": message(
+            pp2,
+            PassPlan(pp_stages=[["layers.2-3", "norm"], ["tok_emb", "pos_emb", "layers.0-1"]]),
+        ),
+        "pp does not divide": message(PassConfig(pp_degree=3)),
+        "microbatches": message(PassConfig(pp_degree=2, pp_microbatches=3)),
+        "in-graph optimizer": message(pp2, optimizer_config={"in_graph": True}),
+        "mesh without pp": message(pp2, mesh_context=_tp_mesh()),
+    }
+
+
+def _tp_mesh():
+    from gm_trainer import MeshContext
+
+    return MeshContext.build(tp=2)
+
+
+def tp_parity(rank: int, world: int) -> dict:
+    """PP 2 x DTensor TP 2 (``MeshContext.build(pp=2, tp=2)``): ``STEPS`` Adam steps of an HF
+    Llama == one eager process."""
+    import dtensor_bodies
+    import mesh_bodies
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from gm_trainer import MeshContext
+
+    model = llama()
+    expected_losses, reference = _eager(model, llama_loss, 4)
+    mesh = MeshContext.build(pp=2, tp=2, dp_shard=1)
+    tp_mesh = mesh.device_mesh["tp"]
+    parallelize_module(model, tp_mesh, dtensor_bodies.llama_plan(4, sequence_parallel=False))
+    config = PassConfig(pp_degree=2, pp_microbatches=2)
+    plan = PassPlan(pp_stages=STAGES["llama"])
+    trainer = GraphTrainer(
+        model, llama_loss, config, plan, optimizer_config={"lr": LR}, mesh_context=mesh
+    )
+    losses = [
+        (trainer.train_step(*global_batch(step, 4)), trainer.optimizer_step())[0].item()
+        for step in range(STEPS)
+    ]
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-5
+    )
+    owned = {
+        fqn
+        for program in trainer._pipeline.programs.values()
+        for fqns in program.grads.values()
+        for fqn in fqns
+    }
+    for fqn in sorted(owned):
+        actual = mesh_bodies.whole_parameter(trainer, fqn, tp_mesh.get_group())
+        expected = reference.get_parameter(fqn).detach()
+        torch.testing.assert_close(actual, expected, **parity_tolerance(STEPS), msg=fqn)
+    tp_collectives = Counter(
+        collective_kind(n)
+        for program in trainer._pipeline.programs.values()
+        for half in (program.forward, program.backward)
+        for n in half.graph_module.graph.nodes
+        if collective_kind(n) is not None and n.args[-1] == "tp"
+    )
+    return {"stage": trainer.run.pp_stage, "owned": len(owned), "tp": dict(tp_collectives)}

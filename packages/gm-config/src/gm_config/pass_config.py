@@ -145,9 +145,16 @@ class PassConfig:
     and pipelined through the stages. Gradients are their mean, as for the whole batch."""
 
     pp_schedule: str = "1f1b"
-    """The pipeline schedule: ``"gpipe"`` (every forward, then every backward) or ``"1f1b"``
+    """The pipeline schedule: ``"gpipe"`` (every forward, then every backward), ``"1f1b"``
     (one forward, one backward once the pipeline is full: a stage holds at most ``pp_degree``
-    micro-batches' activations instead of all of them)."""
+    micro-batches' activations instead of all of them) or ``"interleaved_1f1b"`` (each rank
+    runs ``pp_virtual_stages`` stages, ``pp_degree`` apart: a smaller bubble for more
+    point-to-point traffic)."""
+
+    pp_virtual_stages: int = 1
+    """Stages per pipeline rank: the model is cut into ``pp_degree x pp_virtual_stages``
+    stages and rank ``r`` of a pipeline runs stages ``r, r + pp_degree, ...``. More than 1
+    only with ``pp_schedule="interleaved_1f1b"``, which needs at least 2."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -209,7 +216,7 @@ class PassConfig:
             self.pad_to_multiple, self.dynamic_dims, "PassConfig.pad_to_multiple"
         )
         self.pad_values = check_pad_values(self.pad_values, "PassConfig.pad_values")
-        for name in ("pp_degree", "pp_microbatches"):
+        for name in ("pp_degree", "pp_microbatches", "pp_virtual_stages"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ConfigError(f"PassConfig.{name} must be an int >= 1, got {value!r}")
@@ -217,6 +224,13 @@ class PassConfig:
             raise ConfigError(
                 f"PassConfig.pp_schedule must be one of {list(PP_SCHEDULES)}, "
                 f"got {self.pp_schedule!r}"
+            )
+        interleaved = self.pp_schedule == "interleaved_1f1b"
+        if interleaved != (self.pp_virtual_stages > 1):
+            raise ConfigError(
+                f"PassConfig.pp_virtual_stages={self.pp_virtual_stages} with pp_schedule="
+                f"{self.pp_schedule!r}: interleaved_1f1b runs 2 or more stages per rank, the "
+                "other schedules one; set both together"
             )
         if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
             raise ConfigError(

@@ -17,7 +17,7 @@ from typing import Any
 from gm_config.errors import ConfigError
 
 #: The schedules the pipeline runtime implements.
-PP_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+PP_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
 
 _RANGE = re.compile(r"^(?P<prefix>.*?)(?P<first>\d+)-(?P<last>\d+)$")
 
@@ -60,18 +60,18 @@ def expand_entry(entry: str) -> list[str]:
 
 def resolve_stages(
     stages: Sequence[Sequence[str]],
-    pp_degree: int,
+    n_stages: int,
     module_fqns: Iterable[str],
     param_numels: Mapping[str, int],
 ) -> tuple[tuple[str, ...], ...]:
-    """Expand the ranges of ``stages`` and check them against a model: one stage per pipeline
-    rank, every entry a module or parameter of the model, each named once, every parameter
-    covered, every stage holding parameters. ``param_numels``: canonical parameter FQN ->
-    element count."""
-    if len(stages) != pp_degree:
+    """Expand the ranges of ``stages`` and check them against a model: ``n_stages`` stages
+    (``pp_degree x pp_virtual_stages``), every entry a module or parameter of the model,
+    each named once, every parameter covered, every stage holding parameters.
+    ``param_numels``: canonical parameter FQN -> element count."""
+    if len(stages) != n_stages:
         raise ConfigError(
-            f"the pipeline stages list {len(stages)} stage(s) but PassConfig.pp_degree is "
-            f"{pp_degree}; give one list of modules per stage"
+            f"the pipeline stages list {len(stages)} stage(s) but the pipeline has {n_stages} "
+            "(PassConfig.pp_degree x pp_virtual_stages); give one list of modules per stage"
         )
     known = set(module_fqns) | set(param_numels)
     expanded = tuple(
@@ -102,7 +102,7 @@ def resolve_stages(
         if count == 0:
             raise ConfigError(
                 f"pipeline stage {index} ({', '.join(expanded[index])}) holds no parameters; "
-                "move a module with parameters into it or lower pp_degree"
+                "move a module with parameters into it or use fewer stages"
             )
     return expanded
 
@@ -130,32 +130,32 @@ def stage_param_counts(
 
 
 def balanced_stages(
-    blocks: Sequence[tuple[str, int]], pp_degree: int
+    blocks: Sequence[tuple[str, int]], n_stages: int
 ) -> tuple[tuple[str, ...], ...]:
-    """Cut ``blocks`` (name, parameter count), in execution order, into ``pp_degree``
+    """Cut ``blocks`` (name, parameter count), in execution order, into ``n_stages``
     contiguous stages whose largest parameter count is as small as possible."""
     n = len(blocks)
-    if n < pp_degree:
+    if n < n_stages:
         raise ConfigError(
-            f"pp_degree={pp_degree} needs at least that many blocks to split, but the model has "
-            f"{n} ({', '.join(name for name, _ in blocks)}); lower pp_degree or name the stages"
+            f"{n_stages} pipeline stages need at least as many blocks to split, but the model "
+            f"has {n} ({', '.join(name for name, _ in blocks)}); use fewer stages or name them"
         )
     prefix = [0]
     for _, size in blocks:
         prefix.append(prefix[-1] + size)
     inf = float("inf")
     # best[k][i]: the smallest largest-stage for the first i blocks in k stages.
-    best = [[inf] * (n + 1) for _ in range(pp_degree + 1)]
-    cut = [[0] * (n + 1) for _ in range(pp_degree + 1)]
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
     best[0][0] = 0
-    for k in range(1, pp_degree + 1):
-        for i in range(k, n - (pp_degree - k) + 1):
+    for k in range(1, n_stages + 1):
+        for i in range(k, n - (n_stages - k) + 1):
             for j in range(k - 1, i):
                 cost = max(best[k - 1][j], prefix[i] - prefix[j])
                 if cost < best[k][i]:
                     best[k][i], cut[k][i] = cost, j
     bounds, i = [], n
-    for k in range(pp_degree, 0, -1):
+    for k in range(n_stages, 0, -1):
         bounds.append((cut[k][i], i))
         i = cut[k][i]
     return tuple(tuple(name for name, _ in blocks[a:b]) for a, b in reversed(bounds))

@@ -55,7 +55,7 @@ FULL_PARAM = "gm_full_param"
 STAGE = "gm_stage"
 """The pipeline stage that computes the node (``pp_stages`` pass; ``None``: every stage that
 needs it computes it — the batch, constants and ops on them alone). Nodes later passes insert
-have none and are placed by :func:`gm_trace.stage_split.derive_stage`."""
+have none and are placed by :func:`gm_trace.stage_split.derive_stages`."""
 
 RECOMPUTED = "gm_recomputed"
 """A copy of a forward op the recompute pass placed in backward (``True``)."""

@@ -19,15 +19,18 @@ both ends of a transfer agree on its tag, shape and dtype without talking.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
+from gm_passes.graph_ops import mutates_an_input
 from gm_trace import node_meta
 from gm_trace.joint_graph import JointGraph
-from gm_trace.stage_split import PipelineSplitError, check_flow, derive_stage, node_phase
+from gm_trace.memory import is_view
+from gm_trace.stage_split import PipelineSplitError, check_flow, derive_stages, node_phase
 
 __all__ = ["HalfGraph", "PipelineCut", "Slot", "StageProgram", "Transfer", "cut_pipeline"]
 
@@ -92,6 +95,8 @@ class StageProgram:
     keep: tuple[Key, ...]
     """Values held from a micro-batch's forward to its backward (saved activations,
     received inputs backward reads, values sent after backward)."""
+    held_bytes: int
+    """Static estimate of the bytes ``keep`` holds per micro-batch, from the traced shapes."""
     grads: Mapping[Key, tuple[str, ...]]
     """Gradient outputs this stage computes: key -> the parameter FQNs it is the gradient of."""
     loss: Key | None
@@ -132,6 +137,7 @@ def cut_pipeline(joint: JointGraph, n_stages: int) -> PipelineCut:
     slots = _slots(nodes)
 
     transfers = _transfers(nodes, stage, half)
+    by_name = {n.name: n for n in nodes}
     results = output.args[0]
     loss_node = results[0]
     grad_of: dict[fx.Node, tuple[str, ...]] = {}
@@ -175,6 +181,7 @@ def cut_pipeline(joint: JointGraph, n_stages: int) -> PipelineCut:
                 sends=sends,
                 receives=receives,
                 keep=tuple(sorted(keep)),
+                held_bytes=_held_bytes([by_name[k] for k in keep]),
                 grads={v.name: fqns for v, fqns in grad_of.items() if stage.get(v) == s},
                 loss=loss_node.name if stage.get(loss_node) == s else None,
             )
@@ -185,11 +192,33 @@ def cut_pipeline(joint: JointGraph, n_stages: int) -> PipelineCut:
     return PipelineCut(tuple(programs), tuple(transfers), loss_stage)
 
 
+def _held_bytes(kept: list[fx.Node]) -> int:
+    """Bytes of the distinct tensors ``kept`` holds: a view counts as its base, a view of a
+    parameter or of the batch as nothing."""
+    bases = set()
+    for node in kept:
+        while is_view(node) and node.target is not operator.getitem:
+            node = node.all_input_nodes[0]
+        bases.add(node)
+    return sum(
+        b.meta["val"].numel() * b.meta["val"].element_size()
+        for b in bases
+        if b.op != "placeholder" and isinstance(b.meta.get("val"), torch.Tensor)
+    )
+
+
 def _stages(nodes: list[fx.Node]) -> dict[fx.Node, int]:
     """Every node's stage; nodes later passes inserted are derived from their inputs."""
-    for node in nodes:
-        if node.op != "output" and node.meta.get(node_meta.STAGE) is None:
-            node.meta[node_meta.STAGE] = derive_stage(node)
+    derive_stages(nodes[0].graph)
+    for node in reversed(nodes):
+        # A forward op the recompute pass copied into backward for another stage's backward
+        # (or for such a copy) is computed in its own stage's forward and sent instead.
+        if node.meta.get(node_meta.RECOMPUTED) and any(
+            u.meta.get(node_meta.STAGE) not in (None, node.meta[node_meta.STAGE])
+            or (u.meta.get(node_meta.RECOMPUTED) and node_phase(u) == FORWARD)
+            for u in node.users
+        ):
+            node.meta[node_meta.PHASE] = FORWARD
     return {n: n.meta[node_meta.STAGE] for n in nodes if n.meta.get(node_meta.STAGE) is not None}
 
 
@@ -258,6 +287,9 @@ def _half_graph(
         if node not in stage and node.op == "call_function" and node not in chosen:
             chosen.add(node)
             stack.extend(node.all_input_nodes)
+            # The graph is not functional: what writes this tensor in place (through a view:
+            # `x[:, 1:] = ...` is a slice and a copy_) must run here too.
+            stack.extend(u for u in node.users if is_view(u) or mutates_an_input(u))
     ordered = [n for n in root.graph.nodes if n in chosen]
     inputs = [
         n for n in dict.fromkeys(i for m in ordered for i in m.all_input_nodes) if n not in chosen

@@ -9,8 +9,8 @@ order the forward first uses them. Each node is assigned, in ``meta[STAGE]``:
 - an op recorded inside a module (``nn_module_stack``; backward ops inherit their forward op's
   stack): that module's stage;
 - any other op (the loss, glue code in ``forward``, nodes later passes insert): derived from
-  its inputs by :func:`derive_stage` — in forward the latest stage among them, in backward the
-  earliest stage among its gradient inputs;
+  its neighbours by :func:`derive_stages` — in forward the latest stage among its inputs, in
+  backward the earliest stage among the gradients it reads;
 - batch placeholders, constants and ops on them alone: no stage (every rank has the batch, so
   every stage that needs them computes them).
 
@@ -39,14 +39,13 @@ from gm_config.pipeline_stages import (
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_trace import node_meta
 from gm_trace.joint_graph import PIPELINE_STAGES
-from gm_trace.sharding import block_of
 
 __all__ = [
     "PipelineSplitError",
     "PipelineStagesPass",
     "StageAssignment",
     "check_flow",
-    "derive_stage",
+    "derive_stages",
     "node_phase",
 ]
 
@@ -75,7 +74,7 @@ class PipelineStagesPass(GraphPass):
     name = "pp_stages"
     runs_after = ("canonicalize",)
     runs_before = ("fsdp",)
-    options = ("pp_degree",)
+    options = ("pp_degree", "pp_virtual_stages")
 
     @classmethod
     def enabled_by(cls, config: PassConfig, plan: PassPlan | None) -> str | None:
@@ -89,17 +88,15 @@ class PipelineStagesPass(GraphPass):
             if n.op == "placeholder" and n.meta.get(node_meta.ROLE) == "param"
         }
         named = ctx.plan.pp_stages if ctx.plan is not None else None
-        degree = ctx.config.pp_degree
+        n_stages = ctx.config.pp_degree * ctx.config.pp_virtual_stages
         if named is not None:
             modules = [name for name, _ in ctx.model.named_modules()] if ctx.model else []
-            stages = resolve_stages(named, degree, modules, numels)
+            stages = resolve_stages(named, n_stages, modules, numels)
         else:
-            stages = balanced_stages(_blocks_in_use_order(graph, numels), degree)
+            stages = balanced_stages(_blocks_in_use_order(graph, numels), n_stages)
         for node in graph.nodes:
             node.meta[node_meta.STAGE] = _explicit_stage(node, stages)
-        for node in graph.nodes:
-            if node.meta[node_meta.STAGE] is None:
-                node.meta[node_meta.STAGE] = derive_stage(node)
+        derive_stages(graph)
         check_flow(graph)
         counts = tuple(stage_param_counts(stages, numels))
         ctx.publish(PIPELINE_STAGES, StageAssignment(stages, counts, named is None))
@@ -117,11 +114,22 @@ def _blocks_in_use_order(graph: fx.Graph, numels: Mapping[str, int]) -> list[tup
         if node.op != "placeholder" or node.meta.get(node_meta.ROLE) != "param":
             continue
         fqn = node.meta[node_meta.FQN]
-        block = block_of(fqn, None) or fqn  # a parameter of the root is a block of its own
+        block = _unit_of(fqn)
         uses = [order[u] for u in node.users if node_phase(u) == "forward"]
         first_use[block] = min(first_use.get(block, len(order)), *uses, len(order))
         sizes[block] = sizes.get(block, 0) + numels[fqn]
     return [(block, sizes[block]) for block in sorted(first_use, key=first_use.__getitem__)]
+
+
+def _unit_of(fqn: str) -> str:
+    """The smallest unit the automatic split moves whole: the path up to the first numbered
+    child (``model.layers.3``), else the parameter's own module (``model.norm``), else the
+    parameter of the root itself."""
+    parts = fqn.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ".".join(parts[:-1]) or fqn
 
 
 def _explicit_stage(node: fx.Node, stages: tuple[tuple[str, ...], ...]) -> int | None:
@@ -141,21 +149,40 @@ def node_phase(node: fx.Node) -> str | None:
     return node.meta.get(node_meta.PHASE)
 
 
-def derive_stage(node: fx.Node) -> int | None:
-    """The stage of a node no module places: forward values run where their latest input
-    is; a backward value runs where the earliest gradient it reads is (gradients flow to
-    earlier stages); nodes without staged inputs have none."""
-    if node.op != "call_function":
-        return None
-    staged = [(n, n.meta.get(node_meta.STAGE)) for n in node.all_input_nodes]
-    staged = [(n, s) for n, s in staged if s is not None]
-    if not staged:
-        return None
-    if node_phase(node) == "backward":
-        grads = [s for n, s in staged if node_phase(n) == "backward"]
-        if grads:
-            return min(grads)
-    return max(s for _, s in staged)
+def derive_stages(graph: fx.Graph) -> None:
+    """Give every computing node no module placed a stage, from its neighbours: a forward
+    value runs where its latest input is; a gradient where the earliest gradient it reads is
+    (gradients flow to earlier stages); a backward op that reads no gradient (the transpose
+    of a weight) where its earliest reader runs. Nodes without staged inputs have none."""
+    nodes = list(graph.nodes)
+    backward = [n for n in nodes if node_phase(n) == "backward"]
+    reads_grad: set[fx.Node] = set(backward[:1])  # the loss gradient's seed
+    for node in backward[1:]:
+        if any(n in reads_grad for n in node.all_input_nodes):
+            reads_grad.add(node)
+    pending = []
+    for node in nodes:
+        if node.op != "call_function" or node.meta.get(node_meta.STAGE) is not None:
+            continue
+        staged = [n for n in node.all_input_nodes if n.meta.get(node_meta.STAGE) is not None]
+        grads = [n.meta[node_meta.STAGE] for n in staged if n in reads_grad]
+        if node in reads_grad and grads:
+            node.meta[node_meta.STAGE] = min(grads)
+        elif node_phase(node) == "backward" and node not in reads_grad:
+            pending.append(node)
+        elif staged:
+            node.meta[node_meta.STAGE] = max(n.meta[node_meta.STAGE] for n in staged)
+    for node in reversed(pending):
+        readers = [
+            u.meta[node_meta.STAGE] for u in node.users if u.meta.get(node_meta.STAGE) is not None
+        ]
+        inputs = [
+            n.meta[node_meta.STAGE]
+            for n in node.all_input_nodes
+            if n.meta.get(node_meta.STAGE) is not None
+        ]
+        if readers or inputs:
+            node.meta[node_meta.STAGE] = min(readers) if readers else max(inputs)
 
 
 def check_flow(graph: fx.Graph) -> None:
@@ -186,8 +213,9 @@ def check_flow(graph: fx.Graph) -> None:
             if not isinstance(src_node.meta.get("val"), torch.Tensor):
                 raise PipelineSplitError(
                     f"{_describe(src_node)} crosses from stage {src} to stage {dst} but is "
-                    f"not a tensor ({type(src_node.meta.get('val')).__name__}): a "
-                    "data-dependent value cannot be sent between stages; cut elsewhere"
+                    f"not a tensor ({type(src_node.meta.get('val')).__name__}): only tensors "
+                    "travel between stages (a multi-output op and its readers, or a size "
+                    "computed from data, stay in one stage); cut elsewhere"
                 )
 
 

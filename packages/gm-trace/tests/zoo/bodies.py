@@ -20,8 +20,10 @@ from architectures import BY_NAME, Architecture
 from gm_config import PassConfig
 from gm_trace import run_traced_graph
 from gm_trace.fsdp import full_parameter
+from gm_trace.stage_cut import cut_pipeline
 from gm_trace.testing.compile import compile_joint
 from gm_trace.testing.parity import parity_tolerance
+from gm_trace.testing.pipeline import run_stages_in_one_process
 
 BATCH_NORM = torch.nn.modules.batchnorm._BatchNorm
 STEPS = 3
@@ -141,6 +143,25 @@ def _single_process(arch: Architecture) -> dict[str, Any]:
         for fqn, actual in getattr(model, kind)():
             assert torch.equal(actual, expected[fqn]), f"{kind[6:-1]} {fqn} differs from eager"
     return {"nodes": len(joint.graph_module.graph.nodes)}
+
+
+def pipeline_cut(name: str) -> dict[str, Any]:
+    """The whole step (every default pass) cut into two automatically balanced pipeline
+    stages and run stage by stage in one process: bitwise the whole graph's loss and
+    gradients."""
+    arch = BY_NAME[name]
+    model = build(arch, dropout=False)
+    batch = arch.batch(0, ROWS)
+    with deterministic():
+        joint, _ = compile_graph(model, arch, batch, PassConfig(pp_degree=2))
+        cut = cut_pipeline(joint, 2)
+        whole = run_traced_graph(joint, copy.deepcopy(model), *batch)
+        loss, grads = run_stages_in_one_process(cut, model, *batch)
+    assert torch.equal(loss, whole.loss), (loss, whole.loss)
+    assert grads.keys() == whole.grads.keys()
+    for fqn, grad in whole.grads.items():
+        assert torch.equal(grads[fqn], grad), f"gradient of {fqn} differs"
+    return {"params": joint.stages.param_counts, "boundary": cut.boundary_bytes()[0]}
 
 
 def _local(batch, rank: int, world: int):

@@ -11,6 +11,7 @@ from architectures import BY_NAME
 
 ROWS = [
     "1 process = eager, bitwise",
+    "PP 2 stages = whole graph, bitwise",
     "FSDP 2 ranks",
     "FSDP 2 ranks, reshard",
     "bf16 = FSDP2 bf16",
@@ -56,6 +57,10 @@ Tiny random-init configurations of real architectures, built offline; see
   within the bfloat16 rtol in norm. FSDP2 cannot run BatchNorm in bf16; for BatchNorm models
   the reference is eager with graph mode's casts, summed and rounded as a bf16 reduce-scatter.
 - **Inductor**: `backend="inductor"` against the uncompiled graph, rtol 1e-5.
+- **PP 2 stages**: the step with every default pass, cut into two pipeline stages balanced
+  automatically (`pp_degree=2`), run stage by stage in one process: loss and gradients
+  `torch.equal` to the whole graph's. Figures: parameters per stage, bytes crossing the cut
+  per micro-batch.
 """
 
 

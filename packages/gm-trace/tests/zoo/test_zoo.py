@@ -1,6 +1,7 @@
 """The model zoo: every pass proven on real architectures we did not write.
 
-Rows per architecture (see bodies.py): one process against eager, bitwise; FSDP on 2 gloo ranks
+Rows per architecture (see bodies.py): one process against eager, bitwise; the step cut into
+two pipeline stages and run stage by stage, bitwise the whole graph; FSDP on 2 gloo ranks
 against eager, with and without ``reshard_after_forward``; ``param_dtype=bfloat16`` against
 eager FSDP2 under the same ``MixedPrecisionPolicy``; the Inductor backend. CI runs the subset
 tagged ``ci`` (a LayerNorm decoder, an RMSNorm decoder, an encoder and a BatchNorm vision
@@ -43,6 +44,16 @@ def test_single_process_is_bitwise_eager(name, record_property):
     record_property("zoo_cell", (name, "1 process = eager, bitwise"))
     result = bodies.single_process(name)
     record_property("zoo_result", f"{result['nodes']} nodes")
+
+
+@pytest.mark.parametrize("name", _cases(ZOO))
+def test_pipeline_stages_compute_the_whole_graph(name, record_property):
+    record_property("zoo_cell", (name, "PP 2 stages = whole graph, bitwise"))
+    result = bodies.pipeline_cut(name)
+    record_property(
+        "zoo_result",
+        f"params {result['params'][0]}/{result['params'][1]}, {result['boundary']} B/microbatch",
+    )
 
 
 @pytest.mark.distributed

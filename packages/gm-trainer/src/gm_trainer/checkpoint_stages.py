@@ -28,13 +28,13 @@ def foreign_state(trainer: GraphTrainer) -> frozenset[str]:
     without pipeline parallelism): this rank neither saves nor loads them."""
     if trainer._pipeline is None:
         return frozenset()
-    stage = trainer.run.pp_stage
+    own = trainer._pipeline.own_stages
     graphs = [*trainer._graphs.values(), *trainer._accumulate_cache.graphs.values()]
     foreign = set()
     for joint in graphs[:1]:  # every graph of a trainer assigns the same stages
         for node in joint.graph_module.graph.nodes:
             owner = node.meta.get(node_meta.STAGE)
-            if node.op == "placeholder" and owner is not None and owner != stage:
+            if node.op == "placeholder" and owner is not None and owner not in own:
                 fqn = node.meta.get(node_meta.FQN)
                 if fqn is not None:
                     foreign.add(fqn)

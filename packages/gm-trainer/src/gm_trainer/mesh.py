@@ -10,7 +10,8 @@ Two meshes over the same ranks, in the same rank order::
     device_mesh        ("dp", "cp", "tp")                        (dp_replicate * dp_shard, cp, tp)
     fsdp_non_moe_mesh  ("fsdp_replicate", "fsdp_shard", "tp")    (dp_replicate, dp_shard * cp, tp)
 
-(sizes in terms of :meth:`MeshContext.build`'s arguments).
+(sizes in terms of :meth:`MeshContext.build`'s arguments). With pipeline parallelism both
+meshes lead with a ``"pp"`` dim: the ranks of one stage are one ``(dp, cp, tp)`` block.
 
 ``GraphTrainer`` accepts any object with ``device_mesh`` and ``fsdp_non_moe_mesh`` attributes
 (duck typing); :func:`resolve_mesh_context` reads only those two, plus ``sequence_parallel`` and
@@ -63,6 +64,10 @@ class MeshContext:
     """This rank's data-parallel index: which slice of the global batch it reads."""
     tp_rank: int = 0
     cp_rank: int = 0
+    pp_size: int = 1
+    """Pipeline stages (``PassConfig.pp_degree``); both meshes then lead with a ``"pp"`` dim."""
+    pp_rank: int = 0
+    """This rank's pipeline stage."""
     sequence_parallel: bool = False
     loss_parallel: bool = False
 
@@ -74,6 +79,7 @@ class MeshContext:
         dp_shard: int = -1,
         tp: int = 1,
         cp: int = 1,
+        pp: int = 1,
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
         device_type: str | None = None,
@@ -90,29 +96,33 @@ class MeshContext:
                 "(gm_trainer.init_distributed() under torchrun)"
             )
         world = dist.get_world_size()
-        sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "cp": cp}
+        sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "cp": cp, "pp": pp}
         for name, size in sizes.items():
             if isinstance(size, bool) or not isinstance(size, int) or not (size >= 1 or size == -1):
                 raise MeshError(f"{name} must be a positive int (or -1 for dp_shard), got {size!r}")
-        if -1 in (dp_replicate, tp, cp):
+        if -1 in (dp_replicate, tp, cp, pp):
             raise MeshError("only dp_shard may be -1 (take the ranks left over)")
         if dp_shard == -1:
-            dp_shard = world // (dp_replicate * tp * cp)
-        if dp_replicate * dp_shard * tp * cp != world:
+            dp_shard = world // (dp_replicate * tp * cp * pp)
+        if pp * dp_replicate * dp_shard * tp * cp != world:
             raise MeshError(
-                f"dp_replicate={dp_replicate} x dp_shard={dp_shard} x tp={tp} x cp={cp} = "
-                f"{dp_replicate * dp_shard * tp * cp}, but the world has {world} ranks; choose "
-                "sizes whose product is the world size (dp_shard=-1 fills in the rest)"
+                f"pp={pp} x dp_replicate={dp_replicate} x dp_shard={dp_shard} x tp={tp} x "
+                f"cp={cp} = {pp * dp_replicate * dp_shard * tp * cp}, but the world has {world} "
+                "ranks; choose sizes whose product is the world size (dp_shard=-1 fills in "
+                "the rest)"
             )
         device_type = device_type or detect_device_type()
         dp = dp_replicate * dp_shard
         # Rank = ((replicate * dp_shard + shard) * cp + c) * tp + t in both meshes, so their TP
         # groups coincide and FSDP shards over (dp_shard x cp), like torchtitan's dp_shard_cp.
-        device_mesh = init_device_mesh(device_type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+        lead = ((pp,), ("pp",)) if pp > 1 else ((), ())
+        device_mesh = init_device_mesh(
+            device_type, (*lead[0], dp, cp, tp), mesh_dim_names=(*lead[1], "dp", "cp", "tp")
+        )
         fsdp_mesh = init_device_mesh(
             device_type,
-            (dp_replicate, dp_shard * cp, tp),
-            mesh_dim_names=("fsdp_replicate", "fsdp_shard", "tp"),
+            (*lead[0], dp_replicate, dp_shard * cp, tp),
+            mesh_dim_names=(*lead[1], "fsdp_replicate", "fsdp_shard", "tp"),
         )
         register_process_group(TP_GROUP_NAME, device_mesh["tp"].get_group())
         return cls(
@@ -126,6 +136,8 @@ class MeshContext:
             dp_rank=device_mesh.get_local_rank("dp"),
             tp_rank=device_mesh.get_local_rank("tp"),
             cp_rank=device_mesh.get_local_rank("cp"),
+            pp_size=pp,
+            pp_rank=device_mesh.get_local_rank("pp") if pp > 1 else 0,
             sequence_parallel=sequence_parallel,
             loss_parallel=loss_parallel,
         )
@@ -147,6 +159,9 @@ class ResolvedMesh:
     TP x FSDP pieces out on it."""
     sequence_parallel: bool = False
     loss_parallel: bool = False
+    pp_group: dist.ProcessGroup | None = None
+    """The pipeline group (one rank per stage), when the mesh has a ``"pp"`` dim of more than
+    one rank."""
 
     @property
     def fsdp_size(self) -> int:
@@ -182,6 +197,13 @@ class ResolvedMesh:
             raise MeshError(
                 f"PassConfig.tp_size={config.tp_size} but the mesh's 'tp' dim has {self.tp_size} "
                 f"ranks; leave tp_size 1 (taken from the mesh) or set it to {self.tp_size}"
+            )
+        pp = self.pp_group.size() if self.pp_group is not None else 1
+        if config.pp_degree != pp:
+            raise MeshError(
+                f"PassConfig.pp_degree={config.pp_degree} but the mesh has {pp} pipeline "
+                f"stage(s) (its 'pp' dim); build the mesh with MeshContext.build(pp="
+                f"{config.pp_degree}, ...) or set pp_degree={pp}"
             )
         filled: dict[str, Any] = {"fsdp_degree": self.fsdp_size, "tp_size": self.tp_size}
         for field in ("sequence_parallel", "loss_parallel"):
@@ -246,6 +268,10 @@ def resolve_mesh_context(mesh_context: Any) -> ResolvedMesh:
         group, ranks = _ranks(fsdp_mesh, "fsdp_replicate")
         replicate_group = group if len(ranks) > 1 else None
     tp_group = _tp_group(device_mesh, fsdp_mesh)
+    pp_group = None
+    if "pp" in names:
+        group, ranks = _ranks(fsdp_mesh, "pp")
+        pp_group = group if len(ranks) > 1 else None
     return ResolvedMesh(
         fsdp_group=fsdp_group,
         replicate_group=replicate_group,
@@ -255,6 +281,7 @@ def resolve_mesh_context(mesh_context: Any) -> ResolvedMesh:
         shard_tp_mesh=fsdp_mesh[fsdp_dim, "tp"] if tp_group and "tp" in names else None,
         sequence_parallel=bool(getattr(mesh_context, "sequence_parallel", False)),
         loss_parallel=bool(getattr(mesh_context, "loss_parallel", False)),
+        pp_group=pp_group,
     )
 
 

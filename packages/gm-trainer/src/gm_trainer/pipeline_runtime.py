@@ -9,9 +9,9 @@ receiving what earlier stages computed for a forward and what later stages compu
 backward, and adds the mean of the micro-batches' gradients to its parameters' ``.grad``. The
 loss comes from the stage that computes it, averaged over micro-batches, to every rank.
 
-Sends never block (``isend``, waited at the end of the step); a receive blocks until its
-value arrives, which is what the measured bubble counts. Parameters of other stages are freed
-on this rank: it never reads them.
+Sends never block (``isend``, waited at the end of the step); the receives of the next action
+are posted before the current one computes, and waiting for them is the measured bubble.
+Parameters of other stages are freed on this rank: it never reads them.
 """
 
 from __future__ import annotations
@@ -28,15 +28,17 @@ from gm_config import ConfigError
 from gm_trace import node_meta
 from gm_trace.joint_graph import JointGraph
 from gm_trace.signature import InputSignature, flatten_io
-from gm_trace.stage_cut import FORWARD, PipelineCut, StageProgram, Transfer, cut_pipeline
+from gm_trace.stage_cut import BACKWARD, FORWARD, PipelineCut, StageProgram, Transfer, cut_pipeline
 from gm_trainer.errors import TrainingError
 from gm_trainer.gradients import add_to_grad
-from gm_trainer.pipeline_schedule import Action, in_flight, stage_actions
+from gm_trainer.pipeline_schedule import Action, in_flight, rank_actions
 
 if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer
 
 Env = dict[str, torch.Tensor]
+# (key, buffer, work) per value; buffer None: from this rank, work is its (tag, micro-batch)
+_Receives = list[tuple[str, torch.Tensor | None, Any]]
 
 
 @dataclass
@@ -49,6 +51,8 @@ class PipelineStats:
     """Time spent waiting for values from other stages: the bubble."""
     peak_held_bytes: int = 0
     """The most bytes of activations held between micro-batches' forward and backward."""
+    messages: int = 0
+    """Point-to-point messages this rank sent (and, alike, received) in the step."""
     steps: int = 0
 
     @property
@@ -64,32 +68,51 @@ class _Step:
     batches: list[list[torch.Tensor]]
     state: dict[str, torch.Tensor]
     weight: float
-    envs: dict[int, Env] = field(default_factory=dict)
+    envs: dict[tuple[int, int], Env] = field(default_factory=dict)
+    """(stage, micro-batch) -> the values held from its forward to its backward."""
     losses: list[torch.Tensor] = field(default_factory=list)
     pending: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
+    local: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    """(transfer tag, micro-batch) -> a value between two stages of this rank."""
 
 
 class PipelineRunner:
-    """One rank's stage of a pipeline-parallel ``GraphTrainer``."""
+    """One rank's stages of a pipeline-parallel ``GraphTrainer``."""
 
     def __init__(self, trainer: GraphTrainer) -> None:
         self.trainer = trainer
         self.cut: PipelineCut | None = None
-        self.program: StageProgram | None = None
+        self.programs: dict[int, StageProgram] = {}
+        """This rank's stages (``pp_index + k * pp_degree``) and what each runs."""
+        self.actions: list[Action] = []
+        """This rank's schedule: the order of its forward and backward halves."""
         self.stats = PipelineStats()
         self._joint: JointGraph | None = None
 
     # ------------------------------------------------------------------ set-up
 
     @property
-    def stage(self) -> int:
-        """This rank's stage."""
+    def pp_index(self) -> int:
+        """This rank's place in its pipeline: it runs stages ``pp_index + k * pp_degree``."""
         return self.trainer.run.pp_stage
+
+    @property
+    def own_stages(self) -> range:
+        """The stages this rank runs (known from the resolved run, before the first step)."""
+        config = self.trainer.run.pass_config
+        return range(self.pp_index, config.pp_degree * config.pp_virtual_stages, config.pp_degree)
 
     def _adopt(self, joint: JointGraph) -> None:
         config = self.trainer.run.pass_config
-        self.cut = cut_pipeline(joint, config.pp_degree)
-        self.program = self.cut.programs[self.stage]
+        self.cut = cut_pipeline(joint, config.pp_degree * config.pp_virtual_stages)
+        self.programs = {stage: self.cut.programs[stage] for stage in self.own_stages}
+        self.actions = rank_actions(
+            config.pp_schedule,
+            self.pp_index,
+            config.pp_degree,
+            config.pp_microbatches,
+            config.pp_virtual_stages,
+        )
         self._joint = joint
         self._free_other_stages(joint)
 
@@ -100,7 +123,7 @@ class PipelineRunner:
             for n in joint.graph_module.graph.nodes
             if n.op == "placeholder"
             and n.meta.get(node_meta.ROLE) == "param"
-            and n.meta.get(node_meta.STAGE) not in (None, self.stage)
+            and n.meta.get(node_meta.STAGE) not in (None, *self.programs)
         }
         for fqn in theirs:
             param = self.trainer.model.get_parameter(fqn)
@@ -130,77 +153,102 @@ class PipelineRunner:
             for mb in micro
         ]
         step = _Step(batches, state, weight / len(micro))
-        actions = stage_actions(config.pp_schedule, self.stage, config.pp_degree, len(micro))
+        actions = self.actions
         started = time.perf_counter()
         self.stats.wait_s = 0.0
         params = {t.untyped_storage().data_ptr() for t in state.values()}
         held = peak = 0
-        for action in actions:
+        incoming = self._post_receives(actions[0])
+        for index, action in enumerate(actions):
+            # The next action's receives are posted first, so they arrive during this one.
+            following = actions[index + 1] if index + 1 < len(actions) else None
+            received, incoming = incoming, following and self._post_receives(following)
+            kept = (action.stage, action.microbatch)
             if action.phase == FORWARD:
-                self._forward(step, action.microbatch)
-                held += _bytes(step.envs[action.microbatch], params)
+                self._forward(step, action, received)
+                held += _bytes(step.envs[kept], params)
                 peak = max(peak, held)
             else:
-                held -= _bytes(step.envs[action.microbatch], params)
-                self._backward(step, action.microbatch)
+                held -= _bytes(step.envs[kept], params)
+                self._backward(step, action, received)
         for work, _ in step.pending:
             work.wait()
+        self.stats.messages = len(step.pending)
         loss = self._loss(step)
         self.stats.step_s = time.perf_counter() - started
         self.stats.peak_held_bytes = peak
         self.stats.steps += 1
         return loss
 
-    def _forward(self, step: _Step, m: int) -> None:
-        program = self.program
-        env = self._slots(step, m)
-        self._receive(program.transfers("receive", FORWARD), m, env)
+    def _forward(self, step: _Step, action: Action, received: _Receives) -> None:
+        program, m = self.programs[action.stage], action.microbatch
+        env = self._slots(step, program, m)
+        self._wait(step, received, env)
         _run(program.forward.graph_module, program.forward.inputs, program.forward.outputs, env)
         self._send(step, program.transfers("send", FORWARD), m, env)
         if program.loss is not None:
             step.losses.append(env[program.loss].detach())
-        step.envs[m] = {k: env[k] for k in program.keep if k in env}
+        step.envs[program.stage, m] = {k: env[k] for k in program.keep if k in env}
 
-    def _backward(self, step: _Step, m: int) -> None:
-        program = self.program
-        env = {**self._slots(step, m), **step.envs.pop(m)}
-        self._receive(program.transfers("receive", "backward"), m, env)
+    def _backward(self, step: _Step, action: Action, received: _Receives) -> None:
+        program, m = self.programs[action.stage], action.microbatch
+        env = {**self._slots(step, program, m), **step.envs.pop((program.stage, m))}
+        self._wait(step, received, env)
         _run(program.backward.graph_module, program.backward.inputs, program.backward.outputs, env)
-        self._send(step, program.transfers("send", "backward"), m, env)
+        self._send(step, program.transfers("send", BACKWARD), m, env)
+        sent = {t.key for t in program.sends}
         for key, fqns in program.grads.items():
             for fqn in fqns:
-                add_to_grad(self.trainer.model.get_parameter(fqn), env[key], step.weight)
+                # add_to_grad may scale the graph's output in place: not one still being sent
+                grad = env[key].clone() if key in sent or len(fqns) > 1 else env[key]
+                add_to_grad(self.trainer.model.get_parameter(fqn), grad, step.weight)
 
-    def _slots(self, step: _Step, m: int) -> Env:
+    def _slots(self, step: _Step, program: StageProgram, m: int) -> Env:
         env: Env = {}
-        for key, slot in self.program.slots.items():
+        for key, slot in program.slots.items():
             env[key] = step.state[slot.fqn] if slot.fqn is not None else step.batches[m][slot.index]
         return env
 
     # ------------------------------------------------------------------ communication
 
     def _peer(self, stage: int) -> int:
-        return self.trainer.run.pp_ranks[stage]
+        """The global rank running ``stage`` in this rank's pipeline."""
+        run = self.trainer.run
+        return run.pp_ranks[stage % run.pass_config.pp_degree]
 
     def _tag(self, transfer: Transfer, m: int) -> int:
         return m * len(self.cut.transfers) + transfer.tag
 
     def _send(self, step: _Step, transfers: tuple[Transfer, ...], m: int, env: Env) -> None:
         for t in transfers:
-            tensor = env[t.key].detach().contiguous()
-            step.pending.append(
-                (dist.isend(tensor, self._peer(t.dst), tag=self._tag(t, m)), tensor)
-            )
+            tensor = env[t.key].detach()
+            if t.dst in self.programs:  # a later stage of this rank: no message
+                step.local[t.tag, m] = tensor
+                continue
+            tensor = tensor.contiguous()
+            work = dist.isend(tensor, self._peer(t.dst), tag=self._tag(t, m))
+            step.pending.append((work, tensor))
 
-    def _receive(self, transfers: tuple[Transfer, ...], m: int, env: Env) -> None:
-        device = self.trainer.device
-        works = []
-        for t in transfers:
-            env[t.key] = torch.empty(t.shape, dtype=t.dtype, device=device)
-            works.append(dist.irecv(env[t.key], self._peer(t.src), tag=self._tag(t, m)))
+    def _post_receives(self, action: Action) -> _Receives:
+        """Post the receives ``action`` needs; their buffers fill in the background."""
+        posted: _Receives = []
+        for t in self.programs[action.stage].transfers("receive", action.phase):
+            if t.src in self.programs:  # from a stage of this rank: taken when it runs
+                posted.append((t.key, None, (t.tag, action.microbatch)))
+                continue
+            buffer = torch.empty(t.shape, dtype=t.dtype, device=self.trainer.device)
+            work = dist.irecv(buffer, self._peer(t.src), tag=self._tag(t, action.microbatch))
+            posted.append((t.key, buffer, work))
+        return posted
+
+    def _wait(self, step: _Step, received: _Receives, env: Env) -> None:
         started = time.perf_counter()
-        for work in works:
+        for key, buffer, work in received:
+            if buffer is None:
+                env[key] = step.local.pop(work)
+                continue
             work.wait()
+            env[key] = buffer
         self.stats.wait_s += time.perf_counter() - started
 
     def _loss(self, step: _Step) -> torch.Tensor:
@@ -211,7 +259,7 @@ class PipelineRunner:
         else:
             dtype = self._joint.graph_module.graph.output_node().args[0][0].meta["val"].dtype
             loss = torch.empty((), dtype=dtype, device=self.trainer.device)
-        dist.broadcast(loss, src=run.pp_ranks[self.cut.loss_stage], group=run.pp_group)
+        dist.broadcast(loss, src=self._peer(self.cut.loss_stage), group=run.pp_group)
         return loss
 
     # ------------------------------------------------------------------ reports
@@ -223,21 +271,21 @@ class PipelineRunner:
             return "pipeline: not compiled yet"
         config = self.trainer.run.pass_config
         stages = self._joint.stages
+        automatic = " (stages balanced automatically)" if stages.automatic else ""
         lines = [
-            f"pipeline: {config.pp_degree} stages, {config.pp_microbatches} micro-batches, "
-            f"schedule {config.pp_schedule}"
-            + (" (stages balanced automatically)" if stages.automatic else "")
+            f"pipeline: {len(stages.stages)} stages on {config.pp_degree} ranks, "
+            f"{config.pp_microbatches} micro-batches, schedule {config.pp_schedule}{automatic}"
         ]
         for index, (modules, count) in enumerate(zip(stages.stages, stages.param_counts)):
             lines.append(f"  stage {index}: {count:,} parameters: {', '.join(modules)}")
         for index, nbytes in enumerate(self.cut.boundary_bytes()):
             lines.append(f"  boundary {index}|{index + 1}: {nbytes:,} bytes per micro-batch")
-        actions = stage_actions(
-            config.pp_schedule, self.stage, config.pp_degree, config.pp_microbatches
-        )
+        flight = in_flight(self.actions)
+        estimate = flight * max(p.held_bytes for p in self.programs.values())
         lines.append(
-            f"  this rank (stage {self.stage}): at most {in_flight(actions)} micro-batches in "
-            f"flight, {self.stats.peak_held_bytes:,} activation bytes held at peak, bubble "
+            f"  this rank (stage {', '.join(map(str, self.programs))}): at most {flight} "
+            f"micro-batch stages in flight; activations held at peak "
+            f"{self.stats.peak_held_bytes:,} bytes measured, {estimate:,} estimated; bubble "
             f"{self.stats.bubble_fraction:.1%} of the last step"
         )
         return "\n".join(lines)
@@ -250,7 +298,6 @@ def pipeline_runner(trainer: GraphTrainer) -> PipelineRunner | None:
     if config.pp_degree == 1:
         return None
     refused = {
-        "a mesh_context (TP / HSDP)": trainer._mesh is not None,
         "OptimizerConfig(in_graph=True)": trainer.optimizer_config.in_graph,
         "dynamic_dims": bool(config.dynamic_dims),
         f"PassConfig.backend={config.backend!r}": config.backend is not None,

@@ -73,10 +73,11 @@ def resolve_run(trainer: GraphTrainer) -> ResolvedRun:
     the trainer's ``PassConfig``. Called once, before the first trace, on every rank."""
     config, plan, mesh = trainer.pass_config, trainer.pass_plan, trainer._mesh
     fsdp_wanted = fsdp_requested(config, plan)
+    if mesh is not None:
+        run = _resolve_external_mesh(config, plan, mesh, fsdp_wanted)
+        return _in_pipeline(run, mesh.pp_group) if mesh.pp_group is not None else run
     if config.pp_degree > 1:
         return _resolve_pipeline_mesh(config, plan, trainer.world_size, fsdp_wanted)
-    if mesh is not None:
-        return _resolve_external_mesh(config, plan, mesh, fsdp_wanted)
     if not fsdp_wanted or trainer.world_size == 1:
         return ResolvedRun(config, plan, None, None, {})
     device_mesh = init_device_mesh(
@@ -114,6 +115,13 @@ def _resolve_pipeline_mesh(
     register_process_group(FSDP_GROUP_NAME, group)
     resolved = dataclasses.replace(config, fsdp_degree=config.fsdp_degree or dp)
     return ResolvedRun(resolved, plan, None, group, {}, pp_group, stage, pp_ranks)
+
+
+def _in_pipeline(run: ResolvedRun, pp_group: dist.ProcessGroup) -> ResolvedRun:
+    """``run`` as one stage of the pipeline ``pp_group`` (a mesh context's ``pp`` dim)."""
+    ranks = tuple(dist.get_process_group_ranks(pp_group))
+    stage = ranks.index(dist.get_rank())
+    return dataclasses.replace(run, pp_group=pp_group, pp_stage=stage, pp_ranks=ranks)
 
 
 def _resolve_external_mesh(

@@ -1,0 +1,167 @@
+"""The ``pp_stages`` pass and the stage cut, in one process: the stages' forward and backward
+graphs, run one after the other, compute exactly what the whole graph computes."""
+
+from __future__ import annotations
+
+import copy
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gm_config import PassConfig, PassPlan
+from gm_trace import node_meta, run_traced_graph
+from gm_trace.stage_cut import FORWARD, cut_pipeline
+from gm_trace.stage_split import PipelineSplitError
+from gm_trace.testing import ConvBN, TinyGPT, ce_loss, lm_loss, make_image_batch, make_lm_batch
+from gm_trace.testing.compile import compile_joint
+from gm_trace.testing.pipeline import run_stages_in_one_process
+
+GPT_STAGES = [["tok_emb", "pos_emb", "layers.0-1"], ["layers.2-3", "norm", "lm_head"]]
+
+
+def _gpt() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(n_layers=4)
+
+
+def _run_stages(cut, model, batch):
+    return run_stages_in_one_process(cut, model, *batch)
+
+
+def test_stages_compute_the_whole_graph_bitwise_tied_embedding():
+    model, batch = _gpt(), make_lm_batch()
+    config = PassConfig(pp_degree=2)
+    joint, _ = compile_joint(model, lm_loss, batch, config, PassPlan(pp_stages=GPT_STAGES))
+    assert joint.stages.stages == (
+        ("tok_emb", "pos_emb", "layers.0", "layers.1"),
+        ("layers.2", "layers.3", "norm", "lm_head"),
+    )
+    cut = cut_pipeline(joint, 2)
+    whole = run_traced_graph(joint, model, *batch)
+    loss, grads = _run_stages(cut, model, batch)
+    assert torch.equal(loss, whole.loss)
+    assert grads.keys() == whole.grads.keys()
+    for fqn, grad in whole.grads.items():
+        assert torch.equal(grads[fqn], grad), fqn
+    # the head (stage 1) reads the tied embedding weight of stage 0: it travels forward, and
+    # the head's share of its gradient travels back, besides the activation and its gradient
+    assert sorted((t.src, t.dst, t.phase) for t in cut.transfers) == [
+        (0, 1, "forward"),
+        (0, 1, "forward"),
+        (1, 0, "backward"),
+        (1, 0, "backward"),
+    ]
+    assert cut.boundary_bytes() == [2 * (2 * 16 * 32 + 64 * 32) * 4]
+    assert cut.loss_stage == 1 and cut.programs[0].loss is None
+
+
+def test_every_computing_node_is_in_one_half_of_one_stage_or_unstaged():
+    model, batch = _gpt(), make_lm_batch()
+    joint, _ = compile_joint(
+        model, lm_loss, batch, PassConfig(pp_degree=2), PassPlan(pp_stages=GPT_STAGES)
+    )
+    cut = cut_pipeline(joint, 2)
+    copied = [
+        n.name
+        for p in cut.programs
+        for half in (p.forward, p.backward)
+        for n in half.graph_module.graph.nodes
+        if n.op == "call_function"
+    ]
+    for node in joint.graph_module.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.meta[node_meta.STAGE] is None:  # ops on the batch alone: wherever needed
+            assert node.name in copied
+        else:
+            assert copied.count(node.name) == 1, node.name
+    # the forward half of a stage never holds a node the tracer recorded in backward
+    for program in cut.programs:
+        for node in program.forward.graph_module.graph.nodes:
+            assert node.meta.get(node_meta.PHASE) in (None, FORWARD)
+
+
+def test_batchnorm_stages_update_running_statistics_like_the_whole_graph():
+    torch.manual_seed(0)
+    model, batch = ConvBN(), make_image_batch()
+    stages = PassPlan(pp_stages=[["conv1", "bn1"], ["conv2", "bn2", "head"]])
+    joint, _ = compile_joint(model, ce_loss, batch, PassConfig(pp_degree=2), stages)
+    whole_model = copy.deepcopy(model)
+    whole = run_traced_graph(joint, whole_model, *batch)
+    loss, grads = _run_stages(cut_pipeline(joint, 2), model, batch)
+    assert torch.equal(loss, whole.loss)
+    for fqn, grad in whole.grads.items():
+        assert torch.equal(grads[fqn], grad), fqn
+    for (name, buffer), expected in zip(model.named_buffers(), whole_model.buffers()):
+        assert torch.equal(buffer, expected), name
+    assert model.bn2.num_batches_tracked.item() == 1
+
+
+def test_automatic_stages_follow_execution_order_and_balance_parameters():
+    class Reordered(TinyGPT):  # registers norm before the layers, runs it after them
+        def __init__(self):
+            super().__init__(n_layers=4)
+            norm = self.norm
+            del self.norm
+            layers = self.layers
+            del self.layers
+            self.norm, self.layers = norm, layers
+
+    torch.manual_seed(0)
+    model = Reordered()
+    joint, _ = compile_joint(model, lm_loss, make_lm_batch(), PassConfig(pp_degree=2))
+    assert joint.stages.automatic
+    assert joint.stages.stages == (
+        ("tok_emb", "pos_emb", "layers.0", "layers.1"),
+        ("layers.2", "layers.3", "norm"),
+    )
+    counts = joint.stages.param_counts
+    assert sum(counts) == sum(p.numel() for p in model.parameters())
+
+
+def test_stages_against_the_data_flow_are_refused_naming_the_ops():
+    model, batch = _gpt(), make_lm_batch()
+    backwards = PassPlan(pp_stages=[["layers.2-3", "norm"], ["tok_emb", "pos_emb", "layers.0-1"]])
+    with pytest.raises(PipelineSplitError, match=r"in module 'layers.2.*from the later stage 1"):
+        compile_joint(model, lm_loss, batch, PassConfig(pp_degree=2), backwards)
+
+
+def test_a_stage_boundary_inside_a_block_still_cuts():
+    """Stages may split a block (attention on one stage, its MLP on the next)."""
+
+    def loss_fn(model, x, y):
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+    model, batch = _gpt(), make_lm_batch()
+    stages = PassPlan(
+        pp_stages=[
+            ["tok_emb", "pos_emb", "layers.0", "layers.1.attn_norm", "layers.1.attn"],
+            ["layers.1.mlp_norm", "layers.1.mlp", "layers.2-3", "norm", "lm_head"],
+        ]
+    )
+    joint, _ = compile_joint(model, loss_fn, batch, PassConfig(pp_degree=2), stages)
+    whole = run_traced_graph(joint, model, *batch)
+    loss, grads = _run_stages(cut_pipeline(joint, 2), model, batch)
+    assert torch.equal(loss, whole.loss)
+    assert all(torch.equal(grads[fqn], g) for fqn, g in whole.grads.items())
+
+
+def test_a_non_tensor_crossing_a_boundary_is_refused():
+    """Only tensors travel between stages: a multi-output op's tuple read by another stage
+    (its ``getitem`` there) is refused by name."""
+    model, batch = _gpt(), make_lm_batch()
+    joint, _ = compile_joint(
+        model, lm_loss, batch, PassConfig(pp_degree=2), PassPlan(pp_stages=GPT_STAGES)
+    )
+    graph = joint.graph_module.graph
+    tuple_reader = next(
+        n for n in graph.nodes if n.target is operator.getitem and n.meta[node_meta.STAGE] == 0
+    )
+    tuple_reader.meta[node_meta.STAGE] = 1
+    with pytest.raises(
+        PipelineSplitError,
+        match=r"crosses from stage 0 to stage 1 but is not a tensor \((list|tuple)\)",
+    ):
+        cut_pipeline(joint, 2)

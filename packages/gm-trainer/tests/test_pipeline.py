@@ -1,0 +1,159 @@
+"""Pipeline parallelism (``PassConfig.pp_degree``) on real gloo ranks, against one eager
+process on the global batch: GPipe and 1F1B, alone and with FSDP inside each stage."""
+
+from __future__ import annotations
+
+import pipeline_bodies as bodies
+import pytest
+
+from gm_trainer.pipeline_schedule import Action, in_flight, interleaved_actions, rank_actions
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("case", ["tinygpt", "llama"])
+def test_pp2_matches_eager_adam(case, schedule, dist_pool):
+    results = dist_pool(2).run(bodies.parity, case, 2, schedule, 4, timeout=300)
+    print(f"{case} pp2 {schedule}: worst |param diff| {max(r['worst'] for r in results):.2e}")
+    assert [r["stage"] for r in results] == [0, 1]
+    # the same loss reaches every rank
+    assert results[0]["losses"] == results[1]["losses"]
+    # each stage updated its own parameters, together all of them
+    owned = [set(r["owned"]) for r in results]
+    assert owned[0] and owned[1] and not owned[0] & owned[1]
+    assert (
+        "layers.0.attn.qkv.weight" in owned[0]
+        or "model.layers.0.self_attn.q_proj.weight" in owned[0]
+    )
+    # one activation forward and its gradient back per micro-batch (TinyGPT also sends its
+    # tied embedding to the head and the head's share of its gradient back)
+    sends = 2 if case == "tinygpt" else 1
+    assert results[0]["sends"] == results[1]["receives"] == sends
+    assert results[1]["sends"] == results[0]["receives"] == sends
+    assert not results[0]["collectives"]  # no FSDP with one rank per stage
+
+
+def test_pp2_fsdp2_matches_eager_and_counts_its_communication(dist_pool):
+    results = dist_pool(4).run(bodies.parity, "tinygpt", 2, "1f1b", 4, timeout=600)
+    assert [r["stage"] for r in results] == [0, 0, 1, 1]
+    assert len({tuple(r["losses"]) for r in results}) == 1
+    # FSDP within each stage: per micro-batch (4 per step) one all-gather in forward and one
+    # reduce-scatter in backward per bucket of the stage's own blocks, never another stage's
+    # (stage 0: tok_emb, pos_emb, layers.0, layers.1; stage 1: layers.2, layers.3, norm).
+    for result, buckets in zip(results, [4, 4, 3, 3]):
+        assert result["collectives"] == {
+            "forward/all_gather_into_tensor": buckets,
+            "backward/reduce_scatter_tensor": buckets,
+        }
+    # point to point per micro-batch: stage 0 sends the activation and the tied embedding,
+    # stage 1 sends their gradients; so 2 x 4 messages per rank and step
+    assert all(r["sends"] == 2 and r["receives"] == 2 for r in results)
+    assert all(r["messages"] == 2 * 4 for r in results)
+
+
+def test_interleaved_1f1b_with_two_stages_per_rank_matches_eager(dist_pool):
+    results = dist_pool(2).run(
+        bodies.parity, "tinygpt", 2, "interleaved_1f1b", 4, False, 2, timeout=300
+    )
+    assert [r["stages"] for r in results] == [[0, 2], [1, 3]]
+    assert "4 stages on 2 ranks" in results[0]["summary"]
+
+
+def test_automatic_stages_balance_parameters_and_match_eager(dist_pool):
+    results = dist_pool(2).run(bodies.parity, "llama", 2, "1f1b", 2, False, timeout=300)
+    summary = results[0]["summary"]
+    assert "(stages balanced automatically)" in summary
+    assert (
+        "stage 0: 17,536 parameters: model.embed_tokens, model.layers.0, model.layers.1" in summary
+    )
+    assert "model.layers.2, model.layers.3, model.norm, lm_head" in summary
+
+
+def test_1f1b_holds_fewer_activations_than_gpipe(dist_pool):
+    results = dist_pool(2).run(bodies.held_activations, 8, timeout=300)
+    for stage, result in enumerate(results):
+        gpipe, one_f_one_b = result["gpipe"]["held"], result["1f1b"]["held"]
+        print(
+            f"stage {stage}: 1F1B holds {one_f_one_b / gpipe:.2f}x GPipe's activations; "
+            f"bubble GPipe {result['gpipe']['bubble']:.0%}, 1F1B {result['1f1b']['bubble']:.0%}"
+        )
+        # GPipe holds all 8 micro-batches; 1F1B at most 2 (stage 0) or 1 (stage 1)
+        assert one_f_one_b * 8 <= gpipe * (2 - stage) * 1.01
+
+
+def test_bad_pipeline_configurations_are_clear_errors(dist_pool):
+    errors = dist_pool(2).run(bodies.bad_configs)[0]
+    assert errors["not covered"].startswith("ConfigError: the pipeline stages do not cover")
+    assert "norm.weight" in errors["not covered"]
+    assert "stage 1 (lm_head) holds no parameters" in errors["no parameters"]
+    assert errors["against the flow"].startswith("PipelineSplitError")
+    assert "from the later stage 1" in errors["against the flow"]
+    assert "pp_degree=3 must divide the world size 2" in errors["pp does not divide"]
+    assert "pp_microbatches=3 must divide dim 0" in errors["microbatches"]
+    assert "input has shape (4, 8)" in errors["microbatches"]
+    assert "does not combine with OptimizerConfig(in_graph=True)" in errors["in-graph optimizer"]
+    assert errors["mesh without pp"].startswith("MeshError: PassConfig.pp_degree=2 but the mesh")
+    assert "MeshContext.build(pp=2" in errors["mesh without pp"]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "rank", "expected"),
+    [
+        ("gpipe", 0, "F0 F1 F2 F3 B0 B1 B2 B3"),
+        ("1f1b", 0, "F0 F1 F2 F3 B0 B1 B2 B3"),
+        ("1f1b", 2, "F0 F1 B0 F2 B1 F3 B2 B3"),
+        ("1f1b", 3, "F0 B0 F1 B1 F2 B2 F3 B3"),
+    ],
+)
+def test_schedules_order_forwards_and_backwards(schedule, rank, expected):
+    actions = rank_actions(schedule, rank, 4, 4)
+    assert " ".join(f"{a.phase[0].upper()}{a.microbatch}" for a in actions) == expected
+    assert in_flight(actions) == (4 if schedule == "gpipe" else 4 - rank)
+
+
+@pytest.mark.parametrize(("ranks", "virtual", "microbatches"), [(2, 2, 4), (4, 2, 8), (2, 3, 6)])
+def test_interleaved_orders_run_everything_after_what_it_reads(ranks, virtual, microbatches):
+    orders = interleaved_actions(ranks, virtual, microbatches)
+    n_stages = ranks * virtual
+    for rank, order in enumerate(orders):  # every action of the rank's stages, once
+        assert sorted(order) == sorted(
+            Action(phase, m, s)
+            for phase in ("forward", "backward")
+            for m in range(microbatches)
+            for s in range(rank, n_stages, ranks)
+        )
+    # Replay the orders with blocking dependencies: a deadlock would leave actions behind.
+    done, cursors = set(), [0] * ranks
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank, order in enumerate(orders):
+            if cursors[rank] == len(order):
+                continue
+            a = order[cursors[rank]]
+            needs = (
+                [Action("forward", a.microbatch, a.stage - 1)]
+                if a.phase == "forward"
+                else [
+                    Action("forward", a.microbatch, a.stage),
+                    Action("backward", a.microbatch, a.stage + 1),
+                ]
+            )
+            if all(n in done or not 0 <= n.stage < n_stages for n in needs):
+                done.add(a)
+                cursors[rank] += 1
+                progressed = True
+    assert cursors == [len(o) for o in orders]
+    # Megatron's interleaved warm-up bounds the activations each rank holds
+    for rank, order in enumerate(orders):
+        warmup = 2 * (ranks - rank - 1) + (virtual - 1) * ranks
+        assert in_flight(order) <= warmup + 1
+
+
+def test_pp2_tp2_mesh_context_matches_eager(dist_pool):
+    results = dist_pool(4).run(bodies.tp_parity, timeout=600)
+    # rank = (stage x dp + dp index) x tp + tp index: ranks 0, 1 are stage 0's TP pair
+    assert [r["stage"] for r in results] == [0, 0, 1, 1]
+    # each stage's row-parallel linears all-reduce their outputs over "tp" in forward
+    assert all(r["tp"].get("all_reduce") for r in results)
