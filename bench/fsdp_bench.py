@@ -121,12 +121,18 @@ def _eager_step(model, optimizer):
 
 
 def _graph_step(trainer, accumulation: int = 1, compute_only: bool = False):
+    from gm_trainer.accumulation import MicroBatches
+
     def step(batch):
         micro = batch[0].shape[0] // accumulation
+        window = MicroBatches()
         for i in range(accumulation):
             part = [t[i * micro : (i + 1) * micro] for t in batch]
             if compute_only:  # no per-batch agreement: not one collective
-                trainer._micro_step(*part, 1.0, accumulation > 1)
+                # The last micro-batch's graph takes the update when it is in the graph.
+                last = window.last(micro) if i == accumulation - 1 > 0 else None
+                loss = trainer._micro_step(*part, 1.0, accumulation > 1, last)
+                window.add(loss, micro, 0)
             else:
                 trainer.train_step(*part)
         trainer.optimizer_step()
@@ -340,11 +346,12 @@ def _graph_bytes_per_step(trainer, k: int) -> int:
     if k == 1:
         return sum(moved(joint.graph_module) for joint in trainer._graphs.values())
     total = 0
+    last = list(trainer._last_cache.graphs.values())  # the window's last, when it updates
     for joint in trainer._accumulate_cache.graphs.values():  # the micro-batch variants
-        total += k * moved(joint.graph_module)
-        if joint.deferred is not None:
+        total += (k - len(last)) * moved(joint.graph_module)
+        if joint.deferred is not None and not last:
             total += moved(joint.deferred.graph_module)
-    return total
+    return total + sum(moved(joint.graph_module) for joint in last)
 
 
 def trace_and_pass_time(rank: int, world: int, layers: list[int]) -> dict[int, float]:

@@ -79,6 +79,7 @@ def parity(
     microbatches: int,
     named_stages: bool = True,
     virtual: int = 1,
+    backend: str | None = None,
 ) -> dict:
     """``STEPS`` Adam steps of the pipeline (x FSDP over ``world // pp``) == one eager process
     on the global batch; what each stage ran."""
@@ -92,6 +93,7 @@ def parity(
         pp_microbatches=microbatches,
         pp_schedule=schedule,
         pp_virtual_stages=virtual,
+        backend=backend,
     )
     plan = PassPlan(pp_stages=STAGES[case]) if named_stages else None
     trainer = GraphTrainer(model, train_fn, config, plan, optimizer_config={"lr": LR})
@@ -131,6 +133,7 @@ def parity(
         "messages": stats.messages,
         "bubble": stats.bubble_fraction,
         "summary": trainer.pass_summary(),
+        "compiled": sorted(trainer._pipeline.compiled),
     }
 
 
@@ -231,3 +234,50 @@ def tp_parity(rank: int, world: int) -> dict:
         if collective_kind(n) is not None and n.args[-1] == "tp"
     )
     return {"stage": trainer.run.pp_stage, "owned": len(owned), "tp": dict(tp_collectives)}
+
+
+def loop_parity(rank: int, world: int, accumulation: int) -> dict:
+    """``trainer.train()`` of PP 2 x FSDP 2 with ``reshard_after_forward`` (the tied embedding
+    is re-gathered for the head's backward on the other stage), global-norm clipping and
+    ``accumulation`` micro-batches per optimizer step == eager with ``clip_grad_norm_``."""
+    model, clip, rows, steps = tinygpt(), 0.5, 8, 3
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.Adam(reference.parameters(), lr=LR)
+    dp = world // 2
+    batches = [global_batch(i, rows * dp) for i in range(steps * accumulation)]
+    expected_losses, expected_norms = [], []
+    for step in range(steps):
+        total = 0.0
+        for x, y in batches[step * accumulation : (step + 1) * accumulation]:
+            loss = lm_loss(reference, x, y) / accumulation
+            loss.backward()
+            total += loss.item()
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        expected_losses.append(total)
+        expected_norms.append(norm.item())
+    config = PassConfig(pp_degree=2, pp_microbatches=4, reshard_after_forward=True)
+    trainer = GraphTrainer(
+        model,
+        lm_loss,
+        config,
+        PassPlan(pp_stages=STAGES["tinygpt"]),
+        optimizer_config={"lr": LR, "grad_clip": clip},
+    )
+    j = rank % dp
+    mine = [(x[j * rows : (j + 1) * rows], y[j * rows : (j + 1) * rows]) for x, y in batches]
+    records = trainer.train(mine, accumulation_steps=accumulation, log_fn=lambda r: None)
+    torch.testing.assert_close(
+        torch.tensor([r["loss"] for r in records]),
+        torch.tensor(expected_losses),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    torch.testing.assert_close(
+        torch.tensor([r["grad_norm"] for r in records], dtype=torch.float64),
+        torch.tensor(expected_norms, dtype=torch.float64),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    return {"steps": len(records)}

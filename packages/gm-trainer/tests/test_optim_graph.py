@@ -62,6 +62,9 @@ def test_accumulation_reduces_once_per_optimizer_step(dist_pool):
         assert result["reduction_bytes"] == {
             "reduce_scatter_tensor": plain["reduce_scatter_tensor"]
         }
+        # ... which the window's last micro-batch runs in its graph, after its backward's
+        # gradients as the overlap pass schedules them, instead of after the window.
+        assert result["last_bytes"]["reduce_scatter_tensor"] == plain["reduce_scatter_tensor"]
 
 
 def _mlp_trainer(**optim) -> GraphTrainer:
@@ -96,15 +99,35 @@ def test_untraceable_optimizer_falls_back_to_the_eager_update_and_says_why():
     assert not trainer.optimizer_in_graph
 
 
-def test_accumulating_steps_update_eagerly_and_equal_in_graph_false():
-    ours, eager = _mlp_trainer(), _mlp_trainer(in_graph=False)
-    batches = _batches(range(5))  # two windows of 2, then one step alone
-    for trainer in (ours, eager):
-        trainer.train(batches[:4], accumulation_steps=2)
-        trainer.train(batches[4:])
-    assert ours.optimizer_in_graph  # the last step ran in the graph
-    for p, q in zip(ours.model.parameters(), eager.model.parameters()):
-        assert torch.equal(p, q)
+def _check_last_micro_batch(result, bitwise):
+    eager, graph = result["records"]
+    assert len(eager) == len(graph) == 3
+    assert result["last_in_graph"] and result["grads_none"]
+    assert result["lrs"][0] == result["lrs"][1] < 1e-2  # the schedule moved
+    if bitwise:  # one process: the op order of the eager accumulation and update
+        assert eager == graph
+        assert result["bitwise"]
+    else:  # 2 ranks: the same collectives; at most float32 reduction noise
+        torch.testing.assert_close(graph, eager, rtol=1.3e-6, atol=1e-5)
+        for a, b in result["pairs"]:
+            torch.testing.assert_close(b, a, rtol=1.3e-6, atol=1e-5)
+
+
+def test_last_micro_batch_of_a_window_takes_the_update_one_process():
+    _check_last_micro_batch(bodies.last_micro_batch_takes_the_update(0, 1, 2), bitwise=True)
+
+
+@pytest.mark.distributed
+def test_last_micro_batch_reduces_once_and_takes_the_update_under_fsdp(dist_pool):
+    for result in dist_pool(2).run(bodies.last_micro_batch_takes_the_update, 4):
+        _check_last_micro_batch(result, bitwise=False)
+        # The window's one reduce-scatter, then the norm's all-reduce (3 float64 values).
+        assert set(result["last_bytes"]) == {
+            "all_gather_into_tensor",
+            "reduce_scatter_tensor",
+            "all_reduce",
+        }
+        assert result["last_bytes"]["all_reduce"] == 3 * 8
 
 
 def test_what_the_in_graph_update_cannot_do_is_a_clear_error():
@@ -113,3 +136,40 @@ def test_what_the_in_graph_update_cannot_do_is_a_clear_error():
     trainer.optimizer.param_groups[0]["betas"] = (0.8, 0.99)
     with pytest.raises(TrainingError, match=r"betas: traced \(0.9, 0.999\), now \(0.8, 0.99\)"):
         trainer.train(_batches(range(1)))
+
+
+def _check_nonfinite(result, mode):
+    eager, graph = result[False], result[True]
+    assert graph["in_graph"] and not eager["in_graph"]
+    for run in (eager, graph):
+        assert run["unchanged"] == [True, True, True]  # no weight, no optimizer state moved
+        if mode == "error":
+            assert len(run["errors"]) == 3
+            assert "not finite" in run["errors"][0] and "no weight" in run["errors"][0]
+            assert run["errors"][1].startswith("the loss is inf")
+            assert run["errors"][2].startswith("the loss is inf")
+        else:
+            assert run["errors"] == []
+    # Skipped steps count (and move the LR schedule); raised ones do not.
+    assert eager["steps"] == graph["steps"] == ((7, 3) if mode == "skip" else (4, 0))
+    assert eager["lr"] == graph["lr"]
+    assert result["equal_at_end"]  # the step counts the graph bumped were taken back
+
+
+@pytest.mark.parametrize("mode", ["error", "skip"])
+def test_nonfinite_step_changes_nothing_in_the_graph_one_process(mode):
+    _check_nonfinite(bodies.nonfinite_step_changes_nothing(0, 1, mode), mode)
+
+
+@pytest.mark.distributed
+def test_nonfinite_step_on_one_rank_changes_nothing_in_the_graph_under_fsdp(dist_pool):
+    for result in dist_pool(2).run(bodies.nonfinite_step_changes_nothing, "error"):
+        _check_nonfinite(result, "error")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_each_micro_batch_computes_its_signature_once(world, dist_pool):
+    run = dist_pool(world).run if world > 1 else lambda body: [body(0, 1)]
+    for result in run(bodies.signatures_per_micro_batch):
+        # The ranks' agreement looks the graph up and hands it on to the step and the call.
+        assert result == {"train_step": 1, "train": 1, "compiles": 3}

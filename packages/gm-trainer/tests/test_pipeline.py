@@ -3,6 +3,8 @@ process on the global batch: GPipe and 1F1B, alone and with FSDP inside each sta
 
 from __future__ import annotations
 
+import os
+
 import pipeline_bodies as bodies
 import pytest
 
@@ -157,3 +159,31 @@ def test_pp2_tp2_mesh_context_matches_eager(dist_pool):
     assert [r["stage"] for r in results] == [0, 0, 1, 1]
     # each stage's row-parallel linears all-reduce their outputs over "tp" in forward
     assert all(r["tp"].get("all_reduce") for r in results)
+
+
+def test_train_loop_with_reshard_clipping_and_accumulation_matches_eager(dist_pool):
+    results = dist_pool(4).run(bodies.loop_parity, 2, timeout=600)
+    assert all(r["steps"] == 3 for r in results)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "eager",
+        pytest.param(
+            "inductor",
+            marks=pytest.mark.skipif(
+                os.environ.get("GM_SLOW_TESTS") != "1",
+                reason="Inductor compiles 4 stage graphs, minutes on 2 cores: GM_SLOW_TESTS=1",
+            ),
+        ),
+    ],
+)
+def test_a_backend_compiles_each_stage_half(backend, dist_pool):
+    results = dist_pool(2).run(
+        bodies.parity, "tinygpt", 2, "1f1b", 4, True, 1, backend, timeout=900
+    )
+    assert [r["compiled"] for r in results] == [
+        [(0, "backward"), (0, "forward")],
+        [(1, "backward"), (1, "forward")],
+    ]

@@ -43,6 +43,7 @@ __all__ = [
     "BackendPass",
     "CompiledStep",
     "available_backends",
+    "compile_graph",
     "register_backend",
     "unregister_backend",
 ]
@@ -173,29 +174,9 @@ class BackendPass(GraphPass):
         if backend is None:
             ctx.record(self.name, backend=None)
             return PassResult(graph_module, False)
-        compile_fn = get_backend(backend)
-        placeholders = graph_module.graph.find_nodes(op="placeholder")
-        example_inputs = _example_inputs(placeholders)
         start = time.perf_counter()
-        # The backend may rewrite what it gets: it gets a copy, and the pipeline keeps the
-        # graph module as the passes left it.
-        symbolic = any(is_symbolic(x) for x in example_inputs)
-        with torch.no_grad(), no_zero_one_specialization() if symbolic else nullcontext():
-            fn = compile_fn(copy.deepcopy(graph_module), example_inputs)
+        step = compile_graph(graph_module, backend)
         seconds = time.perf_counter() - start
-        if not callable(fn):
-            raise BackendError(
-                f"backend {backend!r} returned {_describe(fn)}, not a callable: its "
-                "compile_fn(graph_module, example_inputs) must return a function that takes "
-                "the graph's inputs as positional arguments and returns its outputs (e.g. "
-                "graph_module.forward)"
-            )
-        step = CompiledStep(
-            backend,
-            fn,
-            graph_module.code,
-            [(p.meta.get(node_meta.ROLE), p.meta.get("val")) for p in placeholders],
-        )
         ctx.publish(COMPILED_STEP, step)
         collectives = [n for n in graph_module.graph.nodes if is_collective(n)]
         ctx.record(
@@ -206,6 +187,31 @@ class BackendPass(GraphPass):
         )
         # The graph itself is unchanged: it is what dumps and schedules describe.
         return PassResult(graph_module, False)
+
+
+def compile_graph(graph_module: fx.GraphModule, backend: str) -> CompiledStep:
+    """``graph_module`` compiled by the backend registered as ``backend``, for example inputs
+    like its placeholders' ``meta["val"]``. The backend gets a copy: ``graph_module`` stays as
+    it is."""
+    compile_fn = get_backend(backend)
+    placeholders = graph_module.graph.find_nodes(op="placeholder")
+    example_inputs = _example_inputs(placeholders)
+    symbolic = any(is_symbolic(x) for x in example_inputs)
+    with torch.no_grad(), no_zero_one_specialization() if symbolic else nullcontext():
+        fn = compile_fn(copy.deepcopy(graph_module), example_inputs)
+    if not callable(fn):
+        raise BackendError(
+            f"backend {backend!r} returned {_describe(fn)}, not a callable: its "
+            "compile_fn(graph_module, example_inputs) must return a function that takes "
+            "the graph's inputs as positional arguments and returns its outputs (e.g. "
+            "graph_module.forward)"
+        )
+    return CompiledStep(
+        backend,
+        fn,
+        graph_module.code,
+        [(p.meta.get(node_meta.ROLE), p.meta.get("val")) for p in placeholders],
+    )
 
 
 def _example_inputs(placeholders: list[fx.Node]) -> list[Tensor]:

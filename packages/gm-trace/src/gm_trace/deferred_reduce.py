@@ -20,6 +20,7 @@ Placeholders added after the label's tensors: one buffer per reduction
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -66,49 +67,22 @@ class DeferredReducePass(GraphPass):
 
     def run(self, graph_module: fx.GraphModule, ctx: PassContext) -> PassResult:
         joint = ctx.graph_info
-        group = ctx.process_groups.get("fsdp", "fsdp")
         graph = graph_module.graph
-        output = graph.output_node()
-        outputs = list(output.args[0])
-        grad_index = joint.grad_output_index
-        cuts = [
-            n
-            for n in graph.nodes
-            if collective_kind(n) in ("reduce_scatter_tensor", "all_reduce")
-            and n.args[-1] == group
-            and _reaches(n, output)
-        ]
-        closure = _downstream(cuts, output)
-        unreduced = [fqn for fqn, i in grad_index.items() if outputs[i] not in closure]
+        output, outputs, grad_index, cuts, closure, unreduced = gradient_reductions(
+            graph_module, ctx
+        )
         if not cuts or unreduced:
             raise DeferredReduceError(
                 "gradient accumulation without per-micro-batch reductions needs every "
                 f"gradient reduced over the FSDP group; {unreduced or 'none'} are not "
                 "(train with accumulation_steps=1, or without FSDP, where nothing is reduced)"
             )
-        mode = fake_mode_of(graph)
-        last = list(graph.find_nodes(op="placeholder"))[-1]
-        buffers, placeholders = [], []
-        for i, cut in enumerate(cuts):
-            base = cut.args[0].args[0]  # the collective's input is div(local gradient, size)
-            val = base.meta["val"]
-            dtype = torch.promote_types(val.dtype, torch.float32)
-            with graph.inserting_after(last):
-                last = graph.placeholder(f"grad_accumulator_{i}")
-            with unset_fake_temporarily(), mode:
-                last.meta["val"] = torch.empty(val.shape, dtype=dtype, device=val.device)
-            last.meta[node_meta.ROLE] = ACCUMULATION_INPUT
-            buffers.append((tuple(val.shape), dtype, val.device))
-            placeholders.append(last)
-        with graph.inserting_after(last):
-            weight = graph.placeholder("micro_batch_weight")
-        with unset_fake_temporarily(), mode:
-            weight.meta["val"] = torch.empty((), dtype=torch.float64)
-        weight.meta[node_meta.ROLE] = ACCUMULATION_INPUT
+        placeholders, buffers = accumulation_inputs(graph, [cut.args[0].args[0] for cut in cuts])
+        weight = new_input(graph, "micro_batch_weight")
         reduction = _reduction_graph(cuts, closure, placeholders, outputs, grad_index)
         divisions = [cut.args[0] for cut in cuts]
         for division, buffer in zip(divisions, placeholders):
-            _accumulate(graph, division.args[0], buffer, weight)
+            accumulated(graph, division.args[0], buffer, weight)
         kept = [o for i, o in enumerate(outputs) if i not in set(grad_index.values())]
         output.args = (tuple(kept),)
         for node in reversed(list(graph.nodes)):
@@ -125,8 +99,80 @@ class DeferredReducePass(GraphPass):
         return PassResult(graph_module, True)
 
 
-def _accumulate(graph: fx.Graph, base: fx.Node, buffer: fx.Node, weight: fx.Node) -> None:
-    """``buffer += weight * base`` right after ``base`` is computed."""
+class GradientReductions(NamedTuple):
+    """A graph's gradient outputs and the reductions over the FSDP group that lead to them."""
+
+    output: fx.Node
+    outputs: list[fx.Node]
+    """The output node's values (loss, gradients, ...), as a list to edit."""
+    grad_index: dict[str, int]
+    """Parameter FQN -> index of its gradient in ``outputs``."""
+    cuts: list[fx.Node]
+    """The collectives over the FSDP group the outputs depend on (each reduces gradients: its
+    input is ``div(local gradient, size)``)."""
+    closure: set[fx.Node]
+    """Every node computed from them."""
+    unreduced: list[str]
+    """Parameters whose gradient output no cut leads to."""
+
+
+def gradient_reductions(graph_module: fx.GraphModule, ctx: PassContext) -> GradientReductions:
+    """The :class:`GradientReductions` of the graph a pass runs on."""
+    graph = graph_module.graph
+    group = ctx.process_groups.get("fsdp", "fsdp")
+    output = graph.output_node()
+    outputs = list(output.args[0])
+    grad_index = ctx.graph_info.grad_output_index
+    cuts = [
+        n
+        for n in graph.nodes
+        if collective_kind(n) in ("reduce_scatter_tensor", "all_reduce")
+        and n.args[-1] == group
+        and _reaches(n, output)
+    ]
+    closure = _downstream(cuts, output)
+    unreduced = [fqn for fqn, i in grad_index.items() if outputs[i] not in closure]
+    return GradientReductions(output, outputs, grad_index, cuts, closure, unreduced)
+
+
+def new_input(
+    graph: fx.Graph,
+    name: str,
+    shape: tuple[int, ...] = (),
+    dtype: torch.dtype = torch.float64,
+    device: torch.device | str = "cpu",
+) -> fx.Node:
+    """An accumulation input after the last placeholder (default: a 0-d float64 CPU
+    scalar)."""
+    last = list(graph.find_nodes(op="placeholder"))[-1]
+    with graph.inserting_after(last):
+        node = graph.placeholder(name)
+    with unset_fake_temporarily(), fake_mode_of(graph):
+        node.meta["val"] = torch.empty(shape, dtype=dtype, device=device)
+    node.meta[node_meta.ROLE] = ACCUMULATION_INPUT
+    return node
+
+
+def accumulation_inputs(
+    graph: fx.Graph, bases: list[fx.Node]
+) -> tuple[list[fx.Node], list[tuple[tuple[int, ...], torch.dtype, torch.device]]]:
+    """One accumulation buffer placeholder per gradient node of ``bases`` (its shape, float32
+    at least), and their layout (:attr:`DeferredReduction.buffers`)."""
+    placeholders, layout = [], []
+    for i, base in enumerate(bases):
+        val = base.meta["val"]
+        dtype = torch.promote_types(val.dtype, torch.float32)
+        shape = tuple(val.shape)
+        placeholders.append(new_input(graph, f"grad_accumulator_{i}", shape, dtype, val.device))
+        layout.append((shape, dtype, val.device))
+    return placeholders, layout
+
+
+def accumulated(
+    graph: fx.Graph, base: fx.Node, buffer: fx.Node, weight: fx.Node, *, in_place: bool = True
+) -> fx.Node:
+    """``buffer + weight * base`` right after ``base`` is computed (in place into ``buffer``,
+    else a new node)."""
     val = buffer.meta["val"]
     with graph.inserting_after(base):
         new = []
@@ -136,10 +182,12 @@ def _accumulate(graph: fx.Graph, base: fx.Node, buffer: fx.Node, weight: fx.Node
     with graph.inserting_after(base):
         scaled = graph.call_function(aten.mul.Tensor, (base, weight))
     with graph.inserting_after(scaled):
-        added = graph.call_function(aten.add_.Tensor, (buffer, scaled))
+        add = aten.add_.Tensor if in_place else aten.add.Tensor
+        added = graph.call_function(add, (buffer, scaled))
     for node in (*new, scaled, added):
         node.meta["val"] = val
         node.meta[node_meta.PHASE] = "backward"
+    return added
 
 
 def _reaches(node: fx.Node, output: fx.Node) -> bool:

@@ -29,6 +29,7 @@ COMPILED_STEP = "compiled_step"
 OPTIMIZER_UPDATE = "optimizer_update"
 DEFERRED_REDUCTION = "deferred_reduction"
 PIPELINE_STAGES = "pipeline_stages"
+LAST_MICRO_BATCH = "last_micro_batch"
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,11 @@ class JointGraph:
     pass): the :class:`~gm_trace.deferred_reduce.DeferredReduction` to run once per optimizer
     step. The graph then returns no gradients and takes the accumulation buffers and the
     micro-batch's weight after the label's tensors."""
+
+    last_micro_batch: Any = None
+    """For the last micro-batch of an accumulation window whose graph takes the update (the
+    ``last_micro_batch`` pass): a :class:`~gm_trace.last_micro_batch.LastMicroBatch`, what it
+    reads before the optimizer's inputs (the accumulated gradients, weight, scale, losses)."""
 
     optimizer_in_graph: bool = False
     """The ``optimizer`` pass put the update in the graph: no gradient outputs
@@ -163,6 +169,7 @@ class JointGraph:
             shape_guards=self.shape_guards.refreshed() if self.shape_guards else None,
             grad_fqns=() if in_graph or deferred else self.grad_fqns,
             deferred=deferred,
+            last_micro_batch=artifacts.get(LAST_MICRO_BATCH, self.last_micro_batch),
             optimizer_update=artifacts.get(OPTIMIZER_UPDATE, self.optimizer_update),
             optimizer_in_graph=in_graph or self.optimizer_in_graph,
             stages=artifacts.get(PIPELINE_STAGES, self.stages),

@@ -8,6 +8,13 @@ of Adam, AdamW or SGD on its local shard, in the order the gradients are compute
 parameters and the optimizer states (``exp_avg`` …, graph inputs) are updated IN PLACE; the
 graph no longer returns gradients, so nothing is kept on ``.grad``.
 
+A step whose global norm is not finite, or whose loss is not finite on any rank, changes
+nothing: each update is computed out of place and committed with ``copy_(where(finite, new,
+old))`` (the ``found_inf`` masking of ``GradScaler`` / ``_fused_adam``), so the weights and
+states keep their values and the caller raises or skips as ``GraphTrainer(nonfinite=...)``
+says. The loss's finiteness rides in the norm's all-reduce: a non-finite loss anywhere makes
+the returned norm ``inf``.
+
 Outputs become ``(loss, grad_norm, *mutated_state)``. New placeholders follow the label's
 tensors: first the per-step scalars of each parameter group (:attr:`GroupRule.scalars`, 0-d
 float64 tensors the caller computes from the live learning rate and step count), then each
@@ -16,8 +23,8 @@ order — :meth:`OptimizerUpdate.input_keys` lists them.
 
 The op sequence is that of ``torch.optim``'s single-tensor (``foreach=False``) code, with the
 Python scalars that depend on the learning rate or the step passed in as tensors, so a step
-is bitwise the eager step on CPU. Order: the clip needs the norm over every shard before any
-update, so the updates follow the norm's all-reduce; without a clip nothing waits for it.
+is bitwise the eager step on CPU. Order: the clip and the finite-check need the norm over every
+shard before any update is committed, so the updates follow the norm's all-reduce.
 Runs after ``fsdp``, ``reshard`` and ``recompute``, before ``overlap`` (which then sinks each
 reduce-scatter's wait to the update that first reads it) and the backend.
 """
@@ -220,7 +227,11 @@ class _Emitter:
             for n in self.graph.find_nodes(op="placeholder")
             if n.meta.get(node_meta.ROLE) == "param"
         }
-        norm = self.global_norm([grads[p.fqn] for p in spec.params], [p.fqn for p in spec.params])
+        loss = outputs[0]
+        norm = self.global_norm(
+            [grads[p.fqn] for p in spec.params], [p.fqn for p in spec.params], loss
+        )
+        finite = self.op(aten.isfinite.default, norm)
         if spec.max_norm is not None:
             coef = self.op(
                 aten.div.Tensor,
@@ -242,13 +253,18 @@ class _Emitter:
             scalars = {name: inputs[(p.group, name)] for name in rule.scalars}
             states = [inputs[(p.fqn, name)] for name in rule.states]
             apply = _sgd if rule.kind == "sgd" else _adam
-            apply(_UpdateNodes(self.op, rule, params[p.fqn], grads[p.fqn], states, scalars))
+            nodes = _UpdateNodes(self.op, rule, params[p.fqn], grads[p.fqn], states, scalars)
+            for target, value in apply(nodes):
+                # Keep the old value unless the step is finite: found_inf masking.
+                self.op(aten.copy_.default, target, self.op(aten.where.self, finite, value, target))
         kept = [o for i, o in enumerate(outputs) if i not in set(index.values())]
         self.output.args = ((kept[0], norm, *kept[1:]),)
 
-    def global_norm(self, grads: list[fx.Node], fqns: list[str]) -> fx.Node:
+    def global_norm(self, grads: list[fx.Node], fqns: list[str], loss: fx.Node) -> fx.Node:
         """The 2-norm of all gradients as on the unsharded model, with the op order of
-        ``gm_trainer.optim.global_grad_norm`` (float64 squares, shards summed over the group)."""
+        ``gm_trainer.optim.global_grad_norm`` (float64 squares, shards summed over the group);
+        ``inf`` when ``loss`` is not finite on any rank of the group (its flag rides in the
+        same all-reduce; a finite loss adds an exact ``+0.0``)."""
         spec, op = self.spec, self.op
 
         def squares(nodes: list[fx.Node]) -> fx.Node:
@@ -268,13 +284,20 @@ class _Emitter:
         device = grads[0].meta["val"].device if grads else torch.device("cpu")
         sharded = [g for g, f in zip(grads, fqns) if f in spec.sharded]
         replicated = [g for g, f in zip(grads, fqns) if f not in spec.sharded]
-        over_group = op(aten.stack.default, [squares(sharded), squares([])])
+        bad_loss = op(
+            aten.where.self,
+            op(aten.isfinite.default, loss),
+            op(aten.zeros.default, [], dtype=torch.float64, device=device),
+            op(aten.full.default, [], float("inf"), dtype=torch.float64, device=device),
+        )
+        over_group = op(aten.stack.default, [squares(sharded), squares([]), bad_loss])
         if spec.group_name is not None:
             reduced = op(c10d.all_reduce.default, over_group, "sum", spec.group_name)
             over_group = op(c10d.wait_tensor.default, reduced)
         first = op(aten.select.int, over_group, 0, 0)
         rest = op(aten.add.Tensor, op(aten.select.int, over_group, 0, 1), squares([]))
         total = op(aten.add.Tensor, op(aten.add.Tensor, first, rest), squares(replicated))
+        total = op(aten.add.Tensor, total, op(aten.select.int, over_group, 0, 2))
         return op(aten.sqrt.default, total)
 
 
@@ -295,41 +318,47 @@ class _UpdateNodes(NamedTuple):
     """The group's per-step scalars (learning rate, bias corrections)."""
 
 
-def _adam(update: _UpdateNodes) -> None:
-    """``torch.optim.adam._single_tensor_adam`` for one parameter (amsgrad off)."""
+def _adam(update: _UpdateNodes) -> list[tuple[fx.Node, fx.Node]]:
+    """``torch.optim.adam._single_tensor_adam`` for one parameter (amsgrad off), out of place:
+    returns ``(tensor, new value)`` for the parameter and each state, to commit."""
     op, rule, param, grad, states, scalars = update
     exp_avg, exp_avg_sq = states
     beta1, beta2 = rule.betas
     if rule.maximize:
         grad = op(aten.neg.default, grad)
+    new_param = param
     if rule.weight_decay != 0:
         if rule.kind == "adamw":
-            op(aten.mul_.Tensor, param, scalars["decay"])
+            new_param = op(aten.mul.Tensor, param, scalars["decay"])
         else:
             grad = op(aten.add.Tensor, grad, param, alpha=rule.weight_decay)
-    op(aten.lerp_.Scalar, exp_avg, grad, 1 - beta1)
-    op(aten.mul_.Tensor, exp_avg_sq, beta2)
-    op(aten.addcmul_.default, exp_avg_sq, grad, grad, value=1 - beta2)
-    root = op(aten.sqrt.default, exp_avg_sq)
+    new_avg = op(aten.lerp.Scalar, exp_avg, grad, 1 - beta1)
+    new_sq = op(
+        aten.addcmul.default, op(aten.mul.Tensor, exp_avg_sq, beta2), grad, grad, value=1 - beta2
+    )
+    root = op(aten.sqrt.default, new_sq)
     denom = op(
-        aten.add_.Tensor, op(aten.div.Tensor, root, scalars["bias_correction2_sqrt"]), rule.eps
+        aten.add.Tensor, op(aten.div.Tensor, root, scalars["bias_correction2_sqrt"]), rule.eps
     )
     # addcdiv_(exp_avg, denom, value=-step_size) computes self + (value * t1) / t2.
-    step = op(aten.div.Tensor, op(aten.mul.Tensor, exp_avg, scalars["neg_step_size"]), denom)
-    op(aten.add_.Tensor, param, step)
+    step = op(aten.div.Tensor, op(aten.mul.Tensor, new_avg, scalars["neg_step_size"]), denom)
+    new_param = op(aten.add.Tensor, new_param, step)
+    return [(param, new_param), (exp_avg, new_avg), (exp_avg_sq, new_sq)]
 
 
-def _sgd(update: _UpdateNodes) -> None:
-    """``torch.optim.sgd._single_tensor_sgd`` for one parameter (dampening 0)."""
+def _sgd(update: _UpdateNodes) -> list[tuple[fx.Node, fx.Node]]:
+    """``torch.optim.sgd._single_tensor_sgd`` for one parameter (dampening 0), out of place
+    (see :func:`_adam`)."""
     op, rule, param, grad, states, scalars = update
+    commits = []
     if rule.maximize:
         grad = op(aten.neg.default, grad)
     if rule.weight_decay != 0:
         grad = op(aten.add.Tensor, grad, param, alpha=rule.weight_decay)
     if rule.momentum != 0:
         (buf,) = states
-        op(aten.mul_.Tensor, buf, rule.momentum)
-        op(aten.add_.Tensor, buf, grad)
-        grad = op(aten.add.Tensor, grad, buf, alpha=rule.momentum) if rule.nesterov else buf
+        new_buf = op(aten.add.Tensor, op(aten.mul.Tensor, buf, rule.momentum), grad)
+        commits.append((buf, new_buf))
+        grad = op(aten.add.Tensor, grad, new_buf, alpha=rule.momentum) if rule.nesterov else new_buf
     # torch.optim's own tensor-lr form of param.add_(grad, alpha=-lr).
-    op(aten.addcmul_.default, param, grad, scalars["neg_lr"])
+    return [(param, op(aten.addcmul.default, param, grad, scalars["neg_lr"])), *commits]

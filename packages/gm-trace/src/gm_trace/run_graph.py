@@ -40,6 +40,8 @@ def run_traced_graph(
     input: Any,
     label: Any,
     extra_args: Sequence[Tensor] = (),
+    *,
+    leaves: Sequence[Any] | None = None,
 ) -> GraphOutputs:
     """Run a graph from ``trace_model_graph`` on ``model``'s current parameters and buffers.
 
@@ -51,31 +53,19 @@ def run_traced_graph(
     ``extra_args`` follow the input tensors: the optimizer update's inputs when the
     ``optimizer`` pass ran (``OptimizerUpdate.input_keys``); the graph then updates the
     parameters itself and returns the global gradient norm instead of gradients.
+    ``leaves``: the flattened ``(input, label)`` when the caller has already matched them
+    against ``joint``'s signature and guards (``GraphTrainer``'s graph cache does): they are
+    not flattened and checked again.
 
     Raises:
         GraphSignatureError: ``input`` / ``label`` differ from the traced sample in structure,
             shape, dtype, device or a constant value (a symbolic graph: in a static dim, or
             its sizes fail ``joint.shape_guards``), or ``model`` lacks a traced state FQN.
     """
-    expected: InputSignature = joint.input_signature
-    try:
-        paths, leaves, spec = flatten_io(input, label)
-    except TypeError as exc:
-        raise GraphSignatureError(str(exc)) from None
-    actual = InputSignature._of_leaves(paths, leaves, spec)
     guards = joint.shape_guards
-    if guards is not None:  # symbolic dims: the static rest must match, the sizes pass guards
-        actual = actual.generalized(guards.leaf_dims)
-    if actual != expected:
-        raise GraphSignatureError(signature_mismatch_message(expected, actual))
+    if leaves is None:
+        leaves = _checked_leaves(joint, input, label)
     if guards is not None:
-        reason = guards.violation(leaves)
-        if reason is not None:
-            raise GraphSignatureError(
-                f"(input, label) do not pass the shape guards of this symbolic graph: {reason}."
-                " Trace again for these sizes (GraphTrainer does so by itself).\nGuards:\n"
-                + guards.describe(expected.paths)
-            )
         leaves = guards.contiguous_leaves(leaves)
 
     live = _live_state(model, joint.state_fqns)
@@ -102,6 +92,30 @@ def run_traced_graph(
                 by_fqn[spec.fqn].copy_(value)
     norm = outputs[1] if joint.optimizer_in_graph else None
     return GraphOutputs(loss=outputs[0], grads=grads, grad_norm=norm)
+
+
+def _checked_leaves(joint: JointGraph, input: Any, label: Any) -> list[Any]:
+    """The leaves of ``(input, label)``, which must match ``joint``'s signature and guards."""
+    expected: InputSignature = joint.input_signature
+    try:
+        paths, leaves, spec = flatten_io(input, label)
+    except TypeError as exc:
+        raise GraphSignatureError(str(exc)) from None
+    actual = InputSignature._of_leaves(paths, leaves, spec)
+    guards = joint.shape_guards
+    if guards is not None:  # symbolic dims: the static rest must match, the sizes pass guards
+        actual = actual.generalized(guards.leaf_dims)
+    if actual != expected:
+        raise GraphSignatureError(signature_mismatch_message(expected, actual))
+    if guards is not None:
+        reason = guards.violation(leaves)
+        if reason is not None:
+            raise GraphSignatureError(
+                f"(input, label) do not pass the shape guards of this symbolic graph: {reason}."
+                " Trace again for these sizes (GraphTrainer does so by itself).\nGuards:\n"
+                + guards.describe(expected.paths)
+            )
+    return leaves
 
 
 def _live_state(model: nn.Module, fqns: Sequence[str]) -> list[Tensor]:

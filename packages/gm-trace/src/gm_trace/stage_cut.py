@@ -71,6 +71,8 @@ class Transfer:
     """Its index among all transfers: with the micro-batch, the point-to-point tag."""
     shape: tuple[int, ...]
     dtype: torch.dtype
+    stride: tuple[int, ...]
+    """The layout the producer traced (it is sent contiguous, and laid out so again)."""
 
     @property
     def nbytes(self) -> int:
@@ -224,13 +226,21 @@ def _stages(nodes: list[fx.Node]) -> dict[fx.Node, int]:
 
 def _halves(nodes: list[fx.Node], stage: dict[fx.Node, int]) -> dict[fx.Node, str]:
     """``"forward"`` or ``"backward"`` for every staged node (placeholders: forward)."""
+    # The reshard pass's re-gathers serve backward, unless a later stage reads one (a tied
+    # weight): that stage's backward runs before this one's, so it is gathered in forward.
+    early: set[fx.Node] = set()
+    for node in reversed(nodes):
+        if node.meta.get(node_meta.REGATHER) and any(
+            u in early or stage.get(u, -1) > stage[node] for u in node.users
+        ):
+            early.add(node)
     half: dict[fx.Node, str] = {}
     for node in nodes:  # recorded phases; anything reading a backward value is backward
         if node not in stage:
             continue
         phase = FORWARD if node.op == "placeholder" else node_phase(node)
-        if node.meta.get(node_meta.REGATHER):  # the reshard pass's copies serve backward
-            phase = BACKWARD
+        if node.meta.get(node_meta.REGATHER):
+            phase = FORWARD if node in early else BACKWARD
         if phase is None and any(half.get(n) == BACKWARD for n in node.all_input_nodes):
             phase = BACKWARD
         if phase is not None:
@@ -270,7 +280,14 @@ def _transfers(
             val = node.meta["val"]
             transfers.append(
                 Transfer(
-                    node.name, stage[node], dst, phase, len(transfers), tuple(val.shape), val.dtype
+                    node.name,
+                    stage[node],
+                    dst,
+                    phase,
+                    len(transfers),
+                    tuple(val.shape),
+                    val.dtype,
+                    tuple(val.stride()),
                 )
             )
     return transfers

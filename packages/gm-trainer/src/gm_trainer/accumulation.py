@@ -9,7 +9,19 @@ by ``n_1 / sum_i n_i``; with equal sizes that is the plain sum times ``1 / k``.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+
+class LastOfWindow(NamedTuple):
+    """What the graph of a window's last micro-batch needs to finish the step's gradients."""
+
+    scale: float
+    """:meth:`MicroBatches.final_scale` once the last micro-batch is counted."""
+
+    earlier_losses: torch.Tensor
+    """The sum of the earlier micro-batches' losses (0-d float32): not finite when one was."""
 
 
 class MicroBatches:
@@ -26,6 +38,10 @@ class MicroBatches:
     def weight(self, size: int) -> float:
         """The factor for the gradient of the next micro-batch of ``size`` samples."""
         return size / self.sizes[0] if self.sizes else 1.0
+
+    def last(self, size: int) -> LastOfWindow:
+        """For the last micro-batch, of ``size`` samples, before it is added."""
+        return LastOfWindow(self.sizes[0] / (self.samples + size), torch.stack(self.losses).sum())
 
     def add(self, loss: torch.Tensor, size: int, tokens: int) -> None:
         self.sizes.append(size)

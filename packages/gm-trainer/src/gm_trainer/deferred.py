@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from gm_trace.deferred_reduce import DeferredReduction
+from gm_trace.last_micro_batch import LastMicroBatch
+from gm_trainer.accumulation import LastOfWindow
 from gm_trainer.errors import TrainingError
 
 
@@ -26,7 +28,9 @@ class DeferredGrads:
         self.buffers: list[torch.Tensor] = []
         self.reduction: DeferredReduction | None = None
         self.pending = False
+        self._stale = False  # read by a last micro-batch's graph, not zeroed yet
         self._weight = torch.empty((), dtype=torch.float64)
+        self._scale = torch.empty((), dtype=torch.float64)
 
     def args(self, reduction: DeferredReduction, weight: float) -> list[Any]:
         """The graph's extra inputs for one micro-batch of ``weight``: buffers, then weight."""
@@ -41,6 +45,10 @@ class DeferredGrads:
                 torch.zeros(shape, dtype=dtype, device=device)
                 for shape, dtype, device in reduction.buffers
             ]
+        elif self._stale:
+            for buffer in self.buffers:
+                buffer.zero_()
+        self._stale = False
         self.reduction = reduction
         self.pending = True
         return [*self.buffers, self._weight.fill_(weight)]
@@ -61,3 +69,40 @@ class DeferredGrads:
             for buffer in self.buffers:
                 buffer.zero_()
         self.pending = False
+
+    def last_args(
+        self, last: LastMicroBatch, model: torch.nn.Module, weight: float, window: LastOfWindow
+    ) -> list[Any]:
+        """The inputs a window's last micro-batch graph reads before the optimizer's: what the
+        earlier micro-batches accumulated (buffers under FSDP, else ``.grad``, which the graph
+        consumes: the buffers are zeroed and ``.grad`` cleared here), weight, scale and the
+        earlier losses."""
+        if last.buffers is not None:
+            if not self.pending or self.reduction.buffers != last.buffers:
+                raise TrainingError(
+                    "the last micro-batch of an accumulation window expects accumulation "
+                    f"buffers laid out as {list(last.buffers)}, but the earlier micro-batches "
+                    "accumulated "
+                    + (f"into {list(self.reduction.buffers)}" if self.pending else "nothing")
+                    + "; the FSDP layout must not change inside an accumulation window"
+                )
+            accumulated = self.buffers
+            self.pending, self._stale = False, True  # zeroed when the next window starts
+        else:
+            params = [model.get_parameter(fqn) for fqn in last.grad_fqns]
+            missing = [fqn for fqn, p in zip(last.grad_fqns, params) if p.grad is None]
+            if missing:
+                raise TrainingError(
+                    f"the last micro-batch of an accumulation window found no accumulated "
+                    f"gradient for {missing}; every micro-batch of a window must train the "
+                    "same parameters"
+                )
+            accumulated = [p.grad for p in params]
+            for p in params:
+                p.grad = None  # the graph consumes them; its update keeps no gradient
+        scale, earlier = window
+        return [*accumulated, self._weight.fill_(weight), self._scale.fill_(scale), earlier]
+
+    def discard(self) -> None:
+        """Drop what the micro-batches accumulated (a step that raised)."""
+        self.pending, self._stale = False, bool(self.buffers)

@@ -45,7 +45,8 @@ def add_to_grad(param: torch.Tensor, grad: torch.Tensor, weight: float) -> None:
     if param.grad is None:
         param.grad = grad.mul_(weight) if weight != 1.0 else grad
     else:
-        param.grad.add_(grad, alpha=weight)
+        # grad * weight, then the add: the op order of a window's last graph (in_graph).
+        param.grad.add_(grad.mul_(weight) if weight != 1.0 else grad)
 
 
 def scale_grads(model: torch.nn.Module, factor: float) -> None:

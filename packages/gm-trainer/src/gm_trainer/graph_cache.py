@@ -25,7 +25,7 @@ import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -55,6 +55,30 @@ def with_dynamic_dims(config: PassConfig, dynamic_dims: Any) -> PassConfig:
     merged = dataclasses.replace(config, dynamic_dims=dims)
     check_pad_to_multiple(merged.pad_to_multiple, merged.dynamic_dims or {})
     return merged
+
+
+class Flat(NamedTuple):
+    """A batch flattened once: what the lookup, the agreement and the graph call read."""
+
+    paths: list[str]
+    leaves: list[Any]
+    signature: InputSignature
+
+
+def flatten_batch(input: Any, label: Any) -> Flat:
+    """``(input, label)`` flattened, with its exact signature."""
+    paths, leaves, spec = flatten_io(input, label)
+    return Flat(paths, leaves, InputSignature._of_leaves(paths, leaves, spec))
+
+
+class Found(NamedTuple):
+    """The graph a batch runs on, with the batch as looked up (padded) and its leaves,
+    which matched the graph's signature and guards (``run_traced_graph(leaves=...)``)."""
+
+    joint: JointGraph
+    input: Any
+    label: Any
+    leaves: list[Any]
 
 
 @dataclass(frozen=True)
@@ -100,6 +124,8 @@ class GraphCache:
         self._reason = ""
         self.force_compile = False
         """Set when another rank compiles for this micro-batch: every rank must."""
+        self.pipelines: list[PassPipeline] = []
+        """The pass pipeline of each graph, in compile order."""
 
     @property
     def compile_count(self) -> int:
@@ -114,14 +140,22 @@ class GraphCache:
     def lookup(self, input: Any, label: Any, model: torch.nn.Module) -> JointGraph | None:
         """The graph this batch runs on, or ``None`` when it needs a new one (or another rank
         does: every rank compiles together)."""
+        found = self.find(input, label, model)
+        return found.joint if found is not None else None
+
+    def find(
+        self, input: Any, label: Any, model: torch.nn.Module, flat: Flat | None = None
+    ) -> Found | None:
+        """:meth:`lookup`, with the batch's leaves (``flat``: the batch already flattened)."""
         if self.force_compile:
             return None
-        return self._lookup(input, label, module_state_key(model))[0]
+        flat = flat if flat is not None else flatten_batch(input, label)
+        joint = self._lookup(flat, module_state_key(model))[0]
+        return Found(joint, input, label, flat.leaves) if joint is not None else None
 
-    def _lookup(self, input: Any, label: Any, state: Any) -> tuple[JointGraph | None, list[str]]:
+    def _lookup(self, flat: Flat, state: Any) -> tuple[JointGraph | None, list[str]]:
         """The graph for the batch, or ``None`` and why each graph of its signature refused."""
-        paths, leaves, spec = flatten_io(input, label)
-        signature = InputSignature._of_leaves(paths, leaves, spec)
+        _, leaves, signature = flat
         misses = []
         for i, entry in enumerate(self.entries):
             guards = entry.joint.shape_guards
@@ -138,12 +172,12 @@ class GraphCache:
 
     def agreement_key(
         self, input: Any, label: Any, model: torch.nn.Module
-    ) -> tuple[InputSignature, bool]:
+    ) -> tuple[InputSignature, Found | None]:
         """What the ranks must agree on for a micro-batch: its signature with every dim that
-        is or will be symbolic shown by name (ranks may differ there), and whether this rank
-        needs a new graph for it."""
-        paths, leaves, spec = flatten_io(input, label)
-        signature = InputSignature._of_leaves(paths, leaves, spec)
+        is or will be symbolic shown by name (ranks may differ there), and the graph this
+        rank has for it (``None``: it needs a new one). The batch is flattened once."""
+        flat = flatten_batch(input, label)
+        paths, leaves, signature = flat
         dims = {path: dict(marked) for path, marked in self.declared.items()}
         for path, found in self.found.items():
             if path in paths:
@@ -155,16 +189,16 @@ class GraphCache:
             # waiting in it: the exact key disagrees (an error on every rank) or the trace
             # names the problem on every rank.
             by_index = {}
-        return signature.generalized(by_index), self.lookup(input, label, model) is None
+        return signature.generalized(by_index), self.find(input, label, model, flat)
 
     def begin(self, input: Any, label: Any, model: torch.nn.Module) -> None:
         """Before tracing a new graph for this batch: check the bound, decide its symbolic
         dims (:attr:`tracing_dims`) and log why it is compiled."""
         state = module_state_key(model)
-        hit, misses = self._lookup(input, label, state)
+        flat = flatten_batch(input, label)
+        hit, misses = self._lookup(flat, state)
         self.force_compile = False
-        paths, leaves, spec = flatten_io(input, label)
-        signature = InputSignature._of_leaves(paths, leaves, spec)
+        paths, _, signature = flat
         if len(self.entries) >= self.size:
             raise TrainingError(
                 f"a new input signature or module state would be graph #{len(self.entries) + 1}"
@@ -236,18 +270,19 @@ class GraphCache:
         rank: int,
         world: int,
         device: torch.device,
-    ) -> list[int]:
+    ) -> tuple[list[int], Found | None]:
         """The ranks' agreement on a micro-batch (``None``: this rank's data has ended):
-        returns the ranks whose data has ended. The graph keys must agree (their symbolic
+        returns the ranks whose data has ended and the graph found for the batch, handed on
+        to the step (``None`` when it needs one). The graph keys must agree (their symbolic
         dims may differ); when any rank needs a new graph, every rank compiles one."""
-        key, needs_graph = None, False
+        key, found = None, None
         if batch is not None:
-            key, needs_graph = self.agreement_key(*batch, model)
+            key, found = self.agreement_key(*batch, model)
         ended, compile_all = agree_on_batch(
-            key, model, rank, world, device, needs_graph=needs_graph
+            key, model, rank, world, device, needs_graph=batch is not None and found is None
         )
         self.force_compile = compile_all and not ended
-        return ended
+        return ended, None if self.force_compile else found
 
     def summary(self, pipelines: Sequence[PassPipeline]) -> str:
         """``GraphTrainer.pass_summary``: per graph, :meth:`describe` and its pipeline's

@@ -24,10 +24,11 @@ import torch
 import torch.utils._pytree as pytree
 
 from gm_trainer.accumulation import MicroBatches
-from gm_trainer.errors import TrainingError
 from gm_trainer.gradients import scale_grads
+from gm_trainer.optim_graph import finish_graph_step
 from gm_trainer.ranks import mean_over_world
 from gm_trainer.step_end import skip_step
+from gm_trainer.step_guard import nonfinite_loss_error
 
 if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer
@@ -56,20 +57,22 @@ def train_loop(
     seen = 0
     while max_steps is None or len(records) < max_steps:
         batch = next(batches, _END)
-        if batch is _END:
-            input = label = None
-        else:
+        input = label = last = found = None
+        if batch is not _END:
             input, label = trainer._to_device(split_batch(batch))
+            size = batch_size(input)
+            last = window.last(size) if len(window) == accumulation_steps - 1 > 0 else None
+        accumulate = accumulation_steps > 1
         if trainer.world_size > 1:
-            ended = trainer._agree_on_batch(None if batch is _END else (input, label))
+            mine = None if batch is _END else (input, label)
+            ended, found = trainer._agree_on_batch(mine, accumulate, last is not None)
             if ended:
                 _warn_uneven(trainer, ended, seen)
                 break
         elif batch is _END:
             break
         seen += 1
-        size = batch_size(input)
-        loss = trainer._micro_step(input, label, window.weight(size), accumulation_steps > 1)
+        loss = trainer._micro_step(input, label, window.weight(size), accumulate, last, found)
         trainer.data_position += 1
         window.add(loss, size, count_tokens(input))
         if len(window) < accumulation_steps:
@@ -113,7 +116,9 @@ def _warn_uneven(trainer: GraphTrainer, ended: list[int], seen: int) -> None:
 
 def _optimizer_step(trainer: GraphTrainer, window: MicroBatches, started: float) -> dict[str, Any]:
     loss = mean_over_world(window.mean_loss(), trainer.world_size, trainer._collective_device())
-    if math.isfinite(loss):
+    if trainer._graph_norm is not None:  # the graph took the update (or masked it)
+        grad_norm = finish_graph_step(trainer, loss)
+    elif math.isfinite(loss):
         trainer._deferred.reduce(trainer.model)  # once per step, not per micro-batch
         scale = window.final_scale()
         if scale != 1.0:
@@ -123,11 +128,8 @@ def _optimizer_step(trainer: GraphTrainer, window: MicroBatches, started: float)
         grad_norm = skip_step(trainer)
     else:
         trainer.optimizer.zero_grad(set_to_none=True)
-        raise TrainingError(
-            f"the loss is {loss} at step {trainer.step + 1}; training stopped and no "
-            "optimizer update was applied for this step (check the learning rate, "
-            "the data and the loss function, or pass GraphTrainer(nonfinite='skip'))"
-        )
+        trainer._deferred.discard()  # else the next window would add to this one's sums
+        raise nonfinite_loss_error(loss, trainer.step + 1)
     elapsed = time.perf_counter() - started
     ranks = trainer._data_parallel_size()
     return {

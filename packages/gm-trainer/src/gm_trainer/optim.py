@@ -45,9 +45,10 @@ class OptimizerConfig:
     in_graph: bool = False
     """Trace the update (Adam, AdamW, SGD; the global-norm clip) into the step's graph: each
     local shard is updated as soon as its gradient is reduced, gradients are never kept on
-    ``.grad``, and ``train_step`` then takes the whole optimizer step (a step of several
-    micro-batches, ``train(accumulation_steps>1)``, updates eagerly). An optimizer the graph
-    cannot trace falls back to the eager update with a ``RuntimeWarning`` saying why."""
+    ``.grad``, and ``train_step`` then takes the whole optimizer step (with
+    ``train(accumulation_steps>1)``, the graph of each window's last micro-batch). A
+    non-finite step is masked in the graph: no weight or state changes. An optimizer the
+    graph cannot trace falls back to the eager update with a ``RuntimeWarning`` saying why."""
 
     def __post_init__(self) -> None:
         if isinstance(self.name, str):

@@ -21,7 +21,8 @@ import torch
 from gm_trace import run_traced_graph
 from gm_trace.optimizer_update import GroupRule, OptimizerUpdate, ParamUpdate
 from gm_trainer.errors import TrainingError
-from gm_trainer.step_end import sync_buffers
+from gm_trainer.step_end import skip_step, sync_buffers
+from gm_trainer.step_guard import nonfinite_loss_error
 
 if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer
@@ -49,11 +50,6 @@ def untraceable_reason(trainer: GraphTrainer) -> str | None:
     for key, value in (config.kwargs or {}).items():
         if key in _FIXED and value != _FIXED[key] and not (key == "fused" and value is False):
             return f"OptimizerConfig.kwargs {key}={value!r} is not traced (only {_FIXED[key]!r})"
-    if trainer.nonfinite == "skip":
-        return (
-            "nonfinite='skip' needs the norm before the update, but the graph updates in the "
-            "same step; use nonfinite='error'"
-        )
     if trainer._mesh is not None and trainer._mesh.tp_group is not None:
         return "tensor parallelism: the traced global norm does not sum TP slices yet"
     return None
@@ -110,6 +106,11 @@ class GraphStepInputs:
             for name, value in values.items():
                 self._scalars[(g, name)].fill_(value)
         return inputs
+
+    def undo(self) -> None:
+        """Take back the step count of a step the graph did not apply (not finite)."""
+        if self._steps:
+            torch._foreach_sub_(self._steps, 1)  # exact: small whole numbers
 
     def _layout(self, spec: OptimizerUpdate) -> None:
         """Create missing state as ``torch.optim`` would; list the inputs in graph order."""
@@ -215,35 +216,51 @@ def with_graph_update(
     return joint.replace(optimizer_update=spec), [*passes, OptimizerUpdatePass()]
 
 
-def graph_update_step(trainer: GraphTrainer, joint: Any, input: Any, label: Any) -> Any:
-    """Run a graph that updates the parameters itself; keep its norm for ``optimizer_step``."""
+def graph_update_step(
+    trainer: GraphTrainer, joint: Any, batch: tuple[Any, Any, Any], accumulated: Sequence[Any]
+) -> Any:
+    """Run a graph that updates the parameters itself; keep its norm for ``optimizer_step``.
+    ``batch``: input, label and their checked leaves (or ``None``); ``accumulated``: the
+    inputs of a window's last micro-batch graph, before the update's."""
     if trainer._graph_norm is not None:
         raise TrainingError(
             "train_step() twice without optimizer_step(): with OptimizerConfig(in_graph=True) "
             "every train_step() is a whole optimizer step; call optimizer_step() after each "
-            "(to accumulate micro-batches use train(accumulation_steps=k), whose step runs "
-            "the update eagerly)"
+            "(to accumulate micro-batches use train(accumulation_steps=k), whose last "
+            "micro-batch's graph takes the update)"
         )
     if trainer._step_inputs is None:
         trainer._step_inputs = GraphStepInputs(trainer.model, trainer.optimizer)
-    extra = trainer._step_inputs(joint.optimizer_update)
-    outputs = run_traced_graph(joint, trainer.model, input, label, extra)
+    extra = [*accumulated, *trainer._step_inputs(joint.optimizer_update)]
+    input, label, leaves = batch
+    outputs = run_traced_graph(joint, trainer.model, input, label, extra, leaves=leaves)
     trainer._graph_norm = outputs.grad_norm
     return outputs.loss.detach()
 
 
-def finish_graph_step(trainer: GraphTrainer) -> float:
-    """``optimizer_step`` after a graph that updated the parameters: count the step, step
-    the LR scheduler, sync buffers; returns the global gradient norm before clipping."""
+def finish_graph_step(trainer: GraphTrainer, loss: float | None = None) -> float:
+    """``optimizer_step`` after a graph that took the update: count the step, step the LR
+    scheduler, sync buffers; returns the global gradient norm before clipping.
+
+    A non-finite norm (or ``loss``, the mean over ranks when the loop knows it) means the graph
+    masked its update: no weight or state changed; the step counts it bumped are taken back,
+    then the step is skipped or raised as ``trainer.nonfinite`` says, as the eager path does."""
     norm, trainer._graph_norm = trainer._graph_norm.item(), None
-    trainer.step += 1
-    if not math.isfinite(norm):
+    loss_finite = loss is None or math.isfinite(loss)
+    if not (math.isfinite(norm) and loss_finite):
+        trainer._step_inputs.undo()
+        if trainer.nonfinite == "skip":
+            return skip_step(trainer, norm)
+        if not loss_finite:
+            raise nonfinite_loss_error(loss, trainer.step + 1)
         raise TrainingError(
-            f"the global gradient norm is {norm} at step {trainer.step}: with the update in "
-            "the graph it was already applied, so the weights and optimizer state are no "
-            "longer finite; restore the last checkpoint and lower the learning rate (or use "
-            "OptimizerConfig(in_graph=False) with nonfinite='skip')"
+            f"the global gradient norm is {norm} at step {trainer.step + 1} (or the loss was "
+            "not finite on a rank); training stopped and the update in the graph was masked, "
+            "so no weight or optimizer state was changed. Check the learning rate, the data "
+            "and ops with unbounded gradients (sqrt, log, division near 0), or pass "
+            "GraphTrainer(nonfinite='skip') to skip such steps"
         )
+    trainer.step += 1
     if trainer.lr_scheduler is not None:
         # What torch's LRScheduler wraps optimizer.step() to record (else it warns that the
         # scheduler stepped first): the graph took the optimizer's step.

@@ -26,6 +26,7 @@ import torch.utils._pytree as pytree
 
 from gm_config import ConfigError
 from gm_trace import node_meta
+from gm_trace.backend import CompiledStep, compile_graph
 from gm_trace.joint_graph import JointGraph
 from gm_trace.signature import InputSignature, flatten_io
 from gm_trace.stage_cut import BACKWARD, FORWARD, PipelineCut, StageProgram, Transfer, cut_pipeline
@@ -37,8 +38,9 @@ if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer
 
 Env = dict[str, torch.Tensor]
-# (key, buffer, work) per value; buffer None: from this rank, work is its (tag, micro-batch)
-_Receives = list[tuple[str, torch.Tensor | None, Any]]
+# (key, buffer, work, stride) per value; buffer None: from a stage of this rank, work is its
+# (tag, micro-batch)
+_Receives = list[tuple[str, torch.Tensor | None, Any, tuple[int, ...]]]
 
 
 @dataclass
@@ -86,6 +88,8 @@ class PipelineRunner:
         """This rank's stages (``pp_index + k * pp_degree``) and what each runs."""
         self.actions: list[Action] = []
         """This rank's schedule: the order of its forward and backward halves."""
+        self.compiled: dict[tuple[int, str], CompiledStep] = {}
+        """(stage, phase) -> the half compiled by ``PassConfig.backend`` (none without)."""
         self.stats = PipelineStats()
         self._joint: JointGraph | None = None
 
@@ -106,6 +110,13 @@ class PipelineRunner:
         config = self.trainer.run.pass_config
         self.cut = cut_pipeline(joint, config.pp_degree * config.pp_virtual_stages)
         self.programs = {stage: self.cut.programs[stage] for stage in self.own_stages}
+        backend = self.trainer.pass_config.backend
+        if backend is not None:  # the whole graph was not compiled: each half is
+            self.compiled = {
+                (stage, phase): compile_graph(getattr(program, phase).graph_module, backend)
+                for stage, program in self.programs.items()
+                for phase in (FORWARD, BACKWARD)
+            }
         self.actions = rank_actions(
             config.pp_schedule,
             self.pp_index,
@@ -184,7 +195,7 @@ class PipelineRunner:
         program, m = self.programs[action.stage], action.microbatch
         env = self._slots(step, program, m)
         self._wait(step, received, env)
-        _run(program.forward.graph_module, program.forward.inputs, program.forward.outputs, env)
+        self._run(program, FORWARD, env)
         self._send(step, program.transfers("send", FORWARD), m, env)
         if program.loss is not None:
             step.losses.append(env[program.loss].detach())
@@ -194,7 +205,7 @@ class PipelineRunner:
         program, m = self.programs[action.stage], action.microbatch
         env = {**self._slots(step, program, m), **step.envs.pop((program.stage, m))}
         self._wait(step, received, env)
-        _run(program.backward.graph_module, program.backward.inputs, program.backward.outputs, env)
+        self._run(program, BACKWARD, env)
         self._send(step, program.transfers("send", BACKWARD), m, env)
         sent = {t.key for t in program.sends}
         for key, fqns in program.grads.items():
@@ -202,6 +213,16 @@ class PipelineRunner:
                 # add_to_grad may scale the graph's output in place: not one still being sent
                 grad = env[key].clone() if key in sent or len(fqns) > 1 else env[key]
                 add_to_grad(self.trainer.model.get_parameter(fqn), grad, step.weight)
+
+    def _run(self, program: StageProgram, phase: str, env: Env) -> None:
+        half = getattr(program, phase)
+        args = [env[k] for k in half.inputs]
+        compiled = self.compiled.get((program.stage, phase))
+        with torch.no_grad():
+            results = (
+                compiled.run(half.graph_module, args) if compiled else half.graph_module(*args)
+            )
+        env.update(zip(half.outputs, results))
 
     def _slots(self, step: _Step, program: StageProgram, m: int) -> Env:
         env: Env = {}
@@ -234,21 +255,21 @@ class PipelineRunner:
         posted: _Receives = []
         for t in self.programs[action.stage].transfers("receive", action.phase):
             if t.src in self.programs:  # from a stage of this rank: taken when it runs
-                posted.append((t.key, None, (t.tag, action.microbatch)))
+                posted.append((t.key, None, (t.tag, action.microbatch), t.stride))
                 continue
             buffer = torch.empty(t.shape, dtype=t.dtype, device=self.trainer.device)
             work = dist.irecv(buffer, self._peer(t.src), tag=self._tag(t, action.microbatch))
-            posted.append((t.key, buffer, work))
+            posted.append((t.key, buffer, work, t.stride))
         return posted
 
     def _wait(self, step: _Step, received: _Receives, env: Env) -> None:
         started = time.perf_counter()
-        for key, buffer, work in received:
+        for key, buffer, work, stride in received:
             if buffer is None:
                 env[key] = step.local.pop(work)
                 continue
             work.wait()
-            env[key] = buffer
+            env[key] = buffer if buffer.stride() == stride else _laid_out(buffer, stride)
         self.stats.wait_s += time.perf_counter() - started
 
     def _loss(self, step: _Step) -> torch.Tensor:
@@ -300,7 +321,6 @@ def pipeline_runner(trainer: GraphTrainer) -> PipelineRunner | None:
     refused = {
         "OptimizerConfig(in_graph=True)": trainer.optimizer_config.in_graph,
         "dynamic_dims": bool(config.dynamic_dims),
-        f"PassConfig.backend={config.backend!r}": config.backend is not None,
     }
     for what, present in refused.items():
         if present:
@@ -331,10 +351,10 @@ def split_microbatches(input: Any, label: Any, n: int) -> list[tuple[Any, Any]]:
     return [pytree.tree_unflatten([c[m] for c in columns], spec) for m in range(n)]
 
 
-def _run(graph_module: Any, inputs: tuple[str, ...], outputs: tuple[str, ...], env: Env) -> None:
-    with torch.no_grad():
-        results = graph_module(*(env[k] for k in inputs))
-    env.update(zip(outputs, results))
+def _laid_out(tensor: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """``tensor`` (received contiguous) in the layout its producer traced, which a compiled
+    half was specialised to."""
+    return torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype).copy_(tensor)
 
 
 def _bytes(env: Env, exclude: set[int]) -> int:

@@ -57,3 +57,12 @@ def nonfinite_grad_error(fqn: str | None, norm: float, step: int) -> TrainingErr
         "Check the learning rate, the data and ops with unbounded gradients (sqrt, log, "
         "division near 0), or pass GraphTrainer(nonfinite='skip') to skip such steps"
     )
+
+
+def nonfinite_loss_error(loss: float, step: int) -> TrainingError:
+    """The error for a step whose loss (the mean over ranks) is ``loss`` (not finite)."""
+    return TrainingError(
+        f"the loss is {loss} at step {step}; training stopped and no optimizer update was "
+        "applied for this step (check the learning rate, the data and the loss function, or "
+        "pass GraphTrainer(nonfinite='skip'))"
+    )

@@ -26,23 +26,24 @@ import torch.utils._pytree as pytree
 
 from gm_config import PassConfig, PassPlan
 from gm_passes import GraphPass, PassPipeline
-from gm_trace import run_traced_graph
 from gm_trace.deferred_reduce import DeferredReducePass
 from gm_trace.dtensor import DTensorSpec
 from gm_trace.joint_graph import JointGraph
+from gm_trace.last_micro_batch import LastMicroBatchPass
 from gm_trace.sharding import RowShard
 from gm_trace.sharding_layout import ShardingLayout
 from gm_trainer.deferred import DeferredGrads
 from gm_trainer.device import default_device
 from gm_trainer.dtensor_tp import adopt_dtensor_params, trace_step
 from gm_trainer.errors import TrainingError
-from gm_trainer.gradients import accumulate_grads, grad_norm_tensor
+from gm_trainer.gradients import grad_norm_tensor
 from gm_trainer.graph_cache import GraphCache, with_dynamic_dims
 from gm_trainer.graph_key import ClosureWatch
 from gm_trainer.loop import train_loop
 from gm_trainer.mesh import MeshError, ResolvedMesh, resolve_mesh_context
+from gm_trainer.micro_step import accumulates, agree_on_batch, cache_for, micro_step
 from gm_trainer.optim import OptimizerConfig, clip_to_norm
-from gm_trainer.optim_graph import finish_graph_step, graph_update_step, with_graph_update
+from gm_trainer.optim_graph import finish_graph_step, with_graph_update
 from gm_trainer.padding import Padding
 from gm_trainer.pipeline_runtime import pipeline_runner
 from gm_trainer.step_end import skip_step, sync_buffers
@@ -150,13 +151,15 @@ class GraphTrainer:
         self.step = 0  # optimizer steps taken, skipped ones included
         self.skipped_steps = 0  # steps dropped for a non-finite loss or gradient (not saved)
         self.data_position = 0  # micro-batches train() has consumed; checkpointed
-        self.pipelines: list[PassPipeline] = []
         # The compiled graphs, which one a batch runs on, which dims are symbolic.
         self._graph_cache = GraphCache(graph_cache_size, self.pass_config)
         self._graphs = self._graph_cache.graphs
-        # Graphs of the micro-batches of an accumulation window (gm_trainer.deferred).
+        # Graphs of the micro-batches of an accumulation window (gm_trainer.deferred), and
+        # of its last one when that takes the update (in_graph).
         self._accumulate_cache = GraphCache(graph_cache_size, self.pass_config)
-        self._accumulate_pipelines: list[PassPipeline] = []
+        self._last_cache = GraphCache(graph_cache_size, self.pass_config)
+        self._accumulate_pipelines = self._accumulate_cache.pipelines
+        self.pipelines = self._graph_cache.pipelines
         self._tracing_cache = self._graph_cache
         self._pad = Padding(self.pass_config)
         self._closure_watch: ClosureWatch | None = None
@@ -217,23 +220,25 @@ class GraphTrainer:
         return {fqn: p.shard for fqn, p in self.sharding.params.items()}
 
     def compile(
-        self, sample_input: Any, sample_label: Any, *, accumulate: bool = False
+        self, sample_input: Any, sample_label: Any, *, accumulate: bool = False, last: bool = False
     ) -> JointGraph:
         """Trace and transform the graph for this input signature and the model's current
         module state (training flags, trainable parameters); cached per both.
 
         ``accumulate``: the variant for a micro-batch that only accumulates (under FSDP it
-        reduces nothing: :mod:`gm_trainer.deferred`); without FSDP, the plain graph."""
+        reduces nothing: :mod:`gm_trainer.deferred`); without FSDP, the plain graph.
+        ``last`` (with ``accumulate``): the window's last micro-batch, whose graph takes the
+        update when it is in the graph (:mod:`gm_trace.last_micro_batch`)."""
         sample_input, sample_label = self._pad(
             self._to_device(sample_input), self._to_device(sample_label)
         )
-        variant = accumulate and self._accumulates()
-        cache = self._accumulate_cache if variant else self._graph_cache
+        cache = self._cache_for(accumulate, last)
+        variant = cache is self._accumulate_cache
         found = cache.lookup(sample_input, sample_label, self.model)
         if found is not None:
             return found
         cache.begin(sample_input, sample_label, self.model)  # the bound; the symbolic dims
-        first = not self._graphs and not self._accumulate_cache.graphs
+        first = self.compile_count == 0
         if self._run is None:
             self._run = resolve_run(self)
             self.dtensor_specs = adopt_dtensor_params(self.model, self._run.mesh)
@@ -248,7 +253,8 @@ class GraphTrainer:
             defer = [DeferredReducePass()] if run.fsdp_active else []
             passes = [*self.extra_passes, *defer]
         else:
-            joint, passes = with_graph_update(self, joint, self.extra_passes)
+            last_pass = [LastMicroBatchPass()] if cache is self._last_cache else []
+            joint, passes = with_graph_update(self, joint, [*self.extra_passes, *last_pass])
         pipeline = PassPipeline.from_config(run.pass_config, run.pass_plan, passes)
         joint = joint.through(
             pipeline,
@@ -258,7 +264,7 @@ class GraphTrainer:
             dump_dir=self._dump_dir(),
         )
         adopt_sharding(self, joint.sharding)
-        (self._accumulate_pipelines if variant else self.pipelines).append(pipeline)
+        cache.pipelines.append(pipeline)
         if self.optimizer is None:
             self.optimizer = self.optimizer_config.build(list(self.model.parameters()))
             if self._lr_scheduler_factory is not None:
@@ -273,7 +279,8 @@ class GraphTrainer:
     def compile_count(self) -> int:
         """How many graphs this trainer traced and compiled (each new signature, each batch
         that failed a symbolic graph's guards); ``pass_summary()`` says why."""
-        return self._graph_cache.compile_count + self._accumulate_cache.compile_count
+        caches = (self._graph_cache, self._accumulate_cache, self._last_cache)
+        return sum(cache.compile_count for cache in caches)
 
     def _data_parallel_size(self) -> int:
         """Ranks that read different data: the FSDP group times its HSDP replicas (not TP)."""
@@ -296,59 +303,26 @@ class GraphTrainer:
         ``OptimizerConfig(in_graph=True)`` the graph also updates the weights: no ``.grad``.
         """
         input, label = self._to_device(input), self._to_device(label)
+        found = None
         if self.world_size > 1:
-            ended = self._agree_on_batch((input, label))
+            ended, found = self._agree_on_batch((input, label))
             if ended:
                 raise TrainingError(
                     f"rank {self.rank}: rank(s) {ended} have no batch for this train_step(); "
                     "every rank must call train_step() with a batch the same number of times"
                 )
-        return self._micro_step(input, label, 1.0)
+        return self._micro_step(input, label, 1.0, found=found)
 
-    def _accumulates(self) -> bool:
-        """Whether a micro-batch of an accumulation window runs its own graph variant: under
-        FSDP (no reductions) and with the update in the graph (no update)."""
-        return self._run is None or self._run.fsdp_active or self.optimizer_config.in_graph
-
-    def _micro_step(
-        self, input: Any, label: Any, weight: float, accumulate: bool = False
-    ) -> torch.Tensor:
-        """Run the graph for one device-resident micro-batch; add ``weight`` x its gradients
-        (``accumulate``: one of several micro-batches of an optimizer step)."""
-        input, label = self._pad(input, label)
-        if self._pipeline is not None:
-            return self._pipeline.step(input, label, weight)
-        cache = self._accumulate_cache if accumulate and self._accumulates() else self._graph_cache
-        joint = cache.lookup(input, label, self.model) or self.compile(
-            input, label, accumulate=accumulate
-        )
-        self._closure_watch.check()
-        if joint.deferred is not None:
-            extra = self._deferred.args(joint.deferred, weight)
-            return run_traced_graph(joint, self.model, input, label, extra).loss.detach()
-        if joint.optimizer_in_graph:
-            return graph_update_step(self, joint, input, label)
-        outputs = run_traced_graph(joint, self.model, input, label)
-        accumulate_grads(self.model, joint, outputs.grads, weight)
-        return outputs.loss.detach()
-
-    def _agree_on_batch(self, batch: tuple[Any, Any] | None) -> list[int]:
-        """One tiny all-reduce over the world per micro-batch (``None``: no batch left).
-
-        Returns the ranks whose data has ended. Raises when the ranks' graph keys differ: a
-        rank that recompiles alone would issue collectives (FSDP, HSDP or TP) the others never
-        match, and hang.
-        """
-        batch = self._pad(*batch) if batch is not None else None
-        return self._graph_cache.agree(
-            batch, self.model, self.rank, self.world_size, self._collective_device()
-        )
+    # One micro-batch: which graph runs it, the ranks' agreement on it, the run itself.
+    _accumulates, _cache_for = accumulates, cache_for
+    _micro_step, _agree_on_batch = micro_step, agree_on_batch
 
     @property
     def optimizer_in_graph(self) -> bool:
         """True when the compiled graphs run the optimizer update themselves
         (``OptimizerConfig(in_graph=True)`` and a traceable optimizer)."""
-        return any(joint.optimizer_in_graph for joint in self._graphs.values())
+        graphs = [*self._graphs.values(), *self._last_cache.graphs.values()]
+        return any(joint.optimizer_in_graph for joint in graphs)
 
     def grad_norm(self) -> float:
         """The global 2-norm of the current gradients, as on the unsharded model."""
@@ -416,9 +390,10 @@ class GraphTrainer:
         summary = self._graph_cache.summary(self.pipelines)
         if self._pipeline is not None:
             summary += "\n\n" + self._pipeline.summary()
-        if self._accumulate_pipelines:
-            variants = self._accumulate_cache.summary(self._accumulate_pipelines)
-            summary += "\n\naccumulating micro-batch variants:\n\n" + variants
+        for name, cache in (("accumulating", self._accumulate_cache), ("last", self._last_cache)):
+            if cache.pipelines:
+                variants = cache.summary(cache.pipelines)
+                summary += f"\n\n{name} micro-batch variants:\n\n" + variants
         return summary
 
     def _to_device(self, tree: Any) -> Any:

@@ -101,6 +101,7 @@ def _resolve_pipeline_mesh(
             f"on world / pp_degree ranks (choose a pp_degree among "
             f"{[d for d in range(1, world + 1) if world % d == 0]})"
         )
+    config = _stage_config(config)
     dp = world // pp
     device_mesh = init_device_mesh(
         detect_device_type(), (pp, dp), mesh_dim_names=("pp", FSDP_GROUP_NAME)
@@ -121,7 +122,16 @@ def _in_pipeline(run: ResolvedRun, pp_group: dist.ProcessGroup) -> ResolvedRun:
     """``run`` as one stage of the pipeline ``pp_group`` (a mesh context's ``pp`` dim)."""
     ranks = tuple(dist.get_process_group_ranks(pp_group))
     stage = ranks.index(dist.get_rank())
-    return dataclasses.replace(run, pp_group=pp_group, pp_stage=stage, pp_ranks=ranks)
+    config = _stage_config(run.pass_config)
+    return dataclasses.replace(
+        run, pass_config=config, pp_group=pp_group, pp_stage=stage, pp_ranks=ranks
+    )
+
+
+def _stage_config(config: PassConfig) -> PassConfig:
+    # The backend compiles each stage's forward and backward graphs once the whole graph is
+    # cut (gm_trainer.pipeline_runtime), not the whole graph.
+    return dataclasses.replace(config, backend=None)
 
 
 def _resolve_external_mesh(
