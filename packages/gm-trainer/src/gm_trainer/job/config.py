@@ -323,12 +323,12 @@ class JobConfig:
                 f"dist.dp_replicate={replicas} does not combine with parallel.pp_degree={pp} "
                 "yet (a pipeline stage shards over all its data-parallel ranks); use 1"
             )
-        per_pipeline = " / parallel.pp_degree" if pp > 1 else ""
         if t.global_batch_size % (dp * t.accumulation):
+            ranks = "(world_size / parallel.pp_degree)" if pp > 1 else "world_size"
             raise ConfigError(
                 f"train.global_batch_size={t.global_batch_size} must be divisible by "
-                f"data-parallel ranks * train.accumulation = {dp} * {t.accumulation} (the "
-                f"data-parallel ranks: world_size{per_pipeline})"
+                f"{ranks} * train.accumulation = {dp} * {t.accumulation}"
+                + (": the ranks of one pipeline read the same rows" if pp > 1 else "")
             )
         rows = t.global_batch_size // (dp * t.accumulation)
         if pp > 1 and rows % p.pp_microbatches:

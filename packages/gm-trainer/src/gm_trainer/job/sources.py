@@ -3,7 +3,6 @@ than a field's type, and the model, loss and FSDP plan built for ``model.source`
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,14 +138,11 @@ def build_model(job: JobConfig) -> BuiltModel:
     """Build the configured model (seed the global RNG first for identical ranks).
 
     ``sharding: null`` takes the source's default plan: for ``hf`` each decoder layer is a block.
-    Under ``parallel.pp_degree > 1`` a sharding without a ``pp`` section gets default stages
-    (:func:`default_stages`).
     """
     m = job.model
     if m.source == "hf":
         from gm_trainer.job.hf_model import (
             build_hf_model,
-            decoder_layers,
             default_sharding,
             hf_lm_loss,
             load_hf_config,
@@ -155,54 +151,8 @@ def build_model(job: JobConfig) -> BuiltModel:
         hf_config = load_hf_config(m.config)
         model = build_hf_model(hf_config, m.weights)
         plan = job.sharding if job.sharding is not None else default_sharding(model)
-        layers, loss, name = decoder_layers(model), hf_lm_loss, type(model).__name__
-    else:
-        from gm_trainer.job.builtin_model import GPT, lm_loss
+        return BuiltModel(model, hf_lm_loss, plan, type(model).__name__)
+    from gm_trainer.job.builtin_model import GPT, lm_loss
 
-        model = GPT(m.vocab_size, m.dim, m.n_layers, m.n_heads, max_seq_len=m.seq_len)
-        plan, layers, loss, name = (
-            job.sharding,
-            [f"layers.{i}" for i in range(m.n_layers)],
-            lm_loss,
-            "GPT",
-        )
-    pp = job.parallel.pp_degree
-    if pp > 1 and (plan is None or "pp" not in plan) and layers:
-        plan = {**(plan or {}), "pp": {"stages": default_stages(model, layers, pp)}}
-    return BuiltModel(model, loss, plan, name)
-
-
-def default_stages(model: nn.Module, layers: list[str], pp: int) -> list[list[str]]:
-    """Pipeline stages for a decoder: the ``layers`` split evenly (earlier stages take one
-    more when ``pp`` does not divide them); every other module holding parameters of its own
-    goes to the first stage when it comes before the first layer, else to the last. Tied
-    heads (``lm_head``, whose weight is the embedding's) are named too: the automatic split
-    by parameters alone does not place a module that owns no parameter."""
-    stages: list[list[str]] = [[] for _ in range(pp)]
-    for stage, part in enumerate(_even_ranges(len(layers), pp)):
-        stages[stage] += [layers[i] for i in part]
-    inside = tuple(layer + "." for layer in layers)
-    edges: tuple[list[str], list[str]] = ([], [])  # before the first layer, after it
-    past = 0
-    for name, module in model.named_modules():
-        if name in layers:
-            past = 1
-        elif name and not name.startswith(inside) and _owns_parameters(module):
-            edges[past].append(name)
-    stages[0][:0] = edges[0]
-    stages[-1] += edges[1]
-    return stages
-
-
-def _owns_parameters(module: nn.Module) -> bool:
-    """Whether ``module`` registers a parameter itself (a tied one included)."""
-    return next(module.named_parameters(recurse=False, remove_duplicate=False), None) is not None
-
-
-def _even_ranges(n: int, parts: int) -> list[range]:
-    """``range(n)`` cut into ``parts`` contiguous pieces, sizes differing by at most one."""
-    base, extra = divmod(n, parts)
-    bounds = [0]
-    for part in range(parts):
-        bounds.append(bounds[-1] + base + (part < extra))
-    return [range(a, b) for a, b in itertools.pairwise(bounds)]
+    model = GPT(m.vocab_size, m.dim, m.n_layers, m.n_heads, max_seq_len=m.seq_len)
+    return BuiltModel(model, lm_loss, job.sharding, "GPT")
