@@ -204,8 +204,19 @@ def test_settings_name_the_pass_they_ask_for_and_its_distribution():
         "reshard_after_forward": (("reshard",), "gm-trace"),
         "recompute_pointwise": (("recompute",), "gm-trace"),
         "backend": (("backend",), "gm-trace"),
+        "pp_degree": (("pp_stages",), "gm-trace"),
     }
     assert not hasattr(registry, "PROVIDERS")
+
+
+def test_a_setting_asks_for_its_pass_only_when_set():
+    """``pp_degree`` is 1 unless a pipeline is asked for: the default loads no ``pp_stages``."""
+    when = {
+        f.name: f.metadata["when"] for f in dataclasses.fields(PassConfig) if "when" in f.metadata
+    }
+    assert not when["pp_degree"](1) and when["pp_degree"](2)
+    assert when["backend"]("inductor") and not when["backend"](None)
+    assert not when["enable_overlap"](False) and when["enable_overlap"](True)
 
 
 def test_from_config_without_gm_trace_names_the_distribution_and_the_field(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,12 +23,19 @@ _DTYPE_SHORT_NAMES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", 
 _DTYPE_SHORT_NAMES.update({name: name for name in FLOAT_DTYPES})  # "torch.bfloat16"
 
 
-def _runs(*passes: str, provided_by: str = "gm-trace") -> dict[str, Any]:
+def _is_set(value: object) -> bool:
+    return value is not None and value is not False
+
+
+def _runs(
+    *passes: str, provided_by: str = "gm-trace", when: Callable[[Any], bool] = _is_set
+) -> dict[str, Any]:
     """Field metadata: setting this field may switch on the graph passes ``passes``, which the
     distribution ``provided_by`` installs. The pipeline loads only the passes that set fields
-    name (each pass then decides from the whole configuration whether it runs) and names the
-    distribution to install when one is missing."""
-    return {"passes": passes, "provided_by": provided_by}
+    name — set: ``when(value)``, by default neither None nor False — (each pass then decides
+    from the whole configuration whether it runs) and names the distribution to install when
+    one is missing."""
+    return {"passes": passes, "provided_by": provided_by, "when": when}
 
 
 def _is_int(value: object) -> bool:
@@ -134,7 +141,9 @@ class PassConfig:
     """The value padding writes, per input path; paths not named get 0 (input leaves) or
     -100 (label leaves)."""
 
-    pp_degree: int = dataclasses.field(default=1, metadata=_runs("pp_stages"))
+    pp_degree: int = dataclasses.field(
+        default=1, metadata=_runs("pp_stages", when=lambda degree: degree != 1)
+    )
     """Pipeline-parallel stages: the model is cut into this many stages, one per group of
     ``world / pp_degree`` ranks, which FSDP shards within. The cut follows
     ``PassPlan.pp_stages`` (the sharding YAML's ``pp: {stages: ...}``) or, without it,

@@ -108,8 +108,7 @@ def _asked_for(config: PassConfig) -> list[tuple[str, str, str]]:
     and the passes each set field names in its metadata (``PassConfig`` field docs)."""
     asked = [(name, BASE_PIPELINE, "gm-passes") for name in BASE_PASSES]
     for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if "passes" in f.metadata and value is not None and value is not False:
+        if "passes" in f.metadata and f.metadata["when"](getattr(config, f.name)):
             asked += [
                 (n, f"PassConfig.{f.name}", f.metadata["provided_by"]) for n in f.metadata["passes"]
             ]
