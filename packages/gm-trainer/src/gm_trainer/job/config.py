@@ -16,15 +16,10 @@ from typing import Any, ClassVar
 
 import yaml
 
-from gm_config import (
-    ConfigError,
-    PassConfig,
-    PassPlan,
-    fsdp_requested,
-    sharding_plan_from_dict,
-)
+from gm_config import ConfigError, PassConfig, PassPlan, sharding_plan_from_dict
 from gm_trainer.job.sections import DataConfig, DistConfig, ModelConfig
 from gm_trainer.job.validation import Section, build
+from gm_trainer.job.world import check_world_size
 
 #: The embedded default job, shipped inside the wheel.
 DEFAULT_CONFIG_PATH = Path(__file__).with_name("default.yaml")
@@ -301,71 +296,9 @@ class JobConfig:
         return sharding_plan_from_dict(self.sharding, source="sharding")
 
     def check_world_size(self, world_size: int) -> None:
-        """Raise :class:`ConfigError` unless the job can run on ``world_size`` ranks.
-
-        gm-train runs ``parallel.pp_degree`` pipeline stages, each on ``world_size /
-        pp_degree`` data-parallel ranks (the ranks of one pipeline read the same rows), and
-        shards over the data-parallel ranks of one replica (``dist.dp_replicate``; no TP).
-        Only the fsdp pass synchronises gradients, so several data-parallel ranks need it on.
-        """
-        t, p, replicas = self.train, self.parallel, self.dist.dp_replicate
-        pp = p.pp_degree
-        if world_size % pp:
-            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-            raise ConfigError(
-                f"parallel.pp_degree={pp} must divide the {world_size} rank(s): every pipeline "
-                f"stage runs on world_size / pp_degree ranks; use one of {divisors} (or "
-                f"--nproc a multiple of {pp})"
-            )
-        dp = world_size // pp  # ranks that read different rows
-        if pp > 1 and replicas > 1:
-            raise ConfigError(
-                f"dist.dp_replicate={replicas} does not combine with parallel.pp_degree={pp} "
-                "yet (a pipeline stage shards over all its data-parallel ranks); use 1"
-            )
-        if t.global_batch_size % (dp * t.accumulation):
-            ranks = "(world_size / parallel.pp_degree)" if pp > 1 else "world_size"
-            raise ConfigError(
-                f"train.global_batch_size={t.global_batch_size} must be divisible by "
-                f"{ranks} * train.accumulation = {dp} * {t.accumulation}"
-                + (": the ranks of one pipeline read the same rows" if pp > 1 else "")
-            )
-        rows = t.global_batch_size // (dp * t.accumulation)
-        if pp > 1 and rows % p.pp_microbatches:
-            raise ConfigError(
-                f"parallel.pp_microbatches={p.pp_microbatches} must divide the {rows} rows each "
-                f"pipeline reads per micro-batch (train.global_batch_size / "
-                f"train.accumulation / {dp} data-parallel rank(s)); use a divisor of {rows} "
-                "or another train.global_batch_size"
-            )
-        if world_size % replicas:
-            raise ConfigError(
-                f"dist.dp_replicate={replicas} does not divide the {world_size} rank(s); use a "
-                f"divisor of {world_size} (1: plain FSDP over every rank)"
-            )
-        shard = dp // replicas
-        if p.fsdp_degree is not None and p.fsdp_degree != shard:
-            if pp > 1:
-                over = f"the {shard} rank(s) of each pipeline stage ({world_size} / pp_degree {pp})"
-            elif replicas > 1:
-                over = f"{shard} rank(s) ({world_size} / dist.dp_replicate={replicas})"
-            else:
-                over = f"all {shard} rank(s)"
-            raise ConfigError(
-                f"parallel.fsdp_degree={p.fsdp_degree}: gm-train shards over {over}; use null "
-                f"or {shard}"
-            )
-        if p.tp_size != 1:
-            raise ConfigError(
-                f"parallel.tp_size={p.tp_size}: gm-train's model has no tensor parallelism; use 1"
-            )
-        plan = self.pass_plan()
-        if dp > 1 and not fsdp_requested(p, plan):
-            raise ConfigError(
-                "parallel.fsdp_enabled / sharding.fsdp.enabled is off, but with "
-                f"{dp} data-parallel ranks only the fsdp pass keeps them in sync; turn it on "
-                f"or use --nproc {pp}"
-            )
+        """Raise :class:`ConfigError` unless the job can run on ``world_size`` ranks (see
+        :func:`gm_trainer.job.world.check_world_size`)."""
+        check_world_size(self, world_size)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (lists, not tuples) that :meth:`from_dict` reads back unchanged."""
