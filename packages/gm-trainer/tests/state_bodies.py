@@ -145,6 +145,18 @@ def batchnorm_buffers(rank: int, world: int, ckpt: str):
     }
 
 
+def accumulated_batchnorm_buffers(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
+    """ConvBN with ``train(accumulation_steps=2)`` on different data per rank: every micro-batch
+    runs an accumulating graph, none the plain one; the BatchNorm buffers must still be rank
+    0's on every rank after each step."""
+    batches = _image_batches(rank, world, 4)
+    trainer = GraphTrainer(
+        _conv_bn(), ce_loss, PassConfig(), _bn_plan(), optimizer_config={"lr": LR}
+    )
+    trainer.train(batches, accumulation_steps=2)
+    return _gather(_buffers(trainer.model), world)
+
+
 # --------------------------------------------------------------------------- uneven data
 
 

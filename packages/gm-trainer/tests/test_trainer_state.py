@@ -184,6 +184,14 @@ def test_leftover_micro_batches_at_the_end_of_train_are_applied_not_carried_over
 
 
 @pytest.mark.distributed
+def test_batchnorm_buffers_follow_rank_0_with_accumulation(dist_pool):
+    for per_rank in dist_pool(2).run(bodies.accumulated_batchnorm_buffers):
+        assert per_rank[0].keys() == per_rank[1].keys()
+        for fqn, buffer in per_rank[0].items():
+            assert torch.equal(buffer, per_rank[1][fqn]), fqn
+
+
+@pytest.mark.distributed
 def test_batchnorm_buffers_follow_rank_0_and_resume_bitwise(dist_pool, tmp_path):
     ranks = dist_pool(2).run(bodies.batchnorm_buffers, str(tmp_path / "ckpt"))
     for result in ranks:

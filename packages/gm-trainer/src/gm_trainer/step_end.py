@@ -32,7 +32,13 @@ def sync_buffers(trainer: GraphTrainer) -> None:
     data-parallel rank, as DDP's ``broadcast_buffers`` does."""
     if not trainer.fsdp_active:
         return
-    mutated = {fqn for joint in trainer._graphs.values() for fqn in joint.mutated_fqns}
+    # Every graph variant may update buffers: an accumulation window runs no plain step.
+    mutated = {
+        fqn
+        for cache in trainer._caches
+        for joint in cache.graphs.values()
+        for fqn in joint.mutated_fqns
+    }
     buffers = [b for fqn, b in trainer.model.named_buffers() if fqn in mutated]
     if buffers:
         mesh = trainer._mesh

@@ -279,8 +279,12 @@ class GraphTrainer:
     def compile_count(self) -> int:
         """How many graphs this trainer traced and compiled (each new signature, each batch
         that failed a symbolic graph's guards); ``pass_summary()`` says why."""
-        caches = (self._graph_cache, self._accumulate_cache, self._last_cache)
-        return sum(cache.compile_count for cache in caches)
+        return sum(cache.compile_count for cache in self._caches)
+
+    @property
+    def _caches(self) -> tuple[GraphCache, ...]:
+        """Every graph variant's cache: plain steps, accumulating and last micro-batches."""
+        return (self._graph_cache, self._accumulate_cache, self._last_cache)
 
     def _data_parallel_size(self) -> int:
         """Ranks that read different data: the FSDP group times its HSDP replicas (not TP)."""
