@@ -19,6 +19,7 @@ both ends of a transfer agree on its tag, shape and dtype without talking.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ import torch.fx as fx
 
 from gm_passes.graph_ops import mutates_an_input
 from gm_trace import node_meta
+from gm_trace.graph_build import tensor_bytes
 from gm_trace.joint_graph import JointGraph
 from gm_trace.memory import is_view
 from gm_trace.stage_split import PipelineSplitError, check_flow, derive_stages, node_phase
@@ -77,10 +79,7 @@ class Transfer:
     @property
     def nbytes(self) -> int:
         """Bytes per micro-batch."""
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -202,11 +201,7 @@ def _held_bytes(kept: list[fx.Node]) -> int:
         while is_view(node) and node.target is not operator.getitem:
             node = node.all_input_nodes[0]
         bases.add(node)
-    return sum(
-        b.meta["val"].numel() * b.meta["val"].element_size()
-        for b in bases
-        if b.op != "placeholder" and isinstance(b.meta.get("val"), torch.Tensor)
-    )
+    return sum(tensor_bytes(b) for b in bases if b.op != "placeholder")
 
 
 def _stages(nodes: list[fx.Node]) -> dict[fx.Node, int]:

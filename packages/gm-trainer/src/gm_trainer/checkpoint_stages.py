@@ -17,8 +17,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from gm_trace import node_meta
-
 if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer
 
@@ -28,17 +26,9 @@ def foreign_state(trainer: GraphTrainer) -> frozenset[str]:
     without pipeline parallelism): this rank neither saves nor loads them."""
     if trainer._pipeline is None:
         return frozenset()
-    own = trainer._pipeline.own_stages
-    graphs = [*trainer._graphs.values(), *trainer._accumulate_cache.graphs.values()]
-    foreign = set()
-    for joint in graphs[:1]:  # every graph of a trainer assigns the same stages
-        for node in joint.graph_module.graph.nodes:
-            owner = node.meta.get(node_meta.STAGE)
-            if node.op == "placeholder" and owner is not None and owner not in own:
-                fqn = node.meta.get(node_meta.FQN)
-                if fqn is not None:
-                    foreign.add(fqn)
-    return frozenset(foreign)
+    # Every graph of a trainer assigns the same stages.
+    joint = next((j for cache in trainer._caches for j in cache.graphs.values()), None)
+    return trainer._pipeline.foreign_state(joint) if joint is not None else frozenset()
 
 
 def own_state(trainer: GraphTrainer) -> dict[str, torch.Tensor]:

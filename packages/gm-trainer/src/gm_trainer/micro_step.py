@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gm_trace import run_traced_graph
+from gm_trace.signature import InputSignature
+from gm_trainer import ranks
 from gm_trainer.accumulation import LastOfWindow
 from gm_trainer.gradients import accumulate_grads
 from gm_trainer.graph_cache import Found, GraphCache
@@ -96,6 +98,12 @@ def agree_on_batch(
     others never match, and hang.
     """
     batch = trainer._pad(*batch) if batch is not None else None
+    if trainer._pipeline is not None:  # it runs its one graph: agree on the batch alone
+        signature = InputSignature.of(*batch) if batch is not None else None
+        ended, _ = ranks.agree_on_batch(
+            signature, trainer.model, trainer.rank, trainer.world_size, trainer._collective_device()
+        )
+        return ended, None
     return cache_for(trainer, accumulate, last).agree(
         batch, trainer.model, trainer.rank, trainer.world_size, trainer._collective_device()
     )

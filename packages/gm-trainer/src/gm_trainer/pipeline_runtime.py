@@ -127,18 +127,22 @@ class PipelineRunner:
         self._joint = joint
         self._free_other_stages(joint)
 
-    def _free_other_stages(self, joint: JointGraph) -> None:
-        """Drop the storage of parameters another stage owns: nothing here reads them."""
-        theirs = {
+    def foreign_state(self, joint: JointGraph) -> frozenset[str]:
+        """Canonical FQNs of the parameters and buffers that stages of other ranks own in
+        ``joint`` (the ``pp_stages`` pass tags each state placeholder)."""
+        return frozenset(
             n.meta[node_meta.FQN]
             for n in joint.graph_module.graph.nodes
             if n.op == "placeholder"
-            and n.meta.get(node_meta.ROLE) == "param"
-            and n.meta.get(node_meta.STAGE) not in (None, *self.programs)
-        }
-        for fqn in theirs:
-            param = self.trainer.model.get_parameter(fqn)
-            param.data = param.data.new_empty(0)
+            and n.meta.get(node_meta.STAGE) is not None
+            and n.meta[node_meta.STAGE] not in self.own_stages
+        )
+
+    def _free_other_stages(self, joint: JointGraph) -> None:
+        """Drop the storage of parameters another stage owns: nothing here reads them."""
+        params = dict(self.trainer.model.named_parameters())
+        for fqn in self.foreign_state(joint) & params.keys():
+            params[fqn].data = params[fqn].data.new_empty(0)
 
     # ------------------------------------------------------------------ the step
 

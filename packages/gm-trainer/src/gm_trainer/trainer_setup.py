@@ -101,27 +101,24 @@ def _resolve_pipeline_mesh(
             f"on world / pp_degree ranks (choose a pp_degree among "
             f"{[d for d in range(1, world + 1) if world % d == 0]})"
         )
-    config = _stage_config(config)
     dp = world // pp
-    device_mesh = init_device_mesh(
-        detect_device_type(), (pp, dp), mesh_dim_names=("pp", FSDP_GROUP_NAME)
-    )
-    pp_group = device_mesh.get_group("pp")
-    pp_ranks = tuple(dist.get_process_group_ranks(pp_group))
-    stage = pp_ranks.index(dist.get_rank())
     if dp > 1 and not fsdp_wanted:
         raise MeshError(
             f"PassConfig.pp_degree={pp} on {world} ranks leaves {dp} data-parallel ranks per "
             "stage, but FSDP is off (PassConfig.fsdp_enabled or the plan), and only the fsdp "
             "pass keeps their gradients in sync; turn FSDP on or use pp_degree ranks"
         )
+    device_mesh = init_device_mesh(
+        detect_device_type(), (pp, dp), mesh_dim_names=("pp", FSDP_GROUP_NAME)
+    )
     if dp == 1:  # an unregistered "fsdp" would mean the world
-        resolved = dataclasses.replace(config, fsdp_enabled=False)
-        return ResolvedRun(resolved, plan, None, None, {}, pp_group, stage, pp_ranks)
-    group = device_mesh.get_group(FSDP_GROUP_NAME)
-    register_process_group(FSDP_GROUP_NAME, group)
-    resolved = dataclasses.replace(config, fsdp_degree=config.fsdp_degree or dp)
-    return ResolvedRun(resolved, plan, None, group, {}, pp_group, stage, pp_ranks)
+        run = ResolvedRun(dataclasses.replace(config, fsdp_enabled=False), plan, None, None, {})
+    else:
+        group = device_mesh.get_group(FSDP_GROUP_NAME)
+        register_process_group(FSDP_GROUP_NAME, group)
+        resolved = dataclasses.replace(config, fsdp_degree=config.fsdp_degree or dp)
+        run = ResolvedRun(resolved, plan, None, group, {})
+    return _in_pipeline(run, device_mesh.get_group("pp"))
 
 
 def _in_pipeline(run: ResolvedRun, pp_group: dist.ProcessGroup) -> ResolvedRun:
