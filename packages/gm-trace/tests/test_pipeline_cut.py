@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import operator
 
+import pipeline_cut_bodies
 import pytest
 import torch
 import torch.nn.functional as F
@@ -165,3 +166,20 @@ def test_a_non_tensor_crossing_a_boundary_is_refused():
         match=r"crosses from stage 0 to stage 1 but is not a tensor \((list|tuple)\)",
     ):
         cut_pipeline(joint, 2)
+
+
+@pytest.mark.distributed
+def test_deferred_reduction_splits_by_stage_and_matches_the_plain_gradients(dist_pool):
+    """Under FSDP a pipeline's micro-batches accumulate (``deferred_reduce``): each stage's
+    backward adds into its own buffers, and each stage reduces its own buckets only."""
+    result = dist_pool(2).run(pipeline_cut_bodies.deferred_stages)[0]
+    first, second = result["stages"]
+    # the buckets of tok_emb, pos_emb, layers.0, layers.1 | layers.2, layers.3, norm
+    assert (len(first["buffers"]), len(second["buffers"])) == (4, 3)
+    assert sorted(first["buffers"] + second["buffers"]) == list(range(result["n_buffers"]))
+    assert first["weight_read"] and second["weight_read"]
+    for stage in (first, second):
+        assert not stage["foreign"]  # a stage never reduces another stage's parameters
+        assert stage["collectives"] == {"reduce_scatter_tensor": len(stage["buffers"])}
+    assert not set(first["fqns"]) & set(second["fqns"])
+    assert sorted(first["fqns"] + second["fqns"]) == result["expected"]

@@ -44,11 +44,13 @@ Key = str
 
 @dataclass(frozen=True)
 class Slot:
-    """A placeholder of the full graph, filled by the runtime: a state tensor by FQN or the
-    ``index``-th tensor leaf of ``(input, label)``."""
+    """A placeholder of the full graph, filled by the runtime: a state tensor by FQN, the
+    ``index``-th tensor leaf of ``(input, label)`` or the ``extra``-th input after them (a
+    pass's: an accumulation buffer or the micro-batch weight of ``deferred_reduce``)."""
 
     fqn: str | None
     index: int | None
+    extra: int | None = None
 
 
 @dataclass(frozen=True)
@@ -248,15 +250,19 @@ def _halves(nodes: list[fx.Node], stage: dict[fx.Node, int]) -> dict[fx.Node, st
 
 def _slots(nodes: list[fx.Node]) -> dict[Key, Slot]:
     slots: dict[Key, Slot] = {}
-    index = 0
+    index = extra = 0
     for node in nodes:
         if node.op != "placeholder":
             continue
-        if node.meta.get(node_meta.ROLE) == "input":
+        role = node.meta.get(node_meta.ROLE)
+        if role == "input":
             slots[node.name] = Slot(None, index)
             index += 1
-        else:
+        elif role in ("param", "buffer"):
             slots[node.name] = Slot(node.meta[node_meta.FQN], None)
+        else:  # a pass's input after the batch, which the pass's owner fills
+            slots[node.name] = Slot(None, None, extra)
+            extra += 1
     return slots
 
 

@@ -87,10 +87,13 @@ class GraphCompiler:
         """Which graph variant a micro-batch runs: a plain step, an accumulating micro-batch
         (under FSDP it reduces nothing, with ``in_graph`` it updates nothing), or a window's
         last, which reduces the window's sum under FSDP (overlapped with its backward) or
-        takes the update."""
+        takes the update. Every micro-batch of a pipeline accumulates: under FSDP the
+        stepper reduces the step's gradients once (``last`` does not apply)."""
+        fsdp = self._topology.fsdp_active
+        if self.run.pass_config.pp_degree > 1:
+            return ACCUMULATE if fsdp else STEP
         if not accumulate:
             return STEP
-        fsdp = self._topology.fsdp_active
         if last and (fsdp or self.update_traceable):
             return LAST
         return ACCUMULATE if fsdp or self.optimizer_config.in_graph else STEP
@@ -119,6 +122,8 @@ class GraphCompiler:
         if variant == ACCUMULATE:  # no update in the graph; reduce once per step under FSDP
             defer = [DeferredReducePass()] if run.topology.fsdp_active else []
             passes = [*self.extra_passes, *defer]
+            if run.pass_config.pp_degree > 1:  # no graph of a pipeline takes the update
+                self._eager_update_reason()
         else:
             last = [LastMicroBatchPass()] if variant == LAST else []
             joint, passes = self._with_update(joint, [*self.extra_passes, *last])
@@ -190,21 +195,25 @@ class GraphCompiler:
         from gm_trace.optimizer_update import OptimizerUpdatePass
 
         config = self.optimizer_config
-        if not config.in_graph:
-            return joint, passes
-        reason = untraceable_reason(config, self._topology)
-        if reason is not None:
-            if self.in_graph_reason is None:
-                warnings.warn(
-                    "OptimizerConfig(in_graph=True): the update runs eagerly, outside the "
-                    f"graph: {reason}",
-                    RuntimeWarning,
-                    stacklevel=5,
-                )
-            self.in_graph_reason = reason
+        if not config.in_graph or self._eager_update_reason() is not None:
             return joint, passes
         spec = plan_update(config, joint.grad_fqns)
         return joint.replace(optimizer_update=spec), [*passes, OptimizerUpdatePass()]
+
+    def _eager_update_reason(self) -> str | None:
+        """Why ``OptimizerConfig(in_graph=True)``'s update cannot go in the graph (``None``:
+        it can, or in_graph is off); the first time, a ``RuntimeWarning`` says so."""
+        config = self.optimizer_config
+        reason = untraceable_reason(config, self._topology) if config.in_graph else None
+        if reason is not None and self.in_graph_reason is None:
+            warnings.warn(
+                f"OptimizerConfig(in_graph=True): the update runs eagerly, outside the graph: "
+                f"{reason}",
+                RuntimeWarning,
+                stacklevel=6,
+            )
+        self.in_graph_reason = reason
+        return reason
 
     def _adopt_sharding(self, layout: ShardingLayout | None) -> None:
         """Shard the live model the first time; every later graph must expect the same."""

@@ -145,15 +145,21 @@ class StepExecutor:
 
     def _run_pipeline(self, input: Any, label: Any, weight: float) -> torch.Tensor:
         """The batch split into micro-batches, whose graph — looked up by signature and
-        module state like any other — is cut into this rank's stage programs and run."""
+        module state like any other — is cut into this rank's stage programs and run. Under
+        FSDP that graph accumulates (the reduction of this rank's stages runs once, in the
+        stepper's step)."""
         pipeline = self.pipeline
         micro = split_microbatches(input, label, pipeline.config.pp_microbatches)
-        joint = self.registry.cache(STEP).lookup(*micro[0], self.model)
+        variant = self.compiler.variant_for(accumulate=True)
+        joint = self.registry.cache(variant).lookup(*micro[0], self.model)
         if joint is None:
             pipeline.check_signature(InputSignature.of(*micro[0]))
-            joint = self.compile(*micro[0])
+            joint = self.compile(*micro[0], variant)
         self.compiler.closure_watch.check()
         freed = pipeline.adopt(joint)
         if freed:  # later traces must see these parameters' real shapes
             self.compiler.keep_full_shapes(freed)
-        return pipeline.step(joint, micro, weight)
+        reduction, extra = pipeline.reduction, []
+        if reduction is not None:
+            extra = self.deferred.args(reduction, weight / len(micro))
+        return pipeline.step(joint, micro, weight, extra)

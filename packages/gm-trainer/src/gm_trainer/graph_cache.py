@@ -374,4 +374,4 @@ class GraphRegistry:
             if cache.pipelines:
                 variants = cache.summary(cache.pipelines)
                 parts.append(f"{label} micro-batch variants:\n\n" + variants)
-        return "\n\n".join(parts)
+        return "\n\n".join(part for part in parts if part)  # a pipeline's: no plain steps

@@ -8,8 +8,13 @@ first, then FSDP within each stage) and is cut into per-stage forward and backwa
 (:mod:`gm_trace.stage_cut`), once per graph. This
 rank runs its stage's halves in the schedule's order (:mod:`gm_trainer.pipeline_schedule`),
 receiving what earlier stages computed for a forward and what later stages computed for a
-backward, and adds the mean of the micro-batches' gradients to its parameters' ``.grad``. The
-loss comes from the stage that computes it, averaged over micro-batches, to every rank.
+backward. Without FSDP it adds the mean of the micro-batches' gradients to its parameters'
+``.grad``; under FSDP the graph is the accumulating variant (``deferred_reduce``): each
+micro-batch's backward adds its unreduced gradients into this rank's stages' accumulation
+buffers, and :attr:`PipelineRunner.reduction` — the reduction of those buffers alone — runs
+once per optimizer step (:class:`~gm_trainer.deferred.DeferredGrads`), so every parameter is
+reduce-scattered once per step, as without a pipeline. The loss comes from the stage that
+computes it, averaged over micro-batches, to every rank.
 
 Sends never block (``isend``, waited at the end of the step); the receives of the next action
 are posted before the current one computes, and waiting for them is the measured bubble.
@@ -18,6 +23,7 @@ Parameters of other stages are freed on this rank: it never reads them.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +35,7 @@ import torch.utils._pytree as pytree
 from gm_config import ConfigError, PassConfig
 from gm_trace import node_meta
 from gm_trace.backend import CompiledStep, compile_graph
+from gm_trace.deferred_reduce import DeferredReduction
 from gm_trace.joint_graph import JointGraph
 from gm_trace.signature import InputSignature, flatten_io
 from gm_trace.stage_cut import BACKWARD, FORWARD, PipelineCut, StageProgram, Transfer, cut_pipeline
@@ -76,6 +83,9 @@ class _Step:
     pending: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
     local: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     """(transfer tag, micro-batch) -> a value between two stages of this rank."""
+    extra: dict[int, torch.Tensor] = field(default_factory=dict)
+    """The graph's inputs after the batch that this rank's stages read, by position
+    (:attr:`gm_trace.stage_cut.Slot.extra`): its accumulation buffers and the weight."""
 
 
 @dataclass
@@ -87,6 +97,11 @@ class _Adopted:
     """This rank's stages (``pp_index + k * pp_degree``) and what each runs."""
     compiled: dict[tuple[int, str], CompiledStep]
     """(stage, phase) -> the half compiled by ``PassConfig.backend`` (none without)."""
+    reduction: DeferredReduction | None = None
+    """The deferred reduction of this rank's stages' accumulation buffers (FSDP)."""
+    extra: tuple[int, ...] = ()
+    """The positions (after the batch) of the inputs :attr:`PipelineRunner.step`'s ``extra``
+    fills, in its order: this rank's buffers, then the weight."""
 
 
 class PipelineRunner:
@@ -146,6 +161,12 @@ class PipelineRunner:
         return self.current.compiled if self.current is not None else {}
 
     @property
+    def reduction(self) -> DeferredReduction | None:
+        """What the last step's micro-batches left to reduce once per optimizer step: the
+        reduction of this rank's stages' buckets alone (``None`` without FSDP)."""
+        return self.current.reduction if self.current is not None else None
+
+    @property
     def cut(self) -> PipelineCut | None:
         """The last step's graph, cut into stages."""
         return self.current.cut if self.current is not None else None
@@ -177,7 +198,8 @@ class PipelineRunner:
                 for stage, program in programs.items()
                 for phase in (FORWARD, BACKWARD)
             }
-        self._adopted[id(joint)] = _Adopted(cut, programs, compiled)
+        reduction, extra = _own_reduction(joint, programs)
+        self._adopted[id(joint)] = _Adopted(cut, programs, compiled, reduction, extra)
         if self._first is not None:
             return {}
         self._first = joint
@@ -209,9 +231,17 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self, joint: JointGraph, micro: list[tuple[Any, Any]], weight: float) -> torch.Tensor:
+    def step(
+        self,
+        joint: JointGraph,
+        micro: list[tuple[Any, Any]],
+        weight: float,
+        extra: list[torch.Tensor] = (),
+    ) -> torch.Tensor:
         """Run the schedule of ``joint`` (adopted) for the micro-batches of one batch; add
-        ``weight`` x the mean micro-batch gradient."""
+        ``weight`` x the mean micro-batch gradient (to ``.grad``, or under FSDP into the
+        accumulation buffers ``extra`` gives: those of :attr:`reduction`, then the 0-d weight
+        of one micro-batch, ``weight / len(micro)``)."""
         self.adopt(joint)
         model = self.model
         state = dict(model.named_parameters())
@@ -221,6 +251,12 @@ class PipelineRunner:
             for mb in micro
         ]
         step = _Step(batches, state, weight / len(micro))
+        if len(extra) != len(self.current.extra):
+            raise TrainingError(
+                f"the pipeline's graph reads {len(self.current.extra)} inputs after the batch "
+                f"on this rank (accumulation buffers and weight), but {len(extra)} were given"
+            )
+        step.extra = dict(zip(self.current.extra, extra))
         actions = self.actions
         started = time.perf_counter()
         self.stats.wait_s = 0.0
@@ -284,7 +320,12 @@ class PipelineRunner:
     def _slots(self, step: _Step, program: StageProgram, m: int) -> Env:
         env: Env = {}
         for key, slot in program.slots.items():
-            env[key] = step.state[slot.fqn] if slot.fqn is not None else step.batches[m][slot.index]
+            if slot.fqn is not None:
+                env[key] = step.state[slot.fqn]
+            elif slot.index is not None:
+                env[key] = step.batches[m][slot.index]
+            else:
+                env[key] = step.extra[slot.extra]
         return env
 
     # ------------------------------------------------------------------ communication
@@ -357,6 +398,14 @@ class PipelineRunner:
             lines.append(f"  stage {index}: {count:,} parameters: {', '.join(modules)}")
         for index, nbytes in enumerate(self.cut.boundary_bytes()):
             lines.append(f"  boundary {index}|{index + 1}: {nbytes:,} bytes per micro-batch")
+        reduction = self.reduction
+        if reduction is not None:
+            nbytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype, _ in reduction.buffers)
+            lines.append(
+                f"  gradients (FSDP): accumulated per micro-batch into {len(reduction.buffers)} "
+                f"buffers of this rank's stages ({nbytes:,} bytes), reduced once per optimizer "
+                "step"
+            )
         flight = in_flight(self.actions)
         estimate = flight * max(p.held_bytes for p in self.programs.values())
         lines.append(
@@ -368,14 +417,11 @@ class PipelineRunner:
         return "\n".join(lines)
 
 
-def check_pipeline_config(config: PassConfig, in_graph: bool) -> None:
+def check_pipeline_config(config: PassConfig) -> None:
     """Refuse, before anything runs, what a pipeline does not combine with yet."""
     if config.pp_degree == 1:
         return
-    refused = {
-        "OptimizerConfig(in_graph=True)": in_graph,
-        "dynamic_dims": bool(config.dynamic_dims),
-    }
+    refused = {"dynamic_dims": bool(config.dynamic_dims)}
     for what, present in refused.items():
         if present:
             raise ConfigError(
@@ -402,6 +448,25 @@ def split_microbatches(input: Any, label: Any, n: int) -> list[tuple[Any, Any]]:
             )
         columns.append(list(leaf.chunk(n)))
     return [pytree.tree_unflatten([c[m] for c in columns], spec) for m in range(n)]
+
+
+def _own_reduction(
+    joint: JointGraph, programs: dict[int, StageProgram]
+) -> tuple[DeferredReduction | None, tuple[int, ...]]:
+    """The deferred reduction of the accumulation buffers ``programs`` read, and the
+    positions of the inputs they read after the batch (those buffers, then the weight)."""
+    deferred = joint.deferred
+    read = {s.extra for p in programs.values() for s in p.slots.values() if s.extra is not None}
+    if deferred is None:
+        if read:
+            raise TrainingError(
+                f"the pipeline's graph reads inputs after the batch {sorted(read)} that no "
+                "pass describes; a pipeline runs the plain or the accumulating graph only"
+            )
+        return None, ()
+    n_buffers = len(deferred.buffers)
+    own = sorted(i for i in read if i < n_buffers)
+    return deferred.restricted(own), (*own, n_buffers)
 
 
 def _laid_out(tensor: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:

@@ -128,7 +128,7 @@ class GraphTrainer:
         self.pass_config = dataclasses.replace(pass_config)
         self.pass_plan = pass_plan
         self.optimizer_config = OptimizerConfig.from_dict(optimizer_config)
-        check_pipeline_config(self.pass_config, self.optimizer_config.in_graph)
+        check_pipeline_config(self.pass_config)
         self.nonfinite = check_nonfinite_mode(nonfinite)
         self.device = torch.device(device) if device is not None else default_device()
         self.model = model.to(self.device)

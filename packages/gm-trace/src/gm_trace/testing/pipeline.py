@@ -3,6 +3,7 @@ what the whole graph computes."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -12,17 +13,25 @@ from gm_trace.stage_cut import PipelineCut
 
 
 def run_stages_in_one_process(
-    cut: PipelineCut, model: torch.nn.Module, input: Any, label: Any
+    cut: PipelineCut,
+    model: torch.nn.Module,
+    input: Any,
+    label: Any,
+    extra: Sequence[torch.Tensor] = (),
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Every stage's forward in order, then every backward in reverse, on ``model``'s own
     tensors: one dict holds every value, so what a stage sends is simply there for the
-    next. Returns the loss and the gradient of each parameter by FQN."""
+    next. ``extra``: the graph's inputs after the batch (a pass's: accumulation buffers and
+    weight). Returns the loss and the gradient of each parameter by FQN."""
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     leaves = [x for x in pytree.tree_leaves((input, label)) if isinstance(x, torch.Tensor)]
     env: dict[str, torch.Tensor] = {}
     for program in cut.programs:
         for key, slot in program.slots.items():
-            env[key] = state[slot.fqn] if slot.fqn is not None else leaves[slot.index]
+            if slot.fqn is not None:
+                env[key] = state[slot.fqn]
+            else:
+                env[key] = leaves[slot.index] if slot.index is not None else extra[slot.extra]
     halves = [p.forward for p in cut.programs] + [p.backward for p in reversed(cut.programs)]
     for half in halves:
         with torch.no_grad():
