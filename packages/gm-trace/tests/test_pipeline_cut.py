@@ -183,3 +183,31 @@ def test_deferred_reduction_splits_by_stage_and_matches_the_plain_gradients(dist
         assert stage["collectives"] == {"reduce_scatter_tensor": len(stage["buffers"])}
     assert not set(first["fqns"]) & set(second["fqns"])
     assert sorted(first["fqns"] + second["fqns"]) == result["expected"]
+
+
+def test_a_symbolic_graph_cuts_and_sizes_its_transfers_per_micro_batch():
+    """With ``dynamic_dims`` the transfers are symbolic: ``Transfer.layout(at)`` sizes them
+    for each sequence length, and the stages compute what the whole graph does at each."""
+    model = _gpt()
+    dims = {"input": {1: "seq"}, "label": {1: "seq"}}
+    joint, _ = compile_joint(
+        model,
+        lm_loss,
+        make_lm_batch(seq_len=16),
+        PassConfig(pp_degree=2),
+        PassPlan(pp_stages=GPT_STAGES),
+        dynamic_dims=dims,
+    )
+    guards = joint.shape_guards
+    cut = cut_pipeline(joint, 2)
+    activation = next(t for t in cut.transfers if t.phase == FORWARD and len(t.shape) == 3)
+    assert isinstance(activation.shape[1], torch.SymInt)
+    for seq in (16, 9):
+        batch = make_lm_batch(seq_len=seq, seed=seq)
+        at = guards.at({"seq": seq})
+        assert activation.layout(at) == ((2, seq, 32), (seq * 32, 32, 1))
+        whole = run_traced_graph(joint, model, *batch)
+        loss, grads = _run_stages(cut, model, batch)
+        assert torch.equal(loss, whole.loss)
+        assert all(torch.equal(grads[fqn], g) for fqn, g in whole.grads.items())
+    assert cut.boundary_bytes() == [2 * (2 * 16 * 32 + 64 * 32) * 4]  # at the traced sizes

@@ -201,6 +201,58 @@ def collectives_per_step(rank: int, world: int, pp: int, microbatches: int = 4) 
     }
 
 
+def dynamic_parity(rank: int, world: int) -> dict:
+    """PP 2 x FSDP over ``world // 2`` with the sequence length changing every step: declared
+    symbolic (``dynamic_dims``; the data-parallel ranks even get different lengths) and found
+    by automatic dynamic (the same length on every rank). Each against eager Adam on the same
+    rows, the mean of the data-parallel ranks' losses as data parallelism takes it: losses,
+    gradient norms and this rank's parameters. Returns the compile counts."""
+    from gm_trace.testing import make_lm_batch
+
+    seq_dims = {"input": {1: "seq"}, "label": {1: "seq"}}
+    dp, rows, seqs = world // 2, 4, (8, 6, 8, 5, 7)
+    counts = {}
+    for declared in (True, False):
+        model = tinygpt()
+        reference = copy.deepcopy(model)
+        optimizer = torch.optim.Adam(reference.parameters(), lr=LR)
+        trainer = GraphTrainer(
+            model,
+            lm_loss,
+            PassConfig(pp_degree=2, pp_microbatches=2),
+            PassPlan(pp_stages=STAGES["tinygpt"]),
+            optimizer_config={"lr": LR},
+            dynamic_dims=seq_dims if declared else None,
+        )
+        j = rank % dp
+        for step, seq in enumerate(seqs):
+            parts = [
+                make_lm_batch(rows, seq - k * declared, VOCAB, seed=10 * step + k)
+                for k in range(dp)
+            ]
+            expected = sum(lm_loss(reference, x, y) for x, y in parts) / dp
+            expected.backward()
+            grads = [p.grad.double().norm() for p in reference.parameters()]
+            expected_norm = torch.linalg.vector_norm(torch.stack(grads)).item()
+            optimizer.step()
+            optimizer.zero_grad()
+            loss = trainer.train_step(*parts[j]).reshape(1).clone()
+            norm = trainer.optimizer_step()
+            torch.distributed.all_reduce(loss)
+            torch.testing.assert_close(
+                loss / world, expected.detach().reshape(1), rtol=1e-5, atol=1e-5
+            )
+            assert abs(norm - expected_norm) <= 1e-5 * expected_norm, (step, norm)
+        owned = trainer.pipeline.reduction.grad_fqns
+        for fqn in owned:
+            actual = full_parameter(trainer.model, fqn, trainer.sharding, trainer.fsdp_group)
+            expected_param = reference.get_parameter(fqn).detach()
+            tolerance = parity_tolerance(len(seqs))
+            torch.testing.assert_close(actual, expected_param, **tolerance, msg=fqn)
+        counts["declared" if declared else "automatic"] = trainer.compile_count
+    return counts
+
+
 def held_activations(rank: int, world: int, microbatches: int) -> dict:
     """Per schedule, the activation bytes this stage held at most and its bubble."""
     found = {}

@@ -24,11 +24,13 @@ import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import sympy
 import torch
 import torch.fx as fx
 
 from gm_passes.graph_ops import mutates_an_input
 from gm_trace import node_meta
+from gm_trace.dynamic_shapes import concrete_int
 from gm_trace.graph_build import tensor_bytes
 from gm_trace.joint_graph import JointGraph
 from gm_trace.memory import is_view
@@ -73,15 +75,26 @@ class Transfer:
     """When it travels: right after the producer's ``"forward"`` or ``"backward"``."""
     tag: int
     """Its index among all transfers: with the micro-batch, the point-to-point tag."""
-    shape: tuple[int, ...]
+    shape: tuple[int | torch.SymInt, ...]
+    """As traced: a size of a symbolic graph (``dynamic_dims``) may be a ``SymInt``."""
     dtype: torch.dtype
-    stride: tuple[int, ...]
+    stride: tuple[int | torch.SymInt, ...]
     """The layout the producer traced (it is sent contiguous, and laid out so again)."""
+
+    def layout(
+        self, at: Mapping[sympy.Symbol, int] | None = None
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shape and stride for a micro-batch whose symbolic dims have the sizes ``at``
+        (symbol -> size; ``None``: as traced)."""
+        return (
+            tuple(concrete_int(d, at) for d in self.shape),
+            tuple(concrete_int(d, at) for d in self.stride),
+        )
 
     @property
     def nbytes(self) -> int:
-        """Bytes per micro-batch."""
-        return math.prod(self.shape) * self.dtype.itemsize
+        """Bytes per micro-batch (of a symbolic graph: at the traced sizes)."""
+        return math.prod(self.layout()[0]) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,6 @@ import torch
 
 from gm_trace import run_traced_graph
 from gm_trace.joint_graph import JointGraph
-from gm_trace.signature import InputSignature
-from gm_trainer import ranks
 from gm_trainer.accumulation import LastOfWindow
 from gm_trainer.compiler import GraphCompiler
 from gm_trainer.deferred import DeferredGrads
@@ -95,11 +93,12 @@ class StepExecutor:
         topology = self.topology
         batch = self.pad(*batch) if batch is not None else None
         where = (topology.rank, topology.world_size, topology.collective_device)
-        if self.pipeline is not None:  # a pipeline traces a micro-batch: agree on the batch
-            signature = InputSignature.of(*batch) if batch is not None else None
-            ended, _ = ranks.agree_on_batch(signature, self.model, *where)
-            return ended, None
         cache = self.registry.cache(self.compiler.variant_for(accumulate, last))
+        if self.pipeline is not None:  # a pipeline runs a micro-batch's graph: agree on that
+            if batch is not None:
+                batch = split_microbatches(*batch, self.pipeline.config.pp_microbatches)[0]
+            ended, _ = cache.agree(batch, self.model, *where)
+            return ended, None  # the pipeline looks the graph up per batch itself
         return cache.agree(batch, self.model, *where)
 
     def run(
@@ -153,7 +152,6 @@ class StepExecutor:
         variant = self.compiler.variant_for(accumulate=True)
         joint = self.registry.cache(variant).lookup(*micro[0], self.model)
         if joint is None:
-            pipeline.check_signature(InputSignature.of(*micro[0]))
             joint = self.compile(*micro[0], variant)
         self.compiler.closure_watch.check()
         freed = pipeline.adopt(joint)

@@ -32,12 +32,12 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from gm_config import ConfigError, PassConfig
+from gm_config import ConfigError
 from gm_trace import node_meta
 from gm_trace.backend import CompiledStep, compile_graph
 from gm_trace.deferred_reduce import DeferredReduction
 from gm_trace.joint_graph import JointGraph
-from gm_trace.signature import InputSignature, flatten_io
+from gm_trace.signature import flatten_io
 from gm_trace.stage_cut import BACKWARD, FORWARD, PipelineCut, StageProgram, Transfer, cut_pipeline
 from gm_trainer.errors import TrainingError
 from gm_trainer.gradients import add_to_grad
@@ -86,6 +86,8 @@ class _Step:
     extra: dict[int, torch.Tensor] = field(default_factory=dict)
     """The graph's inputs after the batch that this rank's stages read, by position
     (:attr:`gm_trace.stage_cut.Slot.extra`): its accumulation buffers and the weight."""
+    sizes: dict[Any, int] | None = None
+    """A symbolic graph's dims at this batch's micro-batches (symbol -> size)."""
 
 
 @dataclass
@@ -107,8 +109,9 @@ class _Adopted:
 class PipelineRunner:
     """One rank's stages of a pipeline-parallel run.
 
-    Every graph the registry holds for the pipeline's micro-batch (one per module state:
-    training flags, trainable set) is cut once; each step runs the cut of its graph.
+    Every graph the registry holds for the pipeline's micro-batch (one per module state —
+    training flags, trainable set — and input signature; a symbolic one takes every size it
+    guards) is cut once; each step runs the cut of its graph, sized for its micro-batches.
     """
 
     def __init__(self, run: ResolvedRun, model: torch.nn.Module, backend: str | None) -> None:
@@ -170,17 +173,6 @@ class PipelineRunner:
     def cut(self) -> PipelineCut | None:
         """The last step's graph, cut into stages."""
         return self.current.cut if self.current is not None else None
-
-    def check_signature(self, signature: InputSignature) -> None:
-        """A pipeline runs one micro-batch shape: the parameters of other stages are freed
-        on this rank, and retracing for another shape needs every stage's layout."""
-        if self._first is not None and signature != self._first.input_signature:
-            raise TrainingError(
-                "a pipeline-parallel trainer runs one micro-batch shape, traced with\n"
-                f"{self._first.input_signature.describe()}\nbut this batch's "
-                f"micro-batches are\n{signature.describe()}\nkeep the batch shape and "
-                "pp_microbatches fixed"
-            )
 
     def adopt(self, joint: JointGraph) -> dict[str, tuple[int, ...]]:
         """Cut ``joint`` into stages (once per graph); the first time, free the parameters of
@@ -257,16 +249,17 @@ class PipelineRunner:
                 f"on this rank (accumulation buffers and weight), but {len(extra)} were given"
             )
         step.extra = dict(zip(self.current.extra, extra))
+        step.sizes = _symbol_sizes(joint, micro[0])
         actions = self.actions
         started = time.perf_counter()
         self.stats.wait_s = 0.0
         params = {t.untyped_storage().data_ptr() for t in state.values()}
         held = peak = 0
-        incoming = self._post_receives(actions[0])
+        incoming = self._post_receives(actions[0], step.sizes)
         for index, action in enumerate(actions):
             # The next action's receives are posted first, so they arrive during this one.
             following = actions[index + 1] if index + 1 < len(actions) else None
-            received, incoming = incoming, following and self._post_receives(following)
+            received, incoming = incoming, following and self._post_receives(following, step.sizes)
             kept = (action.stage, action.microbatch)
             if action.phase == FORWARD:
                 self._forward(step, action, received)
@@ -347,16 +340,17 @@ class PipelineRunner:
             work = dist.isend(tensor, self._peer(t.dst), tag=self._tag(t, m))
             step.pending.append((work, tensor))
 
-    def _post_receives(self, action: Action) -> _Receives:
+    def _post_receives(self, action: Action, sizes: dict[Any, int] | None) -> _Receives:
         """Post the receives ``action`` needs; their buffers fill in the background."""
         posted: _Receives = []
         for t in self.programs[action.stage].transfers("receive", action.phase):
+            shape, stride = t.layout(sizes)
             if t.src in self.programs:  # from a stage of this rank: taken when it runs
-                posted.append((t.key, None, (t.tag, action.microbatch), t.stride))
+                posted.append((t.key, None, (t.tag, action.microbatch), stride))
                 continue
-            buffer = torch.empty(t.shape, dtype=t.dtype, device=self.topology.device)
+            buffer = torch.empty(shape, dtype=t.dtype, device=self.topology.device)
             work = dist.irecv(buffer, self._peer(t.src), tag=self._tag(t, action.microbatch))
-            posted.append((t.key, buffer, work, t.stride))
+            posted.append((t.key, buffer, work, stride))
         return posted
 
     def _wait(self, step: _Step, received: _Receives, env: Env) -> None:
@@ -417,20 +411,6 @@ class PipelineRunner:
         return "\n".join(lines)
 
 
-def check_pipeline_config(config: PassConfig) -> None:
-    """Refuse, before anything runs, what a pipeline does not combine with yet."""
-    if config.pp_degree == 1:
-        return
-    refused = {"dynamic_dims": bool(config.dynamic_dims)}
-    for what, present in refused.items():
-        if present:
-            raise ConfigError(
-                f"PassConfig.pp_degree={config.pp_degree} does not combine with {what} yet: "
-                "the stage graphs run as captured, with FSDP within each stage; drop one of "
-                "the two"
-            )
-
-
 def split_microbatches(input: Any, label: Any, n: int) -> list[tuple[Any, Any]]:
     """``(input, label)`` cut into ``n`` equal micro-batches along dim 0 of every tensor leaf
     (other leaves are repeated)."""
@@ -469,6 +449,17 @@ def _own_reduction(
     return deferred.restricted(own), (*own, n_buffers)
 
 
+def _symbol_sizes(joint: JointGraph, micro: tuple[Any, Any]) -> dict[Any, int] | None:
+    """A symbolic graph's dims at ``micro`` (symbol -> size); ``None`` for a static one."""
+    guards = joint.shape_guards
+    if guards is None:
+        return None
+    sizes = guards.sizes(flatten_io(*micro)[1])
+    if isinstance(sizes, str):  # the lookup checked the guards: a bug if reached
+        raise TrainingError(f"a micro-batch does not fit the pipeline's graph: {sizes}")
+    return {dim.symbol: size for dim, size in zip(guards.dims, sizes)}
+
+
 def _laid_out(tensor: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
     """``tensor`` (received contiguous) in the layout its producer traced, which a compiled
     half was specialised to."""
@@ -477,7 +468,11 @@ def _laid_out(tensor: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
 
 def _bytes(env: Env, exclude: set[int]) -> int:
     """Bytes of the distinct storages ``env`` holds, other than those in ``exclude``."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in env.values()}
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in env.values()
+        if isinstance(t, torch.Tensor)  # a symbolic graph also keeps sizes
+    }
     return sum(n for ptr, n in storages.items() if ptr not in exclude)
 
 
@@ -485,6 +480,5 @@ __all__ = [
     "Action",
     "PipelineRunner",
     "PipelineStats",
-    "check_pipeline_config",
     "split_microbatches",
 ]
