@@ -19,12 +19,11 @@ import torch
 from gm_trace import run_traced_graph
 from gm_trace.joint_graph import JointGraph
 from gm_trace.signature import InputSignature
-from gm_trainer import ranks
 from gm_trainer.accumulation import LastOfWindow
 from gm_trainer.compiler import GraphCompiler
 from gm_trainer.deferred import DeferredGrads
 from gm_trainer.gradients import accumulate_grads
-from gm_trainer.graph_cache import STEP, Found, GraphRegistry
+from gm_trainer.graph_cache import STEP, Found, GraphRegistry, agree_on_batch
 from gm_trainer.padding import Padding
 from gm_trainer.pipeline_runtime import PipelineRunner, split_microbatches
 from gm_trainer.stepper import OptimizerStepper
@@ -97,7 +96,7 @@ class StepExecutor:
         where = (topology.rank, topology.world_size, topology.collective_device)
         if self.pipeline is not None:  # a pipeline traces a micro-batch: agree on the batch
             signature = InputSignature.of(*batch) if batch is not None else None
-            ended, _ = ranks.agree_on_batch(signature, self.model, *where)
+            ended, _ = agree_on_batch(signature, self.model, *where)
             return ended, None
         cache = self.registry.cache(self.compiler.variant_for(accumulate, last))
         return cache.agree(batch, self.model, *where)
