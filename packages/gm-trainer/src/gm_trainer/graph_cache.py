@@ -69,7 +69,7 @@ class Flat(NamedTuple):
 def flatten_batch(input: Any, label: Any) -> Flat:
     """``(input, label)`` flattened, with its exact signature."""
     paths, leaves, spec = flatten_io(input, label)
-    return Flat(paths, leaves, InputSignature._of_leaves(paths, leaves, spec))
+    return Flat(paths, leaves, InputSignature.of_leaves(paths, leaves, spec))
 
 
 class Found(NamedTuple):
@@ -115,7 +115,7 @@ class GraphCache:
         self.entries: list[CachedGraph] = []
         self.graphs: dict[Any, JointGraph] = {}
         """The graphs by ``(input signature, module state, number)``, the signature showing
-        symbolic dims by name (``GraphTrainer._graphs``)."""
+        symbolic dims by name (``GraphRegistry.graphs``)."""
         self.found: dict[str, dict[int, str]] = {}
         """Dims automatic dynamic found changing: path -> {dim: name}."""
         self.tracing_dims: DynamicDims | None = None
