@@ -52,6 +52,7 @@ class StepExecutor:
         """Rank, world size and device; the groups come with the resolved run."""
         self.pipeline: PipelineRunner | None = None
         """This rank's pipeline stages (``PassConfig.pp_degree > 1``), once resolved."""
+        self._run: ResolvedRun | None = None
 
     def move_to(self, device: torch.device) -> None:
         """Run on ``device`` (before the run is resolved)."""
@@ -59,11 +60,12 @@ class StepExecutor:
 
     def resolve(self) -> ResolvedRun:
         """The run (process groups: a collective on the first call), and the pipeline."""
-        first = self.compiler.run is None
-        run = self.compiler.resolve(self.place)
-        if first and run.pass_config.pp_degree > 1:
-            self.pipeline = PipelineRunner(run, self.model, self.compiler.pass_config.backend)
-        return run
+        if self._run is None:
+            self._run = self.compiler.resolve(self.place)
+            if self._run.pass_config.pp_degree > 1:
+                backend = self.compiler.pass_config.backend
+                self.pipeline = PipelineRunner(self._run, self.model, backend)
+        return self._run
 
     @property
     def topology(self) -> Topology:
