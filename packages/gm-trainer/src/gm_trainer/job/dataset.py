@@ -71,7 +71,8 @@ def token_stream(
             pass
     ids: list[int] = []
     chunk: list[str] = []
-    for doc in read_documents(files, fmt, field, max_bytes):
+    # The default corpus is the standard library, whose few non-UTF-8 test files are skipped.
+    for doc in read_documents(files, fmt, field, max_bytes, skip_undecodable=corpus is None):
         chunk.append(doc)
         if len(chunk) == _ENCODE_CHUNK:
             _extend(ids, chunk, tokenizer)
@@ -103,7 +104,8 @@ def _cache_key(
             if e.is_file():
                 st = e.stat()
                 stats.append([str(e.resolve()), st.st_size, st.st_mtime_ns])
-    text = json.dumps([stats, fmt, field, glob, max_bytes, tok.fingerprint])
+    # "strict-utf8": text files are no longer decoded with replacement characters.
+    text = json.dumps([stats, fmt, field, glob, max_bytes, tok.fingerprint, "strict-utf8"])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
