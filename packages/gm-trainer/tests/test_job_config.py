@@ -23,12 +23,12 @@ from gm_trainer.job.config import (
 )
 from gm_trainer.job.data import corpus_files, default_corpus
 from gm_trainer.job.progress import Progress, format_record
+from gm_trainer.job.resume import find_resume_point
 from gm_trainer.job.run_folder import (
     PLOT_INSTALL,
     MetricsWarning,
     RunFolder,
     checkpoint_dir,
-    find_resume_point,
     prune_checkpoints,
     read_metrics,
     resolve_run_dir,
