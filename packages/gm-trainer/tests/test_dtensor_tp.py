@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import dtensor_bodies as bodies
 import pytest
+from extras import HF
 
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("case", ["mlp", "llama"])
+@pytest.mark.parametrize("case", ["mlp", pytest.param("llama", marks=HF)])
 def test_tp2_matches_eager_with_clipping(case, dist_pool):
     results = dist_pool(2).run(bodies.parity, case, 2, timeout=300)
     first = results[0]
@@ -22,6 +23,7 @@ def test_tp2_matches_eager_with_clipping(case, dist_pool):
     assert first["split"] == (3 if case == "mlp" else 14)
 
 
+@HF
 def test_tp2_fsdp2_sequence_parallel_llama_matches_eager(dist_pool):
     results = dist_pool(4).run(bodies.parity, "llama_sp", 2, timeout=600)
     first = results[0]

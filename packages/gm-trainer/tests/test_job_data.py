@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from extras import TOKENIZERS
 from test_job_cli import gm_train, metrics
 
 from gm_config import ConfigError
@@ -99,6 +100,7 @@ def test_start_continues_with_the_next_window() -> None:
 # --------------------------------------------------------------------------- corpora
 
 
+@TOKENIZERS
 def test_text_and_jsonl_documents_are_separated_by_eos(tmp_path: Path) -> None:
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.txt").write_text("the graph")
@@ -126,6 +128,7 @@ def test_text_and_jsonl_documents_are_separated_by_eos(tmp_path: Path) -> None:
     assert torch.equal(again.train.tokens, data.train.tokens)
 
 
+@TOKENIZERS
 def test_hf_dataset_folder_and_parquet(tmp_path: Path) -> None:
     datasets = pytest.importorskip("datasets")
     table = datasets.Dataset.from_dict({"body": ["the graph", "mode"]})
@@ -174,7 +177,7 @@ def test_jsonl_line_without_the_field_is_a_config_error(
         (b'{"text": "the \\ud800 graph"}\n', r"c\.jsonl:2: field 'text' holds the lone surrogate"),
     ],
 )
-@pytest.mark.parametrize("tokenizer", ["bytes", "hf"])
+@pytest.mark.parametrize("tokenizer", ["bytes", pytest.param("hf", marks=TOKENIZERS)])
 def test_jsonl_text_that_is_not_utf8_names_the_file_and_line(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -198,6 +201,7 @@ def test_jsonl_text_that_is_not_utf8_names_the_file_and_line(
     assert not (tmp_path / "runs").exists()
 
 
+@TOKENIZERS
 def test_a_text_file_that_is_not_utf8_names_its_line_for_a_tokenizer(tmp_path: Path) -> None:
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.txt").write_text("the graph\n")
@@ -222,6 +226,7 @@ def test_the_default_corpus_skips_the_standard_librarys_non_utf8_files(tmp_path:
         list(read_documents(files, "text", "text", None))
 
 
+@TOKENIZERS
 def test_tokenizer_larger_than_the_model_is_a_config_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -238,6 +243,7 @@ def test_tokenizer_larger_than_the_model_is_a_config_error(
 # --------------------------------------------------------------------------- resume
 
 
+@TOKENIZERS
 @pytest.mark.distributed
 def test_jsonl_resume_continues_with_the_next_window_bitwise(tmp_path: Path) -> None:
     tok = make_tokenizer(tmp_path / "tok")

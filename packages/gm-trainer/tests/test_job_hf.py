@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from extras import PLOT
 from hf_configs import tiny_llama
 from test_job_cli import gm_train, metrics
 from test_job_data import make_jsonl, make_tokenizer, sentences
@@ -114,7 +115,7 @@ def test_hf_model_trains_like_eager(runs: Path, name: str, monkeypatch: pytest.M
 
 
 @pytest.mark.distributed
-def test_eval_loss_in_metrics_and_plot(runs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_eval_loss_in_metrics(runs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(runs)
     records = metrics(runs / "llama")
     assert [("eval_loss" in r) for r in records] == [False, True, True]
@@ -129,6 +130,11 @@ def test_eval_loss_in_metrics_and_plot(runs: Path, monkeypatch: pytest.MonkeyPat
         logits = model(input_ids=rows[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
     assert last["eval_loss"] == pytest.approx(loss.item(), rel=1e-5)
+
+
+@PLOT
+@pytest.mark.distributed
+def test_the_loss_curve_draws_the_eval_loss(runs: Path) -> None:
     assert (runs / "llama" / "loss.png").read_bytes().startswith(b"\x89PNG")
 
 

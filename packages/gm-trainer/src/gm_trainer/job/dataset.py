@@ -135,7 +135,7 @@ class Windows:
         :data:`FINGERPRINT_FULL` tokens). Equal for the same corpus read with the same
         settings; a rewritten corpus of the same size differs, wherever its content changed
         (in a big stream: wherever a sampled block did)."""
-        tokens = self.tokens.to(torch.int64).contiguous()
+        tokens = self.tokens.to(device="cpu", dtype=torch.int64).contiguous()
         n = tokens.numel()
         digest = hashlib.sha256(str(n).encode())
         if n <= FINGERPRINT_FULL:
