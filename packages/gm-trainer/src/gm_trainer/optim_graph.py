@@ -286,7 +286,8 @@ def _check_group(
     changed = {k: (v, group.get(k)) for k, v in baked.items() if _differs(group.get(k), v)}
     if changed:
         details = ", ".join(f"{k}: traced {a!r}, now {b!r}" for k, (a, b) in changed.items())
-        held = f" (parameters {', '.join(map(repr, params))})" if params else ""
+        more = f" and {len(params) - 4} more" if len(params) > 4 else ""
+        held = f" (parameters {', '.join(map(repr, params[:4]))}{more})" if params else ""
         raise TrainingError(
             f"param_groups[{index}]{held} has a hyper-parameter the in-graph update baked into "
             f"their update when the graph was traced ({details}); with "
