@@ -42,7 +42,7 @@ def test_captured_tensors_rebound_or_changed_in_place_reach_the_graph(in_graph):
     assert trainer.compile_count == 1 and trainer.optimizer_in_graph == in_graph
     assert losses == eager_losses  # bitwise, every step
     assert all(torch.equal(p, q) for p, q in zip(trainer.model.parameters(), eager_params))
-    (joint,) = trainer._graphs.values()
+    (joint,) = trainer.registry.graphs("step")
     paths = [c.path for c in joint.captured.tensors]
     assert len(paths) == 4 and any("'class_weights'" in p for p in paths), paths
     assert any(p.endswith(".temperature") for p in paths), paths

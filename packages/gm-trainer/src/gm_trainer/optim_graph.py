@@ -11,21 +11,15 @@ same float64 arithmetic, and handed to the graph as 0-d tensors.
 
 from __future__ import annotations
 
-import math
-import warnings
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from gm_trace import run_traced_graph
 from gm_trace.optimizer_update import GroupRule, OptimizerUpdate, ParamUpdate
 from gm_trainer.errors import TrainingError
-from gm_trainer.step_end import skip_step, sync_buffers
-from gm_trainer.step_guard import nonfinite_loss_error
-
-if TYPE_CHECKING:
-    from gm_trainer.trainer import GraphTrainer
+from gm_trainer.optim import OptimizerConfig
+from gm_trainer.topology import Topology
 
 #: ``torch.optim`` options the traced update implements only at these values.
 _FIXED = {
@@ -38,9 +32,9 @@ _FIXED = {
 }
 
 
-def untraceable_reason(trainer: GraphTrainer) -> str | None:
-    """Why the update of ``trainer``'s optimizer cannot go in the graph (``None``: it can)."""
-    config = trainer.optimizer_config
+def untraceable_reason(config: OptimizerConfig, topology: Topology) -> str | None:
+    """Why the update of the optimizer ``config`` builds cannot go in the graph of a run on
+    ``topology`` (``None``: it can)."""
     if not isinstance(config.name, str) or config.name.lower() not in ("adam", "adamw", "sgd"):
         return (
             f"the optimizer is {config.name!r}; the graph traces torch.optim Adam, AdamW and SGD "
@@ -50,32 +44,35 @@ def untraceable_reason(trainer: GraphTrainer) -> str | None:
     for key, value in (config.kwargs or {}).items():
         if key in _FIXED and value != _FIXED[key] and not (key == "fused" and value is False):
             return f"OptimizerConfig.kwargs {key}={value!r} is not traced (only {_FIXED[key]!r})"
-    if trainer._mesh is not None and trainer._mesh.tp_group is not None:
+    if topology.tp_group is not None:
         return "tensor parallelism: the traced global norm does not sum TP slices yet"
     return None
 
 
-def plan_update(trainer: GraphTrainer, grad_fqns: Sequence[str]) -> OptimizerUpdate:
+def plan_update(
+    config: OptimizerConfig,
+    grad_fqns: Sequence[str],
+    optimizer: torch.optim.Optimizer | None = None,
+    params: Mapping[str, torch.Tensor] | None = None,
+) -> OptimizerUpdate:
     """The update to trace for the parameters with a gradient: each parameter under the rule
-    of its own group of ``trainer.optimizer`` (before the optimizer exists, at the first
-    compile: of the group that :meth:`OptimizerConfig.build` gives every parameter), so the
-    graph traces exactly the hyper-parameters the real optimizer holds."""
-    config = trainer.optimizer_config
+    of its own group of ``optimizer`` (``params``: the model's parameters by FQN, to find
+    them there); before the optimizer exists (the first compile), under the group that
+    :meth:`OptimizerConfig.build` gives every parameter. So the graph traces exactly the
+    hyper-parameters the real optimizer holds, ``OptimizerConfig.kwargs`` included."""
     kind = config.name.lower()
-    optimizer = trainer.optimizer
-    if optimizer is None:
+    if optimizer is None or params is None:
         # What the optimizer will be built with, fields and kwargs merged by torch.optim itself.
         probe = torch.nn.Parameter(torch.zeros(()))
         groups = config.build([probe]).param_groups
-        params = tuple(ParamUpdate(fqn, 0) for fqn in grad_fqns)
+        updates = tuple(ParamUpdate(fqn, 0) for fqn in grad_fqns)
     else:
         groups = optimizer.param_groups
         where = _group_of(groups)
-        named = dict(trainer.model.named_parameters())
-        params = tuple(ParamUpdate(fqn, where.get(id(named[fqn]), -1)) for fqn in grad_fqns)
-        _refuse_ungrouped([p.fqn for p in params if p.group < 0])
+        updates = tuple(ParamUpdate(f, where.get(id(params[f]), -1)) for f in grad_fqns)
+        _refuse_ungrouped([p.fqn for p in updates if p.group < 0])
     rules = tuple(_rule(kind, group) for group in groups)
-    return OptimizerUpdate(groups=rules, params=params, max_norm=config.grad_clip)
+    return OptimizerUpdate(groups=rules, params=updates, max_norm=config.grad_clip)
 
 
 def _rule(kind: str, group: dict[str, Any]) -> GroupRule:
@@ -116,6 +113,47 @@ class _Slot(NamedTuple):
     """The index of its ``state["step"]`` in :attr:`GraphStepInputs._steps` (``None``: SGD)."""
     scalars: tuple[torch.Tensor, ...]
     """Its scalar inputs, in :attr:`GroupRule.scalars` order."""
+
+
+class OptimizerOwner(Protocol):
+    """Whoever holds the run's optimizer (``OptimizerStepper``): ``None`` until it is built."""
+
+    optimizer: torch.optim.Optimizer | None
+
+
+class GraphUpdatePlanner:
+    """What the compiler asks about the update in the graph: whether it is wanted, why it
+    cannot be traced on a topology, and the update to trace for a graph's gradients.
+
+    ``model`` and ``owner`` (the optimizer's owner): a graph traced once the optimizer exists
+    traces each parameter with the rule of its own group in ``param_groups``; without them
+    (or before the optimizer is built) every parameter gets the group ``config`` builds."""
+
+    def __init__(
+        self,
+        config: OptimizerConfig,
+        model: torch.nn.Module | None = None,
+        owner: OptimizerOwner | None = None,
+    ) -> None:
+        self.config = config
+        self._model, self._owner = model, owner
+
+    @property
+    def requested(self) -> bool:
+        """``OptimizerConfig(in_graph=True)``."""
+        return self.config.in_graph
+
+    def why_not(self, topology: Topology) -> str | None:
+        """Why the update cannot be traced (``None``: it can)."""
+        return untraceable_reason(self.config, topology)
+
+    def plan(self, grad_fqns: Sequence[str]) -> OptimizerUpdate:
+        """The update to trace for the parameters with a gradient."""
+        optimizer = self._owner.optimizer if self._owner is not None else None
+        if optimizer is None or self._model is None:
+            return plan_update(self.config, grad_fqns)
+        params = dict(self._model.named_parameters())
+        return plan_update(self.config, grad_fqns, optimizer, params)
 
 
 class GraphStepInputs:
@@ -304,81 +342,3 @@ def _differs(live: Any, baked: Any) -> bool:
     if baked is None:  # fused: None and False both mean the single-tensor code
         return live not in (None, False)
     return live != baked
-
-
-def with_graph_update(
-    trainer: GraphTrainer, joint: Any, passes: list[Any]
-) -> tuple[Any, list[Any]]:
-    """``joint`` and ``passes`` with the ``optimizer`` pass when ``in_graph`` asks for it and
-    the optimizer can be traced; otherwise unchanged, with a ``RuntimeWarning`` saying why."""
-    from gm_trace.optimizer_update import OptimizerUpdatePass
-
-    if not trainer.optimizer_config.in_graph:
-        return joint, passes
-    reason = untraceable_reason(trainer)
-    if reason is not None:
-        if trainer._in_graph_reason is None:
-            warnings.warn(
-                f"OptimizerConfig(in_graph=True): the update runs eagerly, outside the graph: "
-                f"{reason}",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-        trainer._in_graph_reason = reason
-        return joint, passes
-    spec = plan_update(trainer, joint.grad_fqns)
-    return joint.replace(optimizer_update=spec), [*passes, OptimizerUpdatePass()]
-
-
-def graph_update_step(
-    trainer: GraphTrainer, joint: Any, batch: tuple[Any, Any, Any], accumulated: Sequence[Any]
-) -> Any:
-    """Run a graph that updates the parameters itself; keep its norm for ``optimizer_step``.
-    ``batch``: input, label and their checked leaves (or ``None``); ``accumulated``: the
-    inputs of a window's last micro-batch graph, before the update's."""
-    if trainer._graph_norm is not None:
-        raise TrainingError(
-            "train_step() twice without optimizer_step(): with OptimizerConfig(in_graph=True) "
-            "every train_step() is a whole optimizer step; call optimizer_step() after each "
-            "(to accumulate micro-batches use train(accumulation_steps=k), whose last "
-            "micro-batch's graph takes the update)"
-        )
-    if trainer._step_inputs is None:
-        trainer._step_inputs = GraphStepInputs(trainer.model, trainer.optimizer)
-    extra = [*accumulated, *trainer._step_inputs(joint.optimizer_update)]
-    input, label, leaves = batch
-    outputs = run_traced_graph(joint, trainer.model, input, label, extra, leaves=leaves)
-    trainer._graph_norm = outputs.grad_norm
-    return outputs.loss.detach()
-
-
-def finish_graph_step(trainer: GraphTrainer, loss: float | None = None) -> float:
-    """``optimizer_step`` after a graph that took the update: count the step, step the LR
-    scheduler, sync buffers; returns the global gradient norm before clipping.
-
-    A non-finite norm (or ``loss``, the mean over ranks when the loop knows it) means the graph
-    masked its update: no weight or state changed; the step counts it bumped are taken back,
-    then the step is skipped or raised as ``trainer.nonfinite`` says, as the eager path does."""
-    norm, trainer._graph_norm = trainer._graph_norm.item(), None
-    loss_finite = loss is None or math.isfinite(loss)
-    if not (math.isfinite(norm) and loss_finite):
-        trainer._step_inputs.undo()
-        if trainer.nonfinite == "skip":
-            return skip_step(trainer, norm)
-        if not loss_finite:
-            raise nonfinite_loss_error(loss, trainer.step + 1)
-        raise TrainingError(
-            f"the global gradient norm is {norm} at step {trainer.step + 1} (or the loss was "
-            "not finite on a rank); training stopped and the update in the graph was masked, "
-            "so no weight or optimizer state was changed. Check the learning rate, the data "
-            "and ops with unbounded gradients (sqrt, log, division near 0), or pass "
-            "GraphTrainer(nonfinite='skip') to skip such steps"
-        )
-    trainer.step += 1
-    if trainer.lr_scheduler is not None:
-        # What torch's LRScheduler wraps optimizer.step() to record (else it warns that the
-        # scheduler stepped first): the graph took the optimizer's step.
-        trainer.optimizer._opt_called = True
-        trainer.lr_scheduler.step()
-    sync_buffers(trainer)
-    return norm
