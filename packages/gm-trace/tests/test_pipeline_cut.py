@@ -199,3 +199,24 @@ def test_the_automatic_split_follows_where_modules_run_not_their_first_reader(st
     assert torch.equal(loss, whole.loss)
     for fqn, grad in whole.grads.items():
         assert torch.equal(grads[fqn], grad), fqn
+
+
+def test_captured_tensors_reach_every_stage():
+    # A closure tensor (a loss weight per token) read by the last stage's loss.
+    weights = torch.ones(64)
+
+    def weighted_lm_loss(model, tokens, labels):
+        logits = model(tokens)
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), weight=weights)
+
+    model, batch = _gpt(), make_lm_batch()
+    config = PassConfig(pp_degree=2)
+    joint, _ = compile_joint(model, weighted_lm_loss, batch, config, PassPlan(pp_stages=GPT_STAGES))
+    cut = cut_pipeline(joint, 2)
+    weights = torch.linspace(0.1, 2.0, 64)  # rebound after the trace
+    whole = run_traced_graph(joint, model, *batch)
+    assert torch.equal(whole.loss, weighted_lm_loss(model, *batch).detach())
+    loss, grads = run_stages_in_one_process(cut, model, *batch, joint.captured.values())
+    assert torch.equal(loss, whole.loss)
+    for fqn, grad in whole.grads.items():
+        assert torch.equal(grads[fqn], grad), fqn

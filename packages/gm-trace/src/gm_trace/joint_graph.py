@@ -37,7 +37,8 @@ class JointGraph:
     """One joint forward + backward graph and what its placeholders and outputs are.
 
     See :mod:`gm_trace.tracer` for the calling convention: placeholders are the unique state
-    tensors (``state_fqns``), then the tensor leaves of input and label; outputs are
+    tensors (``state_fqns``), then the tensor leaves of input and label, then the captured
+    tensors (``captured``); outputs are
     ``(loss, *grads, *mutated_state)``.
     """
 
@@ -105,6 +106,11 @@ class JointGraph:
     """The ``optimizer`` pass put the update in the graph: no gradient outputs
     (``grad_fqns`` is empty), output 1 is the global gradient norm, and the graph takes the
     update's inputs after the label's tensors."""
+
+    captured: Any = None
+    """The tensors the train_fn reads from outside its arguments, lifted to placeholders after
+    the label's tensors (a :class:`~gm_trace.captured.CapturedInputs`: where each is looked up
+    again on every run); ``None`` when it reads none."""
 
     stages: Any = None
     """The pipeline stages the ``pp_stages`` pass assigned (a

@@ -29,6 +29,7 @@ import torch.fx as fx
 
 from gm_passes.graph_ops import mutates_an_input
 from gm_trace import node_meta
+from gm_trace.captured import CAPTURED_INPUT
 from gm_trace.graph_build import tensor_bytes
 from gm_trace.joint_graph import JointGraph
 from gm_trace.memory import is_view
@@ -45,7 +46,8 @@ Key = str
 @dataclass(frozen=True)
 class Slot:
     """A placeholder of the full graph, filled by the runtime: a state tensor by FQN or the
-    ``index``-th tensor leaf of ``(input, label)``."""
+    ``index``-th of the tensor leaves of ``(input, label)`` followed by the captured tensors'
+    values (``JointGraph.captured``, looked up again every step)."""
 
     fqn: str | None
     index: int | None
@@ -252,7 +254,7 @@ def _slots(nodes: list[fx.Node]) -> dict[Key, Slot]:
     for node in nodes:
         if node.op != "placeholder":
             continue
-        if node.meta.get(node_meta.ROLE) == "input":
+        if node.meta.get(node_meta.ROLE) in ("input", CAPTURED_INPUT):  # in that order
             slots[node.name] = Slot(None, index)
             index += 1
         else:

@@ -165,6 +165,11 @@ class GraphCache:
             key = signature.generalized(guards.leaf_dims) if guards else signature
             if key != entry.joint.input_signature:
                 continue
+            captured = entry.joint.captured  # tensors train_fn reads from its closure, ...
+            changed = captured.mismatch() if captured is not None else None
+            if changed is not None:
+                misses.append(f"graph {i}: {changed}")
+                continue
             reason = guards.violation(leaves) if guards else None
             if reason is None:
                 return entry.joint, []

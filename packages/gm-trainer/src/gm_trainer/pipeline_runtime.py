@@ -216,8 +216,10 @@ class PipelineRunner:
         model = self.model
         state = dict(model.named_parameters())
         state.update(model.named_buffers())
+        # The captured tensors (closure, globals, ...) follow each micro-batch's leaves.
+        captured = joint.captured.values() if joint.captured is not None else []
         batches = [
-            [leaf for leaf in pytree.tree_leaves(mb) if isinstance(leaf, torch.Tensor)]
+            [leaf for leaf in pytree.tree_leaves(mb) if isinstance(leaf, torch.Tensor)] + captured
             for mb in micro
         ]
         step = _Step(batches, state, weight / len(micro))

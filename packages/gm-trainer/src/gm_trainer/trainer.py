@@ -142,21 +142,22 @@ class GraphTrainer:
         # The components, each the owner of its state; built here, wired explicitly.
         self.train_state = TrainState()
         self.registry = GraphRegistry(graph_cache_size, self.pass_config)
+        deferred = DeferredGrads()  # an accumulation window's buffers (gm_trainer.deferred)
+        self.stepper = OptimizerStepper(
+            self.optimizer_config, self.nonfinite, lr_scheduler, self.train_state, deferred
+        )
         self.compiler = GraphCompiler(
             self.model,
             train_fn,
             self.pass_config,
             pass_plan,
             mesh,
-            GraphUpdatePlanner(self.optimizer_config),
+            # Traces each parameter with its own group of the optimizer the stepper holds.
+            GraphUpdatePlanner(self.optimizer_config, self.model, self.stepper),
             self.registry,
             passes,
         )
         self.graph_dump_dir = graph_dump_dir
-        deferred = DeferredGrads()  # an accumulation window's buffers (gm_trainer.deferred)
-        self.stepper = OptimizerStepper(
-            self.optimizer_config, self.nonfinite, lr_scheduler, self.train_state, deferred
-        )
         self.executor = StepExecutor(
             self.model,
             self.compiler,

@@ -3,6 +3,7 @@ what the whole graph computes."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -12,13 +13,20 @@ from gm_trace.stage_cut import PipelineCut
 
 
 def run_stages_in_one_process(
-    cut: PipelineCut, model: torch.nn.Module, input: Any, label: Any
+    cut: PipelineCut,
+    model: torch.nn.Module,
+    input: Any,
+    label: Any,
+    captured: Sequence[torch.Tensor] = (),
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Every stage's forward in order, then every backward in reverse, on ``model``'s own
     tensors: one dict holds every value, so what a stage sends is simply there for the
-    next. Returns the loss and the gradient of each parameter by FQN."""
+    next. ``captured``: the values of the graph's captured tensors
+    (``JointGraph.captured.values()``). Returns the loss and the gradient of each parameter
+    by FQN."""
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     leaves = [x for x in pytree.tree_leaves((input, label)) if isinstance(x, torch.Tensor)]
+    leaves += captured
     env: dict[str, torch.Tensor] = {}
     for program in cut.programs:
         for key, slot in program.slots.items():
