@@ -121,7 +121,7 @@ def parity(
     )
     stats = trainer.pipeline.stats
     return {
-        "stage": trainer.run.pp_stage,
+        "stage": trainer.topology.pp_stage,
         "owned": sorted(owned),
         "worst": worst,
         "losses": losses,
@@ -215,7 +215,7 @@ def hsdp_parity(rank: int, world: int) -> dict:
     torch.testing.assert_close(
         torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-5
     )
-    return {"stage": trainer.run.pp_stage, "dp_rank": mesh.dp_rank}
+    return {"stage": trainer.topology.pp_stage, "dp_rank": mesh.dp_rank}
 
 
 def _tp_mesh():
@@ -267,7 +267,7 @@ def tp_parity(rank: int, world: int) -> dict:
         for n in half.graph_module.graph.nodes
         if collective_kind(n) is not None and n.args[-1] == "tp"
     )
-    return {"stage": trainer.run.pp_stage, "owned": len(owned), "tp": dict(tp_collectives)}
+    return {"stage": trainer.topology.pp_stage, "owned": len(owned), "tp": dict(tp_collectives)}
 
 
 def loop_parity(rank: int, world: int, accumulation: int) -> dict:
