@@ -231,3 +231,45 @@ def structured_parity(rank: int, world: int, case: str, steps: int = 3) -> dict:
         "own_buffers": sorted(own_buffers),
         "peak_held": trainer.pipeline.stats.peak_held_bytes,
     }
+
+
+class _MaskProbe(nn.Module):
+    """``x + dropout(w)`` with ``w`` of the micro-batch's shape: ``w``'s gradient is the mask
+    (scaled by ``1 / (1 - p)``)."""
+
+    def __init__(self, rows: int, dim: int, p: float) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(rows, dim))
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.w)
+
+
+class MaskNet(nn.Module):
+    """Two mask probes of the same shape, one per pipeline stage."""
+
+    def __init__(self, rows: int, dim: int = DIM, p: float = 0.5) -> None:
+        super().__init__()
+        self.a = _MaskProbe(rows, dim, p)
+        self.b = _MaskProbe(rows, dim, p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def sum_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return model(x).sum()
+
+
+def stage_masks(rank: int, world: int, seed: int) -> dict:
+    """One PP 2 step of :class:`MaskNet` from ``torch.manual_seed(seed)``: this stage's
+    probe gradient (its mask, averaged over 2 micro-batches) and the generators' seed."""
+    microbatches = 2
+    torch.manual_seed(seed)
+    model = MaskNet(ROWS // microbatches)
+    config = PassConfig(pp_degree=2, pp_microbatches=microbatches)
+    trainer = GraphTrainer(model, sum_loss, config, PassPlan(pp_stages=[["a"], ["b"]]))
+    trainer.train_step(*batch(0))
+    probe = model.a if trainer.topology.pp_stage == 0 else model.b
+    return {"grad": probe.w.grad.clone(), "seed": trainer.pipeline.seed}

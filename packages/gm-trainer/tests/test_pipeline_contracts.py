@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import pipeline_contract_bodies as bodies
 import pytest
+import torch
+
+from gm_trainer.pipeline_runtime import pipeline_seed
 
 pytestmark = pytest.mark.distributed
 
@@ -31,3 +34,26 @@ def test_pp2_stages_keeping_tuples_and_lists_match_eager(case, dist_pool):
             ["bn1.num_batches_tracked", "bn1.running_mean", "bn1.running_var"],
             ["bn2.num_batches_tracked", "bn2.running_mean", "bn2.running_var"],
         ]
+
+
+def test_pp2_stages_draw_independent_dropout_masks_and_a_rerun_repeats_them(dist_pool):
+    first = dist_pool(2).run(bodies.stage_masks, 7, timeout=300)
+    again = dist_pool(2).run(bodies.stage_masks, 7, timeout=300)
+    other_seed = dist_pool(2).run(bodies.stage_masks, 8, timeout=300)
+    # each probe's gradient is its stage's dropout mask: the stages' masks differ
+    assert not torch.equal(first[0]["grad"], first[1]["grad"])
+    assert first[0]["seed"] != first[1]["seed"]
+    # the same user seed gives the same masks, bitwise; another seed others
+    for run, rerun, other in zip(first, again, other_seed):
+        assert run["seed"] == rerun["seed"] != other["seed"]
+        assert torch.equal(run["grad"], rerun["grad"])
+        assert not torch.equal(run["grad"], other["grad"])
+
+
+def test_pipeline_seeds_differ_per_stage_and_replica_and_repeat_per_seed():
+    seeds = {(s, d): pipeline_seed(0, s, d) for s in range(4) for d in range(4)}
+    assert len(set(seeds.values())) == len(seeds)  # every stage x replica its own
+    assert 0 not in seeds.values()  # not the user's seed itself
+    assert pipeline_seed(0, 1, 2) == seeds[1, 2]  # a function of its arguments alone
+    assert pipeline_seed(1, 1, 2) != seeds[1, 2]
+    assert all(0 <= seed < 2**63 for seed in seeds.values())

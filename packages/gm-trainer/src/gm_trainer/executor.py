@@ -65,6 +65,8 @@ class StepExecutor:
         run = self.compiler.resolve(self.place)
         if first and run.pass_config.pp_degree > 1:
             self.pipeline = PipelineRunner(run, self.model, self.compiler.pass_config.backend)
+            # Before anything draws from them, and before a checkpoint can restore them.
+            self.pipeline.seed_generators()
         return run
 
     @property

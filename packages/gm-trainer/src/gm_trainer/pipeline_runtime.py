@@ -11,6 +11,10 @@ receiving what earlier stages computed for a forward and what later stages compu
 backward, and adds the mean of the micro-batches' gradients to its parameters' ``.grad``. The
 loss comes from the stage that computes it, averaged over micro-batches, to every rank.
 
+Each rank's random generators are seeded once, when the run is resolved, from the seed the
+user set, its place in the pipeline and its data-parallel index (:func:`pipeline_seed`), so
+the dropout masks of different stages and replicas are independent.
+
 Sends never block (``isend``, waited at the end of the step); the receives of the next action
 are posted before the current one computes, and waiting for them is the measured bubble.
 Parameters of other stages are freed on this rank: it never reads them.
@@ -18,6 +22,7 @@ Parameters of other stages are freed on this rank: it never reads them.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,6 +120,8 @@ class PipelineRunner:
         self._first: JointGraph | None = None
         self.current_joint: JointGraph | None = None
         """The graph the last step ran."""
+        self.seed: int | None = None
+        """The seed :meth:`seed_generators` gave this rank's generators."""
 
     # ------------------------------------------------------------------ set-up
 
@@ -149,6 +156,17 @@ class PipelineRunner:
     def cut(self) -> PipelineCut | None:
         """The last step's graph, cut into stages."""
         return self.current.cut if self.current is not None else None
+
+    def seed_generators(self) -> int:
+        """Seed this rank's generators (``torch.manual_seed``: CPU and accelerators) with
+        :func:`pipeline_seed` of the seed last set (``torch.initial_seed()``), this rank's
+        place in its pipeline and its data-parallel index; returns the seed. Without it every
+        stage would draw the same dropout masks from the same starting state."""
+        self.seed = pipeline_seed(
+            torch.initial_seed(), self.pp_index, self.topology.data_parallel_rank
+        )
+        torch.manual_seed(self.seed)
+        return self.seed
 
     def check_signature(self, signature: InputSignature) -> None:
         """A pipeline runs one micro-batch shape: the parameters of other stages are freed
@@ -363,9 +381,19 @@ class PipelineRunner:
             f"  this rank (stage {', '.join(map(str, self.programs))}): at most {flight} "
             f"micro-batch stages in flight; activations held at peak "
             f"{self.stats.peak_held_bytes:,} bytes measured, {estimate:,} estimated; bubble "
-            f"{self.stats.bubble_fraction:.1%} of the last step"
+            f"{self.stats.bubble_fraction:.1%} of the last step; generators seeded {self.seed}"
         )
         return "\n".join(lines)
+
+
+def pipeline_seed(seed: int, stage: int, dp_rank: int) -> int:
+    """The seed of the ranks at pipeline place ``stage`` of data-parallel index ``dp_rank``
+    for the user's ``seed``: the same in every run with that seed, distinct across stages and
+    replicas (so are their dropout masks), shared by the tensor-parallel ranks of one stage,
+    which must draw the same masks, and unrelated to ``seed`` itself, so that no stage draws
+    its masks from the numbers that initialised the weights."""
+    digest = hashlib.sha256(f"gm-pipeline/{seed}/{stage}/{dp_rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1  # 63 bits: every generator takes them
 
 
 def check_pipeline_config(config: PassConfig, in_graph: bool) -> None:
@@ -406,8 +434,15 @@ def split_microbatches(input: Any, label: Any, n: int) -> list[tuple[Any, Any]]:
 
 def _laid_out(tensor: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
     """``tensor`` (received contiguous) in the layout its producer traced, which a compiled
-    half was specialised to."""
-    return torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype).copy_(tensor)
+    half was specialised to. A dim of stride 0 was an ``expand`` (the gradient of a ``sum``):
+    its values are equal, and one of them is written."""
+    laid_out = torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype, device=tensor.device)
+    target, source = laid_out, tensor
+    for dim in reversed(range(tensor.dim())):
+        if stride[dim] == 0 and tensor.shape[dim] > 1:
+            target, source = target.select(dim, 0), source.select(dim, 0)
+    target.copy_(source)
+    return laid_out
 
 
 def _bytes(env: Env, exclude: set[int]) -> int:
@@ -421,5 +456,6 @@ __all__ = [
     "PipelineRunner",
     "PipelineStats",
     "check_pipeline_config",
+    "pipeline_seed",
     "split_microbatches",
 ]
