@@ -4,6 +4,9 @@ dropout masks per stage, models whose stages keep tuples or lists, BatchNorm, a 
 from __future__ import annotations
 
 import copy
+import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -11,7 +14,7 @@ from torch import nn
 
 from gm_config import PassConfig, PassPlan
 from gm_trace.testing.parity import parity_tolerance
-from gm_trainer import GraphTrainer
+from gm_trainer import GraphTrainer, TrainingError
 
 LR = 1e-3
 DIM, CLASSES, ROWS = 16, 4, 8
@@ -273,3 +276,46 @@ def stage_masks(rank: int, world: int, seed: int) -> dict:
     trainer.train_step(*batch(0))
     probe = model.a if trainer.topology.pp_stage == 0 else model.b
     return {"grad": probe.w.grad.clone(), "seed": trainer.pipeline.seed}
+
+
+_STALL: dict[str, float | int | None] = {"calls": 0, "at": None, "seconds": 0.0}
+"""This rank's stalling backend: the call that sleeps (``None``: none) and for how long."""
+
+
+def _stalling_backend(graph_module: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    """The graph as it is, except that call number ``_STALL["at"]`` first sleeps: a stage
+    whose compute stalls for longer than the process group's timeout."""
+
+    def run(*args: torch.Tensor) -> Any:
+        _STALL["calls"] += 1
+        if _STALL["calls"] == _STALL["at"]:
+            time.sleep(_STALL["seconds"])
+        return graph_module(*args)
+
+    return run
+
+
+def stalled_peer(rank: int, world: int, how: str, stall_s: float = 0.0) -> str:
+    """PP 2 (1F1B, 2 micro-batches) in a process group with a short timeout, where rank 1
+    stalls in the second step: ``"stops"`` calling ``train_step``, or ``"computes"`` its
+    stage's first forward for ``stall_s`` seconds. Returns this rank's error."""
+    from gm_trace.backend import register_backend, unregister_backend
+
+    register_backend("stalling", _stalling_backend)
+    # rank 1 runs 4 halves per step (F0 B0 F1 B1): the 5th is the second step's first forward
+    _STALL.update(calls=0, at=5 if rank == 1 and how == "computes" else None, seconds=stall_s)
+    torch.manual_seed(0)
+    config = PassConfig(pp_degree=2, pp_microbatches=2, backend="stalling")
+    plan = PassPlan(pp_stages=DROPNET_STAGES)
+    trainer = GraphTrainer(DropNet(p=0.0), ce_loss, config, plan)
+    try:
+        for step in range(3):
+            if how == "stops" and rank == 1 and step == 1:
+                return "stopped"
+            trainer.train_step(*batch(step))
+            trainer.optimizer_step()
+    except TrainingError as exc:
+        return f"TrainingError: {exc}"
+    finally:
+        unregister_backend("stalling")
+    return "no error"

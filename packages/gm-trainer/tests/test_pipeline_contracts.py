@@ -8,6 +8,7 @@ import pipeline_contract_bodies as bodies
 import pytest
 import torch
 
+from gm_trace.testing.distributed import run_distributed
 from gm_trainer.pipeline_runtime import pipeline_seed
 
 pytestmark = pytest.mark.distributed
@@ -57,3 +58,38 @@ def test_pipeline_seeds_differ_per_stage_and_replica_and_repeat_per_seed():
     assert pipeline_seed(0, 1, 2) == seeds[1, 2]  # a function of its arguments alone
     assert pipeline_seed(1, 1, 2) != seeds[1, 2]
     assert all(0 <= seed < 2**63 for seed in seeds.values())
+
+
+# The process group's timeout of the stall tests: ranks that drift apart by more than this
+# in the first step (the compile, on a loaded machine) would time out before the stall.
+STALL_TIMEOUT_S = 20.0
+
+
+@pytest.mark.parametrize("how", ["stops", "computes"])
+def test_a_stalled_pipeline_peer_is_a_training_error_naming_the_wait(how):
+    # A fresh pool: a timed-out wait leaves the process group unusable for later tests.
+    results = run_distributed(
+        bodies.stalled_peer,
+        2,
+        (how, 2 * STALL_TIMEOUT_S),
+        timeout=600,
+        collective_timeout=STALL_TIMEOUT_S,
+    )
+    message = results[0]
+    assert message.startswith(
+        "TrainingError: rank 0 (pipeline stage 0 of 2, in the pipeline of ranks [0, 1]) waited"
+    ), message
+    if how == "stops":  # rank 1 left after the first step: the next agreement waits for it
+        assert "waited for rank(s) [1] to agree on the next batch" in message
+        assert results[1] == "stopped"
+    else:  # rank 1's stage computes too long: rank 0's first backward waits for its gradient
+        assert (
+            "waited in the backward of micro-batch 0 (stage 0) for rank 1 (stage 1) to send "
+            "the gradients of that micro-batch" in message
+        )
+        # the stalled rank, once awake, finds rank 0 gone: a clear error too
+        assert results[1].startswith("TrainingError: rank 1 (pipeline stage 1 of 2"), results[1]
+    assert "gave up after the process group's timeout (gm-train: dist.timeout_s;" in message
+    assert "the timeout= of torch.distributed.init_process_group" in message
+    assert f"Timed out waiting {int(STALL_TIMEOUT_S * 1000)}ms" in message
+    assert "stopped calling train_step()" in message

@@ -99,7 +99,8 @@ class StepExecutor:
         where = (topology.rank, topology.world_size, topology.collective_device)
         if self.pipeline is not None:  # a pipeline traces a micro-batch: agree on the batch
             signature = InputSignature.of(*batch) if batch is not None else None
-            ended, _ = ranks.agree_on_batch(signature, self.model, *where)
+            who = f"rank {topology.rank} ({self.pipeline.describe_rank()})"
+            ended, _ = ranks.agree_on_batch(signature, self.model, *where, who=who)
             return ended, None
         cache = self.registry.cache(self.compiler.variant_for(accumulate, last))
         return cache.agree(batch, self.model, *where)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -40,12 +41,13 @@ from gm_trace.stage_cut import BACKWARD, FORWARD, PipelineCut, StageProgram, Tra
 from gm_trainer.errors import TrainingError
 from gm_trainer.gradients import add_to_grad
 from gm_trainer.pipeline_schedule import Action, in_flight, rank_actions
+from gm_trainer.ranks import waiting_for
 from gm_trainer.topology import ResolvedRun
 
 Env = dict[str, torch.Tensor]
-# (key, buffer, work, stride) per value; buffer None: from a stage of this rank, work is its
-# (tag, micro-batch)
-_Receives = list[tuple[str, torch.Tensor | None, Any, tuple[int, ...]]]
+# (transfer, buffer, work) per value of an action; buffer None: from a stage of this rank,
+# work is its (tag, micro-batch)
+_Receives = list[tuple[Transfer, torch.Tensor | None, Any]]
 
 
 @dataclass
@@ -78,7 +80,8 @@ class _Step:
     envs: dict[tuple[int, int], Env] = field(default_factory=dict)
     """(stage, micro-batch) -> the values held from its forward to its backward."""
     losses: list[torch.Tensor] = field(default_factory=list)
-    pending: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
+    pending: list[tuple[Any, torch.Tensor, Transfer, int]] = field(default_factory=list)
+    """(work, tensor, transfer, micro-batch) of each send not yet waited for."""
     local: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     """(transfer tag, micro-batch) -> a value between two stages of this rank."""
 
@@ -257,8 +260,9 @@ class PipelineRunner:
             else:
                 held -= _bytes(step.envs[kept], params)
                 self._backward(step, action, received)
-        for work, _ in step.pending:
-            work.wait()
+        for work, _, transfer, m in step.pending:
+            with waiting_for(partial(self._describe_send, transfer, m)):
+                work.wait()
         self.stats.messages = len(step.pending)
         loss = self._loss(step)
         self.stats.step_s = time.perf_counter() - started
@@ -269,7 +273,7 @@ class PipelineRunner:
     def _forward(self, step: _Step, action: Action, received: _Receives) -> None:
         program, m = self.programs[action.stage], action.microbatch
         env = self._slots(step, program, m)
-        self._wait(step, received, env)
+        self._wait(step, action, received, env)
         self._run(program, FORWARD, env)
         self._send(step, program.transfers("send", FORWARD), m, env)
         if program.loss is not None:
@@ -279,7 +283,7 @@ class PipelineRunner:
     def _backward(self, step: _Step, action: Action, received: _Receives) -> None:
         program, m = self.programs[action.stage], action.microbatch
         env = {**self._slots(step, program, m), **step.envs.pop((program.stage, m))}
-        self._wait(step, received, env)
+        self._wait(step, action, received, env)
         self._run(program, BACKWARD, env)
         self._send(step, program.transfers("send", BACKWARD), m, env)
         sent = {t.key for t in program.sends}
@@ -321,29 +325,32 @@ class PipelineRunner:
                 step.local[t.tag, m] = tensor
                 continue
             tensor = tensor.contiguous()
-            work = dist.isend(tensor, self._peer(t.dst), tag=self._tag(t, m))
-            step.pending.append((work, tensor))
+            with waiting_for(partial(self._describe_send, t, m)):
+                work = dist.isend(tensor, self._peer(t.dst), tag=self._tag(t, m))
+            step.pending.append((work, tensor, t, m))
 
     def _post_receives(self, action: Action) -> _Receives:
         """Post the receives ``action`` needs; their buffers fill in the background."""
         posted: _Receives = []
         for t in self.programs[action.stage].transfers("receive", action.phase):
             if t.src in self.programs:  # from a stage of this rank: taken when it runs
-                posted.append((t.key, None, (t.tag, action.microbatch), t.stride))
+                posted.append((t, None, (t.tag, action.microbatch)))
                 continue
             buffer = torch.empty(t.shape, dtype=t.dtype, device=self.topology.device)
-            work = dist.irecv(buffer, self._peer(t.src), tag=self._tag(t, action.microbatch))
-            posted.append((t.key, buffer, work, t.stride))
+            with waiting_for(partial(self._describe_receive, t, action)):
+                work = dist.irecv(buffer, self._peer(t.src), tag=self._tag(t, action.microbatch))
+            posted.append((t, buffer, work))
         return posted
 
-    def _wait(self, step: _Step, received: _Receives, env: Env) -> None:
+    def _wait(self, step: _Step, action: Action, received: _Receives, env: Env) -> None:
         started = time.perf_counter()
-        for key, buffer, work, stride in received:
+        for t, buffer, work in received:
             if buffer is None:
-                env[key] = step.local.pop(work)
+                env[t.key] = step.local.pop(work)
                 continue
-            work.wait()
-            env[key] = buffer if buffer.stride() == stride else _laid_out(buffer, stride)
+            with waiting_for(partial(self._describe_receive, t, action)):
+                work.wait()
+            env[t.key] = buffer if buffer.stride() == t.stride else _laid_out(buffer, t.stride)
         self.stats.wait_s += time.perf_counter() - started
 
     def _loss(self, step: _Step) -> torch.Tensor:
@@ -354,8 +361,42 @@ class PipelineRunner:
             output = self.current_joint.graph_module.graph.output_node()
             dtype = output.args[0][0].meta["val"].dtype
             loss = torch.empty((), dtype=dtype, device=self.topology.device)
-        dist.broadcast(loss, src=self._peer(self.cut.loss_stage), group=self.topology.pp_group)
+        source = self._peer(self.cut.loss_stage)
+        doing = (
+            f"rank {self.topology.rank} ({self.describe_rank()}) waited for the loss of this "
+            f"step from rank {source} (stage {self.cut.loss_stage}, which computes it)"
+        )
+        with waiting_for(doing):
+            dist.broadcast(loss, src=source, group=self.topology.pp_group)
         return loss
+
+    # ------------------------------------------------------------------ what waits name
+
+    def describe_rank(self) -> str:
+        """This rank's place, for errors: ``pipeline stage 0 of 2, ranks [0, 1]``."""
+        stages = ", ".join(map(str, self.own_stages))
+        total = self.config.pp_degree * self.config.pp_virtual_stages
+        plural = "s" if len(self.own_stages) > 1 else ""
+        return (
+            f"pipeline stage{plural} {stages} of {total}, in the pipeline of ranks "
+            f"{list(self.topology.pp_ranks)}"
+        )
+
+    def _describe_receive(self, t: Transfer, action: Action) -> str:
+        what = "activations" if t.phase == FORWARD else "gradients"
+        return (
+            f"rank {self.topology.rank} ({self.describe_rank()}) waited in the {action.phase} "
+            f"of micro-batch {action.microbatch} (stage {action.stage}) for rank "
+            f"{self._peer(t.src)} (stage {t.src}) to send the {what} of that micro-batch"
+        )
+
+    def _describe_send(self, t: Transfer, m: int) -> str:
+        what = "activations" if t.phase == FORWARD else "gradients"
+        return (
+            f"rank {self.topology.rank} ({self.describe_rank()}) waited for rank "
+            f"{self._peer(t.dst)} (stage {t.dst}) to take the {what} of micro-batch {m} "
+            f"that stage {t.src} sent after its {t.phase}"
+        )
 
     # ------------------------------------------------------------------ reports
 

@@ -2,18 +2,59 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
+from gm_config import GraphModeError
 from gm_trace.signature import InputSignature
 from gm_trainer.errors import TrainingError
 from gm_trainer.graph_key import describe_module_state, module_state_key
 from gm_trainer.topology import Topology
 
 _NO_BATCH = -(2**62)
+
+TIMEOUT_SETTING = (
+    "the process group's timeout (gm-train: dist.timeout_s; a script of your own: the "
+    "timeout= of torch.distributed.init_process_group)"
+)
+
+
+@contextlib.contextmanager
+def waiting_for(doing: str | Callable[[], str]) -> Iterator[None]:
+    """Run a wait on other ranks (a collective, posting or waiting for a point-to-point
+    message). When the process group gives up on it (a timeout, a lost connection: c10d
+    raises a ``RuntimeError``) raise a :class:`TrainingError` that says ``doing`` -- who
+    waited for whom and for what, built only then when a callable -- why, and what to do."""
+    try:
+        yield
+    except GraphModeError:
+        raise
+    except RuntimeError as exc:
+        raise peer_wait_error(doing() if callable(doing) else doing, exc) from exc
+
+
+def peer_wait_error(doing: str, exc: BaseException) -> TrainingError:
+    """The error for a wait on other ranks that failed with ``exc`` (see :func:`waiting_for`)."""
+    text = str(exc).strip()
+    # gloo prefixes its source location: "[.../unbound_buffer.cc:78] Timed out waiting ..."
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0]) if text else type(exc).__name__
+    reason = reason.split(". ")[0].rstrip(".")  # its first sentence
+    if re.search(r"time[ds]? ?out", reason, re.IGNORECASE):
+        return TrainingError(
+            f"{doing}, and gave up after {TIMEOUT_SETTING}: {reason}. That rank stalled or "
+            "stopped calling train_step() -- every rank must call train_step() (and "
+            "optimizer_step()) for every batch, the same number of times -- or it died; "
+            "raise the timeout if it is only slow (a long first compile, a slow data loader)"
+        )
+    return TrainingError(
+        f"{doing}, but the connection failed: {reason}. That rank has probably died or left "
+        "the process group (its own error says why)"
+    )
 
 
 def agree_on_batch(
@@ -24,6 +65,7 @@ def agree_on_batch(
     device: torch.device,
     *,
     needs_graph: bool = False,
+    who: str | None = None,
 ) -> tuple[list[int], bool]:
     """``(ranks whose data has ended, whether any rank needs a new graph)``.
 
@@ -32,13 +74,22 @@ def agree_on_batch(
     ``needs_graph``: no compiled graph takes this rank's batch. When one rank compiles,
     every rank must (the compile checks collectives across ranks). Raises
     :class:`TrainingError` when the ranks' graph keys (signature, module state) differ: a rank
-    that recompiled alone would issue collectives the others never match.
+    that recompiled alone would issue collectives the others never match, and when the
+    agreement's all-reduce gives up waiting for a rank (``who``: this rank, as the error
+    names it).
     """
     digest = None
     if signature is not None:
         text = str(signature.spec) + signature.describe() + str(module_state_key(model))
         digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
-    ended, agreed, compile_all = _agree_on_digest(digest, rank, world, device, needs_graph)
+    others = [r for r in range(world) if r != rank]
+    peers = f"rank(s) {others}" if len(others) <= 8 else f"the other {len(others)} ranks"
+    doing = (
+        f"{who or f'rank {rank}'} waited for {peers} to agree on the next batch (one "
+        "all-reduce before every train_step() and every micro-batch of train())"
+    )
+    with waiting_for(doing):
+        ended, agreed, compile_all = _agree_on_digest(digest, rank, world, device, needs_graph)
     if not agreed:
         raise TrainingError(
             f"rank {rank}: ranks disagree on the batch signature or module state; every rank "
