@@ -224,9 +224,11 @@ def _tp_mesh():
     return MeshContext.build(tp=2)
 
 
-def tp_parity(rank: int, world: int) -> dict:
+def tp_parity(rank: int, world: int, automatic: bool = False) -> dict:
     """PP 2 x DTensor TP 2 (``MeshContext.build(pp=2, tp=2)``): ``STEPS`` Adam steps of an HF
-    Llama == one eager process."""
+    Llama == one eager process; with ``automatic`` the stages are balanced automatically
+    (DTensor's parameter wraps sit at the top of the graph: blocks must be ordered by where
+    their modules run, not by their first reader)."""
     import dtensor_bodies
     import mesh_bodies
     from torch.distributed.tensor.parallel import parallelize_module
@@ -239,7 +241,7 @@ def tp_parity(rank: int, world: int) -> dict:
     tp_mesh = mesh.device_mesh["tp"]
     parallelize_module(model, tp_mesh, dtensor_bodies.llama_plan(4, sequence_parallel=False))
     config = PassConfig(pp_degree=2, pp_microbatches=2)
-    plan = PassPlan(pp_stages=STAGES["llama"])
+    plan = None if automatic else PassPlan(pp_stages=STAGES["llama"])
     trainer = GraphTrainer(
         model, llama_loss, config, plan, optimizer_config={"lr": LR}, mesh_context=mesh
     )

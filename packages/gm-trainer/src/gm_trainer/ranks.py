@@ -1,9 +1,8 @@
-"""Keeping data-parallel ranks in step: the end of the data, batch signatures, buffers."""
+"""Keeping data-parallel ranks in step: the end of the data, batch keys, buffers, losses."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import re
 from collections.abc import Callable, Iterator, Sequence
 
@@ -11,9 +10,7 @@ import torch
 import torch.distributed as dist
 
 from gm_config import GraphModeError
-from gm_trace.signature import InputSignature
 from gm_trainer.errors import TrainingError
-from gm_trainer.graph_key import describe_module_state, module_state_key
 from gm_trainer.topology import Topology
 
 _NO_BATCH = -(2**62)
@@ -57,51 +54,13 @@ def peer_wait_error(doing: str, exc: BaseException) -> TrainingError:
     )
 
 
-def agree_on_batch(
-    signature: InputSignature | None,
-    model: torch.nn.Module,
+def agree_on_digest(
+    digest: int | None,
     rank: int,
     world: int,
     device: torch.device,
-    *,
     needs_graph: bool = False,
     who: str | None = None,
-) -> tuple[list[int], bool]:
-    """``(ranks whose data has ended, whether any rank needs a new graph)``.
-
-    ``signature`` is this rank's graph key for its batch -- the input signature, with the
-    symbolic dims by name (ranks may differ there) -- or ``None`` when its data has ended;
-    ``needs_graph``: no compiled graph takes this rank's batch. When one rank compiles,
-    every rank must (the compile checks collectives across ranks). Raises
-    :class:`TrainingError` when the ranks' graph keys (signature, module state) differ: a rank
-    that recompiled alone would issue collectives the others never match, and when the
-    agreement's all-reduce gives up waiting for a rank (``who``: this rank, as the error
-    names it).
-    """
-    digest = None
-    if signature is not None:
-        text = str(signature.spec) + signature.describe() + str(module_state_key(model))
-        digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
-    others = [r for r in range(world) if r != rank]
-    peers = f"rank(s) {others}" if len(others) <= 8 else f"the other {len(others)} ranks"
-    doing = (
-        f"{who or f'rank {rank}'} waited for {peers} to agree on the next batch (one "
-        "all-reduce before every train_step() and every micro-batch of train())"
-    )
-    with waiting_for(doing):
-        ended, agreed, compile_all = _agree_on_digest(digest, rank, world, device, needs_graph)
-    if not agreed:
-        raise TrainingError(
-            f"rank {rank}: ranks disagree on the batch signature or module state; every rank "
-            "must get batches of the same shapes and dtypes (dims named in dynamic_dims may "
-            "differ), and switch train()/eval() or requires_grad together. This rank has:\n"
-            f"{signature.describe()}\n{describe_module_state(model)}"
-        )
-    return ended, compile_all
-
-
-def _agree_on_digest(
-    digest: int | None, rank: int, world: int, device: torch.device, needs_graph: bool = False
 ) -> tuple[list[int], bool, bool]:
     """One all-reduce over the world per micro-batch: ``(ranks whose data has ended, whether
     the ranks with a batch agree on its key, whether any rank needs a new graph)``.
@@ -109,6 +68,8 @@ def _agree_on_digest(
     ``digest`` is this rank's batch key, below 2**56 (``None``: no batch left). Every rank gets
     the same answer, so all can stop together, as torch's ``Join`` context lets them; keys must
     agree, since a rank that recompiled alone would issue collectives the others never match.
+    A rank that never joins is a :class:`TrainingError` naming ``who`` (this rank; default
+    ``rank N``) and the ranks it waited for.
     """
     probe = torch.zeros(3 + world, dtype=torch.int64, device=device)
     if digest is None:
@@ -116,7 +77,14 @@ def _agree_on_digest(
         probe[3 + rank] = 1
     else:
         probe[0], probe[1], probe[2] = digest, -digest, int(needs_graph)
-    dist.all_reduce(probe, op=dist.ReduceOp.MAX)
+    others = [r for r in range(world) if r != rank]
+    peers = f"rank(s) {others}" if len(others) <= 8 else f"the other {len(others)} ranks"
+    doing = (
+        f"{who or f'rank {rank}'} waited for {peers} to agree on the next batch (one "
+        "all-reduce before every train_step() and every micro-batch of train())"
+    )
+    with waiting_for(doing):
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX)
     ended = [r for r in range(world) if probe[3 + r].item()]
     if ended or digest is None:
         return ended, True, False
