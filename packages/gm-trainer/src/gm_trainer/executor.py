@@ -66,6 +66,8 @@ class StepExecutor:
             if self._run.pass_config.pp_degree > 1:
                 backend = self.compiler.pass_config.backend
                 self.pipeline = PipelineRunner(self._run, self.model, backend)
+                # Before anything draws from them, and before a checkpoint can restore them.
+                self.pipeline.seed_generators()
         return self._run
 
     @property
@@ -98,7 +100,8 @@ class StepExecutor:
         where = (topology.rank, topology.world_size, topology.collective_device)
         if self.pipeline is not None:  # a pipeline traces a micro-batch: agree on the batch
             signature = InputSignature.of(*batch) if batch is not None else None
-            ended, _ = agree_on_batch(signature, self.model, *where)
+            who = f"rank {topology.rank} ({self.pipeline.describe_rank()})"
+            ended, _ = agree_on_batch(signature, self.model, *where, who=who)
             return ended, None
         cache = self.registry.cache(self.compiler.variant_for(accumulate, last))
         return cache.agree(batch, self.model, *where)

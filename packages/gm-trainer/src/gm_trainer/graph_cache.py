@@ -322,6 +322,7 @@ def agree_on_batch(
     device: torch.device,
     *,
     needs_graph: bool = False,
+    who: str | None = None,
 ) -> tuple[list[int], bool]:
     """``(ranks whose data has ended, whether any rank needs a new graph)``.
 
@@ -330,13 +331,14 @@ def agree_on_batch(
     ``needs_graph``: no compiled graph takes this rank's batch. When one rank compiles,
     every rank must (the compile checks collectives across ranks). Raises
     :class:`TrainingError` when the ranks' graph keys (signature, module state) differ: a rank
-    that recompiled alone would issue collectives the others never match.
+    that recompiled alone would issue collectives the others never match; and when a rank
+    never joins the agreement (``who``: this rank, as that error names it).
     """
     digest = None
     if signature is not None:
         text = str(signature.spec) + signature.describe() + str(module_state_key(model))
         digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
-    ended, agreed, compile_all = agree_on_digest(digest, rank, world, device, needs_graph)
+    ended, agreed, compile_all = agree_on_digest(digest, rank, world, device, needs_graph, who)
     if not agreed:
         raise TrainingError(
             f"rank {rank}: ranks disagree on the batch signature or module state; every rank "

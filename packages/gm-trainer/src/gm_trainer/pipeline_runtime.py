@@ -11,6 +11,10 @@ receiving what earlier stages computed for a forward and what later stages compu
 backward, and adds the mean of the micro-batches' gradients to its parameters' ``.grad``. The
 loss comes from the stage that computes it, averaged over micro-batches, to every rank.
 
+Each rank's random generators are seeded once, when the run is resolved, from the seed the
+user set, its place in the pipeline and its data-parallel index (:func:`pipeline_seed`), so
+the dropout masks of different stages and replicas are independent.
+
 Sends never block (``isend``, waited at the end of the step); the receives of the next action
 are posted before the current one computes, and waiting for them is the measured bubble.
 Parameters of other stages are freed on this rank: it never reads them.
@@ -18,8 +22,10 @@ Parameters of other stages are freed on this rank: it never reads them.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -35,12 +41,13 @@ from gm_trace.stage_cut import BACKWARD, FORWARD, PipelineCut, StageProgram, Tra
 from gm_trainer.errors import TrainingError
 from gm_trainer.gradients import add_to_grad
 from gm_trainer.pipeline_schedule import Action, in_flight, rank_actions
+from gm_trainer.ranks import waiting_for
 from gm_trainer.topology import ResolvedRun
 
 Env = dict[str, torch.Tensor]
-# (key, buffer, work, stride) per value; buffer None: from a stage of this rank, work is its
-# (tag, micro-batch)
-_Receives = list[tuple[str, torch.Tensor | None, Any, tuple[int, ...]]]
+# (transfer, buffer, work) per value of an action; buffer None: from a stage of this rank,
+# work is its (tag, micro-batch)
+_Receives = list[tuple[Transfer, torch.Tensor | None, Any]]
 
 
 @dataclass
@@ -73,7 +80,8 @@ class _Step:
     envs: dict[tuple[int, int], Env] = field(default_factory=dict)
     """(stage, micro-batch) -> the values held from its forward to its backward."""
     losses: list[torch.Tensor] = field(default_factory=list)
-    pending: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
+    pending: list[tuple[Any, torch.Tensor, Transfer, int]] = field(default_factory=list)
+    """(work, tensor, transfer, micro-batch) of each send not yet waited for."""
     local: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     """(transfer tag, micro-batch) -> a value between two stages of this rank."""
 
@@ -115,6 +123,8 @@ class PipelineRunner:
         self._first: JointGraph | None = None
         self.current_joint: JointGraph | None = None
         """The graph the last step ran."""
+        self.seed: int | None = None
+        """The seed :meth:`seed_generators` gave this rank's generators."""
 
     # ------------------------------------------------------------------ set-up
 
@@ -149,6 +159,17 @@ class PipelineRunner:
     def cut(self) -> PipelineCut | None:
         """The last step's graph, cut into stages."""
         return self.current.cut if self.current is not None else None
+
+    def seed_generators(self) -> int:
+        """Seed this rank's generators (``torch.manual_seed``: CPU and accelerators) with
+        :func:`pipeline_seed` of the seed last set (``torch.initial_seed()``), this rank's
+        place in its pipeline and its data-parallel index; returns the seed. Without it every
+        stage would draw the same dropout masks from the same starting state."""
+        self.seed = pipeline_seed(
+            torch.initial_seed(), self.pp_index, self.topology.data_parallel_rank
+        )
+        torch.manual_seed(self.seed)
+        return self.seed
 
     def check_signature(self, signature: InputSignature) -> None:
         """A pipeline runs one micro-batch shape: the parameters of other stages are freed
@@ -241,8 +262,9 @@ class PipelineRunner:
             else:
                 held -= _bytes(step.envs[kept], params)
                 self._backward(step, action, received)
-        for work, _ in step.pending:
-            work.wait()
+        for work, _, transfer, m in step.pending:
+            with waiting_for(partial(self._describe_send, transfer, m)):
+                work.wait()
         self.stats.messages = len(step.pending)
         loss = self._loss(step)
         self.stats.step_s = time.perf_counter() - started
@@ -253,7 +275,7 @@ class PipelineRunner:
     def _forward(self, step: _Step, action: Action, received: _Receives) -> None:
         program, m = self.programs[action.stage], action.microbatch
         env = self._slots(step, program, m)
-        self._wait(step, received, env)
+        self._wait(step, action, received, env)
         self._run(program, FORWARD, env)
         self._send(step, program.transfers("send", FORWARD), m, env)
         if program.loss is not None:
@@ -263,7 +285,7 @@ class PipelineRunner:
     def _backward(self, step: _Step, action: Action, received: _Receives) -> None:
         program, m = self.programs[action.stage], action.microbatch
         env = {**self._slots(step, program, m), **step.envs.pop((program.stage, m))}
-        self._wait(step, received, env)
+        self._wait(step, action, received, env)
         self._run(program, BACKWARD, env)
         self._send(step, program.transfers("send", BACKWARD), m, env)
         sent = {t.key for t in program.sends}
@@ -305,29 +327,32 @@ class PipelineRunner:
                 step.local[t.tag, m] = tensor
                 continue
             tensor = tensor.contiguous()
-            work = dist.isend(tensor, self._peer(t.dst), tag=self._tag(t, m))
-            step.pending.append((work, tensor))
+            with waiting_for(partial(self._describe_send, t, m)):
+                work = dist.isend(tensor, self._peer(t.dst), tag=self._tag(t, m))
+            step.pending.append((work, tensor, t, m))
 
     def _post_receives(self, action: Action) -> _Receives:
         """Post the receives ``action`` needs; their buffers fill in the background."""
         posted: _Receives = []
         for t in self.programs[action.stage].transfers("receive", action.phase):
             if t.src in self.programs:  # from a stage of this rank: taken when it runs
-                posted.append((t.key, None, (t.tag, action.microbatch), t.stride))
+                posted.append((t, None, (t.tag, action.microbatch)))
                 continue
             buffer = torch.empty(t.shape, dtype=t.dtype, device=self.topology.device)
-            work = dist.irecv(buffer, self._peer(t.src), tag=self._tag(t, action.microbatch))
-            posted.append((t.key, buffer, work, t.stride))
+            with waiting_for(partial(self._describe_receive, t, action)):
+                work = dist.irecv(buffer, self._peer(t.src), tag=self._tag(t, action.microbatch))
+            posted.append((t, buffer, work))
         return posted
 
-    def _wait(self, step: _Step, received: _Receives, env: Env) -> None:
+    def _wait(self, step: _Step, action: Action, received: _Receives, env: Env) -> None:
         started = time.perf_counter()
-        for key, buffer, work, stride in received:
+        for t, buffer, work in received:
             if buffer is None:
-                env[key] = step.local.pop(work)
+                env[t.key] = step.local.pop(work)
                 continue
-            work.wait()
-            env[key] = buffer if buffer.stride() == stride else _laid_out(buffer, stride)
+            with waiting_for(partial(self._describe_receive, t, action)):
+                work.wait()
+            env[t.key] = buffer if buffer.stride() == t.stride else _laid_out(buffer, t.stride)
         self.stats.wait_s += time.perf_counter() - started
 
     def _loss(self, step: _Step) -> torch.Tensor:
@@ -338,8 +363,42 @@ class PipelineRunner:
             output = self.current_joint.graph_module.graph.output_node()
             dtype = output.args[0][0].meta["val"].dtype
             loss = torch.empty((), dtype=dtype, device=self.topology.device)
-        dist.broadcast(loss, src=self._peer(self.cut.loss_stage), group=self.topology.pp_group)
+        source = self._peer(self.cut.loss_stage)
+        doing = (
+            f"rank {self.topology.rank} ({self.describe_rank()}) waited for the loss of this "
+            f"step from rank {source} (stage {self.cut.loss_stage}, which computes it)"
+        )
+        with waiting_for(doing):
+            dist.broadcast(loss, src=source, group=self.topology.pp_group)
         return loss
+
+    # ------------------------------------------------------------------ what waits name
+
+    def describe_rank(self) -> str:
+        """This rank's place, for errors: ``pipeline stage 0 of 2, ranks [0, 1]``."""
+        stages = ", ".join(map(str, self.own_stages))
+        total = self.config.pp_degree * self.config.pp_virtual_stages
+        plural = "s" if len(self.own_stages) > 1 else ""
+        return (
+            f"pipeline stage{plural} {stages} of {total}, in the pipeline of ranks "
+            f"{list(self.topology.pp_ranks)}"
+        )
+
+    def _describe_receive(self, t: Transfer, action: Action) -> str:
+        what = "activations" if t.phase == FORWARD else "gradients"
+        return (
+            f"rank {self.topology.rank} ({self.describe_rank()}) waited in the {action.phase} "
+            f"of micro-batch {action.microbatch} (stage {action.stage}) for rank "
+            f"{self._peer(t.src)} (stage {t.src}) to send the {what} of that micro-batch"
+        )
+
+    def _describe_send(self, t: Transfer, m: int) -> str:
+        what = "activations" if t.phase == FORWARD else "gradients"
+        return (
+            f"rank {self.topology.rank} ({self.describe_rank()}) waited for rank "
+            f"{self._peer(t.dst)} (stage {t.dst}) to take the {what} of micro-batch {m} "
+            f"that stage {t.src} sent after its {t.phase}"
+        )
 
     # ------------------------------------------------------------------ reports
 
@@ -365,9 +424,19 @@ class PipelineRunner:
             f"  this rank (stage {', '.join(map(str, self.programs))}): at most {flight} "
             f"micro-batch stages in flight; activations held at peak "
             f"{self.stats.peak_held_bytes:,} bytes measured, {estimate:,} estimated; bubble "
-            f"{self.stats.bubble_fraction:.1%} of the last step"
+            f"{self.stats.bubble_fraction:.1%} of the last step; generators seeded {self.seed}"
         )
         return "\n".join(lines)
+
+
+def pipeline_seed(seed: int, stage: int, dp_rank: int) -> int:
+    """The seed of the ranks at pipeline place ``stage`` of data-parallel index ``dp_rank``
+    for the user's ``seed``: the same in every run with that seed, distinct across stages and
+    replicas (so are their dropout masks), shared by the tensor-parallel ranks of one stage,
+    which must draw the same masks, and unrelated to ``seed`` itself, so that no stage draws
+    its masks from the numbers that initialised the weights."""
+    digest = hashlib.sha256(f"gm-pipeline/{seed}/{stage}/{dp_rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1  # 63 bits: every generator takes them
 
 
 def check_pipeline_config(config: PassConfig, in_graph: bool) -> None:
@@ -408,8 +477,15 @@ def split_microbatches(input: Any, label: Any, n: int) -> list[tuple[Any, Any]]:
 
 def _laid_out(tensor: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
     """``tensor`` (received contiguous) in the layout its producer traced, which a compiled
-    half was specialised to."""
-    return torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype).copy_(tensor)
+    half was specialised to. A dim of stride 0 was an ``expand`` (the gradient of a ``sum``):
+    its values are equal, and one of them is written."""
+    laid_out = torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype, device=tensor.device)
+    target, source = laid_out, tensor
+    for dim in reversed(range(tensor.dim())):
+        if stride[dim] == 0 and tensor.shape[dim] > 1:
+            target, source = target.select(dim, 0), source.select(dim, 0)
+    target.copy_(source)
+    return laid_out
 
 
 def _bytes(env: Env, exclude: set[int]) -> int:
@@ -423,5 +499,6 @@ __all__ = [
     "PipelineRunner",
     "PipelineStats",
     "check_pipeline_config",
+    "pipeline_seed",
     "split_microbatches",
 ]
