@@ -26,12 +26,14 @@ import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import sympy
 import torch
 import torch.fx as fx
 
 from gm_passes.graph_ops import mutates_an_input
 from gm_trace import node_meta
 from gm_trace.captured import CAPTURED_INPUT
+from gm_trace.dynamic_shapes import concrete_int
 from gm_trace.graph_build import tensor_bytes
 from gm_trace.joint_graph import JointGraph
 from gm_trace.memory import is_view
@@ -47,12 +49,15 @@ Key = str
 
 @dataclass(frozen=True)
 class Slot:
-    """A placeholder of the full graph, filled by the runtime: a state tensor by FQN or the
+    """A placeholder of the full graph, filled by the runtime: a state tensor by FQN, the
     ``index``-th of the tensor leaves of ``(input, label)`` followed by the captured tensors'
-    values (``JointGraph.captured``, looked up again every step)."""
+    values (``JointGraph.captured``, looked up again every step), or the ``extra``-th input
+    after them (a pass's: an accumulation buffer or the micro-batch weight of
+    ``deferred_reduce``)."""
 
     fqn: str | None
     index: int | None
+    extra: int | None = None
 
 
 @dataclass(frozen=True)
@@ -75,15 +80,26 @@ class Transfer:
     """When it travels: right after the producer's ``"forward"`` or ``"backward"``."""
     tag: int
     """Its index among all transfers: with the micro-batch, the point-to-point tag."""
-    shape: tuple[int, ...]
+    shape: tuple[int | torch.SymInt, ...]
+    """As traced: a size of a symbolic graph (``dynamic_dims``) may be a ``SymInt``."""
     dtype: torch.dtype
-    stride: tuple[int, ...]
+    stride: tuple[int | torch.SymInt, ...]
     """The layout the producer traced (it is sent contiguous, and laid out so again)."""
+
+    def layout(
+        self, at: Mapping[sympy.Symbol, int] | None = None
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shape and stride for a micro-batch whose symbolic dims have the sizes ``at``
+        (symbol -> size; ``None``: as traced)."""
+        return (
+            tuple(concrete_int(d, at) for d in self.shape),
+            tuple(concrete_int(d, at) for d in self.stride),
+        )
 
     @property
     def nbytes(self) -> int:
-        """Bytes per micro-batch."""
-        return math.prod(self.shape) * self.dtype.itemsize
+        """Bytes per micro-batch (of a symbolic graph: at the traced sizes)."""
+        return math.prod(self.layout()[0]) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -284,15 +300,19 @@ def _check_tensor_inputs(program: StageProgram, by_name: Mapping[Key, fx.Node]) 
 
 def _slots(nodes: list[fx.Node]) -> dict[Key, Slot]:
     slots: dict[Key, Slot] = {}
-    index = 0
+    index = extra = 0
     for node in nodes:
         if node.op != "placeholder":
             continue
-        if node.meta.get(node_meta.ROLE) in ("input", CAPTURED_INPUT):  # in that order
+        role = node.meta.get(node_meta.ROLE)
+        if role in ("input", CAPTURED_INPUT):  # in that order
             slots[node.name] = Slot(None, index)
             index += 1
-        else:
+        elif role in ("param", "buffer"):
             slots[node.name] = Slot(node.meta[node_meta.FQN], None)
+        else:  # a pass's input after the batch, which the pass's owner fills
+            slots[node.name] = Slot(None, None, extra)
+            extra += 1
     return slots
 
 

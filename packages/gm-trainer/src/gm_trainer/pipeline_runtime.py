@@ -8,8 +8,13 @@ first, then FSDP within each stage) and is cut into per-stage forward and backwa
 (:mod:`gm_trace.stage_cut`), once per graph. This
 rank runs its stage's halves in the schedule's order (:mod:`gm_trainer.pipeline_schedule`),
 receiving what earlier stages computed for a forward and what later stages computed for a
-backward, and adds the mean of the micro-batches' gradients to its parameters' ``.grad``. The
-loss comes from the stage that computes it, averaged over micro-batches, to every rank.
+backward. Without FSDP it adds the mean of the micro-batches' gradients to its parameters'
+``.grad``; under FSDP the graph is the accumulating variant (``deferred_reduce``): each
+micro-batch's backward adds its unreduced gradients into this rank's stages' accumulation
+buffers, and :attr:`PipelineRunner.reduction` — the reduction of those buffers alone — runs
+once per optimizer step (:class:`~gm_trainer.deferred.DeferredGrads`), so every parameter is
+reduce-scattered once per step, as without a pipeline. The loss comes from the stage that
+computes it, averaged over micro-batches, to every rank.
 
 Each rank's random generators are seeded once, when the run is resolved, from the seed the
 user set, its place in the pipeline and its data-parallel index (:func:`pipeline_seed`), so
@@ -23,6 +28,7 @@ Parameters of other stages are freed on this rank: it never reads them.
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -32,11 +38,12 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from gm_config import ConfigError, PassConfig
+from gm_config import ConfigError
 from gm_trace import node_meta
 from gm_trace.backend import CompiledStep, compile_graph
+from gm_trace.deferred_reduce import DeferredReduction
 from gm_trace.joint_graph import JointGraph
-from gm_trace.signature import InputSignature, flatten_io
+from gm_trace.signature import flatten_io
 from gm_trace.stage_cut import BACKWARD, FORWARD, PipelineCut, StageProgram, Transfer, cut_pipeline
 from gm_trainer.errors import TrainingError
 from gm_trainer.gradients import add_to_grad
@@ -45,9 +52,9 @@ from gm_trainer.ranks import waiting_for
 from gm_trainer.topology import ResolvedRun
 
 Env = dict[str, torch.Tensor]
-# (transfer, buffer, work) per value of an action; buffer None: from a stage of this rank,
-# work is its (tag, micro-batch)
-_Receives = list[tuple[Transfer, torch.Tensor | None, Any]]
+# (transfer, buffer, work, stride) per value of an action; buffer None: from a stage of this
+# rank, work is its (tag, micro-batch); stride: the producer's layout at this batch's sizes
+_Receives = list[tuple[Transfer, torch.Tensor | None, Any, tuple[int, ...]]]
 
 
 @dataclass
@@ -84,6 +91,11 @@ class _Step:
     """(work, tensor, transfer, micro-batch) of each send not yet waited for."""
     local: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     """(transfer tag, micro-batch) -> a value between two stages of this rank."""
+    extra: dict[int, torch.Tensor] = field(default_factory=dict)
+    """The graph's inputs after the batch that this rank's stages read, by position
+    (:attr:`gm_trace.stage_cut.Slot.extra`): its accumulation buffers and the weight."""
+    sizes: dict[Any, int] | None = None
+    """A symbolic graph's dims at this batch's micro-batches (symbol -> size)."""
 
 
 @dataclass
@@ -95,13 +107,19 @@ class _Adopted:
     """This rank's stages (``pp_index + k * pp_degree``) and what each runs."""
     compiled: dict[tuple[int, str], CompiledStep]
     """(stage, phase) -> the half compiled by ``PassConfig.backend`` (none without)."""
+    reduction: DeferredReduction | None = None
+    """The deferred reduction of this rank's stages' accumulation buffers (FSDP)."""
+    extra: tuple[int, ...] = ()
+    """The positions (after the batch) of the inputs :attr:`PipelineRunner.step`'s ``extra``
+    fills, in its order: this rank's buffers, then the weight."""
 
 
 class PipelineRunner:
     """One rank's stages of a pipeline-parallel run.
 
-    Every graph the registry holds for the pipeline's micro-batch (one per module state:
-    training flags, trainable set) is cut once; each step runs the cut of its graph.
+    Every graph the registry holds for the pipeline's micro-batch (one per module state —
+    training flags, trainable set — and input signature; a symbolic one takes every size it
+    guards) is cut once; each step runs the cut of its graph, sized for its micro-batches.
     """
 
     def __init__(self, run: ResolvedRun, model: torch.nn.Module, backend: str | None) -> None:
@@ -156,6 +174,12 @@ class PipelineRunner:
         return self.current.compiled if self.current is not None else {}
 
     @property
+    def reduction(self) -> DeferredReduction | None:
+        """What the last step's micro-batches left to reduce once per optimizer step: the
+        reduction of this rank's stages' buckets alone (``None`` without FSDP)."""
+        return self.current.reduction if self.current is not None else None
+
+    @property
     def cut(self) -> PipelineCut | None:
         """The last step's graph, cut into stages."""
         return self.current.cut if self.current is not None else None
@@ -170,17 +194,6 @@ class PipelineRunner:
         )
         torch.manual_seed(self.seed)
         return self.seed
-
-    def check_signature(self, signature: InputSignature) -> None:
-        """A pipeline runs one micro-batch shape: the parameters of other stages are freed
-        on this rank, and retracing for another shape needs every stage's layout."""
-        if self._first is not None and signature != self._first.input_signature:
-            raise TrainingError(
-                "a pipeline-parallel trainer runs one micro-batch shape, traced with\n"
-                f"{self._first.input_signature.describe()}\nbut this batch's "
-                f"micro-batches are\n{signature.describe()}\nkeep the batch shape and "
-                "pp_microbatches fixed"
-            )
 
     def adopt(self, joint: JointGraph) -> dict[str, tuple[int, ...]]:
         """Cut ``joint`` into stages (once per graph); the first time, free the parameters of
@@ -198,7 +211,8 @@ class PipelineRunner:
                 for stage, program in programs.items()
                 for phase in (FORWARD, BACKWARD)
             }
-        self._adopted[id(joint)] = _Adopted(cut, programs, compiled)
+        reduction, extra = _own_reduction(joint, programs)
+        self._adopted[id(joint)] = _Adopted(cut, programs, compiled, reduction, extra)
         if self._first is not None:
             return {}
         self._first = joint
@@ -230,9 +244,17 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self, joint: JointGraph, micro: list[tuple[Any, Any]], weight: float) -> torch.Tensor:
+    def step(
+        self,
+        joint: JointGraph,
+        micro: list[tuple[Any, Any]],
+        weight: float,
+        extra: list[torch.Tensor] = (),
+    ) -> torch.Tensor:
         """Run the schedule of ``joint`` (adopted) for the micro-batches of one batch; add
-        ``weight`` x the mean micro-batch gradient."""
+        ``weight`` x the mean micro-batch gradient (to ``.grad``, or under FSDP into the
+        accumulation buffers ``extra`` gives: those of :attr:`reduction`, then the 0-d weight
+        of one micro-batch, ``weight / len(micro)``)."""
         self.adopt(joint)
         model = self.model
         state = dict(model.named_parameters())
@@ -244,16 +266,23 @@ class PipelineRunner:
             for mb in micro
         ]
         step = _Step(batches, state, weight / len(micro))
+        if len(extra) != len(self.current.extra):
+            raise TrainingError(
+                f"the pipeline's graph reads {len(self.current.extra)} inputs after the batch "
+                f"on this rank (accumulation buffers and weight), but {len(extra)} were given"
+            )
+        step.extra = dict(zip(self.current.extra, extra))
+        step.sizes = _symbol_sizes(joint, micro[0])
         actions = self.actions
         started = time.perf_counter()
         self.stats.wait_s = 0.0
         params = {t.untyped_storage().data_ptr() for t in state.values()}
         held = peak = 0
-        incoming = self._post_receives(actions[0])
+        incoming = self._post_receives(actions[0], step.sizes)
         for index, action in enumerate(actions):
             # The next action's receives are posted first, so they arrive during this one.
             following = actions[index + 1] if index + 1 < len(actions) else None
-            received, incoming = incoming, following and self._post_receives(following)
+            received, incoming = incoming, following and self._post_receives(following, step.sizes)
             kept = (action.stage, action.microbatch)
             if action.phase == FORWARD:
                 self._forward(step, action, received)
@@ -308,7 +337,12 @@ class PipelineRunner:
     def _slots(self, step: _Step, program: StageProgram, m: int) -> Env:
         env: Env = {}
         for key, slot in program.slots.items():
-            env[key] = step.state[slot.fqn] if slot.fqn is not None else step.batches[m][slot.index]
+            if slot.fqn is not None:
+                env[key] = step.state[slot.fqn]
+            elif slot.index is not None:
+                env[key] = step.batches[m][slot.index]
+            else:
+                env[key] = step.extra[slot.extra]
         return env
 
     # ------------------------------------------------------------------ communication
@@ -331,28 +365,29 @@ class PipelineRunner:
                 work = dist.isend(tensor, self._peer(t.dst), tag=self._tag(t, m))
             step.pending.append((work, tensor, t, m))
 
-    def _post_receives(self, action: Action) -> _Receives:
+    def _post_receives(self, action: Action, sizes: dict[Any, int] | None) -> _Receives:
         """Post the receives ``action`` needs; their buffers fill in the background."""
         posted: _Receives = []
         for t in self.programs[action.stage].transfers("receive", action.phase):
+            shape, stride = t.layout(sizes)
             if t.src in self.programs:  # from a stage of this rank: taken when it runs
-                posted.append((t, None, (t.tag, action.microbatch)))
+                posted.append((t, None, (t.tag, action.microbatch), stride))
                 continue
-            buffer = torch.empty(t.shape, dtype=t.dtype, device=self.topology.device)
+            buffer = torch.empty(shape, dtype=t.dtype, device=self.topology.device)
             with waiting_for(partial(self._describe_receive, t, action)):
                 work = dist.irecv(buffer, self._peer(t.src), tag=self._tag(t, action.microbatch))
-            posted.append((t, buffer, work))
+            posted.append((t, buffer, work, stride))
         return posted
 
     def _wait(self, step: _Step, action: Action, received: _Receives, env: Env) -> None:
         started = time.perf_counter()
-        for t, buffer, work in received:
+        for t, buffer, work, stride in received:
             if buffer is None:
                 env[t.key] = step.local.pop(work)
                 continue
             with waiting_for(partial(self._describe_receive, t, action)):
                 work.wait()
-            env[t.key] = buffer if buffer.stride() == t.stride else _laid_out(buffer, t.stride)
+            env[t.key] = buffer if buffer.stride() == stride else _laid_out(buffer, stride)
         self.stats.wait_s += time.perf_counter() - started
 
     def _loss(self, step: _Step) -> torch.Tensor:
@@ -418,6 +453,14 @@ class PipelineRunner:
             lines.append(f"  stage {index}: {count:,} parameters: {', '.join(modules)}")
         for index, nbytes in enumerate(self.cut.boundary_bytes()):
             lines.append(f"  boundary {index}|{index + 1}: {nbytes:,} bytes per micro-batch")
+        reduction = self.reduction
+        if reduction is not None:
+            nbytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype, _ in reduction.buffers)
+            lines.append(
+                f"  gradients (FSDP): accumulated per micro-batch into {len(reduction.buffers)} "
+                f"buffers of this rank's stages ({nbytes:,} bytes), reduced once per optimizer "
+                "step"
+            )
         flight = in_flight(self.actions)
         estimate = flight * max(p.held_bytes for p in self.programs.values())
         lines.append(
@@ -439,23 +482,6 @@ def pipeline_seed(seed: int, stage: int, dp_rank: int) -> int:
     return int.from_bytes(digest[:8], "big") >> 1  # 63 bits: every generator takes them
 
 
-def check_pipeline_config(config: PassConfig, in_graph: bool) -> None:
-    """Refuse, before anything runs, what a pipeline does not combine with yet."""
-    if config.pp_degree == 1:
-        return
-    refused = {
-        "OptimizerConfig(in_graph=True)": in_graph,
-        "dynamic_dims": bool(config.dynamic_dims),
-    }
-    for what, present in refused.items():
-        if present:
-            raise ConfigError(
-                f"PassConfig.pp_degree={config.pp_degree} does not combine with {what} yet: "
-                "the stage graphs run as captured, with FSDP within each stage; drop one of "
-                "the two"
-            )
-
-
 def split_microbatches(input: Any, label: Any, n: int) -> list[tuple[Any, Any]]:
     """``(input, label)`` cut into ``n`` equal micro-batches along dim 0 of every tensor leaf
     (other leaves are repeated)."""
@@ -475,6 +501,36 @@ def split_microbatches(input: Any, label: Any, n: int) -> list[tuple[Any, Any]]:
     return [pytree.tree_unflatten([c[m] for c in columns], spec) for m in range(n)]
 
 
+def _own_reduction(
+    joint: JointGraph, programs: dict[int, StageProgram]
+) -> tuple[DeferredReduction | None, tuple[int, ...]]:
+    """The deferred reduction of the accumulation buffers ``programs`` read, and the
+    positions of the inputs they read after the batch (those buffers, then the weight)."""
+    deferred = joint.deferred
+    read = {s.extra for p in programs.values() for s in p.slots.values() if s.extra is not None}
+    if deferred is None:
+        if read:
+            raise TrainingError(
+                f"the pipeline's graph reads inputs after the batch {sorted(read)} that no "
+                "pass describes; a pipeline runs the plain or the accumulating graph only"
+            )
+        return None, ()
+    n_buffers = len(deferred.buffers)
+    own = sorted(i for i in read if i < n_buffers)
+    return deferred.restricted(own), (*own, n_buffers)
+
+
+def _symbol_sizes(joint: JointGraph, micro: tuple[Any, Any]) -> dict[Any, int] | None:
+    """A symbolic graph's dims at ``micro`` (symbol -> size); ``None`` for a static one."""
+    guards = joint.shape_guards
+    if guards is None:
+        return None
+    sizes = guards.sizes(flatten_io(*micro)[1])
+    if isinstance(sizes, str):  # the lookup checked the guards: a bug if reached
+        raise TrainingError(f"a micro-batch does not fit the pipeline's graph: {sizes}")
+    return {dim.symbol: size for dim, size in zip(guards.dims, sizes)}
+
+
 def _laid_out(tensor: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
     """``tensor`` (received contiguous) in the layout its producer traced, which a compiled
     half was specialised to. A dim of stride 0 was an ``expand`` (the gradient of a ``sum``):
@@ -490,7 +546,11 @@ def _laid_out(tensor: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
 
 def _bytes(env: Env, exclude: set[int]) -> int:
     """Bytes of the distinct storages ``env`` holds, other than those in ``exclude``."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in env.values()}
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in env.values()
+        if isinstance(t, torch.Tensor)  # a symbolic graph also keeps sizes
+    }
     return sum(n for ptr, n in storages.items() if ptr not in exclude)
 
 
@@ -498,7 +558,6 @@ __all__ = [
     "Action",
     "PipelineRunner",
     "PipelineStats",
-    "check_pipeline_config",
     "pipeline_seed",
     "split_microbatches",
 ]

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from gm_trace.stage_cut import BACKWARD, FORWARD, PipelineCut, StageProgram
+from gm_trace.stage_cut import BACKWARD, FORWARD, PipelineCut, Slot, StageProgram
 
 Env = dict[str, Any]
 
@@ -20,24 +20,28 @@ def run_stages_in_one_process(
     input: Any,
     label: Any,
     captured: Sequence[torch.Tensor] = (),
+    extra: Sequence[torch.Tensor] = (),
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Every stage's forward in order, then every backward in reverse, on ``model``'s own
     tensors, each stage holding only what the pipeline runtime holds: its slots, the values
     it received, and from its forward to its backward the values it keeps; what is kept or
     sent must be a tensor. ``captured``: the values of the graph's captured tensors
-    (``JointGraph.captured.values()``). Returns the loss and the gradient of each parameter
-    by FQN."""
+    (``JointGraph.captured.values()``); ``extra``: the graph's inputs after those (a pass's:
+    accumulation buffers and weight). Returns the loss and the gradient of each parameter by
+    FQN."""
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     leaves = [x for x in pytree.tree_leaves((input, label)) if isinstance(x, torch.Tensor)]
     leaves += captured
     in_flight: dict[tuple[str, int], torch.Tensor] = {}
     """(value, destination stage) -> a value sent and not yet received."""
 
+    def slot_value(slot: Slot) -> torch.Tensor:
+        if slot.fqn is not None:
+            return state[slot.fqn]
+        return leaves[slot.index] if slot.index is not None else extra[slot.extra]
+
     def slots(program: StageProgram) -> Env:
-        return {
-            key: state[slot.fqn] if slot.fqn is not None else leaves[slot.index]
-            for key, slot in program.slots.items()
-        }
+        return {key: slot_value(slot) for key, slot in program.slots.items()}
 
     def run(program: StageProgram, phase: str, env: Env) -> None:
         for t in program.transfers("receive", phase):
