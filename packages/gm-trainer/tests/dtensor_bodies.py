@@ -155,7 +155,7 @@ def parity(rank: int, world: int, case: str, tp: int) -> dict:
         actual = mesh_bodies.whole_parameter(trainer, fqn, tp_group)
         torch.testing.assert_close(actual, expected.detach(), **parity_tolerance(STEPS), msg=fqn)
         worst = max(worst, (actual - expected).abs().max().item())
-    (joint,) = trainer._graphs.values()
+    (joint,) = trainer.registry.graphs("step")
     # phase (traced ones; "pass": inserted by the fsdp pass) / op / group
     kinds = Counter(
         f"{node.meta.get('gm_phase', 'pass')}/{collective_kind(node)}/{node.args[-1]}"

@@ -104,7 +104,7 @@ def parity(
     torch.testing.assert_close(
         torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-5
     )
-    programs = list(trainer._pipeline.programs.values())
+    programs = list(trainer.pipeline.programs.values())
     owned = {fqn for program in programs for fqns in program.grads.values() for fqn in fqns}
     worst = 0.0
     for fqn in sorted(owned):
@@ -119,21 +119,21 @@ def parity(
         for n in getattr(program, half).graph_module.graph.nodes
         if collective_kind(n) is not None
     )
-    stats = trainer._pipeline.stats
+    stats = trainer.pipeline.stats
     return {
         "stage": trainer.run.pp_stage,
         "owned": sorted(owned),
         "worst": worst,
         "losses": losses,
         "collectives": dict(collectives),
-        "stages": sorted(trainer._pipeline.programs),
+        "stages": sorted(trainer.pipeline.programs),
         "sends": sum(len(p.sends) for p in programs),
         "receives": sum(len(p.receives) for p in programs),
         "peak_held": stats.peak_held_bytes,
         "messages": stats.messages,
         "bubble": stats.bubble_fraction,
         "summary": trainer.pass_summary(),
-        "compiled": sorted(trainer._pipeline.compiled),
+        "compiled": sorted(trainer.pipeline.compiled),
     }
 
 
@@ -147,7 +147,7 @@ def held_activations(rank: int, world: int, microbatches: int) -> dict:
         for step in range(2):
             trainer.train_step(*global_batch(step, 2 * microbatches))
             trainer.optimizer_step()
-        stats = trainer._pipeline.stats
+        stats = trainer.pipeline.stats
         found[schedule] = {"held": stats.peak_held_bytes, "bubble": stats.bubble_fraction}
     return found
 
@@ -252,7 +252,7 @@ def tp_parity(rank: int, world: int) -> dict:
     )
     owned = {
         fqn
-        for program in trainer._pipeline.programs.values()
+        for program in trainer.pipeline.programs.values()
         for fqns in program.grads.values()
         for fqn in fqns
     }
@@ -262,7 +262,7 @@ def tp_parity(rank: int, world: int) -> dict:
         torch.testing.assert_close(actual, expected, **parity_tolerance(STEPS), msg=fqn)
     tp_collectives = Counter(
         collective_kind(n)
-        for program in trainer._pipeline.programs.values()
+        for program in trainer.pipeline.programs.values()
         for half in (program.forward, program.backward)
         for n in half.graph_module.graph.nodes
         if collective_kind(n) is not None and n.args[-1] == "tp"

@@ -331,3 +331,47 @@ def _without_shape(leaf: tuple[Any, ...]) -> tuple[Any, ...]:
 
 def _declared_name(declared: Mapping[str, Mapping[int, str]], path: str, dim: int) -> str:
     return declared.get(path, {}).get(dim, f"{path}.size({dim})")
+
+
+#: The graph variants of one trainer: a plain step; a micro-batch that only accumulates
+#: (under FSDP it reduces nothing, with ``in_graph`` it updates nothing); a window's last
+#: micro-batch, which reduces the window's gradients (FSDP) and may take the update.
+STEP, ACCUMULATE, LAST = "step", "accumulate", "last"
+VARIANTS = (STEP, ACCUMULATE, LAST)
+
+
+class GraphRegistry:
+    """Every compiled graph of one trainer, keyed by (variant, input signature, module
+    state); one :class:`GraphCache` per variant."""
+
+    def __init__(self, size: int, config: PassConfig) -> None:
+        self.caches = {variant: GraphCache(size, config) for variant in VARIANTS}
+
+    def cache(self, variant: str) -> GraphCache:
+        """The graphs of ``variant``."""
+        return self.caches[variant]
+
+    def graphs(self, variant: str | None = None) -> list[JointGraph]:
+        """Every compiled graph of ``variant`` (``None``: of every variant)."""
+        caches = self.caches.values() if variant is None else [self.caches[variant]]
+        return [joint for cache in caches for joint in cache.graphs.values()]
+
+    @property
+    def compile_count(self) -> int:
+        """How many graphs were traced and compiled, over all variants."""
+        return sum(cache.compile_count for cache in self.caches.values())
+
+    def mutated_fqns(self) -> set[str]:
+        """The buffers some graph updates in place (BatchNorm statistics)."""
+        return {fqn for joint in self.graphs() for fqn in joint.mutated_fqns}
+
+    def summary(self) -> str:
+        """``GraphTrainer.pass_summary``'s graphs: the plain steps, then the variants."""
+        step = self.caches[STEP]
+        parts = [step.summary(step.pipelines)]
+        for variant, label in ((ACCUMULATE, "accumulating"), (LAST, "last")):
+            cache = self.caches[variant]
+            if cache.pipelines:
+                variants = cache.summary(cache.pipelines)
+                parts.append(f"{label} micro-batch variants:\n\n" + variants)
+        return "\n\n".join(parts)

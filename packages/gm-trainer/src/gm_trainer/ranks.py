@@ -11,6 +11,7 @@ import torch.distributed as dist
 from gm_trace.signature import InputSignature
 from gm_trainer.errors import TrainingError
 from gm_trainer.graph_key import describe_module_state, module_state_key
+from gm_trainer.topology import Topology
 
 _NO_BATCH = -(2**62)
 
@@ -70,6 +71,16 @@ def _agree_on_digest(
         return ended, True, False
     agreed = probe[0].item() == digest and probe[1].item() == -digest
     return [], agreed, bool(probe[2].item())
+
+
+def sync_buffers(model: torch.nn.Module, fqns: set[str], topology: Topology) -> None:
+    """Make the buffers ``fqns`` (those the graphs update: BatchNorm statistics) rank 0's on
+    every data-parallel rank, as DDP's ``broadcast_buffers`` does."""
+    if not topology.fsdp_active:
+        return
+    buffers = [b for fqn, b in model.named_buffers() if fqn in fqns]
+    if buffers:
+        broadcast_buffers(buffers, [topology.fsdp_group, topology.replicate_group])
 
 
 def broadcast_buffers(
