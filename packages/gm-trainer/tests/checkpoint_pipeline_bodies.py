@@ -84,7 +84,7 @@ def save_resume_reload(rank: int, world: int, root: str) -> dict:
     ckpt = Path(root) / "pp"
     straight = pipeline_trainer(0)
     first = _steps(straight, range(SAVE_AT), rank, world, dp)
-    stage = straight.run.pp_stage
+    stage = straight.topology.pp_stage
     state = straight.state_dict()
     saved_keys = set(state["model"]), set(state["optim"]["state"])
     save_checkpoint(straight, ckpt, extra={"epoch": 1})

@@ -170,6 +170,31 @@ def parity(rank: int, world: int, case: str, tp: int) -> dict:
     }
 
 
+def accumulation(rank: int, world: int, case: str) -> dict:
+    """TP 2 x FSDP 2 with ``train(accumulation_steps=2)``: a second graph (the window's last
+    micro-batch, which reduces the window's gradients) wraps the DTensor parameters again,
+    and the run equals one eager process on the global batch."""
+    trainer, reference, train_fn, batch, mesh = _trainer(case, 2)
+    expected_losses, reference = _eager(reference, train_fn, batch, STEPS)
+    micro = []
+    for step in range(STEPS):
+        rows = _rows(batch(step), mesh)
+        half = rows[0].shape[0] // 2
+        micro += [tuple(t[:half] for t in rows), tuple(t[half:] for t in rows)]
+    records = trainer.train(micro, accumulation_steps=2)
+    torch.testing.assert_close(
+        torch.tensor([r["loss"] for r in records]),
+        torch.tensor(expected_losses),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    tp_group = mesh.device_mesh["tp"].get_group()
+    for fqn, expected in reference.named_parameters():
+        actual = mesh_bodies.whole_parameter(trainer, fqn, tp_group)
+        torch.testing.assert_close(actual, expected.detach(), **parity_tolerance(STEPS), msg=fqn)
+    return {"variants": sorted(v for v, c in trainer.registry.caches.items() if c.graphs)}
+
+
 def resume(rank: int, world: int, root: str) -> dict:
     """tp 2 x fsdp 2: save after 2 of 4 steps, resume in a new trainer: the same losses, bit
     for bit, as training straight through."""

@@ -239,7 +239,7 @@ def last_micro_batch_takes_the_update(rank: int, world: int, k: int = 4):
 
 
 def signatures_per_micro_batch(rank: int, world: int):
-    """How many times a batch signature is computed (``InputSignature._of_leaves``) per
+    """How many times a batch signature is computed (``InputSignature.of_leaves``) per
     micro-batch once the graphs are compiled: by ``train_step`` and by ``train`` with
     accumulation (the optimizer in the graph)."""
     from gm_trace.testing.counting import counting_signatures

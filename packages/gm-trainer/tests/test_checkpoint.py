@@ -251,3 +251,44 @@ def _assert_close(actual: list[float], expected: list[float]) -> None:
     assert len(actual) == len(expected), (actual, expected)
     for a, e in zip(actual, expected):
         assert math.isclose(a, e, rel_tol=1e-6, abs_tol=1e-6), (actual, expected)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize(
+    "optim", [{}, {"name": "adamw"}, {"name": "sgd", "kwargs": {"momentum": 0.9}}], ids=str
+)
+def test_own_dcp_path_into_a_fresh_trainer_loads_the_optimizer_state(tmp_path, optim):
+    """Issue #31, item 3: ``dcp.load(trainer.state_dict())`` on a freshly compiled trainer
+    built its template from an empty ``optimizer.state``, so the moments were never loaded
+    while the step was, and the next step was wrong without an error."""
+    batches = [make_regression_batch(8, seed=s) for s in range(4)]
+    straight = mlp_trainer(**optim)
+    straight.train(batches)
+    first = mlp_trainer(**optim)
+    first.train(batches[:2])
+    dcp.save(first.state_dict(), checkpoint_id=tmp_path / "own", no_dist=True)
+    second = mlp_trainer(**optim)
+    second.compile(*batches[0])
+    state = second.state_dict()
+    dcp.load(state, checkpoint_id=tmp_path / "own", no_dist=True)
+    second.load_state_dict(state)
+    assert second.step == 2
+    second.train(batches[2:])
+    for p, q in zip(second.model.parameters(), straight.model.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_own_dcp_path_refuses_what_it_cannot_load(tmp_path):
+    """An optimizer whose lazily created state is not known (Adagrad creates it eagerly,
+    RMSprop lazily): the template cannot hold it, so loading a later step is refused."""
+    batch = make_regression_batch(8, seed=0)
+    first = mlp_trainer(name="rmsprop")
+    first.train([batch, batch])
+    dcp.save(first.state_dict(), checkpoint_id=tmp_path / "own", no_dist=True)
+    second = mlp_trainer(name="rmsprop")
+    second.compile(*batch)
+    state = second.state_dict()
+    dcp.load(state, checkpoint_id=tmp_path / "own", no_dist=True)
+    with pytest.raises(CheckpointError, match=r"at step 2 but holds no optimizer state.*RMSprop"):
+        second.load_state_dict(state)

@@ -18,6 +18,7 @@ from gm_trainer.checkpoint_io import CHECKPOINT_FORMAT, CheckpointError, check_h
 from gm_trainer.checkpoint_layout import CheckpointLayout
 from gm_trainer.checkpoint_stages import gather_stages, own_state
 from gm_trainer.checkpoint_view import CheckpointView, as_view
+from gm_trainer.optim import initial_state
 
 
 # Not torch.distributed.checkpoint.state_dict's get_model_state_dict / get_optimizer_state_dict:
@@ -41,7 +42,7 @@ def trainer_state_dict(trainer: Any, extra: Mapping[str, Any] | None = None) -> 
     foreign = view.foreign
 
     optim_state: dict[str, dict[str, torch.Tensor]] = {}
-    for param, state in view.optimizer.state.items():
+    for param, state in _states_with_initial(view.optimizer):
         fqn = names[id(param)]
         if fqn in foreign:
             continue  # another pipeline stage's parameter: that stage saves its state
@@ -86,6 +87,24 @@ def trainer_state_dict(trainer: Any, extra: Mapping[str, Any] | None = None) -> 
     if view.topology.rank == 0:
         state["extra"] = extra_json
     return state
+
+
+def _states_with_initial(
+    optimizer: torch.optim.Optimizer,
+) -> list[tuple[torch.Tensor, Mapping[str, Any]]]:
+    """Every parameter's optimizer state; one that has none yet (before the first step) gets
+    what its first step creates (:func:`gm_trainer.optim.initial_state`, a new tensor, not the
+    live state), so that a dict built before training is a complete template for
+    ``dcp.load`` (the state is created lazily by torch.optim)."""
+    states = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if not state and param.requires_grad:
+                state = initial_state(optimizer, param, group) or {}
+            if state:
+                states.append((param, state))
+    return states
 
 
 def model_state_views(trainer: Any) -> dict[str, Any]:
@@ -152,6 +171,7 @@ def restore(view: CheckpointView, state: Mapping[str, Any], *, copy: bool) -> di
             )
         pieces[key] = piece
     optim_sd = _optimizer_state_dict(view, state.get("optim", {}), layout, names, copy)
+    _check_state_loaded(view, optim_sd, header["step"])
 
     with torch.no_grad():
         for key, piece in pieces.items():
@@ -209,6 +229,30 @@ def _optimizer_state_dict(
         group["params"] = [index[names[id(p)]] for p in live_group["params"]]
         param_groups.append(group)
     return {"state": state, "param_groups": param_groups}
+
+
+def _check_state_loaded(view: CheckpointView, optim_sd: Mapping[str, Any], step: int) -> None:
+    """Refuse to continue at ``step`` > 0 with trainable parameters that get no optimizer
+    state: a dict built before the first step of an optimizer whose lazy state is not known
+    here holds none to load into, and the next step would silently start the optimizer
+    over."""
+    if step == 0 or initial_state(view.optimizer, torch.empty(0), {}) is not None:
+        return
+    params = [p for g in view.optimizer.param_groups for p in g["params"]]
+    names = canonical_names(view.model)
+    missing = [
+        names[id(p)]
+        for i, p in enumerate(params)
+        if p.requires_grad and i not in optim_sd["state"] and names[id(p)] not in view.foreign
+    ]
+    if missing:
+        raise CheckpointError(
+            f"the state to load is at step {step} but holds no optimizer state for "
+            f"{missing[:3]}{' ...' if len(missing) > 3 else ''}: it was built (trainer."
+            f"state_dict()) before {type(view.optimizer).__name__} created its state, so "
+            "dcp.load had nowhere to put it; load with gm_trainer.load_checkpoint, or run "
+            "one step before building the dict"
+        )
 
 
 def _like(value: Any, live: Any) -> Any:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -23,15 +23,25 @@ from gm_trace.deferred_reduce import DeferredReducePass
 from gm_trace.dtensor import DTensorSpec
 from gm_trace.joint_graph import JointGraph
 from gm_trace.last_micro_batch import LastMicroBatchPass
+from gm_trace.optimizer_update import OptimizerUpdate, OptimizerUpdatePass
 from gm_trace.sharding_layout import ShardingLayout
 from gm_trainer.dtensor_tp import adopt_dtensor_params, trace_step
 from gm_trainer.errors import TrainingError
 from gm_trainer.graph_cache import ACCUMULATE, LAST, STEP, GraphCache, GraphRegistry
 from gm_trainer.graph_key import ClosureWatch
 from gm_trainer.mesh import ResolvedMesh
-from gm_trainer.optim import OptimizerConfig
-from gm_trainer.optim_graph import plan_update, untraceable_reason
 from gm_trainer.topology import FSDP_GROUP_NAME, ResolvedRun, Topology, resolve_run
+
+
+class UpdatePlanner(Protocol):
+    """The optimizer's side of the update in the graph (``gm_trainer.optim_graph``)."""
+
+    @property
+    def requested(self) -> bool: ...
+
+    def why_not(self, topology: Topology) -> str | None: ...
+
+    def plan(self, grad_fqns: Sequence[str]) -> OptimizerUpdate: ...
 
 
 class GraphCompiler:
@@ -44,7 +54,7 @@ class GraphCompiler:
         pass_config: PassConfig,
         pass_plan: PassPlan | None,
         mesh: ResolvedMesh | None,
-        optimizer_config: OptimizerConfig,
+        update: UpdatePlanner,
         registry: GraphRegistry,
         passes: Sequence[GraphPass] = (),
     ) -> None:
@@ -53,7 +63,7 @@ class GraphCompiler:
         self.pass_config = pass_config
         self.pass_plan = pass_plan
         self.mesh = mesh
-        self.optimizer_config = optimizer_config
+        self.update = update
         self.registry = registry
         self.extra_passes = list(passes)
         self.run: ResolvedRun | None = None
@@ -80,8 +90,7 @@ class GraphCompiler:
     @property
     def update_traceable(self) -> bool:
         """True when ``in_graph`` asks for the update in the graph and it can be traced."""
-        config = self.optimizer_config
-        return config.in_graph and untraceable_reason(config, self._topology) is None
+        return self.update.requested and self.update.why_not(self._topology) is None
 
     def variant_for(self, accumulate: bool, last: bool = False) -> str:
         """Which graph variant a micro-batch runs: a plain step, an accumulating micro-batch
@@ -93,7 +102,7 @@ class GraphCompiler:
         fsdp = self._topology.fsdp_active
         if last and (fsdp or self.update_traceable):
             return LAST
-        return ACCUMULATE if fsdp or self.optimizer_config.in_graph else STEP
+        return ACCUMULATE if fsdp or self.update.requested else STEP
 
     def compile(self, input: Any, label: Any, variant: str = STEP) -> JointGraph:
         """The graph of ``variant`` for this (padded, device-resident) batch and the model's
@@ -187,12 +196,9 @@ class GraphCompiler:
     ) -> tuple[JointGraph, list[GraphPass]]:
         """``joint`` and ``passes`` with the ``optimizer`` pass when ``in_graph`` asks for it
         and the optimizer can be traced; otherwise unchanged, with a ``RuntimeWarning``."""
-        from gm_trace.optimizer_update import OptimizerUpdatePass
-
-        config = self.optimizer_config
-        if not config.in_graph:
+        if not self.update.requested:
             return joint, passes
-        reason = untraceable_reason(config, self._topology)
+        reason = self.update.why_not(self._topology)
         if reason is not None:
             if self.in_graph_reason is None:
                 warnings.warn(
@@ -203,7 +209,7 @@ class GraphCompiler:
                 )
             self.in_graph_reason = reason
             return joint, passes
-        spec = plan_update(config, joint.grad_fqns)
+        spec = self.update.plan(joint.grad_fqns)
         return joint.replace(optimizer_update=spec), [*passes, OptimizerUpdatePass()]
 
     def _adopt_sharding(self, layout: ShardingLayout | None) -> None:

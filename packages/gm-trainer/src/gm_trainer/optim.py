@@ -159,3 +159,25 @@ def clip_to_norm(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: 
     if coefficient < 1.0:
         for g in grads:
             g.mul_(coefficient)
+
+
+def initial_state(
+    optimizer: torch.optim.Optimizer, param: torch.Tensor, group: Mapping[str, Any]
+) -> dict[str, torch.Tensor] | None:
+    """The state ``optimizer`` creates for ``param`` on its first step, at step 0 — which
+    ``torch.optim``'s Adam, AdamW and SGD treat exactly as no state — or ``None`` for an
+    optimizer whose lazily created state is not known here. SGD without momentum has none."""
+    zeros = torch.zeros_like(param, memory_format=torch.preserve_format)
+    if type(optimizer) is torch.optim.SGD:
+        # Zero, then buf * momentum + grad: exactly torch.optim's first clone(grad) (dampening 0).
+        return {"momentum_buffer": zeros} if group.get("momentum", 0) else {}
+    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+        state = {
+            "step": torch.tensor(0.0, dtype=torch.get_default_dtype()),
+            "exp_avg": zeros,
+            "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+        }
+        if group.get("amsgrad"):
+            state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        return state
+    return None

@@ -66,6 +66,27 @@ def plan_update(config: OptimizerConfig, grad_fqns: Sequence[str]) -> OptimizerU
     return OptimizerUpdate(groups=(rule,), params=params, max_norm=config.grad_clip)
 
 
+class GraphUpdatePlanner:
+    """What the compiler asks about the update in the graph: whether it is wanted, why it
+    cannot be traced on a topology, and the update to trace for a graph's gradients."""
+
+    def __init__(self, config: OptimizerConfig) -> None:
+        self.config = config
+
+    @property
+    def requested(self) -> bool:
+        """``OptimizerConfig(in_graph=True)``."""
+        return self.config.in_graph
+
+    def why_not(self, topology: Topology) -> str | None:
+        """Why the update cannot be traced (``None``: it can)."""
+        return untraceable_reason(self.config, topology)
+
+    def plan(self, grad_fqns: Sequence[str]) -> OptimizerUpdate:
+        """The update to trace for the parameters with a gradient."""
+        return plan_update(self.config, grad_fqns)
+
+
 class GraphStepInputs:
     """Builds the graph's optimizer inputs for one step: bumps ``state["step"]`` and computes
     the per-step scalars exactly as ``torch.optim``'s single-tensor code does.

@@ -44,6 +44,7 @@ from gm_trainer.graph_cache import STEP, GraphRegistry, with_dynamic_dims
 from gm_trainer.loop import train_loop
 from gm_trainer.mesh import MeshError, ResolvedMesh, resolve_mesh_context
 from gm_trainer.optim import OptimizerConfig
+from gm_trainer.optim_graph import GraphUpdatePlanner
 from gm_trainer.padding import Padding
 from gm_trainer.pipeline_runtime import PipelineRunner, check_pipeline_config
 from gm_trainer.step_guard import check_nonfinite_mode
@@ -147,7 +148,7 @@ class GraphTrainer:
             self.pass_config,
             pass_plan,
             mesh,
-            self.optimizer_config,
+            GraphUpdatePlanner(self.optimizer_config),
             self.registry,
             passes,
         )
