@@ -81,7 +81,8 @@ on the same weights and the global batch:
   every parameter (gathered whole from `state_dict()`) within `parity_tolerance({steps})`.
   bf16 (`param_dtype`): against eager with the same casts, at the bfloat16 tolerance, each
   update in norm. Checkpoint resume: saved after {save_at} steps, loaded into a fresh trainer
-  (other initial weights), and the rest of the run bitwise equal to the uninterrupted one.
+  (other initial weights): `step` and `data_position` as saved, and the rest of the run
+  bitwise equal to the uninterrupted one.
 - **match, eager update**: a match, but `in_graph` fell back to the eager update (the reason
   is the trainer's warning).
 - **refused**: a `ConfigError` before the first optimizer step (its first line below).

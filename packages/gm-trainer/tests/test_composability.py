@@ -38,10 +38,10 @@ MATCHING = [
 
 def _run(dist_pool, cell: tuple[str, ...], tmp_path) -> dict:
     pool = dist_pool(bodies.Setup.of(cell).world)
-    result = bodies.merge(pool.run(bodies.run_cell, cell, str(tmp_path), timeout=300))
-    if result["outcome"] == "broken":
-        pool.close()  # a collective of the failed cell may be pending: fresh ranks next time
-    return result
+    per_rank = pool.run(bodies.run_cell, cell, str(tmp_path), timeout=300)
+    if len({(r["outcome"], r["detail"]) for r in per_rank}) > 1:
+        pool.close()  # the ranks stopped at different places: restart them for the next test
+    return bodies.merge(per_rank)
 
 
 @pytest.mark.parametrize(
@@ -60,15 +60,18 @@ def test_pair_matches_eager(cell, dist_pool, tmp_path):
     assert result["outcome"] == "match", (result["outcome"], result["detail"], result["where"])
 
 
-#: Refused pairs and the start of their message. PP x in_graph and PP x dynamic_dims are
+#: Refused pairs and what their message says. PP x in_graph and PP x dynamic_dims are
 #: capabilities still missing (issue 26, item 1); TP x PP's automatic split is refused
-#: wrongly (it cuts against the data flow under DTensor).
+#: wrongly (under DTensor it cuts against the data flow), so it is pinned here until it works.
 REFUSED = {
-    ("pp", "in_graph"): "ConfigError: PassConfig.pp_degree=2 does not combine with "
-    "OptimizerConfig(in_graph=True) yet",
-    ("pp", "dynamic"): "ConfigError: PassConfig.pp_degree=2 does not combine with dynamic_dims",
-    ("tp", "pp"): "PipelineSplitError: 'pow_1' in module 'model.layers.0.input_layernorm' runs "
-    "in stage 0 but reads 'embedding' in module 'model.embed_tokens' from the later stage 1",
+    ("pp", "in_graph"): (
+        "ConfigError: PassConfig.pp_degree=2 does not combine with OptimizerConfig(in_graph=True)",
+    ),
+    ("pp", "dynamic"): ("ConfigError: PassConfig.pp_degree=2 does not combine with dynamic_dims",),
+    ("tp", "pp"): (
+        "PipelineSplitError: ",
+        "from the later stage 1: the stage boundaries cut the forward against its data flow",
+    ),
 }
 
 
@@ -76,7 +79,9 @@ REFUSED = {
 def test_refused_pair_says_why_before_training(cell, dist_pool, tmp_path):
     result = _run(dist_pool, cell, tmp_path)
     assert result["outcome"] == "refused", (result["outcome"], result["detail"])
-    assert result["detail"].startswith(REFUSED[cell]), result["detail"]
+    start, *rest = REFUSED[cell]
+    assert result["detail"].startswith(start), result["detail"]
+    assert all(fragment in result["detail"] for fragment in rest), result["detail"]
 
 
 def test_every_pair_and_triple_is_a_cell_on_2_or_4_ranks_or_1():
