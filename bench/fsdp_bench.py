@@ -131,7 +131,7 @@ def _graph_step(trainer, accumulation: int = 1, compute_only: bool = False):
             if compute_only:  # no per-batch agreement: not one collective
                 # The last micro-batch's graph takes the update when it is in the graph.
                 last = window.last(micro) if i == accumulation - 1 > 0 else None
-                loss = trainer._micro_step(*part, 1.0, accumulation > 1, last)
+                loss = trainer.executor.run(*part, 1.0, accumulation > 1, last)
                 window.add(loss, micro, 0)
             else:
                 trainer.train_step(*part)
@@ -344,10 +344,10 @@ def _graph_bytes_per_step(trainer, k: int) -> int:
         )
 
     if k == 1:
-        return sum(moved(joint.graph_module) for joint in trainer._graphs.values())
+        return sum(moved(joint.graph_module) for joint in trainer.registry.graphs("step"))
     total = 0
-    last = list(trainer._last_cache.graphs.values())  # the window's last, when it updates
-    for joint in trainer._accumulate_cache.graphs.values():  # the micro-batch variants
+    last = list(trainer.registry.graphs("last"))  # the window's last, when it updates
+    for joint in trainer.registry.graphs("accumulate"):  # the micro-batch variants
         total += (k - len(last)) * moved(joint.graph_module)
         if joint.deferred is not None and not last:
             total += moved(joint.deferred.graph_module)

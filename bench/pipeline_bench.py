@@ -61,13 +61,13 @@ def _rank(rank: int, world: int, layers: int, microbatches: int, steps: int) -> 
         for schedule, trainer in trainers.items():
             trainer.train_step(*_batch(step, rows))
             trainer.optimizer_step()
-            stats = trainer._pipeline.stats
+            stats = trainer.pipeline.stats
             if step:  # the first step traces and cuts
                 times[schedule].append(stats.step_s)
                 bubbles[schedule].append(stats.bubble_fraction)
     report = {}
     for schedule, trainer in trainers.items():
-        runner = trainer._pipeline
+        runner = trainer.pipeline
         report[schedule] = {
             "held": runner.stats.peak_held_bytes,
             "estimate": max(p.held_bytes for p in runner.programs.values())
@@ -75,7 +75,7 @@ def _rank(rank: int, world: int, layers: int, microbatches: int, steps: int) -> 
             "bubble": statistics.median(bubbles[schedule]),
             "step_ms": 1e3 * statistics.median(times[schedule]),
             "boundary": runner.cut.boundary_bytes(),
-            "params": trainer._pipeline._joint.stages.param_counts,
+            "params": trainer.pipeline.current_joint.stages.param_counts,
         }
     return report
 

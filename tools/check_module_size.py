@@ -1,8 +1,9 @@
-"""Fail when a source module of a distribution grows past a line budget.
+"""Warn when a source module of a distribution grows past a line budget.
 
-One purpose per module keeps each one readable; a module that passes the budget has more
-than one and is split (see docs/architecture.md). Usage: ``python tools/check_module_size.py
-[MAX_LINES]`` (default 450), run by ``nox -s lint``.
+The rule is one owner, one responsibility per module: a module is split where it has two
+owners, not where it reaches a line count. A long module is only a hint to look for a second
+owner, so this check warns and passes. Usage: ``python tools/check_module_size.py [MAX_LINES]
+[--strict]`` (default 450; ``--strict`` fails instead), run by ``nox -s lint``.
 """
 
 from __future__ import annotations
@@ -24,13 +25,18 @@ def oversized(max_lines: int) -> list[tuple[Path, int]]:
 
 
 def main(argv: list[str]) -> int:
-    max_lines = int(argv[0]) if argv else 450
+    strict = "--strict" in argv
+    numbers = [arg for arg in argv if arg != "--strict"]
+    max_lines = int(numbers[0]) if numbers else 450
     found = oversized(max_lines)
     for path, lines in found:
-        print(f"{path}: {lines} lines (budget {max_lines}): split it by purpose")
+        print(
+            f"warning: {path}: {lines} lines (budget {max_lines}): does it have more than one "
+            "owner or responsibility?"
+        )
     if not found:
         print(f"every source module has at most {max_lines} lines")
-    return 1 if found else 0
+    return 1 if found and strict else 0
 
 
 if __name__ == "__main__":

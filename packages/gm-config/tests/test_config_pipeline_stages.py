@@ -142,3 +142,11 @@ def test_balanced_stages_minimise_the_largest_stage(sizes, degree, expected):
 def test_balanced_stages_need_enough_blocks():
     with pytest.raises(ConfigError, match=r"3 pipeline stages need at least as many blocks.*a, b"):
         balanced_stages([("a", 1), ("b", 1)], 3)
+
+
+def test_balanced_stages_cut_only_where_the_data_flow_allows():
+    blocks = [(f"b{i}", size) for i, size in enumerate([1, 1, 1, 1])]
+    # Unconstrained the best cut is b0 b1 | b2 b3; with a boundary allowed only before b3:
+    assert balanced_stages(blocks, 2, allowed_cuts={3}) == (("b0", "b1", "b2"), ("b3",))
+    with pytest.raises(ConfigError, match=r"cannot be cut into 3 pipeline stages.*before \['b3'\]"):
+        balanced_stages(blocks, 3, allowed_cuts={3})

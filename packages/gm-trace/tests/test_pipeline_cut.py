@@ -165,3 +165,37 @@ def test_a_non_tensor_crossing_a_boundary_is_refused():
         match=r"crosses from stage 0 to stage 1 but is not a tensor \((list|tuple)\)",
     ):
         cut_pipeline(joint, 2)
+
+
+class _ReadsLateWeightsFirst(torch.nn.Module):
+    """``a`` runs before ``b`` and ``c``, but the forward reads ``c.weight`` and ``b.weight``
+    at the top, as DTensor TP's parameter wraps do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = 1 + 0 * (self.c.weight.sum() + self.b.weight.sum())  # read first, used last
+        return self.c(self.b(self.a(x))) * scale
+
+
+def _mse(model, x, y):
+    return F.mse_loss(model(x), y)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_the_automatic_split_follows_where_modules_run_not_their_first_reader(stages):
+    """Ordered by the first reader, ``b`` and ``c`` would come before ``a`` and a cut would
+    run against the data flow (a PipelineSplitError on 713035a); ordered by where each
+    module runs, every automatic cut is valid and the stages compute the whole graph."""
+    torch.manual_seed(0)
+    model = _ReadsLateWeightsFirst()
+    batch = (torch.randn(4, 8), torch.randn(4, 8))
+    joint, _ = compile_joint(model, _mse, batch, PassConfig(pp_degree=stages))
+    assert [s[0] for s in joint.stages.stages] == ["a", "b", "c"][:stages]
+    whole = run_traced_graph(joint, copy.deepcopy(model), *batch)
+    loss, grads = _run_stages(cut_pipeline(joint, stages), model, batch)
+    assert torch.equal(loss, whole.loss)
+    for fqn, grad in whole.grads.items():
+        assert torch.equal(grads[fqn], grad), fqn

@@ -13,7 +13,6 @@ from gm_trace.testing import TinyGPT, lm_loss, make_lm_batch
 from gm_trainer.checkpoint import full_model_state, load_checkpoint, save_checkpoint
 from gm_trainer.checkpoint_io import open_checkpoint
 from gm_trainer.checkpoint_read import read_metadata
-from gm_trainer.checkpoint_stages import foreign_state
 from gm_trainer.trainer import GraphTrainer
 
 # Odd sizes: the embedding's 61 rows and pos_emb's 3 split unevenly over a stage's 2 FSDP ranks.
@@ -85,7 +84,7 @@ def save_resume_reload(rank: int, world: int, root: str) -> dict:
     ckpt = Path(root) / "pp"
     straight = pipeline_trainer(0)
     first = _steps(straight, range(SAVE_AT), rank, world, dp)
-    stage = straight.run.pp_stage
+    stage = straight.topology.pp_stage
     state = straight.state_dict()
     saved_keys = set(state["model"]), set(state["optim"]["state"])
     save_checkpoint(straight, ckpt, extra={"epoch": 1})
@@ -97,7 +96,7 @@ def save_resume_reload(rank: int, world: int, root: str) -> dict:
     assert load_checkpoint(resumed, ckpt) == {"epoch": 1}
     assert resumed.step == SAVE_AT
     again = _steps(resumed, range(SAVE_AT, STEPS), rank, world, dp)
-    foreign = foreign_state(resumed)
+    foreign = resumed.checkpoint_view().foreign
     names = {id(p): n for n, p in straight.model.named_parameters()}
     for (fqn, p), q in zip(resumed.model.named_parameters(), straight.model.parameters()):
         if fqn not in foreign:

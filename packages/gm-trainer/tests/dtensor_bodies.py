@@ -155,7 +155,7 @@ def parity(rank: int, world: int, case: str, tp: int) -> dict:
         actual = mesh_bodies.whole_parameter(trainer, fqn, tp_group)
         torch.testing.assert_close(actual, expected.detach(), **parity_tolerance(STEPS), msg=fqn)
         worst = max(worst, (actual - expected).abs().max().item())
-    (joint,) = trainer._graphs.values()
+    (joint,) = trainer.registry.graphs("step")
     # phase (traced ones; "pass": inserted by the fsdp pass) / op / group
     kinds = Counter(
         f"{node.meta.get('gm_phase', 'pass')}/{collective_kind(node)}/{node.args[-1]}"
@@ -168,6 +168,31 @@ def parity(rank: int, world: int, case: str, tp: int) -> dict:
         "collectives": dict(sorted(kinds.items())),
         "split": _split(trainer),
     }
+
+
+def accumulation(rank: int, world: int, case: str) -> dict:
+    """TP 2 x FSDP 2 with ``train(accumulation_steps=2)``: a second graph (the window's last
+    micro-batch, which reduces the window's gradients) wraps the DTensor parameters again,
+    and the run equals one eager process on the global batch."""
+    trainer, reference, train_fn, batch, mesh = _trainer(case, 2)
+    expected_losses, reference = _eager(reference, train_fn, batch, STEPS)
+    micro = []
+    for step in range(STEPS):
+        rows = _rows(batch(step), mesh)
+        half = rows[0].shape[0] // 2
+        micro += [tuple(t[:half] for t in rows), tuple(t[half:] for t in rows)]
+    records = trainer.train(micro, accumulation_steps=2)
+    torch.testing.assert_close(
+        torch.tensor([r["loss"] for r in records]),
+        torch.tensor(expected_losses),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    tp_group = mesh.device_mesh["tp"].get_group()
+    for fqn, expected in reference.named_parameters():
+        actual = mesh_bodies.whole_parameter(trainer, fqn, tp_group)
+        torch.testing.assert_close(actual, expected.detach(), **parity_tolerance(STEPS), msg=fqn)
+    return {"variants": sorted(v for v, c in trainer.registry.caches.items() if c.graphs)}
 
 
 def resume(rank: int, world: int, root: str) -> dict:

@@ -117,12 +117,12 @@ def deferred_equals_per_micro_batch(rank: int, world: int, k: int = 4):
     for step in range(2):
         window = MicroBatches()
         for x, y in micro[step * k : (step + 1) * k]:
-            window.add(each._micro_step(x, y, window.weight(x.shape[0])), x.shape[0], 0)
+            window.add(each.executor.run(x, y, window.weight(x.shape[0])), x.shape[0], 0)
         scale_grads(each.model, window.final_scale())
         norms.append(each.optimizer_step())
     # The first graphs (2-row micro-batches); the 1-row one moves the same bytes.
-    plain = next(iter(each._graphs.values()))
-    accumulating = next(iter(deferred._accumulate_cache.graphs.values()))
+    plain = next(iter(each.registry.graphs("step")))
+    accumulating = next(iter(deferred.registry.graphs("accumulate")))
     for a, b in zip(deferred.model.parameters(), each.model.parameters()):
         torch.testing.assert_close(a, b, **parity_tolerance(2))  # two optimizer steps
     return {
@@ -131,9 +131,7 @@ def deferred_equals_per_micro_batch(rank: int, world: int, k: int = 4):
         "accumulating_bytes": _collective_bytes(accumulating.graph_module),
         "reduction_bytes": _collective_bytes(accumulating.deferred.graph_module),
         # The window's last micro-batch reduces the window's sum inside its own graph.
-        "last_bytes": _collective_bytes(
-            next(iter(deferred._last_cache.graphs.values())).graph_module
-        ),
+        "last_bytes": _collective_bytes(next(iter(deferred.registry.graphs("last"))).graph_module),
         "grads_none": all(p.grad is None for p in deferred.model.parameters()),
     }
 
@@ -228,7 +226,7 @@ def last_micro_batch_takes_the_update(rank: int, world: int, k: int = 4):
         for a, b in zip(eager.model.parameters(), graph.model.parameters())
         for key in eager.optimizer.state[a]
     ]
-    last = next(iter(graph._last_cache.graphs.values()))
+    last = next(iter(graph.registry.graphs("last")))
     return {
         "records": (eager_records, graph_records),
         "bitwise": all(torch.equal(a, b) for a, b in pairs),
@@ -241,7 +239,7 @@ def last_micro_batch_takes_the_update(rank: int, world: int, k: int = 4):
 
 
 def signatures_per_micro_batch(rank: int, world: int):
-    """How many times a batch signature is computed (``InputSignature._of_leaves``) per
+    """How many times a batch signature is computed (``InputSignature.of_leaves``) per
     micro-batch once the graphs are compiled: by ``train_step`` and by ``train`` with
     accumulation (the optimizer in the graph)."""
     from gm_trace.testing.counting import counting_signatures

@@ -45,6 +45,13 @@ def test_tp2_fsdp2_sequence_parallel_llama_matches_eager(dist_pool):
     assert len(counts) == 7
 
 
+@pytest.mark.parametrize("case", ["mlp", "llama"])
+def test_tp2_fsdp2_accumulation_wraps_dtensors_in_every_graph_variant(case, dist_pool):
+    """Issue #26: DTensor TP broke on any second graph ('weight' is not an nn.Parameter)."""
+    results = dist_pool(4).run(bodies.accumulation, case, timeout=600)
+    assert results[0]["variants"] == ["accumulate", "last"]
+
+
 def test_save_on_tp2_fsdp2_and_resume_is_bitwise(dist_pool, tmp_path):
     results = dist_pool(4).run(bodies.resume, str(tmp_path), timeout=300)
     for result in results:

@@ -161,8 +161,9 @@ def test_interleaved_orders_run_everything_after_what_it_reads(ranks, virtual, m
         assert in_flight(order) <= warmup + 1
 
 
-def test_pp2_tp2_mesh_context_matches_eager(dist_pool):
-    results = dist_pool(4).run(bodies.tp_parity, timeout=600)
+@pytest.mark.parametrize("automatic", [False, True], ids=["named_stages", "automatic_split"])
+def test_pp2_tp2_mesh_context_matches_eager(dist_pool, automatic):
+    results = dist_pool(4).run(bodies.tp_parity, automatic, timeout=600)
     # rank = (stage x dp + dp index) x tp + tp index: ranks 0, 1 are stage 0's TP pair
     assert [r["stage"] for r in results] == [0, 0, 1, 1]
     # each stage's row-parallel linears all-reduce their outputs over "tp" in forward

@@ -79,12 +79,13 @@ def test_resume_from_a_checkpoint_continues_the_exact_curve(tmp_path) -> None:
 
     first = _trainer()
     first.train(batches[:3])
-    save_checkpoint(first, tmp_path / "ckpt", extra=scheduler_extra(first, {"epoch": 0}))
+    extra = scheduler_extra(first.lr_scheduler, {"epoch": 0})
+    save_checkpoint(first, tmp_path / "ckpt", extra=extra)
     second = _trainer()
     second.compile(*batches[0])
     extra = load_checkpoint(second, tmp_path / "ckpt")
     assert extra["epoch"] == 0 and extra["lr_scheduler"]["last_epoch"] == 3
-    restore_scheduler(second, extra)
+    restore_scheduler(second.lr_scheduler, second.optimizer, second.step, extra)
     resumed = second.train(batches[3:])
     assert [(r["loss"], r["lr"]) for r in resumed] == [(r["loss"], r["lr"]) for r in expected[3:]]
     for a, b in zip(second.model.parameters(), straight.model.parameters()):

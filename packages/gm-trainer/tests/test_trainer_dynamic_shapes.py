@@ -79,7 +79,7 @@ def test_automatic_dynamic_makes_the_changing_dims_symbolic_after_the_second_sha
     batches = acceptance_batches("tiny_gpt", steps=8)  # the first two differ in both dims
     train_in_lockstep(trainer, reference, train_fn, batches, exact=True)
     assert trainer.compile_count == 2
-    first, second = trainer._graph_cache.reasons
+    first, second = trainer.registry.cache("step").reasons
     assert first == "first batch; traced static"
     assert second.startswith("new signature (changed: input.size(0), input.size(1), label.size(0)")
     assert "traced symbolic: input.size(0); input.size(1)" in second
@@ -90,7 +90,7 @@ def test_automatic_dynamic_makes_the_changing_dims_symbolic_after_the_second_sha
     for rows, seq in [(2, 8), (3, 8), (2, 9)]:
         trainer.train_step(*make_lm_batch(rows, seq, bodies.VOCAB))
     assert trainer.compile_count == 3
-    assert all(graph.shape_guards is None for graph in trainer._graphs.values())
+    assert all(graph.shape_guards is None for graph in trainer.registry.graphs("step"))
 
 
 class Branchy(nn.Module):
@@ -113,7 +113,7 @@ def test_a_batch_that_fails_a_guard_is_traced_again_and_the_reason_logged(caplog
         for seq in (16, 40, 100, 64, 128):
             trainer.train_step(*make_lm_batch(2, seq, bodies.VOCAB))
     assert trainer.compile_count == 2
-    guards = [graph.shape_guards.guards for graph in trainer._graphs.values()]
+    guards = [graph.shape_guards.guards for graph in trainer.registry.graphs("step")]
     assert [g.text for g in guards[0]] == ["seq <= 64"]
     assert [g.text for g in guards[1]] == ["seq >= 65", "seq <= 128"]
     logged = [r.getMessage() for r in caplog.records if r.name == "gm_trainer.graphs"]
@@ -145,7 +145,7 @@ def test_padding_to_a_multiple_keeps_the_loss_and_gradients_of_the_unpadded_batc
         trainer.model.zero_grad()
     # Padded positions change the matmul sizes, not the math: float32 rounding only.
     assert worst <= 1e-6, worst
-    shapes = [graph.input_signature.leaves[0][1] for graph in trainer._graphs.values()]
+    shapes = [graph.input_signature.leaves[0][1] for graph in trainer.registry.graphs("step")]
     assert shapes == [("batch", 32), ("batch", 96)]
 
 
@@ -230,7 +230,7 @@ def test_automatic_dynamic_falls_back_to_static_graphs_when_the_symbolic_trace_f
         trainer.train_step(torch.randn(2, 9, 4), None)
     trainer.train_step(torch.randn(2, 10, 4), None)  # automatic dynamic is off now: no warning
     assert trainer.compile_count == 3
-    assert all(graph.shape_guards is None for graph in trainer._graphs.values())
+    assert all(graph.shape_guards is None for graph in trainer.registry.graphs("step"))
 
 
 def test_the_job_key_is_parallel_dynamic_dims():

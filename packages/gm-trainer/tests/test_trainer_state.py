@@ -222,3 +222,23 @@ def test_ranks_with_different_batch_counts_stop_together_with_a_warning(dist_poo
     )
     for fqn, p in params0.items():
         assert torch.equal(p, params1[fqn]), fqn
+
+
+# --------------------------------------------------------------------------- issue 31, 4
+
+
+def test_a_window_that_fails_leaves_no_gradient_for_the_next_train_call():
+    """An error escaping mid-window (here: the graph cache is full) must not leave the window's
+    gradients in ``.grad``, where the next ``train()`` would add them to its first step."""
+    good = [bodies.regression_batch(s) for s in range(2)]
+    reference = _eager_adam(_mlp(), mse_loss, good)
+    trainer = _trainer(_mlp(), graph_cache_size=1)
+    trainer.train(good[:1])
+    other_shape = make_regression_batch(4, seed=7)
+    with pytest.raises(TrainingError, match="graph_cache_size=1"):
+        trainer.train([good[1], other_shape], accumulation_steps=2)
+    assert all(p.grad is None for p in trainer.model.parameters())
+    trainer.train(good[1:])
+    assert trainer.step == 2
+    for p, ref in zip(trainer.model.parameters(), reference.parameters()):
+        assert torch.equal(p, ref)  # as if the failed window had never run

@@ -138,7 +138,7 @@ def mixed_precision_parity(rank: int, world: int, policy: dict):
         worst = max(worst, (actual - expected.full_tensor()).abs().max().item())
         worst_fp32 = max(worst_fp32, (actual - fp32_params[fqn]).abs().max().item())
     stats = trainer.pipelines[0].context.stats["fsdp"]
-    (graph,) = trainer._graphs.values()
+    (graph,) = trainer.registry.graphs("step")
     return {
         "losses": losses,
         "fsdp2_losses": ref_losses,

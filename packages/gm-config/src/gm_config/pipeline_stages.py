@@ -11,7 +11,7 @@ parameter counts.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from gm_config.errors import ConfigError
@@ -130,10 +130,16 @@ def stage_param_counts(
 
 
 def balanced_stages(
-    blocks: Sequence[tuple[str, int]], n_stages: int
+    blocks: Sequence[tuple[str, int]],
+    n_stages: int,
+    allowed_cuts: Collection[int] | None = None,
 ) -> tuple[tuple[str, ...], ...]:
     """Cut ``blocks`` (name, parameter count), in execution order, into ``n_stages``
-    contiguous stages whose largest parameter count is as small as possible."""
+    contiguous stages whose largest parameter count is as small as possible.
+
+    ``allowed_cuts``: the positions ``j`` (a stage starts at ``blocks[j]``) where a boundary
+    may sit (``None``: anywhere); a :class:`ConfigError` when no split into ``n_stages``
+    uses only those."""
     n = len(blocks)
     if n < n_stages:
         raise ConfigError(
@@ -151,9 +157,19 @@ def balanced_stages(
     for k in range(1, n_stages + 1):
         for i in range(k, n - (n_stages - k) + 1):
             for j in range(k - 1, i):
+                if k > 1 and allowed_cuts is not None and j not in allowed_cuts:
+                    continue
                 cost = max(best[k - 1][j], prefix[i] - prefix[j])
                 if cost < best[k][i]:
                     best[k][i], cut[k][i] = cost, j
+    if best[n_stages][n] == inf:
+        cuts = sorted(allowed_cuts or ())
+        raise ConfigError(
+            f"the model cannot be cut into {n_stages} pipeline stages along its data flow: "
+            f"a boundary may only fall before {[blocks[j][0] for j in cuts] or 'no block'} "
+            f"(elsewhere a stage would read a later stage's forward value); use at most "
+            f"{len(cuts) + 1} stages, or name them in PassPlan.pp_stages"
+        )
     bounds, i = [], n
     for k in range(n_stages, 0, -1):
         bounds.append((cut[k][i], i))

@@ -22,19 +22,19 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import Tensor
-from torch._prims_common import make_contiguous_strides_for
 
-from gm_config import GraphModeRuntimeError, PassConfig, PassPlan
+from gm_config import PassConfig, PassPlan
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_passes.graph_ops import is_collective, is_wait
 from gm_trace import node_meta
+from gm_trace.compiled_step import BackendError, CompiledStep
 from gm_trace.dynamic_shapes import is_symbolic, no_zero_one_specialization
 from gm_trace.joint_graph import COMPILED_STEP
 
@@ -49,10 +49,6 @@ __all__ = [
 ]
 
 CompileFn = Callable[[fx.GraphModule, list[Tensor]], Callable[..., Any]]
-
-
-class BackendError(GraphModeRuntimeError):
-    """The backend pass could not compile the graph (unknown backend, missing compiler...)."""
 
 
 # --------------------------------------------------------------------------- registry
@@ -98,61 +94,6 @@ def get_backend(name: str) -> CompileFn:
             "backend), or set PassConfig.backend=None to run the graph as it is."
         )
     return _backends[name]
-
-
-# --------------------------------------------------------------------------- compiled step
-
-
-class CompiledStep:
-    """The compiled form of a graph module, run by ``run_traced_graph`` in its place.
-
-    ``backend`` names the backend, ``fn`` is what it returned. ``graph_code`` is the code of
-    the graph that was compiled: :meth:`run` refuses a graph module whose code differs.
-    """
-
-    def __init__(
-        self, backend: str, fn: Callable[..., Any], graph_code: str, inputs: Sequence[Any]
-    ) -> None:
-        self.backend = backend
-        self.fn = fn
-        self.graph_code = graph_code
-        # Placeholders that are batch inputs: the layout the backend compiled for. State
-        # tensors come from the model and keep the layout they were traced with.
-        # A symbolic input (dynamic_dims) was traced contiguous, whatever its sizes: None.
-        self._input_layouts = [
-            (i, None, None, val.dtype, val.device)
-            if is_symbolic(val)
-            else (i, tuple(val.shape), tuple(val.stride()), val.dtype, val.device)
-            for i, (role, val) in enumerate(inputs)
-            if role == "input" and isinstance(val, Tensor)
-        ]
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> CompiledStep:
-        # A deep copy of the graph module has the same code: the compiled callable serves it.
-        return self
-
-    def __repr__(self) -> str:
-        return f"CompiledStep(backend={self.backend!r})"
-
-    def run(self, graph_module: fx.GraphModule, args: Sequence[Tensor]) -> Any:
-        """The graph's outputs for ``args``, computed by the compiled callable."""
-        if graph_module.code != self.graph_code:
-            raise BackendError(
-                f"the graph was changed after the backend pass compiled it with "
-                f"{self.backend!r}; the 'backend' pass must run last. Run the backend pass "
-                "again, or run the JointGraph with compiled_step=None to run the graph as it is."
-            )
-        args = list(args)
-        for i, shape, stride, dtype, device in self._input_layouts:
-            arg = args[i]
-            if shape is None:
-                shape, stride = tuple(arg.shape), make_contiguous_strides_for(arg.shape)
-            if arg.stride() != tuple(stride):
-                # Same shape, dtype and device (run_traced_graph checked): only the layout
-                # differs, and a compiled graph is specialised to the traced one.
-                args[i] = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-                args[i].copy_(arg)
-        return self.fn(*args)
 
 
 # --------------------------------------------------------------------------- the pass

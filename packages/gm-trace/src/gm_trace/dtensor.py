@@ -141,12 +141,19 @@ def with_dtensor_params(
     returned as its whole value (``loss_parallel`` gives a replicated one)."""
 
     def step(model: nn.Module, input: Any, label: Any) -> Tensor:
-        mapping = {fqn: spec.wrap(model.get_parameter(fqn)) for fqn, spec in specs.items()}
+        # Not model.get_parameter: inside a trace the state may be plain tensors standing in
+        # for the parameters (full shapes after FSDP sharded them, param_dtype casts).
+        mapping = {fqn: spec.wrap(_state_tensor(model, fqn)) for fqn, spec in specs.items()}
         with _reparametrize_module(model, mapping):
             loss = train_fn(model, input, label)
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     return step
+
+
+def _state_tensor(model: nn.Module, fqn: str) -> Tensor:
+    owner, _, name = fqn.rpartition(".")
+    return getattr(model.get_submodule(owner), name)
 
 
 def name_collective_groups(

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from gm_passes.graph_ops import is_collective, mutates_an_input, op_name
 from gm_trace.aliasing import storage_of, written_storages
-from gm_trace.backend import BackendError
+from gm_trace.compiled_step import BackendError
 from gm_trace.dynamic_shapes import is_symbolic
 
 # --------------------------------------------------------------------------- inductor

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 
+from gm_trace.compiled_step import CompiledStep
 from gm_trace.graph_annotate import OutputSpec
 from gm_trace.guards import ShapeGuards
 from gm_trace.sharding_layout import ShardingLayout
@@ -21,7 +22,6 @@ from gm_trace.signature import InputSignature
 
 if TYPE_CHECKING:
     from gm_passes import PassPipeline
-    from gm_trace.backend import CompiledStep
 
 #: ``PassContext.artifacts`` names of what the gm-trace passes decide.
 SHARDING_LAYOUT = "sharding_layout"

@@ -101,7 +101,7 @@ def _checked_leaves(joint: JointGraph, input: Any, label: Any) -> list[Any]:
         paths, leaves, spec = flatten_io(input, label)
     except TypeError as exc:
         raise GraphSignatureError(str(exc)) from None
-    actual = InputSignature._of_leaves(paths, leaves, spec)
+    actual = InputSignature.of_leaves(paths, leaves, spec)
     guards = joint.shape_guards
     if guards is not None:  # symbolic dims: the static rest must match, the sizes pass guards
         actual = actual.generalized(guards.leaf_dims)

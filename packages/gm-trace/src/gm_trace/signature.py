@@ -34,10 +34,10 @@ class InputSignature:
     @classmethod
     def of(cls, input: Any, label: Any) -> InputSignature:
         """The signature of a call with ``input`` and ``label`` (whose leaves must be allowed)."""
-        return cls._of_leaves(*flatten_io(input, label))
+        return cls.of_leaves(*flatten_io(input, label))
 
     @classmethod
-    def _of_leaves(
+    def of_leaves(
         cls, paths: list[str], leaves: list[Any], spec: pytree.TreeSpec
     ) -> InputSignature:
         return cls(spec, tuple(paths), tuple(_leaf_signature(leaf) for leaf in leaves))

@@ -93,7 +93,8 @@ class PipelineStagesPass(GraphPass):
             modules = [name for name, _ in ctx.model.named_modules()] if ctx.model else []
             stages = resolve_stages(named, n_stages, modules, numels)
         else:
-            stages = balanced_stages(_blocks_in_use_order(graph, numels), n_stages)
+            units = _blocks_in_use_order(graph, numels)
+            stages = balanced_stages(units, n_stages, _allowed_cuts(graph, units))
         for node in graph.nodes:
             node.meta[node_meta.STAGE] = _explicit_stage(node, stages)
         derive_stages(graph)
@@ -105,8 +106,10 @@ class PipelineStagesPass(GraphPass):
 
 
 def _blocks_in_use_order(graph: fx.Graph, numels: Mapping[str, int]) -> list[tuple[str, int]]:
-    """The parameters' blocks with their sizes, ordered by the forward op that first reads
-    one of their parameters."""
+    """The parameters' blocks with their sizes, in the order the forward runs them: by the
+    first forward op recorded inside the block's module, else (a parameter the root itself
+    uses) by the first forward op that reads one of its parameters. Not the first reader
+    alone: wrappers read every parameter at the top of the graph (DTensor TP's wraps)."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     first_use: dict[str, int] = {}
     sizes: dict[str, int] = {}
@@ -118,7 +121,53 @@ def _blocks_in_use_order(graph: fx.Graph, numels: Mapping[str, int]) -> list[tup
         uses = [order[u] for u in node.users if node_phase(u) == "forward"]
         first_use[block] = min(first_use.get(block, len(order)), *uses, len(order))
         sizes[block] = sizes.get(block, 0) + numels[fqn]
-    return [(block, sizes[block]) for block in sorted(first_use, key=first_use.__getitem__)]
+    first_run: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or node_phase(node) != "forward":
+            continue
+        for path, _ in node.meta.get("nn_module_stack", {}).values():
+            block = _block_of_path(path, sizes) if path else None
+            if block is not None and block not in first_run:
+                first_run[block] = order[node]
+    key = {block: first_run.get(block, first_use[block]) for block in sizes}
+    return [(block, sizes[block]) for block in sorted(sizes, key=key.__getitem__)]
+
+
+def _block_of_path(path: str, blocks: Mapping[str, int]) -> str | None:
+    """The block a module path lies in (the path itself or one of its ancestors)."""
+    while path:
+        if path in blocks:
+            return path
+        path = path.rpartition(".")[0]
+    return None
+
+
+def _allowed_cuts(graph: fx.Graph, units: list[tuple[str, int]]) -> set[int]:
+    """Where a boundary may fall between ``units`` (in order) so that :func:`check_flow`
+    accepts the cut: position ``j`` starts a stage at ``units[j]``. Each unit is staged alone
+    first; an edge that would run against the pipeline (a forward value to an earlier unit, a
+    backward value to a later one, a non-tensor anywhere) forbids every boundary between its
+    two units. Stages map monotonically onto units, so this is exactly the set of valid
+    cuts."""
+    singles = tuple((name,) for name, _ in units)
+    for node in graph.nodes:
+        node.meta[node_meta.STAGE] = _explicit_stage(node, singles)
+    derive_stages(graph)
+    forbidden: set[int] = set()
+    for node in graph.nodes:
+        dst = node.meta.get(node_meta.STAGE)
+        if dst is None or node.op == "output":
+            continue
+        for src_node in node.all_input_nodes:
+            src = src_node.meta.get(node_meta.STAGE)
+            if src is None or src == dst:
+                continue
+            against = (src > dst and node_phase(node) != "backward") or (
+                src < dst and node_phase(src_node) == "backward"
+            )
+            if against or not isinstance(src_node.meta.get("val"), torch.Tensor):
+                forbidden.update(range(min(src, dst) + 1, max(src, dst) + 1))
+    return set(range(1, len(units))) - forbidden
 
 
 def _unit_of(fqn: str) -> str:

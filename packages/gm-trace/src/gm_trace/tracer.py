@@ -197,7 +197,7 @@ def trace_model_graph(
     if pre_hook is not None:
         pre_hook()
     paths, leaves, spec = flatten_io(sample_input, sample_label)  # validates the leaf types
-    signature = InputSignature._of_leaves(paths, leaves, spec)
+    signature = InputSignature.of_leaves(paths, leaves, spec)
     tensor_pos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
     symbolic = None
     if dynamic_dims:
@@ -264,7 +264,7 @@ def trace_model_graph(
         if symbolic is None or not dynamic_fallback:
             raise
         dynamic_shapes.warn_static_fallback(exc)
-        symbolic, signature = None, InputSignature._of_leaves(paths, leaves, spec)
+        symbolic, signature = None, InputSignature.of_leaves(paths, leaves, spec)
         gm = _make_fx_graph(joint_step, model, [*traced_state, *(leaves[i] for i in tensor_pos)])
     check_no_fake_constants(gm)
 

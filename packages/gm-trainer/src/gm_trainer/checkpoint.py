@@ -43,7 +43,7 @@ import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -74,7 +74,7 @@ from gm_trainer.checkpoint_read import (
     latest_checkpoint,
     read_metadata,
 )
-from gm_trainer.checkpoint_stages import foreign_state, own_state
+from gm_trainer.checkpoint_stages import own_state
 from gm_trainer.checkpoint_state import (
     canonical_names,
     check_keys,
@@ -82,14 +82,11 @@ from gm_trainer.checkpoint_state import (
     full_model_state,
     load_trainer_state_dict,
     read_header,
-    require_compiled,
     restore,
     trainer_state_dict,
 )
+from gm_trainer.checkpoint_view import CheckpointView, as_view
 from gm_trainer.durable import write_atomic
-
-if TYPE_CHECKING:
-    from gm_trainer.trainer import GraphTrainer
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -111,7 +108,7 @@ __all__ = [
 
 
 def save_checkpoint(
-    trainer: GraphTrainer,
+    trainer: Any,
     path: str | os.PathLike[str],
     extra: Mapping[str, Any] | None = None,
     *,
@@ -126,28 +123,29 @@ def save_checkpoint(
     part way leaves only ``<path>.tmp``, which :func:`load_checkpoint` refuses and the next save
     to ``path`` removes. ``extra``: see :func:`trainer_state_dict`. Returns ``path``.
     """
+    view = as_view(trainer)
     path = Path(path).absolute()
-    state = trainer_state_dict(trainer, extra)  # checks `extra` on every rank, so all fail alike
-    _agree_on_path(path, trainer.device)
+    state = trainer_state_dict(view, extra)  # checks `extra` on every rank, so all fail alike
+    _agree_on_path(path, view.topology.device)
     if path.exists() and not overwrite:
         raise FileExistsError(
             f"{path} already exists; save to a new directory (e.g. one per step) or pass "
             "overwrite=True"
         )
     tmp = path.with_name(path.name + ".tmp")
-    if trainer.rank == 0:
+    if view.topology.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save to this path
     _barrier()
     with dcp_errors(f"saving checkpoint {path}"):
         metadata = dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=not _distributed())
     files, error = _checksums(tmp, metadata)  # also a barrier: every rank has written
-    if trainer.rank == 0 and not error:
+    if view.topology.rank == 0 and not error:
         try:
             commit(tmp, path, read_header(state), files, overwrite=overwrite)
         except OSError as exc:
             error = f"{type(exc).__name__}: {exc}"
     # The trainer's device: gloo takes CPU tensors, nccl/hccl their accelerator's.
-    if not _all_ranks_ok(not error, trainer.device):
+    if not _all_ranks_ok(not error, view.topology.device):
         raise CheckpointError(
             f"committing checkpoint {path} failed on rank 0: {error or 'see rank 0'}; "
             f"the data stays in {tmp} and is not loadable"
@@ -197,23 +195,23 @@ def _checksums(tmp: Path, metadata: Metadata) -> tuple[dict[str, Any], str]:
 # --------------------------------------------------------------------------- load
 
 
-def load_checkpoint(trainer: GraphTrainer, path: str | os.PathLike[str]) -> dict[str, Any]:
+def load_checkpoint(trainer: Any, path: str | os.PathLike[str]) -> dict[str, Any]:
     """Restore a checkpoint written by :func:`save_checkpoint`, on any number of ranks.
 
     A collective: every rank calls it with the same ``path``. The trainer must have compiled
     first, because that is when FSDP shards the model and the optimizer is built::
 
         trainer.compile(sample_input, sample_label)   # a batch of the shape you train on
-        extra = load_checkpoint(trainer, path)
+        extra = load_checkpoint(view, path)
 
     Keys, shapes and dtypes are checked against the checkpoint before anything is read, and
     each file against its checksum before it is read. On success the trainer continues
     exactly where the saved one stopped; returns ``extra``.
     """
-    require_compiled(trainer)
+    view = as_view(trainer)
     path, marker = open_checkpoint(path)
-    check_optimizer(marker["optimizer"], trainer)  # before reading any data
-    template = _load_template(trainer, read_metadata(path, marker))
+    check_optimizer(marker["optimizer"], view)  # before reading any data
+    template = _load_template(view, read_metadata(path, marker))
     with dcp_errors(f"reading checkpoint {path}"):
         dcp.load(
             template,
@@ -221,16 +219,16 @@ def load_checkpoint(trainer: GraphTrainer, path: str | os.PathLike[str]) -> dict
             planner=SafeLoadPlanner(),
             no_dist=not _distributed(),
         )
-    return restore(trainer, template, copy=False)
+    return restore(view, template, copy=False)
 
 
-def _load_template(trainer: GraphTrainer, metadata: Metadata) -> dict[str, Any]:
+def _load_template(view: CheckpointView, metadata: Metadata) -> dict[str, Any]:
     """Empty tensors of this rank's shape for every entry to read, after checking the keys."""
     entries = _entries(metadata)
-    model = trainer.model
-    layout = CheckpointLayout(trainer)
+    model = view.model
+    layout = CheckpointLayout(view)
     names = canonical_names(model)
-    live = own_state(trainer)  # under pipeline parallelism: this rank's stage's only
+    live = own_state(view)  # under pipeline parallelism: this rank's stage's only
     saved_model = {path[1]: md for path, md in entries.items() if path[0] == "model"}
     check_keys("model", set(live), set(saved_model), known=set(model.state_dict()))
 
@@ -256,8 +254,8 @@ def _load_template(trainer: GraphTrainer, metadata: Metadata) -> dict[str, Any]:
             )
         template["model"][key] = empty(md, piece, target.device)
 
-    params = {names[id(p)]: p for g in trainer.optimizer.param_groups for p in g["params"]}
-    foreign = foreign_state(trainer)
+    params = {names[id(p)]: p for g in view.optimizer.param_groups for p in g["params"]}
+    foreign = view.foreign
     for path, md in entries.items():
         if path[:2] != ("optim", "state") or path[2] in foreign:
             continue  # another pipeline stage loads the state of its own parameters
@@ -289,7 +287,7 @@ def _load_template(trainer: GraphTrainer, metadata: Metadata) -> dict[str, Any]:
         raise CheckpointError("the checkpoint has no 'trainer' entry; it was not written by gm")
     # RNG: this rank's saved generator, else rank 0's (see the module docstring).
     ranks = {path[1] for path in entries if path[0] == "rng"}
-    mine = f"rank{trainer.rank}" if f"rank{trainer.rank}" in ranks else "rank0"
+    mine = f"rank{view.topology.rank}" if f"rank{view.topology.rank}" in ranks else "rank0"
     for path, md in entries.items():
         if path[:2] == ("rng", mine):
             template["rng"].setdefault(mine, {})[path[2]] = empty(md, WHOLE, torch.device("cpu"))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,10 +28,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from gm_trace.sharding import RowShard
 from gm_trainer.checkpoint_io import CheckpointError
+from gm_trainer.checkpoint_view import CheckpointView
 from gm_trainer.tp import tp_shard_dims
-
-if TYPE_CHECKING:
-    from gm_trainer.trainer import GraphTrainer
 
 
 @dataclass(frozen=True)
@@ -57,15 +55,17 @@ WHOLE = Piece(None, None)
 class CheckpointLayout:
     """The pieces of a trainer's parameters, and their DTensor views (see module docstring)."""
 
-    def __init__(self, trainer: GraphTrainer) -> None:
-        self._rows = trainer.row_shards
-        mesh = trainer.run.mesh
+    def __init__(self, view: CheckpointView) -> None:
+        self._rows = view.row_shards
+        mesh = view.topology.mesh
         self._tp_group = mesh.tp_group if mesh is not None else None
-        self._tp_dims = tp_shard_dims(trainer.model) if self._tp_group is not None else {}
+        self._tp_dims = tp_shard_dims(view.model) if self._tp_group is not None else {}
         # Meshes over the trainer's existing groups: no new process group, no collective.
-        device = trainer.device.type
+        device = view.topology.device.type
         self._fsdp_mesh = _lazy(
-            lambda: DeviceMesh.from_group(trainer.fsdp_group, device, mesh_dim_names=("fsdp",))
+            lambda: DeviceMesh.from_group(
+                view.topology.fsdp_group, device, mesh_dim_names=("fsdp",)
+            )
         )
         self._tp_mesh = _lazy(
             lambda: DeviceMesh.from_group(self._tp_group, device, mesh_dim_names=("tp",))

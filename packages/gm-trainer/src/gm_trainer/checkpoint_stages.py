@@ -12,31 +12,19 @@ of the root module) every stage holds alike; each saves it and DCP keeps one cop
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from gm_trainer.trainer import GraphTrainer
+from gm_trainer.checkpoint_view import CheckpointView
 
 
-def foreign_state(trainer: GraphTrainer) -> frozenset[str]:
-    """Canonical FQNs of the parameters and buffers another pipeline stage owns (empty
-    without pipeline parallelism): this rank neither saves nor loads them."""
-    if trainer._pipeline is None:
-        return frozenset()
-    # Every graph of a trainer assigns the same stages.
-    joint = next((j for cache in trainer._caches for j in cache.graphs.values()), None)
-    return trainer._pipeline.foreign_state(joint) if joint is not None else frozenset()
-
-
-def own_state(trainer: GraphTrainer) -> dict[str, torch.Tensor]:
+def own_state(view: CheckpointView) -> dict[str, torch.Tensor]:
     """``model.state_dict(keep_vars=True)`` without the entries another stage owns (tied
     aliases of a parameter go with it)."""
-    model = trainer.model
+    model = view.model
     live = model.state_dict(keep_vars=True)
-    foreign = foreign_state(trainer)
+    foreign = view.foreign
     if not foreign:
         return live
     names = state_names(model)
@@ -52,15 +40,15 @@ def state_names(model: torch.nn.Module) -> dict[int, str]:
 
 
 def gather_stages(
-    trainer: GraphTrainer, mine: Mapping[str, torch.Tensor]
+    view: CheckpointView, mine: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """Every stage's whole tensors ``mine`` (key -> tensor), on every rank of the pipeline;
     a collective over the pipeline group."""
-    run = trainer.run
+    run = view.topology
     specs: list[dict[str, tuple[tuple[int, ...], torch.dtype]] | None] = [None] * len(run.pp_ranks)
     own = {k: (tuple(v.shape), v.dtype) for k, v in mine.items()}
     dist.all_gather_object(specs, own, group=run.pp_group)
-    device = trainer._collective_device()
+    device = view.topology.collective_device
     full: dict[str, torch.Tensor] = {}
     for stage, spec in enumerate(specs):
         for key, (shape, dtype) in spec.items():
@@ -71,5 +59,5 @@ def gather_stages(
             else:
                 tensor = torch.empty(shape, dtype=dtype, device=device)
             dist.broadcast(tensor, src=run.pp_ranks[stage], group=run.pp_group)
-            full[key] = tensor.to(trainer.device)
+            full[key] = tensor.to(view.topology.device)
     return full

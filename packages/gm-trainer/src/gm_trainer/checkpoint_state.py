@@ -9,26 +9,22 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from gm_trainer.checkpoint_io import CHECKPOINT_FORMAT, CheckpointError, check_header
 from gm_trainer.checkpoint_layout import CheckpointLayout
-from gm_trainer.checkpoint_stages import foreign_state, gather_stages, own_state
-
-if TYPE_CHECKING:
-    from gm_trainer.trainer import GraphTrainer
+from gm_trainer.checkpoint_stages import gather_stages, own_state
+from gm_trainer.checkpoint_view import CheckpointView, as_view
 
 
 # Not torch.distributed.checkpoint.state_dict's get_model_state_dict / get_optimizer_state_dict:
 # they read the placement from the module's DTensor parameters (FSDP2's), while graph mode's
 # parameters are plain local shards whose place in the whole only the trainer's sharding
 # layout and TP specs know; CheckpointLayout builds the same DTensor views from those.
-def trainer_state_dict(
-    trainer: GraphTrainer, extra: Mapping[str, Any] | None = None
-) -> dict[str, Any]:
+def trainer_state_dict(trainer: Any, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The trainer's full state, in the form ``torch.distributed.checkpoint`` saves.
 
     Tensors are views of the live parameters, buffers and optimizer states, not copies.
@@ -37,15 +33,15 @@ def trainer_state_dict(
     only, so to resume on another world size use :func:`load_checkpoint`, which picks the
     entries each rank needs. The trainer must have compiled (see :func:`load_checkpoint`).
     """
-    require_compiled(trainer)
+    view = as_view(trainer)
     extra_json = _extra_to_json(extra)  # validated on every rank, so all ranks fail alike
-    model_state = model_state_views(trainer)
-    layout = CheckpointLayout(trainer)
-    names = canonical_names(trainer.model)
-    foreign = foreign_state(trainer)
+    model_state = model_state_views(view)
+    layout = CheckpointLayout(view)
+    names = canonical_names(view.model)
+    foreign = view.foreign
 
     optim_state: dict[str, dict[str, torch.Tensor]] = {}
-    for param, state in trainer.optimizer.state.items():
+    for param, state in view.optimizer.state.items():
         fqn = names[id(param)]
         if fqn in foreign:
             continue  # another pipeline stage's parameter: that stage saves its state
@@ -73,33 +69,33 @@ def trainer_state_dict(
 
     header = {
         "format": CHECKPOINT_FORMAT,
-        "step": trainer.step,
-        "data_position": trainer.data_position,
-        "world_size": trainer.world_size,
-        "optimizer": type(trainer.optimizer).__name__,
+        "step": view.state.step,
+        "data_position": view.state.data_position,
+        "world_size": view.topology.world_size,
+        "optimizer": type(view.optimizer).__name__,
     }
     state: dict[str, Any] = {
         "model": model_state,
         "optim": {
             "state": optim_state,
-            "param_groups": _param_groups_to_json(trainer.optimizer),
+            "param_groups": _param_groups_to_json(view.optimizer),
         },
         "trainer": json.dumps(header),
-        "rng": {f"rank{trainer.rank}": _rng_state(trainer.device)},
+        "rng": {f"rank{view.topology.rank}": _rng_state(view.topology.device)},
     }
-    if trainer.rank == 0:
+    if view.topology.rank == 0:
         state["extra"] = extra_json
     return state
 
 
-def model_state_views(trainer: GraphTrainer) -> dict[str, Any]:
+def model_state_views(trainer: Any) -> dict[str, Any]:
     """The "model" entry of :func:`trainer_state_dict`: this rank's parameters and buffers
     (its pipeline stage's only), sharded ones as DTensor views of the live shards."""
-    require_compiled(trainer)
-    layout = CheckpointLayout(trainer)
-    names = canonical_names(trainer.model)
+    view = as_view(trainer)
+    layout = CheckpointLayout(view)
+    names = canonical_names(view.model)
     views: dict[str, Any] = {}
-    for key, value in own_state(trainer).items():
+    for key, value in own_state(view).items():
         if not isinstance(value, torch.Tensor):
             raise CheckpointError(
                 f"model state {key!r} is a {type(value).__name__}, not a tensor; "
@@ -109,7 +105,7 @@ def model_state_views(trainer: GraphTrainer) -> dict[str, Any]:
     return views
 
 
-def full_model_state(trainer: GraphTrainer) -> dict[str, torch.Tensor]:
+def full_model_state(trainer: Any) -> dict[str, torch.Tensor]:
     """A copy of the model's ``state_dict()`` with every tensor whole, on every rank; a
     collective.
 
@@ -117,12 +113,13 @@ def full_model_state(trainer: GraphTrainer) -> dict[str, torch.Tensor]:
     each stage then broadcasts its entries over the pipeline group, so that every rank gets
     the weights of all stages.
     """
-    views = model_state_views(trainer)
+    view = as_view(trainer)
+    views = model_state_views(view)
     full = {k: v.full_tensor() if isinstance(v, DTensor) else v.clone() for k, v in views.items()}
-    return gather_stages(trainer, full) if trainer._pipeline is not None else full
+    return gather_stages(view, full) if view.pipelined else full
 
 
-def load_trainer_state_dict(trainer: GraphTrainer, state: Mapping[str, Any]) -> dict[str, Any]:
+def load_trainer_state_dict(trainer: Any, state: Mapping[str, Any]) -> dict[str, Any]:
     """Restore ``state`` (from :func:`trainer_state_dict`, in any world size) into ``trainer``.
 
     Model entries may be DTensors or whole tensors; each rank keeps its own rows. Restores
@@ -130,18 +127,17 @@ def load_trainer_state_dict(trainer: GraphTrainer, state: Mapping[str, Any]) -> 
     and the RNG, and returns the saved ``extra`` dict. Nothing of ``state`` is kept by
     reference. The trainer must have compiled.
     """
-    return restore(trainer, state, copy=True)
+    return restore(as_view(trainer), state, copy=True)
 
 
-def restore(trainer: GraphTrainer, state: Mapping[str, Any], *, copy: bool) -> dict[str, Any]:
+def restore(view: CheckpointView, state: Mapping[str, Any], *, copy: bool) -> dict[str, Any]:
     # copy=False only for buffers this module allocated itself (load_checkpoint's template).
-    require_compiled(trainer)
     header = read_header(state)
-    check_optimizer(header["optimizer"], trainer)
-    model = trainer.model
-    layout = CheckpointLayout(trainer)
+    check_optimizer(header["optimizer"], view)
+    model = view.model
+    layout = CheckpointLayout(view)
     names = canonical_names(model)
-    live = own_state(trainer)
+    live = own_state(view)
     saved = state.get("model", {})
     check_keys("model", set(live), set(saved), known=set(model.state_dict()))
     pieces = {}
@@ -155,21 +151,20 @@ def restore(trainer: GraphTrainer, state: Mapping[str, Any], *, copy: bool) -> d
                 "model; cast the model to the checkpoint's dtype before loading"
             )
         pieces[key] = piece
-    optim_sd = _optimizer_state_dict(trainer, state.get("optim", {}), layout, names, copy)
+    optim_sd = _optimizer_state_dict(view, state.get("optim", {}), layout, names, copy)
 
     with torch.no_grad():
         for key, piece in pieces.items():
             live[key].copy_(piece)
-    trainer.optimizer.load_state_dict(optim_sd)
-    trainer.step = header["step"]
-    trainer.data_position = header["data_position"]
-    _set_rng_state(state.get("rng", {}), trainer.rank, trainer.device)
+    view.optimizer.load_state_dict(optim_sd)
+    view.state.restore(header["step"], header["data_position"])
+    _set_rng_state(state.get("rng", {}), view.topology.rank, view.topology.device)
     extra = state.get("extra")
     return json.loads(extra) if extra else {}
 
 
 def _optimizer_state_dict(
-    trainer: GraphTrainer,
+    view: CheckpointView,
     saved: Mapping[str, Any],
     layout: CheckpointLayout,
     names: dict[int, str],
@@ -180,10 +175,10 @@ def _optimizer_state_dict(
     ``Optimizer.load_state_dict`` keeps tensors that already have the right dtype and device,
     so without ``copy`` the optimizer would share them with ``saved``.
     """
-    optimizer = trainer.optimizer
+    optimizer = view.optimizer
     params = [p for group in optimizer.param_groups for p in group["params"]]
     index = {names[id(p)]: i for i, p in enumerate(params)}
-    foreign = foreign_state(trainer)
+    foreign = view.foreign
     saved_state = {k: v for k, v in saved.get("state", {}).items() if k not in foreign}
     unknown = sorted(set(saved_state) - set(index))
     if unknown:
@@ -224,15 +219,6 @@ def _like(value: Any, live: Any) -> Any:
 # --------------------------------------------------------------------------- helpers
 
 
-def require_compiled(trainer: GraphTrainer) -> None:
-    if trainer.optimizer is None:
-        raise CheckpointError(
-            "the trainer has not compiled yet, so its model is not sharded and it has no "
-            "optimizer; call trainer.compile(sample_input, sample_label) with a batch of the "
-            "shape you train on (or run a train_step) before saving or loading a checkpoint"
-        )
-
-
 def canonical_names(model: torch.nn.Module) -> dict[int, str]:
     # named_parameters() lists a tied parameter once, under the name FSDP shards it by.
     return {id(p): name for name, p in model.named_parameters()}
@@ -256,11 +242,11 @@ def check_keys(
         )
 
 
-def check_optimizer(saved: str, trainer: GraphTrainer) -> None:
-    if saved != type(trainer.optimizer).__name__:
+def check_optimizer(saved: str, view: CheckpointView) -> None:
+    if saved != type(view.optimizer).__name__:
         raise CheckpointError(
             f"the checkpoint holds {saved} state but this trainer's optimizer is "
-            f"{type(trainer.optimizer).__name__}; build the trainer with the same optimizer"
+            f"{type(view.optimizer).__name__}; build the trainer with the same optimizer"
         )
 
 

@@ -10,8 +10,10 @@ when the run asks for it. The TP collectives DTensor issues are renamed to the `
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -26,13 +28,8 @@ from gm_trace.graph_build import collective_kind
 from gm_trace.joint_graph import JointGraph
 from gm_trace.tracer import trace_model_graph
 from gm_trainer.mesh import MeshError, ResolvedMesh
+from gm_trainer.topology import ResolvedRun
 from gm_trainer.tp import TP_GROUP_NAME
-from gm_trainer.trainer_setup import trace_options
-
-if TYPE_CHECKING:
-    import torch
-
-    from gm_trainer.trainer import GraphTrainer
 
 
 def adopt_dtensor_params(
@@ -63,31 +60,34 @@ def adopt_dtensor_params(
 
 
 def trace_step(
-    trainer: GraphTrainer, sample_input: Any, sample_label: Any, *, pre_hook: Any
+    model: torch.nn.Module,
+    train_fn: Any,
+    specs: Mapping[str, DTensorSpec],
+    run: ResolvedRun,
+    sample_input: Any,
+    sample_label: Any,
+    *,
+    pre_hook: Any,
+    **options: Any,
 ) -> JointGraph:
-    """Trace the trainer's step; DTensor parameters (``trainer.dtensor_specs``) are made
-    DTensors again inside it, and the TP collectives carry the ``"tp"`` group name."""
-    specs = trainer.dtensor_specs
-    train_fn = with_dtensor_params(trainer.train_fn, specs) if specs else trainer.train_fn
+    """Trace the step; DTensor parameters (``specs``) are made DTensors again inside it, and
+    the TP collectives carry the ``"tp"`` group name. ``options`` go to the tracer."""
+    if specs:
+        train_fn = with_dtensor_params(train_fn, specs)
     # torch's loss_parallel must cover forward AND the backward autograd.grad traces.
-    parallel_loss = specs and trainer.run.pass_config.loss_parallel
+    parallel_loss = specs and run.pass_config.loss_parallel
     with loss_parallel() if parallel_loss else contextlib.nullcontext():
         joint = trace_model_graph(
-            trainer.model,
-            train_fn,
-            sample_input,
-            sample_label,
-            pre_hook=pre_hook,
-            **trace_options(trainer),
+            model, train_fn, sample_input, sample_label, pre_hook=pre_hook, **options
         )
     if specs:
         # DTensor's collectives name its mesh's group, a name of this rank's TP group only.
         names = {spec.mesh.get_group().group_name: TP_GROUP_NAME for spec in specs.values()}
         graph_module = joint.graph_module
-        all_gather = all_gather_op(trainer.run.mesh.tp_group)
+        all_gather = all_gather_op(run.topology.tp_group)
         if name_collective_groups(graph_module, names, all_gather):
             graph_module.recompile()
-        if trainer.run.pass_config.sequence_parallel:
+        if run.pass_config.sequence_parallel:
             _check_sequence_parallel(graph_module)
     return joint
 

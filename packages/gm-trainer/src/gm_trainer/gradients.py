@@ -3,18 +3,17 @@ them, and take their global norm over every shard and rank."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
 from gm_trace.joint_graph import JointGraph
+from gm_trace.sharding import RowShard
 from gm_trainer.errors import TrainingError
 from gm_trainer.optim import global_grad_norm
+from gm_trainer.topology import Topology
 from gm_trainer.tp import tp_shard_dims
-
-if TYPE_CHECKING:
-    from gm_trainer.trainer import GraphTrainer
 
 
 def accumulate_grads(
@@ -56,11 +55,12 @@ def scale_grads(model: torch.nn.Module, factor: float) -> None:
             param.grad.mul_(factor)
 
 
-def grad_norm_tensor(trainer: GraphTrainer) -> torch.Tensor:
-    """The global 2-norm of the current gradients, as on the unsharded model (float64)."""
-    model = trainer.model
-    shards = trainer.row_shards
-    tp_group = trainer._mesh.tp_group if trainer._mesh is not None else None
+def grad_norm_tensor(
+    model: torch.nn.Module, row_shards: Mapping[str, RowShard], topology: Topology
+) -> torch.Tensor:
+    """The global 2-norm of the current gradients, as on the unsharded model (float64):
+    over FSDP shards (``row_shards``), TP slices and pipeline stages."""
+    tp_group = topology.tp_group
     tp_sharded = tp_shard_dims(model) if tp_group is not None else {}
     # (FSDP-sharded?, TP-sharded?) -> gradients
     buckets: dict[tuple[bool, bool], list[torch.Tensor]] = {
@@ -68,19 +68,18 @@ def grad_norm_tensor(trainer: GraphTrainer) -> torch.Tensor:
     }
     for fqn, param in model.named_parameters():
         if param.grad is not None:
-            buckets[fqn in shards, fqn in tp_sharded].append(param.grad)
+            buckets[fqn in row_shards, fqn in tp_sharded].append(param.grad)
     norm = global_grad_norm(
         buckets[True, False],
         buckets[False, False],
-        trainer.fsdp_group,
+        topology.fsdp_group,
         sharded_tp=buckets[True, True],
         replicated_tp=buckets[False, True],
         tp_group=tp_group,
     )
-    pp_group = trainer._run.pp_group if trainer._run is not None else None
-    if pp_group is None:
+    if topology.pp_group is None:
         return norm
     # Each stage holds its own parameters: sum the squares over the pipeline.
     squared = norm.square()
-    dist.all_reduce(squared, group=pp_group)
+    dist.all_reduce(squared, group=topology.pp_group)
     return squared.sqrt()

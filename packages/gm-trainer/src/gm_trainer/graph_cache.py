@@ -22,6 +22,7 @@ bounded by ``graph_cache_size``); the reason is logged to ``gm_trainer.graphs`` 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from gm_trace.overlap import format_schedule
 from gm_trace.signature import InputSignature, flatten_io
 from gm_trainer.errors import TrainingError
 from gm_trainer.graph_key import describe_module_state, module_state_key
-from gm_trainer.ranks import agree_on_batch
+from gm_trainer.ranks import agree_on_digest
 
 log = logging.getLogger("gm_trainer.graphs")
 
@@ -68,7 +69,7 @@ class Flat(NamedTuple):
 def flatten_batch(input: Any, label: Any) -> Flat:
     """``(input, label)`` flattened, with its exact signature."""
     paths, leaves, spec = flatten_io(input, label)
-    return Flat(paths, leaves, InputSignature._of_leaves(paths, leaves, spec))
+    return Flat(paths, leaves, InputSignature.of_leaves(paths, leaves, spec))
 
 
 class Found(NamedTuple):
@@ -114,7 +115,7 @@ class GraphCache:
         self.entries: list[CachedGraph] = []
         self.graphs: dict[Any, JointGraph] = {}
         """The graphs by ``(input signature, module state, number)``, the signature showing
-        symbolic dims by name (``GraphTrainer._graphs``)."""
+        symbolic dims by name (``GraphRegistry.graphs``)."""
         self.found: dict[str, dict[int, str]] = {}
         """Dims automatic dynamic found changing: path -> {dim: name}."""
         self.tracing_dims: DynamicDims | None = None
@@ -308,6 +309,39 @@ class GraphCache:
         return text
 
 
+def agree_on_batch(
+    signature: InputSignature | None,
+    model: torch.nn.Module,
+    rank: int,
+    world: int,
+    device: torch.device,
+    *,
+    needs_graph: bool = False,
+) -> tuple[list[int], bool]:
+    """``(ranks whose data has ended, whether any rank needs a new graph)``.
+
+    ``signature`` is this rank's graph key for its batch -- the input signature, with the
+    symbolic dims by name (ranks may differ there) -- or ``None`` when its data has ended;
+    ``needs_graph``: no compiled graph takes this rank's batch. When one rank compiles,
+    every rank must (the compile checks collectives across ranks). Raises
+    :class:`TrainingError` when the ranks' graph keys (signature, module state) differ: a rank
+    that recompiled alone would issue collectives the others never match.
+    """
+    digest = None
+    if signature is not None:
+        text = str(signature.spec) + signature.describe() + str(module_state_key(model))
+        digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
+    ended, agreed, compile_all = agree_on_digest(digest, rank, world, device, needs_graph)
+    if not agreed:
+        raise TrainingError(
+            f"rank {rank}: ranks disagree on the batch signature or module state; every rank "
+            "must get batches of the same shapes and dtypes (dims named in dynamic_dims may "
+            "differ), and switch train()/eval() or requires_grad together. This rank has:\n"
+            f"{signature.describe()}\n{describe_module_state(model)}"
+        )
+    return ended, compile_all
+
+
 def _describe_dims(dims: DynamicDims) -> str:
     """``symbolic: batch = input.size(0), label.size(0); seq = ...`` or ``static``."""
     where: dict[str, list[str]] = {}
@@ -331,3 +365,47 @@ def _without_shape(leaf: tuple[Any, ...]) -> tuple[Any, ...]:
 
 def _declared_name(declared: Mapping[str, Mapping[int, str]], path: str, dim: int) -> str:
     return declared.get(path, {}).get(dim, f"{path}.size({dim})")
+
+
+#: The graph variants of one trainer: a plain step; a micro-batch that only accumulates
+#: (under FSDP it reduces nothing, with ``in_graph`` it updates nothing); a window's last
+#: micro-batch, which reduces the window's gradients (FSDP) and may take the update.
+STEP, ACCUMULATE, LAST = "step", "accumulate", "last"
+VARIANTS = (STEP, ACCUMULATE, LAST)
+
+
+class GraphRegistry:
+    """Every compiled graph of one trainer, keyed by (variant, input signature, module
+    state); one :class:`GraphCache` per variant."""
+
+    def __init__(self, size: int, config: PassConfig) -> None:
+        self.caches = {variant: GraphCache(size, config) for variant in VARIANTS}
+
+    def cache(self, variant: str) -> GraphCache:
+        """The graphs of ``variant``."""
+        return self.caches[variant]
+
+    def graphs(self, variant: str | None = None) -> list[JointGraph]:
+        """Every compiled graph of ``variant`` (``None``: of every variant)."""
+        caches = self.caches.values() if variant is None else [self.caches[variant]]
+        return [joint for cache in caches for joint in cache.graphs.values()]
+
+    @property
+    def compile_count(self) -> int:
+        """How many graphs were traced and compiled, over all variants."""
+        return sum(cache.compile_count for cache in self.caches.values())
+
+    def mutated_fqns(self) -> set[str]:
+        """The buffers some graph updates in place (BatchNorm statistics)."""
+        return {fqn for joint in self.graphs() for fqn in joint.mutated_fqns}
+
+    def summary(self) -> str:
+        """``GraphTrainer.pass_summary``'s graphs: the plain steps, then the variants."""
+        step = self.caches[STEP]
+        parts = [step.summary(step.pipelines)]
+        for variant, label in ((ACCUMULATE, "accumulating"), (LAST, "last")):
+            cache = self.caches[variant]
+            if cache.pipelines:
+                variants = cache.summary(cache.pipelines)
+                parts.append(f"{label} micro-batch variants:\n\n" + variants)
+        return "\n\n".join(parts)

@@ -13,73 +13,106 @@ Rules (see "Training-state faults" in the user guide):
 
 from __future__ import annotations
 
-import math
 import resource
 import time
 import warnings
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
 from gm_trainer.accumulation import MicroBatches
-from gm_trainer.gradients import scale_grads
-from gm_trainer.optim_graph import finish_graph_step
+from gm_trainer.executor import StepExecutor
 from gm_trainer.ranks import mean_over_world
-from gm_trainer.step_end import skip_step
-from gm_trainer.step_guard import nonfinite_loss_error
-
-if TYPE_CHECKING:
-    from gm_trainer.trainer import GraphTrainer
+from gm_trainer.stepper import OptimizerStepper
+from gm_trainer.train_state import TrainState
 
 _END = object()
 
 
 def train_loop(
-    trainer: GraphTrainer,
+    executor: StepExecutor,
+    stepper: OptimizerStepper,
+    state: TrainState,
+    to_device: Callable[[Any], Any],
     dataloader: Iterable[Any],
     max_steps: int | None,
     log_interval: int | None,
     log_fn: Callable[[dict[str, Any]], None] | None,
     accumulation_steps: int,
 ) -> list[dict[str, Any]]:
-    """The body of :meth:`GraphTrainer.train` (documented there)."""
+    """The body of :meth:`GraphTrainer.train` (documented there). Whatever escapes it leaves
+    no partial gradient behind: the window's are dropped (``stepper.discard``)."""
     check_count("max_steps", max_steps, allow_none=True)
     check_count("log_interval", log_interval, allow_none=True)
     check_count("accumulation_steps", accumulation_steps, allow_none=False)
     if log_interval is not None and log_fn is None:
         log_fn = print_record
+    try:
+        return _loop(
+            executor,
+            stepper,
+            state,
+            to_device,
+            dataloader,
+            max_steps,
+            log_interval,
+            log_fn,
+            accumulation_steps,
+        )
+    except BaseException:
+        stepper.discard()
+        raise
+
+
+def _loop(
+    executor: StepExecutor,
+    stepper: OptimizerStepper,
+    state: TrainState,
+    to_device: Callable[[Any], Any],
+    dataloader: Iterable[Any],
+    max_steps: int | None,
+    log_interval: int | None,
+    log_fn: Callable[[dict[str, Any]], None] | None,
+    accumulation_steps: int,
+) -> list[dict[str, Any]]:
+    place = executor.place
     records: list[dict[str, Any]] = []
     window = MicroBatches()
     started = time.perf_counter()
     batches = iter(dataloader)
     seen = 0
+
+    def end_step(*, always_log: bool = False) -> None:
+        records.append(_optimizer_step(executor, stepper, state, window, started))
+        due = always_log or state.step % (log_interval or 1) == 0
+        if log_fn is not None and place.rank == 0 and due:
+            log_fn(records[-1])
+
     while max_steps is None or len(records) < max_steps:
         batch = next(batches, _END)
         input = label = last = found = None
         if batch is not _END:
-            input, label = trainer._to_device(split_batch(batch))
+            input, label = to_device(split_batch(batch))
             size = batch_size(input)
             last = window.last(size) if len(window) == accumulation_steps - 1 > 0 else None
         accumulate = accumulation_steps > 1
-        if trainer.world_size > 1:
+        if place.world_size > 1:
             mine = None if batch is _END else (input, label)
-            ended, found = trainer._agree_on_batch(mine, accumulate, last is not None)
+            ended, found = executor.agree(mine, accumulate, last is not None)
             if ended:
-                _warn_uneven(trainer, ended, seen)
+                _warn_uneven(place.rank, place.world_size, ended, seen)
                 break
         elif batch is _END:
             break
         seen += 1
-        loss = trainer._micro_step(input, label, window.weight(size), accumulate, last, found)
-        trainer.data_position += 1
+        loss = executor.run(input, label, window.weight(size), accumulate, last, found)
+        state.consume()
         window.add(loss, size, count_tokens(input))
         if len(window) < accumulation_steps:
             continue
-        records.append(_optimizer_step(trainer, window, started))
-        if log_fn is not None and trainer.rank == 0 and trainer.step % (log_interval or 1) == 0:
-            log_fn(records[-1])
+        end_step()
         window, started = MicroBatches(), time.perf_counter()
     if not seen:
         raise ValueError(
@@ -89,15 +122,13 @@ def train_loop(
     if len(window):
         # The data ended inside an accumulation window: apply what was accumulated (its
         # samples weighted as usual) rather than leaking gradients into the next call.
-        records.append(_optimizer_step(trainer, window, started))
-        if log_fn is not None and trainer.rank == 0:
-            log_fn(records[-1])
+        end_step(always_log=True)
     return records
 
 
-def _warn_uneven(trainer: GraphTrainer, ended: list[int], seen: int) -> None:
-    mine = trainer.rank in ended
-    others = [r for r in range(trainer.world_size) if r not in ended]
+def _warn_uneven(rank: int, world_size: int, ended: list[int], seen: int) -> None:
+    mine = rank in ended
+    others = [r for r in range(world_size) if r not in ended]
     if mine and not others:
         return  # every rank's data ended together: a normal end
     what = (
@@ -106,43 +137,37 @@ def _warn_uneven(trainer: GraphTrainer, ended: list[int], seen: int) -> None:
         else f"the data of rank(s) {ended} ended while this rank still had batches (left unused)"
     )
     warnings.warn(
-        f"rank {trainer.rank}: {what}; every rank stopped after {seen} micro-batches of this "
+        f"rank {rank}: {what}; every rank stopped after {seen} micro-batches of this "
         "train() call. Give every rank the same number of batches (e.g. a DistributedSampler "
         "with drop_last=True, or equal shards)",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
 
 
-def _optimizer_step(trainer: GraphTrainer, window: MicroBatches, started: float) -> dict[str, Any]:
-    loss = mean_over_world(window.mean_loss(), trainer.world_size, trainer._collective_device())
-    if trainer._graph_norm is not None:  # the graph took the update (or masked it)
-        grad_norm = finish_graph_step(trainer, loss)
-    elif math.isfinite(loss):
-        trainer._deferred.reduce(trainer.model)  # once per step, not per micro-batch
-        scale = window.final_scale()
-        if scale != 1.0:
-            scale_grads(trainer.model, scale)
-        grad_norm = trainer.optimizer_step()
-    elif trainer.nonfinite == "skip":
-        grad_norm = skip_step(trainer)
-    else:
-        trainer.optimizer.zero_grad(set_to_none=True)
-        trainer._deferred.discard()  # else the next window would add to this one's sums
-        raise nonfinite_loss_error(loss, trainer.step + 1)
+def _optimizer_step(
+    executor: StepExecutor,
+    stepper: OptimizerStepper,
+    state: TrainState,
+    window: MicroBatches,
+    started: float,
+) -> dict[str, Any]:
+    topology = executor.topology
+    loss = mean_over_world(window.mean_loss(), topology.world_size, topology.collective_device)
+    grad_norm = stepper.step(window.final_scale(), loss)
     elapsed = time.perf_counter() - started
-    ranks = trainer._data_parallel_size()
+    ranks = topology.data_parallel_size
     return {
-        "step": trainer.step,
+        "step": state.step,
         "loss": loss,
         "grad_norm": grad_norm,
         "step_time_s": elapsed,
         "tokens_per_s": window.tokens * ranks / elapsed,
         "samples_per_s": window.samples * ranks / elapsed,
-        "memory_mb": peak_memory_mb(trainer.device),
-        "memory_kind": "host_rss" if trainer.device.type == "cpu" else "device_peak",
-        "lr": trainer.optimizer.param_groups[0].get("lr", float("nan")),
-        "skipped_steps": trainer.skipped_steps,
+        "memory_mb": peak_memory_mb(topology.device),
+        "memory_kind": "host_rss" if topology.device.type == "cpu" else "device_peak",
+        "lr": stepper.optimizer.param_groups[0].get("lr", float("nan")),
+        "skipped_steps": state.skipped_steps,
     }
 
 

@@ -11,21 +11,15 @@ same float64 arithmetic, and handed to the graph as 0-d tensors.
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from gm_trace import run_traced_graph
 from gm_trace.optimizer_update import GroupRule, OptimizerUpdate, ParamUpdate
 from gm_trainer.errors import TrainingError
-from gm_trainer.step_end import skip_step, sync_buffers
-from gm_trainer.step_guard import nonfinite_loss_error
-
-if TYPE_CHECKING:
-    from gm_trainer.trainer import GraphTrainer
+from gm_trainer.optim import OptimizerConfig
+from gm_trainer.topology import Topology
 
 #: ``torch.optim`` options the traced update implements only at these values.
 _FIXED = {
@@ -38,9 +32,9 @@ _FIXED = {
 }
 
 
-def untraceable_reason(trainer: GraphTrainer) -> str | None:
-    """Why the update of ``trainer``'s optimizer cannot go in the graph (``None``: it can)."""
-    config = trainer.optimizer_config
+def untraceable_reason(config: OptimizerConfig, topology: Topology) -> str | None:
+    """Why the update of the optimizer ``config`` builds cannot go in the graph of a run on
+    ``topology`` (``None``: it can)."""
     if not isinstance(config.name, str) or config.name.lower() not in ("adam", "adamw", "sgd"):
         return (
             f"the optimizer is {config.name!r}; the graph traces torch.optim Adam, AdamW and SGD "
@@ -50,14 +44,13 @@ def untraceable_reason(trainer: GraphTrainer) -> str | None:
     for key, value in (config.kwargs or {}).items():
         if key in _FIXED and value != _FIXED[key] and not (key == "fused" and value is False):
             return f"OptimizerConfig.kwargs {key}={value!r} is not traced (only {_FIXED[key]!r})"
-    if trainer._mesh is not None and trainer._mesh.tp_group is not None:
+    if topology.tp_group is not None:
         return "tensor parallelism: the traced global norm does not sum TP slices yet"
     return None
 
 
-def plan_update(trainer: GraphTrainer, grad_fqns: Sequence[str]) -> OptimizerUpdate:
-    """The update to trace for the parameters with a gradient, from the trainer's config."""
-    config = trainer.optimizer_config
+def plan_update(config: OptimizerConfig, grad_fqns: Sequence[str]) -> OptimizerUpdate:
+    """The update to trace for the parameters with a gradient, from the optimizer's config."""
     kwargs = config.kwargs or {}
     kind = config.name.lower()
     rule = GroupRule(
@@ -71,6 +64,27 @@ def plan_update(trainer: GraphTrainer, grad_fqns: Sequence[str]) -> OptimizerUpd
     )
     params = tuple(ParamUpdate(fqn, 0) for fqn in grad_fqns)
     return OptimizerUpdate(groups=(rule,), params=params, max_norm=config.grad_clip)
+
+
+class GraphUpdatePlanner:
+    """What the compiler asks about the update in the graph: whether it is wanted, why it
+    cannot be traced on a topology, and the update to trace for a graph's gradients."""
+
+    def __init__(self, config: OptimizerConfig) -> None:
+        self.config = config
+
+    @property
+    def requested(self) -> bool:
+        """``OptimizerConfig(in_graph=True)``."""
+        return self.config.in_graph
+
+    def why_not(self, topology: Topology) -> str | None:
+        """Why the update cannot be traced (``None``: it can)."""
+        return untraceable_reason(self.config, topology)
+
+    def plan(self, grad_fqns: Sequence[str]) -> OptimizerUpdate:
+        """The update to trace for the parameters with a gradient."""
+        return plan_update(self.config, grad_fqns)
 
 
 class GraphStepInputs:
@@ -190,81 +204,3 @@ def _differs(live: Any, baked: Any) -> bool:
     if isinstance(baked, tuple):
         return tuple(live) != baked
     return live != baked
-
-
-def with_graph_update(
-    trainer: GraphTrainer, joint: Any, passes: list[Any]
-) -> tuple[Any, list[Any]]:
-    """``joint`` and ``passes`` with the ``optimizer`` pass when ``in_graph`` asks for it and
-    the optimizer can be traced; otherwise unchanged, with a ``RuntimeWarning`` saying why."""
-    from gm_trace.optimizer_update import OptimizerUpdatePass
-
-    if not trainer.optimizer_config.in_graph:
-        return joint, passes
-    reason = untraceable_reason(trainer)
-    if reason is not None:
-        if trainer._in_graph_reason is None:
-            warnings.warn(
-                f"OptimizerConfig(in_graph=True): the update runs eagerly, outside the graph: "
-                f"{reason}",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-        trainer._in_graph_reason = reason
-        return joint, passes
-    spec = plan_update(trainer, joint.grad_fqns)
-    return joint.replace(optimizer_update=spec), [*passes, OptimizerUpdatePass()]
-
-
-def graph_update_step(
-    trainer: GraphTrainer, joint: Any, batch: tuple[Any, Any, Any], accumulated: Sequence[Any]
-) -> Any:
-    """Run a graph that updates the parameters itself; keep its norm for ``optimizer_step``.
-    ``batch``: input, label and their checked leaves (or ``None``); ``accumulated``: the
-    inputs of a window's last micro-batch graph, before the update's."""
-    if trainer._graph_norm is not None:
-        raise TrainingError(
-            "train_step() twice without optimizer_step(): with OptimizerConfig(in_graph=True) "
-            "every train_step() is a whole optimizer step; call optimizer_step() after each "
-            "(to accumulate micro-batches use train(accumulation_steps=k), whose last "
-            "micro-batch's graph takes the update)"
-        )
-    if trainer._step_inputs is None:
-        trainer._step_inputs = GraphStepInputs(trainer.model, trainer.optimizer)
-    extra = [*accumulated, *trainer._step_inputs(joint.optimizer_update)]
-    input, label, leaves = batch
-    outputs = run_traced_graph(joint, trainer.model, input, label, extra, leaves=leaves)
-    trainer._graph_norm = outputs.grad_norm
-    return outputs.loss.detach()
-
-
-def finish_graph_step(trainer: GraphTrainer, loss: float | None = None) -> float:
-    """``optimizer_step`` after a graph that took the update: count the step, step the LR
-    scheduler, sync buffers; returns the global gradient norm before clipping.
-
-    A non-finite norm (or ``loss``, the mean over ranks when the loop knows it) means the graph
-    masked its update: no weight or state changed; the step counts it bumped are taken back,
-    then the step is skipped or raised as ``trainer.nonfinite`` says, as the eager path does."""
-    norm, trainer._graph_norm = trainer._graph_norm.item(), None
-    loss_finite = loss is None or math.isfinite(loss)
-    if not (math.isfinite(norm) and loss_finite):
-        trainer._step_inputs.undo()
-        if trainer.nonfinite == "skip":
-            return skip_step(trainer, norm)
-        if not loss_finite:
-            raise nonfinite_loss_error(loss, trainer.step + 1)
-        raise TrainingError(
-            f"the global gradient norm is {norm} at step {trainer.step + 1} (or the loss was "
-            "not finite on a rank); training stopped and the update in the graph was masked, "
-            "so no weight or optimizer state was changed. Check the learning rate, the data "
-            "and ops with unbounded gradients (sqrt, log, division near 0), or pass "
-            "GraphTrainer(nonfinite='skip') to skip such steps"
-        )
-    trainer.step += 1
-    if trainer.lr_scheduler is not None:
-        # What torch's LRScheduler wraps optimizer.step() to record (else it warns that the
-        # scheduler stepped first): the graph took the optimizer's step.
-        trainer.optimizer._opt_called = True
-        trainer.lr_scheduler.step()
-    sync_buffers(trainer)
-    return norm

@@ -1,9 +1,11 @@
 """Run one ``train_step`` batch through the pipeline: this rank's stage, every micro-batch.
 
-``GraphTrainer`` hands a batch here when ``PassConfig.pp_degree > 1``. The batch (the same on
-every rank of a pipeline) is split along dim 0 into ``pp_microbatches``; the joint graph is
-traced for one micro-batch, run through the passes (``pp_stages`` first, then FSDP within each
-stage) and cut into per-stage forward and backward graphs (:mod:`gm_trace.stage_cut`). This
+The step executor hands a batch here when ``PassConfig.pp_degree > 1``. The batch (the same
+on every rank of a pipeline) is split along dim 0 into ``pp_microbatches``; the joint graph of
+one micro-batch — looked up in the registry by signature and module state like every graph,
+so ``eval()`` or a frozen parameter get their own — ran through the passes (``pp_stages``
+first, then FSDP within each stage) and is cut into per-stage forward and backward graphs
+(:mod:`gm_trace.stage_cut`), once per graph. This
 rank runs its stage's halves in the schedule's order (:mod:`gm_trainer.pipeline_schedule`),
 receiving what earlier stages computed for a forward and what later stages computed for a
 backward, and adds the mean of the micro-batches' gradients to its parameters' ``.grad``. The
@@ -18,13 +20,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from gm_config import ConfigError
+from gm_config import ConfigError, PassConfig
 from gm_trace import node_meta
 from gm_trace.backend import CompiledStep, compile_graph
 from gm_trace.joint_graph import JointGraph
@@ -33,9 +35,7 @@ from gm_trace.stage_cut import BACKWARD, FORWARD, PipelineCut, StageProgram, Tra
 from gm_trainer.errors import TrainingError
 from gm_trainer.gradients import add_to_grad
 from gm_trainer.pipeline_schedule import Action, in_flight, rank_actions
-
-if TYPE_CHECKING:
-    from gm_trainer.trainer import GraphTrainer
+from gm_trainer.topology import ResolvedRun
 
 Env = dict[str, torch.Tensor]
 # (key, buffer, work, stride) per value; buffer None: from a stage of this rank, work is its
@@ -78,58 +78,118 @@ class _Step:
     """(transfer tag, micro-batch) -> a value between two stages of this rank."""
 
 
-class PipelineRunner:
-    """One rank's stages of a pipeline-parallel ``GraphTrainer``."""
+@dataclass
+class _Adopted:
+    """One graph of the pipeline, cut into stages, with this rank's stages' programs."""
 
-    def __init__(self, trainer: GraphTrainer) -> None:
-        self.trainer = trainer
-        self.cut: PipelineCut | None = None
-        self.programs: dict[int, StageProgram] = {}
-        """This rank's stages (``pp_index + k * pp_degree``) and what each runs."""
-        self.actions: list[Action] = []
+    cut: PipelineCut
+    programs: dict[int, StageProgram]
+    """This rank's stages (``pp_index + k * pp_degree``) and what each runs."""
+    compiled: dict[tuple[int, str], CompiledStep]
+    """(stage, phase) -> the half compiled by ``PassConfig.backend`` (none without)."""
+
+
+class PipelineRunner:
+    """One rank's stages of a pipeline-parallel run.
+
+    Every graph the registry holds for the pipeline's micro-batch (one per module state:
+    training flags, trainable set) is cut once; each step runs the cut of its graph.
+    """
+
+    def __init__(self, run: ResolvedRun, model: torch.nn.Module, backend: str | None) -> None:
+        self.config = run.pass_config
+        self.topology = run.topology
+        self.model = model
+        self.backend = backend
+        self.actions: list[Action] = rank_actions(
+            self.config.pp_schedule,
+            self.pp_index,
+            self.config.pp_degree,
+            self.config.pp_microbatches,
+            self.config.pp_virtual_stages,
+        )
         """This rank's schedule: the order of its forward and backward halves."""
-        self.compiled: dict[tuple[int, str], CompiledStep] = {}
-        """(stage, phase) -> the half compiled by ``PassConfig.backend`` (none without)."""
         self.stats = PipelineStats()
-        self._joint: JointGraph | None = None
+        self._adopted: dict[int, _Adopted] = {}
+        """id(graph) -> its cut; the registry keeps the graphs alive."""
+        self._first: JointGraph | None = None
+        self.current_joint: JointGraph | None = None
+        """The graph the last step ran."""
 
     # ------------------------------------------------------------------ set-up
 
     @property
     def pp_index(self) -> int:
         """This rank's place in its pipeline: it runs stages ``pp_index + k * pp_degree``."""
-        return self.trainer.run.pp_stage
+        return self.topology.pp_stage
 
     @property
     def own_stages(self) -> range:
-        """The stages this rank runs (known from the resolved run, before the first step)."""
-        config = self.trainer.run.pass_config
+        """The stages this rank runs."""
+        config = self.config
         return range(self.pp_index, config.pp_degree * config.pp_virtual_stages, config.pp_degree)
 
-    def _adopt(self, joint: JointGraph) -> None:
-        config = self.trainer.run.pass_config
-        self.cut = cut_pipeline(joint, config.pp_degree * config.pp_virtual_stages)
-        self.programs = {stage: self.cut.programs[stage] for stage in self.own_stages}
-        backend = self.trainer.pass_config.backend
-        if backend is not None:  # the whole graph was not compiled: each half is
-            self.compiled = {
-                (stage, phase): compile_graph(getattr(program, phase).graph_module, backend)
-                for stage, program in self.programs.items()
+    @property
+    def current(self) -> _Adopted | None:
+        """The cut of the graph the last step ran (``None`` before the first)."""
+        joint = self.current_joint
+        return self._adopted[id(joint)] if joint is not None else None
+
+    @property
+    def programs(self) -> dict[int, StageProgram]:
+        """What this rank's stages run in the last step's graph."""
+        return self.current.programs if self.current is not None else {}
+
+    @property
+    def compiled(self) -> dict[tuple[int, str], CompiledStep]:
+        """The backend's compiled halves of the last step's graph."""
+        return self.current.compiled if self.current is not None else {}
+
+    @property
+    def cut(self) -> PipelineCut | None:
+        """The last step's graph, cut into stages."""
+        return self.current.cut if self.current is not None else None
+
+    def check_signature(self, signature: InputSignature) -> None:
+        """A pipeline runs one micro-batch shape: the parameters of other stages are freed
+        on this rank, and retracing for another shape needs every stage's layout."""
+        if self._first is not None and signature != self._first.input_signature:
+            raise TrainingError(
+                "a pipeline-parallel trainer runs one micro-batch shape, traced with\n"
+                f"{self._first.input_signature.describe()}\nbut this batch's "
+                f"micro-batches are\n{signature.describe()}\nkeep the batch shape and "
+                "pp_microbatches fixed"
+            )
+
+    def adopt(self, joint: JointGraph) -> dict[str, tuple[int, ...]]:
+        """Cut ``joint`` into stages (once per graph); the first time, free the parameters of
+        other stages and return their shapes (a later trace needs them)."""
+        self.current_joint = joint
+        if id(joint) in self._adopted:
+            return {}
+        config = self.config
+        cut = cut_pipeline(joint, config.pp_degree * config.pp_virtual_stages)
+        programs = {stage: cut.programs[stage] for stage in self.own_stages}
+        compiled = {}
+        if self.backend is not None:  # the whole graph was not compiled: each half is
+            compiled = {
+                (stage, phase): compile_graph(getattr(program, phase).graph_module, self.backend)
+                for stage, program in programs.items()
                 for phase in (FORWARD, BACKWARD)
             }
-        self.actions = rank_actions(
-            config.pp_schedule,
-            self.pp_index,
-            config.pp_degree,
-            config.pp_microbatches,
-            config.pp_virtual_stages,
-        )
-        self._joint = joint
-        self._free_other_stages(joint)
+        self._adopted[id(joint)] = _Adopted(cut, programs, compiled)
+        if self._first is not None:
+            return {}
+        self._first = joint
+        return self._free_other_stages(joint)
 
-    def foreign_state(self, joint: JointGraph) -> frozenset[str]:
+    def foreign_state(self, joint: JointGraph | None = None) -> frozenset[str]:
         """Canonical FQNs of the parameters and buffers that stages of other ranks own in
-        ``joint`` (the ``pp_stages`` pass tags each state placeholder)."""
+        ``joint`` (default: the first graph; the ``pp_stages`` pass tags each state
+        placeholder, alike in every graph of one model)."""
+        joint = joint if joint is not None else self._first
+        if joint is None:
+            return frozenset()
         return frozenset(
             n.meta[node_meta.FQN]
             for n in joint.graph_module.graph.nodes
@@ -138,29 +198,22 @@ class PipelineRunner:
             and n.meta[node_meta.STAGE] not in self.own_stages
         )
 
-    def _free_other_stages(self, joint: JointGraph) -> None:
+    def _free_other_stages(self, joint: JointGraph) -> dict[str, tuple[int, ...]]:
         """Drop the storage of parameters another stage owns: nothing here reads them."""
-        params = dict(self.trainer.model.named_parameters())
+        params = dict(self.model.named_parameters())
+        freed = {}
         for fqn in self.foreign_state(joint) & params.keys():
+            freed[fqn] = tuple(params[fqn].shape)
             params[fqn].data = params[fqn].data.new_empty(0)
+        return freed
 
     # ------------------------------------------------------------------ the step
 
-    def step(self, input: Any, label: Any, weight: float) -> torch.Tensor:
-        """Run the schedule for one batch; add ``weight`` x the mean micro-batch gradient."""
-        trainer = self.trainer
-        config = trainer.pass_config
-        micro = split_microbatches(input, label, config.pp_microbatches)
-        if self._joint is None:
-            self._adopt(trainer.compile(*micro[0]))
-        elif InputSignature.of(*micro[0]) != self._joint.input_signature:
-            raise TrainingError(
-                "a pipeline-parallel trainer runs one micro-batch shape, traced with\n"
-                f"{self._joint.input_signature.describe()}\nbut this batch's micro-batches "
-                f"are\n{InputSignature.of(*micro[0]).describe()}\nkeep the batch shape and "
-                "pp_microbatches fixed"
-            )
-        model = trainer.model
+    def step(self, joint: JointGraph, micro: list[tuple[Any, Any]], weight: float) -> torch.Tensor:
+        """Run the schedule of ``joint`` (adopted) for the micro-batches of one batch; add
+        ``weight`` x the mean micro-batch gradient."""
+        self.adopt(joint)
+        model = self.model
         state = dict(model.named_parameters())
         state.update(model.named_buffers())
         batches = [
@@ -216,7 +269,7 @@ class PipelineRunner:
             for fqn in fqns:
                 # add_to_grad may scale the graph's output in place: not one still being sent
                 grad = env[key].clone() if key in sent or len(fqns) > 1 else env[key]
-                add_to_grad(self.trainer.model.get_parameter(fqn), grad, step.weight)
+                add_to_grad(self.model.get_parameter(fqn), grad, step.weight)
 
     def _run(self, program: StageProgram, phase: str, env: Env) -> None:
         half = getattr(program, phase)
@@ -238,8 +291,7 @@ class PipelineRunner:
 
     def _peer(self, stage: int) -> int:
         """The global rank running ``stage`` in this rank's pipeline."""
-        run = self.trainer.run
-        return run.pp_ranks[stage % run.pass_config.pp_degree]
+        return self.topology.pp_ranks[stage % self.config.pp_degree]
 
     def _tag(self, transfer: Transfer, m: int) -> int:
         return m * len(self.cut.transfers) + transfer.tag
@@ -261,7 +313,7 @@ class PipelineRunner:
             if t.src in self.programs:  # from a stage of this rank: taken when it runs
                 posted.append((t.key, None, (t.tag, action.microbatch), t.stride))
                 continue
-            buffer = torch.empty(t.shape, dtype=t.dtype, device=self.trainer.device)
+            buffer = torch.empty(t.shape, dtype=t.dtype, device=self.topology.device)
             work = dist.irecv(buffer, self._peer(t.src), tag=self._tag(t, action.microbatch))
             posted.append((t.key, buffer, work, t.stride))
         return posted
@@ -278,13 +330,13 @@ class PipelineRunner:
 
     def _loss(self, step: _Step) -> torch.Tensor:
         """The mean micro-batch loss, from the stage that computes it, on every rank."""
-        run = self.trainer.run
         if step.losses:
             loss = torch.stack(step.losses).mean().reshape(())
         else:
-            dtype = self._joint.graph_module.graph.output_node().args[0][0].meta["val"].dtype
-            loss = torch.empty((), dtype=dtype, device=self.trainer.device)
-        dist.broadcast(loss, src=self._peer(self.cut.loss_stage), group=run.pp_group)
+            output = self.current_joint.graph_module.graph.output_node()
+            dtype = output.args[0][0].meta["val"].dtype
+            loss = torch.empty((), dtype=dtype, device=self.topology.device)
+        dist.broadcast(loss, src=self._peer(self.cut.loss_stage), group=self.topology.pp_group)
         return loss
 
     # ------------------------------------------------------------------ reports
@@ -294,8 +346,8 @@ class PipelineRunner:
         rank's measured bubble and held activations."""
         if self.cut is None:
             return "pipeline: not compiled yet"
-        config = self.trainer.run.pass_config
-        stages = self._joint.stages
+        config = self.config
+        stages = self.current_joint.stages
         automatic = " (stages balanced automatically)" if stages.automatic else ""
         lines = [
             f"pipeline: {len(stages.stages)} stages on {config.pp_degree} ranks, "
@@ -316,14 +368,12 @@ class PipelineRunner:
         return "\n".join(lines)
 
 
-def pipeline_runner(trainer: GraphTrainer) -> PipelineRunner | None:
-    """The runner for ``trainer``'s pipeline stage, or ``None`` when ``pp_degree`` is 1.
-    Refuses, before anything runs, what the pipeline does not combine with yet."""
-    config = trainer.pass_config
+def check_pipeline_config(config: PassConfig, in_graph: bool) -> None:
+    """Refuse, before anything runs, what a pipeline does not combine with yet."""
     if config.pp_degree == 1:
-        return None
+        return
     refused = {
-        "OptimizerConfig(in_graph=True)": trainer.optimizer_config.in_graph,
+        "OptimizerConfig(in_graph=True)": in_graph,
         "dynamic_dims": bool(config.dynamic_dims),
     }
     for what, present in refused.items():
@@ -333,7 +383,6 @@ def pipeline_runner(trainer: GraphTrainer) -> PipelineRunner | None:
                 "the stage graphs run as captured, with FSDP within each stage; drop one of "
                 "the two"
             )
-    return PipelineRunner(trainer)
 
 
 def split_microbatches(input: Any, label: Any, n: int) -> list[tuple[Any, Any]]:
@@ -367,4 +416,10 @@ def _bytes(env: Env, exclude: set[int]) -> int:
     return sum(n for ptr, n in storages.items() if ptr not in exclude)
 
 
-__all__ = ["Action", "PipelineRunner", "PipelineStats", "pipeline_runner", "split_microbatches"]
+__all__ = [
+    "Action",
+    "PipelineRunner",
+    "PipelineStats",
+    "check_pipeline_config",
+    "split_microbatches",
+]

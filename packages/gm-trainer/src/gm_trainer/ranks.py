@@ -1,54 +1,18 @@
-"""Keeping data-parallel ranks in step: the end of the data, batch signatures, buffers."""
+"""Keeping data-parallel ranks in step: the end of the data, batch keys, buffers, losses."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from gm_trace.signature import InputSignature
-from gm_trainer.errors import TrainingError
-from gm_trainer.graph_key import describe_module_state, module_state_key
+from gm_trainer.topology import Topology
 
 _NO_BATCH = -(2**62)
 
 
-def agree_on_batch(
-    signature: InputSignature | None,
-    model: torch.nn.Module,
-    rank: int,
-    world: int,
-    device: torch.device,
-    *,
-    needs_graph: bool = False,
-) -> tuple[list[int], bool]:
-    """``(ranks whose data has ended, whether any rank needs a new graph)``.
-
-    ``signature`` is this rank's graph key for its batch -- the input signature, with the
-    symbolic dims by name (ranks may differ there) -- or ``None`` when its data has ended;
-    ``needs_graph``: no compiled graph takes this rank's batch. When one rank compiles,
-    every rank must (the compile checks collectives across ranks). Raises
-    :class:`TrainingError` when the ranks' graph keys (signature, module state) differ: a rank
-    that recompiled alone would issue collectives the others never match.
-    """
-    digest = None
-    if signature is not None:
-        text = str(signature.spec) + signature.describe() + str(module_state_key(model))
-        digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
-    ended, agreed, compile_all = _agree_on_digest(digest, rank, world, device, needs_graph)
-    if not agreed:
-        raise TrainingError(
-            f"rank {rank}: ranks disagree on the batch signature or module state; every rank "
-            "must get batches of the same shapes and dtypes (dims named in dynamic_dims may "
-            "differ), and switch train()/eval() or requires_grad together. This rank has:\n"
-            f"{signature.describe()}\n{describe_module_state(model)}"
-        )
-    return ended, compile_all
-
-
-def _agree_on_digest(
+def agree_on_digest(
     digest: int | None, rank: int, world: int, device: torch.device, needs_graph: bool = False
 ) -> tuple[list[int], bool, bool]:
     """One all-reduce over the world per micro-batch: ``(ranks whose data has ended, whether
@@ -70,6 +34,16 @@ def _agree_on_digest(
         return ended, True, False
     agreed = probe[0].item() == digest and probe[1].item() == -digest
     return [], agreed, bool(probe[2].item())
+
+
+def sync_buffers(model: torch.nn.Module, fqns: set[str], topology: Topology) -> None:
+    """Make the buffers ``fqns`` (those the graphs update: BatchNorm statistics) rank 0's on
+    every data-parallel rank, as DDP's ``broadcast_buffers`` does."""
+    if not topology.fsdp_active:
+        return
+    buffers = [b for fqn, b in model.named_buffers() if fqn in fqns]
+    if buffers:
+        broadcast_buffers(buffers, [topology.fsdp_group, topology.replicate_group])
 
 
 def broadcast_buffers(

@@ -12,15 +12,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from gm_config import ConfigError
-
-if TYPE_CHECKING:
-    from gm_trainer.trainer import GraphTrainer
 
 DECAYS = ("constant", "linear", "cosine")
 #: The key of the scheduler's state in a checkpoint's ``extra``.
@@ -82,13 +79,13 @@ def warmup_decay_factory(
     return build
 
 
-def scheduler_extra(trainer: GraphTrainer, extra: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``extra`` plus the trainer's scheduler state (JSON), for ``save_checkpoint(extra=)``.
+def scheduler_extra(scheduler: Any, extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``extra`` plus ``scheduler``'s state (JSON; ``None``: no scheduler), for
+    ``save_checkpoint(extra=)``.
 
     The schedule's own parameters are left out: on resume the configuration decides them.
     """
     out = dict(extra or {})
-    scheduler = getattr(trainer, "lr_scheduler", None)
     if scheduler is not None:
         state = scheduler.state_dict()
         if "lr_lambdas" in state:
@@ -97,11 +94,12 @@ def scheduler_extra(trainer: GraphTrainer, extra: Mapping[str, Any] | None) -> d
     return out
 
 
-def restore_scheduler(trainer: GraphTrainer, extra: Mapping[str, Any]) -> None:
+def restore_scheduler(
+    scheduler: Any, optimizer: torch.optim.Optimizer | None, step: int, extra: Mapping[str, Any]
+) -> None:
     """After ``load_checkpoint``: load the scheduler state saved in ``extra`` (or, for a
     checkpoint without one, move the scheduler to the trainer's step), then set each group's
     learning rate from the schedule at that step, as the uninterrupted run computed it."""
-    scheduler = getattr(trainer, "lr_scheduler", None)
     if scheduler is None:
         return
     state = extra.get(EXTRA_KEY)
@@ -111,14 +109,14 @@ def restore_scheduler(trainer: GraphTrainer, extra: Mapping[str, Any]) -> None:
         if isinstance(lambdas, list):
             state["lr_lambdas"] = [None] * len(lambdas)  # the configured schedule wins
         scheduler.load_state_dict(state)
-    scheduler.last_epoch = trainer.step
-    set_base_lrs(trainer, [float(b) for b in scheduler.base_lrs])
+    scheduler.last_epoch = step
+    set_base_lrs(scheduler, optimizer, [float(b) for b in scheduler.base_lrs])
 
 
-def set_base_lrs(trainer: GraphTrainer, base_lrs: list[float]) -> None:
+def set_base_lrs(
+    scheduler: Any, optimizer: torch.optim.Optimizer | None, base_lrs: list[float]
+) -> None:
     """Make ``base_lrs`` the schedule's peak rates and apply the factor of the current step."""
-    scheduler = trainer.lr_scheduler
-    optimizer = trainer.optimizer
     if not isinstance(scheduler, LambdaLR) or optimizer is None:
         return  # another scheduler: its own load_state_dict restored it
     scheduler.base_lrs = list(base_lrs)

@@ -10,17 +10,17 @@ from gm_trace.signature import InputSignature
 
 @contextlib.contextmanager
 def counting_signatures() -> Iterator[list[int]]:
-    """Count the batch signatures computed (``InputSignature._of_leaves`` calls) while inside:
+    """Count the batch signatures computed (``InputSignature.of_leaves`` calls) while inside:
     yields a one-element list that holds the count so far."""
     count = [0]
-    of_leaves = InputSignature.__dict__["_of_leaves"]
+    of_leaves = InputSignature.__dict__["of_leaves"]
 
     def counted(cls, *args):
         count[0] += 1
         return of_leaves.__func__(cls, *args)
 
-    InputSignature._of_leaves = classmethod(counted)
+    InputSignature.of_leaves = classmethod(counted)
     try:
         yield count
     finally:
-        InputSignature._of_leaves = of_leaves
+        InputSignature.of_leaves = of_leaves

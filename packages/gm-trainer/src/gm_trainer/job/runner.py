@@ -161,7 +161,8 @@ def _train(
         # Compile first (FSDP shards the model, the optimizer is built), then load.
         trainer.compile(*_graph_batch(next(iter(batches_from(0))), config.parallel))
         saved = load_checkpoint(trainer, resume)
-        restore_scheduler(trainer, saved)  # the curve goes on where the checkpoint stopped
+        # the curve goes on where the checkpoint stopped
+        restore_scheduler(trainer.lr_scheduler, trainer.optimizer, trainer.step, saved)
         check_same_model(config, saved.get("config"), resume)
         position = trainer.data_position
         notes = _reconcile(trainer, config, saved.get("config"))
@@ -247,7 +248,7 @@ def _train(
                 last_checkpoint = save_checkpoint(
                     trainer,
                     checkpoint_dir(run_dir, trainer.step),
-                    extra=scheduler_extra(trainer, extra),
+                    extra=scheduler_extra(trainer.lr_scheduler, extra),
                 )
                 checkpoint_time += time.perf_counter() - saved_at
                 if folder is not None and progress is not None:  # rank 0, after the commit
@@ -335,7 +336,9 @@ def _reconcile(trainer: GraphTrainer, config: JobConfig, saved: Any) -> list[str
     if trainer.lr_scheduler is not None:  # group["lr"] is the schedule's: compare the peak
         del wanted["lr"]
         if any(b != t.lr for b in trainer.lr_scheduler.base_lrs):
-            set_base_lrs(trainer, [t.lr] * len(trainer.lr_scheduler.base_lrs))
+            set_base_lrs(
+                trainer.lr_scheduler, trainer.optimizer, [t.lr] * len(trainer.lr_scheduler.base_lrs)
+            )
             changed.add("lr")
     for group in trainer.optimizer.param_groups if trainer.optimizer is not None else []:
         for key, value in wanted.items():
