@@ -5,9 +5,9 @@
     python packages/gm-trainer/tests/composability_report.py --out docs/composability.md
     python packages/gm-trainer/tests/composability_report.py --cell pp,in_graph --cell tp,bf16
 
-Each cell runs on its own world of local gloo ranks (1, 2 or 4); the ranks are kept between
-cells and restarted after a broken one (a refusal comes alike on every rank), so that no
-collective of a failed cell is left pending for the next one.
+Each cell runs on its own fresh world of local gloo ranks (1, 2 or 4): what an earlier cell
+left in a process (process groups, meshes, a collective a failed cell left pending) cannot
+change a later cell's outcome, so the table does not depend on the order of its cells.
 """
 
 from __future__ import annotations
@@ -27,37 +27,27 @@ CELL_TIMEOUT = 900.0  # seconds; Inductor compiles every graph of a cell
 
 
 def run_cells(cells: list[tuple[str, ...]], log=print) -> dict[tuple[str, ...], dict[str, Any]]:
-    """Every cell's merged outcome (and its wall time in ``seconds``)."""
-    pools: dict[int, DistributedPool] = {}
+    """Every cell's merged outcome (and its wall time in ``seconds``), each on fresh ranks."""
     results: dict[tuple[str, ...], dict[str, Any]] = {}
-    try:
-        for cell in cells:
-            world = bodies.Setup.of(cell).world
-            pool = pools.setdefault(world, DistributedPool(world))
-            started = time.monotonic()
-            with tempfile.TemporaryDirectory(prefix="gm-compose-") as root:
-                try:
-                    outcome = bodies.merge(
-                        pool.run(bodies.run_cell, cell, root, timeout=CELL_TIMEOUT)
-                    )
-                except DistributedTestError as exc:
-                    lines = str(exc).strip().splitlines()
-                    if "failed:" in lines[0]:  # run_cell itself raised: the harness's bug
-                        raise
-                    # a hang or a dead rank
-                    outcome = {"outcome": "broken", "detail": lines[0], "notes": []}
-            outcome["seconds"] = time.monotonic() - started
-            outcome["world"] = world
-            if outcome["outcome"] == "broken":
-                pool.close()  # fresh ranks and process group for the next cell
-            results[cell] = outcome
-            log(
-                f"{bodies.cell_name(cell)} ({world} ranks, {outcome['seconds']:.0f} s): "
-                f"{outcome['outcome']} {outcome.get('detail', '')}".rstrip()
-            )
-    finally:
-        for pool in pools.values():
-            pool.close()
+    for cell in cells:
+        world = bodies.Setup.of(cell).world
+        started = time.monotonic()
+        with DistributedPool(world) as pool, tempfile.TemporaryDirectory() as root:
+            try:
+                outcome = bodies.merge(pool.run(bodies.run_cell, cell, root, timeout=CELL_TIMEOUT))
+            except DistributedTestError as exc:
+                lines = str(exc).strip().splitlines()
+                if "failed:" in lines[0]:  # run_cell itself raised: the harness's bug
+                    raise
+                # a hang or a dead rank
+                outcome = {"outcome": "broken", "detail": lines[0], "notes": []}
+        outcome["seconds"] = time.monotonic() - started
+        outcome["world"] = world
+        results[cell] = outcome
+        log(
+            f"{bodies.cell_name(cell)} ({world} ranks, {outcome['seconds']:.0f} s): "
+            f"{outcome['outcome']} {outcome.get('detail', '')}".rstrip()
+        )
     return results
 
 
