@@ -113,6 +113,22 @@ def test_resume_auto_falls_back_past_a_damaged_checkpoint_and_saves_its_step_aga
     assert "damaged" not in again.stderr
 
 
+def test_an_older_checkpoint_resumed_by_name_moves_an_unreadable_newer_one_out_of_the_way(
+    base: dict[str, Any],
+) -> None:
+    run = copy_run(base, "older")
+    newest = run / "checkpoints" / "step-00000004"
+    data = (newest / ".metadata").read_bytes()
+    (newest / ".metadata").write_bytes(data[: len(data) // 2])  # no checkpoint any more
+    older = run / "checkpoints" / "step-00000002"
+    result = ok(gm_train("--nproc", "1", "--resume", str(older), cwd=base["root"], timeout=240))
+    aside = run / "checkpoints" / "step-00000004.damaged"
+    assert f"checkpoint {newest} is damaged and was moved aside to {aside}" in result.stderr
+    assert (aside / ".metadata").read_bytes() == data[: len(data) // 2]
+    assert verify_checkpoint(newest)["step"] == 4  # saved again: no FileExistsError
+    assert [r["loss"] for r in metrics(run)] == [r["loss"] for r in metrics(base["run"])]
+
+
 def test_an_explicitly_named_damaged_checkpoint_is_refused_not_replaced(
     base: dict[str, Any], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -31,6 +31,7 @@ from gm_trainer.job.resume import (
     check_same_model,
     config_of_checkpoint,
     find_resume_point,
+    set_aside_later_steps,
 )
 from gm_trainer.job.run_folder import CHECKPOINTS_DIR, resolve_run_dir, step_checkpoints
 
@@ -343,6 +344,11 @@ def choose_run_dir(
             f"{existing[-1][1].name}); {hint}choose another logging.run_dir, or delete "
             f"{run_dir / CHECKPOINTS_DIR}"
         )
+    if create:  # a step-N folder that is no checkpoint would make the save of step N fail
+        after = resume.step if continuing and resume is not None else 0
+        intact = {p for _, p in existing}
+        for found in set_aside_later_steps(run_dir / CHECKPOINTS_DIR, after, intact):
+            print(f"gm-train: warning: {found.describe()}", file=sys.stderr)
     return run_dir
 
 

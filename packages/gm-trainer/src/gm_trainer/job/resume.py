@@ -14,7 +14,7 @@ them again after loading (for callers of :func:`gm_trainer.job.runner.run_job`).
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from gm_trainer.checkpoint import (
 from gm_trainer.checkpoint_io import set_aside
 from gm_trainer.job.config import JobConfig, apply_overrides
 from gm_trainer.job.files import RunFolderError
-from gm_trainer.job.run_folder import CHECKPOINTS_DIR, run_folder_of
+from gm_trainer.job.run_folder import CHECKPOINTS_DIR, run_folder_of, step_folders
 
 #: The settings that decide which tokens the training windows are cut from. When they are the
 #: same as the saved run's, a different fingerprint means the corpus itself changed.
@@ -179,19 +179,40 @@ def discover(
     job's writer (rank 0 of the launch) may move them.
     """
     scan = scan_checkpoints(root, verify_data=True)
-    damaged = []
-    for path, reason in scan.damaged:
-        moved = None
-        if set_aside_damaged:
+    damaged = tuple(
+        _move_aside(path, reason) if set_aside_damaged else Damaged(path, reason)
+        for path, reason in scan.damaged
+    )
+    return scan.newest, damaged
+
+
+def _move_aside(path: Path, reason: str) -> Damaged:
+    try:
+        return Damaged(path, reason, set_aside(path))
+    except OSError as exc:
+        raise RunFolderError(
+            f"checkpoint {path} is damaged ({reason}) and cannot be moved aside "
+            f"({type(exc).__name__}: {exc}); move it out of {path.parent} yourself"
+        ) from exc
+
+
+def set_aside_later_steps(
+    root: str | Path, after: int, intact: Collection[Path]
+) -> tuple[Damaged, ...]:
+    """Move aside every ``step-N`` folder under ``root`` with ``N > after`` that is not among
+    the ``intact`` checkpoints: the run will save step ``N`` again, which a folder of that
+    name (a damaged checkpoint that discovery did not pass, say beside an explicitly named
+    older one) would make fail. Run it on the job's writer only."""
+    found = []
+    for step, path in step_folders(root):
+        if step > after and path not in intact:
             try:
-                moved = set_aside(path)
-            except OSError as exc:
-                raise RunFolderError(
-                    f"checkpoint {path} is damaged ({reason}) and cannot be moved aside "
-                    f"({type(exc).__name__}: {exc}); move it out of {Path(root)} yourself"
-                ) from exc
-        damaged.append(Damaged(path, reason, moved))
-    return scan.newest, tuple(damaged)
+                checkpoint_info(path)
+                reason = "a data file failed its checksum"  # why else would it not be intact
+            except (CheckpointError, OSError) as exc:
+                reason = str(exc)
+            found.append(_move_aside(path, reason))
+    return tuple(found)
 
 
 @dataclass(frozen=True)

@@ -295,6 +295,15 @@ def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / CHECKPOINTS_DIR / f"step-{step:08d}"
 
 
+def step_folders(root: str | Path) -> list[tuple[int, Path]]:
+    """Every ``step-N`` folder under ``root`` as ``(N, path)``, complete or not, by step."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name))]
+    return sorted(p for p in found if p[1].is_dir())
+
+
 def step_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
     """The complete ``step-N`` checkpoints under ``root`` as ``(step, path)``, oldest first.
 
