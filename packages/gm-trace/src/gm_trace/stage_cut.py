@@ -285,11 +285,14 @@ def _multi_output_source(node: fx.Node) -> fx.Node | None:
 
 def _check_tensor_inputs(program: StageProgram, by_name: Mapping[Key, fx.Node]) -> None:
     """Every value a half reads from elsewhere (the other half, another stage) must be a
-    tensor: the runtime holds, sends and measures tensors."""
+    tensor: the runtime holds, sends and measures tensors. A symbolic graph's backward may
+    also keep a size its own forward computed (a ``SymInt``; sizes never cross stages:
+    :func:`~gm_trace.stage_split.check_flow`)."""
     for phase in (FORWARD, BACKWARD):
         for key in getattr(program, phase).inputs:
             val = by_name[key].meta.get("val")
-            if not isinstance(val, torch.Tensor):
+            kept_size = phase == BACKWARD and isinstance(val, torch.SymInt)
+            if not isinstance(val, torch.Tensor) and not kept_size:
                 raise PipelineSplitError(
                     f"stage {program.stage}'s {phase} reads {key!r} ({by_name[key].target}), "
                     f"a {type(val).__name__}, from outside its half; a stage keeps and receives "
