@@ -404,6 +404,59 @@ def test_data_dependent_python_names_the_op_and_user_line(
     assert info.value.__suppress_context__  # the torch-internal traceback is not the story
 
 
+class _WrongWidth(nn.Module):
+    """BatchNorm, dropout, then a Linear whose input width is wrong: eager fails as well."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(16)
+        self.drop = nn.Dropout(0.5)
+        self.fc = nn.Linear(10, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(self.drop(self.norm(x)))
+
+
+def test_a_capture_error_that_eager_shares_says_so_and_the_check_leaves_no_trace() -> None:
+    model = _WrongWidth()
+    x, y = make_regression_batch()  # (8, 16): fc expects 10 features
+    rng = torch.get_rng_state()
+    with pytest.raises(GraphCaptureError) as info:
+        trace_model_graph(model, lambda m, x, y: (m(x) - 1).pow(2).mean(), x, y)
+    message = str(info.value)
+    assert "Eager PyTorch fails too (checked" in message, message
+    assert "The same code runs in eager PyTorch" not in message
+    # eager's own words (the fake kernel words it otherwise), and where it happened
+    assert "mat1 and mat2 shapes cannot be multiplied (8x16 and 10x4)" in message
+    assert "`fc`" in message
+    # The eager check ran BatchNorm and dropout on real tensors, and undid both.
+    assert torch.equal(model.norm.running_mean, torch.zeros(16))
+    assert model.norm.num_batches_tracked.item() == 0
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@torch.library.custom_op("gm_test::no_fake_kernel", mutates_args=())
+def _no_fake_kernel(x: Tensor) -> Tensor:
+    return x * 2  # a real kernel only: fake tensors cannot run it
+
+
+def test_a_capture_error_that_eager_does_not_share_says_the_code_runs_eagerly() -> None:
+    model = MLP()
+    x, y = make_regression_batch()
+
+    def train_fn(m: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        return mse_loss(m, _no_fake_kernel(x), y)
+
+    train_fn(model, x, y).backward()  # eager PyTorch runs it
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(GraphCaptureError) as info:
+        trace_model_graph(model, train_fn, x, y)
+    message = str(info.value)
+    assert "The same code runs in eager PyTorch (checked" in message, message
+    assert "fails too" not in message
+
+
 @pytest.mark.parametrize(
     ("returned", "pattern"),
     [

@@ -297,7 +297,7 @@ def test_a_failed_resume_leaves_the_run_as_it_was(
 
 
 def test_a_checkpoint_of_another_model_is_refused() -> None:
-    from gm_trainer.job.runner import check_same_model
+    from gm_trainer.job.resume import check_same_model
 
     config = JobConfig()
     saved = config.to_dict()

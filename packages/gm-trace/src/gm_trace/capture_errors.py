@@ -7,6 +7,7 @@ import linecache
 import os
 import sysconfig
 import traceback
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -58,18 +59,76 @@ def data_dependent_error(exc: Exception, model: nn.Module) -> GraphCaptureError:
     )
 
 
-def capture_failure(exc: Exception, model: nn.Module) -> GraphCaptureError:
-    """Any other error raised while tracing: where it happened, and the original message."""
+def capture_failure(
+    exc: Exception, model: nn.Module, eager: Callable[[], BaseException | None] | None = None
+) -> GraphCaptureError:
+    """Any other error raised while tracing: where it happened, and the original message.
+
+    ``eager``: runs the same step eagerly and returns what it raised (``None``: it ran), so
+    that the message says whether eager PyTorch fails the same way; ``None`` when the step
+    cannot run eagerly here (the message then says what each outcome would mean).
+    """
     op, module, where = _locate(exc, model)
-    first_line = (str(exc).strip().splitlines() or [""])[0]
-    return GraphCaptureError(
+    first_line = _first_line(exc)
+    head = (
         f"capturing train_fn failed: {type(exc).__name__}: {first_line}\n"
         f"  operation: {op}\n  in module: {module}\n  at {where}\n"
-        "The same code runs in eager PyTorch but not on the fake tensors graph capture traces "
-        "with (an op without a shape function for these dtypes, or code that inspects tensor "
-        "data); change the module to use another implementation of that op, or leave it out "
-        "of the captured step."
     )
+    fake_only = (
+        "fake tensors graph capture traces with (an op without a shape function for these "
+        "dtypes, or code that inspects tensor data); change the module to use another "
+        "implementation of that op, or leave it out of the captured step."
+    )
+    outcome = eager() if eager is not None else None
+    if eager is None:
+        return GraphCaptureError(
+            head
+            + "If train_fn runs in eager PyTorch on this batch, the failure comes from the "
+            + fake_only
+            + " If eager PyTorch fails too, the error is in the model or train_fn: fix it there."
+        )
+    if outcome is None:
+        return GraphCaptureError(
+            head + "The same code runs in eager PyTorch (checked: train_fn and its backward on "
+            "this batch) but not on the " + fake_only
+        )
+    # Fake and real kernels word the same failure differently: quote eager's own message.
+    return GraphCaptureError(
+        head + "Eager PyTorch fails too (checked: train_fn on this batch raised "
+        f"{type(outcome).__name__}: {_first_line(outcome)}): the error is in the model or "
+        "train_fn, not in graph capture; fix it there (call train_fn(model, input, label) "
+        "eagerly to debug it)."
+    )
+
+
+def eager_failure(
+    model: nn.Module, train_fn: Callable[..., Any], sample_input: Any, sample_label: Any
+) -> BaseException | None:
+    """Run ``train_fn`` and its backward eagerly once on the live model; what it raised, or
+    ``None`` when it ran. Leaves nothing behind: the RNG is forked, the buffers are restored,
+    and the gradients come from ``torch.autograd.grad`` (no ``.grad`` is touched)."""
+    state = list(model.parameters()) + list(model.buffers())
+    accelerators = sorted({t.device.type for t in state} - {"cpu", "meta"})
+    device_type = accelerators[0] if accelerators else "cuda"
+    indices = sorted({t.device.index or 0 for t in state if t.device.type == device_type})
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with torch.random.fork_rng(devices=indices, device_type=device_type):
+            loss = train_fn(model, sample_input, sample_label)
+            params = [p for p in model.parameters() if p.requires_grad]
+            if isinstance(loss, Tensor) and loss.dim() == 0 and loss.requires_grad and params:
+                torch.autograd.grad(loss, params, allow_unused=True)
+    except Exception as e:
+        return e
+    finally:
+        with torch.no_grad():
+            for buffer, before in saved:
+                buffer.copy_(before)
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0]
 
 
 def _frames(tb: TracebackType | None) -> list[Any]:

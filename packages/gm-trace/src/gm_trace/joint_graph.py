@@ -8,9 +8,9 @@ backend's compiled step). ``run_traced_graph`` needs nothing else to run it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch.fx as fx
 
@@ -20,9 +20,6 @@ from gm_trace.guards import ShapeGuards
 from gm_trace.sharding_layout import ShardingLayout
 from gm_trace.signature import InputSignature
 
-if TYPE_CHECKING:
-    from gm_passes import PassPipeline
-
 #: ``PassContext.artifacts`` names of what the gm-trace passes decide.
 SHARDING_LAYOUT = "sharding_layout"
 COMPILED_STEP = "compiled_step"
@@ -30,6 +27,17 @@ OPTIMIZER_UPDATE = "optimizer_update"
 DEFERRED_REDUCTION = "deferred_reduction"
 PIPELINE_STAGES = "pipeline_stages"
 LAST_MICRO_BATCH = "last_micro_batch"
+
+
+class PassRunner(Protocol):
+    """What :meth:`JointGraph.through` needs of a pass pipeline (``gm_passes.PassPipeline`` is
+    one): the value names this interface, not the pipeline that implements it."""
+
+    run: Callable[..., fx.GraphModule]
+    """``run(graph_module, graph_info=..., **options)``: the graph module after the passes."""
+
+    context: Any
+    """After :attr:`run`: ``context.artifacts`` holds what the passes decided."""
 
 
 @dataclass(frozen=True)
@@ -159,7 +167,7 @@ class JointGraph:
         """A copy with ``changes``."""
         return dataclasses.replace(self, **changes)
 
-    def through(self, pipeline: PassPipeline, **run_options: Any) -> JointGraph:
+    def through(self, pipeline: PassRunner, **run_options: Any) -> JointGraph:
         """This graph after ``pipeline``'s passes, with what they decided: the sharding
         layout, the compiled step. ``run_options`` go to :meth:`PassPipeline.run` (``model``,
         process groups, ``dump_dir``)."""

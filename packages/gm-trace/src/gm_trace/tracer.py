@@ -108,6 +108,7 @@ from gm_trace.capture_errors import (
     capture_failure,
     data_dependent_error,
     describe,
+    eager_failure,
 )
 from gm_trace.captured import lift_captured
 from gm_trace.dtensor import check_no_fake_constants, dtensor_state
@@ -264,14 +265,31 @@ def trace_model_graph(
         _TraceAs(shapes[fqn], t) if fqn in shapes else t for fqn, t in zip(state_fqns, state)
     ]
     io_args = [symbolic.leaf(i, leaves[i]) if symbolic else leaves[i] for i in tensor_pos]
+
+    def eager() -> BaseException | None:
+        return eager_failure(model, train_fn, sample_input, sample_label)
+
+    # A capture error says whether eager fails the same way; the live model can run the step
+    # eagerly only when it is traced as it is (not as full shapes of shards, not cast).
+    eager_check = eager if not shapes and param_dtype is None else None
+    # A symbolic trace that may fall back to static shapes reports no failure of its own.
+    falls_back = symbolic is not None and dynamic_fallback
     try:
-        gm = _make_fx_graph(joint_step, model, [*traced_state, *io_args], symbolic)
+        gm = _make_fx_graph(
+            joint_step,
+            model,
+            [*traced_state, *io_args],
+            symbolic,
+            None if falls_back else eager_check,
+        )
     except GraphCaptureError as exc:
         if symbolic is None or not dynamic_fallback:
             raise
         dynamic_shapes.warn_static_fallback(exc)
         symbolic, signature = None, InputSignature.of_leaves(paths, leaves, spec)
-        gm = _make_fx_graph(joint_step, model, [*traced_state, *(leaves[i] for i in tensor_pos)])
+        gm = _make_fx_graph(
+            joint_step, model, [*traced_state, *(leaves[i] for i in tensor_pos)], None, eager_check
+        )
     check_no_fake_constants(gm)
 
     grad_slots = record["grad_slots"]
@@ -343,6 +361,7 @@ def _make_fx_graph(
     model: nn.Module,
     args: list[Any],
     symbolic: dynamic_shapes.SymbolicInputs | None = None,
+    eager: Callable[[], BaseException | None] | None = None,
 ) -> torch.fx.GraphModule:
     make_fx_kwargs = optional_make_fx_kwargs(joint_step, model)
     if symbolic is not None:  # sizes of the marked dims are symbols; everything else static
@@ -360,7 +379,9 @@ def _make_fx_graph(
         except (DataDependentOutputException, DynamicOutputShapeException) as exc:
             raise data_dependent_error(exc, model) from None
         except Exception as exc:
-            raise capture_failure(exc, model) from exc
+            failure = exc
+    # Outside the fake mode, so that the eager check runs on real tensors.
+    raise capture_failure(failure, model, eager) from failure
 
 
 # --------------------------------------------------------------------------- state

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import shutil
 from collections.abc import Mapping
@@ -73,6 +74,8 @@ from gm_trainer.checkpoint_read import (
     checkpoint_info,
     latest_checkpoint,
     read_metadata,
+    scan_checkpoints,
+    verify_checkpoint,
 )
 from gm_trainer.checkpoint_stages import own_state
 from gm_trainer.checkpoint_state import (
@@ -93,6 +96,7 @@ __all__ = [
     "MARKER_NAME",
     "CheckpointError",
     "CheckpointWarning",
+    "checkpoint_extra",
     "checkpoint_info",
     "export_full_state_dict",
     "full_model_state",
@@ -100,7 +104,9 @@ __all__ = [
     "load_checkpoint",
     "load_trainer_state_dict",
     "save_checkpoint",
+    "scan_checkpoints",
     "trainer_state_dict",
+    "verify_checkpoint",
 ]
 
 
@@ -328,6 +334,36 @@ def _entries(metadata: Metadata) -> dict[tuple[str, ...], Any]:
             raise CheckpointError(f"the checkpoint entry {key!r} has malformed metadata{_DAMAGED}")
         entries[path] = md
     return entries
+
+
+def checkpoint_extra(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``extra`` dict a checkpoint was saved with (``{}`` when none), read alone: local
+    and not a collective, no trainer needed. The file holding it is verified first, like
+    every read of :func:`load_checkpoint`."""
+    path, marker = open_checkpoint(checkpoint_dir)
+    entries = _entries(read_metadata(path, marker, warn=False))
+    if ("extra",) not in entries:
+        return {}
+    template: dict[str, Any] = {"extra": None}
+    with dcp_errors(f"reading checkpoint {path}"):
+        dcp.load(
+            template,
+            storage_reader=SafeFileSystemReader(path, marker),
+            planner=SafeLoadPlanner(),
+            no_dist=True,
+        )
+    text = template["extra"]
+    try:
+        extra = json.loads(text) if text else {}
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"checkpoint {path}: its 'extra' entry is not JSON{_DAMAGED}"
+        ) from exc
+    if not isinstance(extra, dict):
+        raise CheckpointError(
+            f"checkpoint {path}: its 'extra' entry is not a JSON object{_DAMAGED}"
+        )
+    return extra
 
 
 # --------------------------------------------------------------------------- export

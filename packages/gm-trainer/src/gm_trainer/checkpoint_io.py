@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -29,6 +30,9 @@ CHECKPOINT_FORMAT = 1
 MARKER_NAME = "gm_checkpoint.json"
 #: DCP's metadata file (a pickle: see :mod:`gm_trainer.checkpoint_read`).
 METADATA_NAME = ".metadata"
+#: What :func:`set_aside` appends to a damaged checkpoint's name; such folders are never
+#: taken as checkpoints, pruned or deleted.
+DAMAGED_SUFFIX = ".damaged"
 
 
 class CheckpointError(GraphModeRuntimeError):
@@ -139,6 +143,24 @@ def commit(
     os.rename(tmp, path)  # the atomic step: `path` appears complete or not at all
     fsync_dir(path.parent)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def set_aside(path: Path) -> Path:
+    """Rename the damaged checkpoint ``path`` to ``<path>.damaged`` (``.damaged-2``, ... when
+    taken) and return the new name: out of discovery's way, its step free to save again, and
+    nothing deleted."""
+    for n in itertools.count(1):
+        target = path.with_name(f"{path.name}{DAMAGED_SUFFIX}{'' if n == 1 else f'-{n}'}")
+        if not target.exists():
+            try:
+                os.rename(path, target)
+            except OSError:
+                if target.exists():  # taken meanwhile: try the next name
+                    continue
+                raise
+            fsync_dir(path.parent)
+            return target
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 # --------------------------------------------------------------------------- checksums

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import pickle
 import warnings
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
 from gm_trainer.checkpoint_io import (
+    DAMAGED_SUFFIX,
     MARKER_NAME,
     METADATA_NAME,
     CheckpointError,
@@ -172,43 +174,81 @@ def checkpoint_info(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     Also checks the DCP metadata (checksum, allow-listed unpickling, storage paths). Raises
     :class:`CheckpointError` when ``path`` is not a complete, intact checkpoint; the data files
-    are verified when they are loaded.
+    are verified when they are loaded (or by :func:`verify_checkpoint`).
     """
     path, marker = open_checkpoint(path)
     read_metadata(path, marker, warn=False)
     return marker
 
 
-def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    """The complete, intact checkpoint under ``root`` with the highest step (``None``: none).
+def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """:func:`checkpoint_info`, and the size and sha256 of every data file checked as well:
+    everything a load of any rank would read. Local (not a collective); reads each file once.
+    Raises :class:`CheckpointError` naming the first damaged file."""
+    path, marker = open_checkpoint(path)
+    metadata = read_metadata(path, marker, warn=False)
+    verify_files(path, marker, {info.relative_path for info in metadata.storage_data.values()})
+    return marker
 
-    Interrupted saves (``*.tmp`` directories, no commit marker) are skipped silently; a
-    checkpoint whose marker or metadata is damaged is skipped with a :class:`CheckpointWarning`
-    naming it, so a run resumes from the newest checkpoint that can be read.
+
+@dataclass(frozen=True)
+class CheckpointScan:
+    """What :func:`scan_checkpoints` found under one folder."""
+
+    newest: Path | None
+    """The complete, intact checkpoint with the highest step; ``None``: none."""
+
+    damaged: tuple[tuple[Path, str], ...]
+    """``(folder, why)`` of each checkpoint that is damaged: its marker unreadable, or
+    (newer than :attr:`newest`) its metadata or, when verified, a data file."""
+
+
+def scan_checkpoints(root: str | os.PathLike[str], *, verify_data: bool = False) -> CheckpointScan:
+    """The newest intact checkpoint under ``root``, and the damaged ones passed on the way.
+
+    Interrupted saves (``*.tmp``, no commit marker) and folders set aside
+    (:data:`~gm_trainer.checkpoint_io.DAMAGED_SUFFIX`) are not checkpoints and are skipped
+    silently. ``verify_data``: also check every data file's checksum (:func:`verify_checkpoint`)
+    before taking a checkpoint, so that a flipped byte in a shard makes discovery fall back
+    instead of the load failing.
     """
     root = Path(root)
     if not root.is_dir():
-        return None
-    found = []
-    for child in root.iterdir():
-        if child.name.endswith(".tmp") or not (child / MARKER_NAME).is_file():
+        return CheckpointScan(None, ())
+    found, damaged = [], []
+    for child in sorted(root.iterdir()):
+        if (
+            child.name.endswith(".tmp")
+            or DAMAGED_SUFFIX in child.name
+            or not (child / MARKER_NAME).is_file()
+        ):
             continue
         try:
             marker = read_marker(child)
-        except CheckpointError as exc:
-            _skip(child, exc)
+        except (CheckpointError, OSError) as exc:
+            damaged.append((child, str(exc)))
             continue
         # On equal steps, prefer `step-N` to `step-N.old`, left by an interrupted overwrite.
-        found.append((marker["step"], not child.name.endswith(".old"), child.name, child, marker))
-    for *_, child, marker in sorted(found, key=lambda f: f[:3], reverse=True):
+        found.append((marker["step"], not child.name.endswith(".old"), child.name, child))
+    for *_, child in sorted(found, reverse=True):
         try:
-            read_metadata(child, marker, warn=False)
-        except CheckpointError as exc:
-            _skip(child, exc)
+            (verify_checkpoint if verify_data else checkpoint_info)(child)
+        except (CheckpointError, OSError) as exc:  # OSError: it vanished meanwhile
+            damaged.append((child, str(exc)))
             continue
-        return child
-    return None
+        return CheckpointScan(child, tuple(damaged))
+    return CheckpointScan(None, tuple(damaged))
 
 
-def _skip(path: Path, exc: CheckpointError) -> None:
-    warnings.warn(f"skipping checkpoint {path}: {exc}", CheckpointWarning, stacklevel=3)
+def latest_checkpoint(root: str | os.PathLike[str], *, verify_data: bool = False) -> Path | None:
+    """The complete, intact checkpoint under ``root`` with the highest step (``None``: none).
+
+    Interrupted saves (``*.tmp`` directories, no commit marker) are skipped silently; a
+    checkpoint whose marker or metadata (with ``verify_data``: any data file) is damaged is
+    skipped with a :class:`CheckpointWarning` naming it, so a run resumes from the newest
+    checkpoint that can be read. See :func:`scan_checkpoints`.
+    """
+    scan = scan_checkpoints(root, verify_data=verify_data)
+    for path, why in scan.damaged:
+        warnings.warn(f"skipping checkpoint {path}: {why}", CheckpointWarning, stacklevel=2)
+    return scan.newest

@@ -46,6 +46,12 @@ def untraceable_reason(config: OptimizerConfig, topology: Topology) -> str | Non
             return f"OptimizerConfig.kwargs {key}={value!r} is not traced (only {_FIXED[key]!r})"
     if topology.tp_group is not None:
         return "tensor parallelism: the traced global norm does not sum TP slices yet"
+    if topology.pp_group is not None:
+        return (
+            "pipeline parallelism: no graph of a pipeline takes the update yet (each stage's "
+            "would need the gradient norm over every stage); the optimizer steps after the "
+            "schedule, on the stages' reduced gradients"
+        )
     return None
 
 

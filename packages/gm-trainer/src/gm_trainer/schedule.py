@@ -52,6 +52,15 @@ class WarmupDecay:
                 f"warmup_steps must be >= 0 and total_steps >= 1, got {self.warmup_steps} "
                 f"and {self.total_steps}"
             )
+        if self.decay != "constant" and self.total_steps <= self.warmup_steps:
+            # The decay would be over before the warmup ends: the factor jumps from the
+            # warmup's last value straight to min_lr_ratio and never reaches 1.
+            raise ConfigError(
+                f"the {self.decay} decay ends at total_steps={self.total_steps}, not after the "
+                f"warmup of warmup_steps={self.warmup_steps}: the rate would drop to "
+                f"min_lr_ratio={self.min_lr_ratio} right after warming up; make total_steps "
+                "larger than warmup_steps"
+            )
 
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:

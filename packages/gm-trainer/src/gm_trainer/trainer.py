@@ -46,7 +46,7 @@ from gm_trainer.mesh import MeshError, ResolvedMesh, resolve_mesh_context
 from gm_trainer.optim import OptimizerConfig
 from gm_trainer.optim_graph import GraphUpdatePlanner
 from gm_trainer.padding import Padding
-from gm_trainer.pipeline_runtime import PipelineRunner, check_pipeline_config
+from gm_trainer.pipeline_runtime import PipelineRunner
 from gm_trainer.step_guard import check_nonfinite_mode
 from gm_trainer.stepper import OptimizerStepper
 from gm_trainer.topology import FSDP_GROUP_NAME, ResolvedRun, Topology
@@ -129,7 +129,6 @@ class GraphTrainer:
         self.pass_config = dataclasses.replace(pass_config)
         self.pass_plan = pass_plan
         self.optimizer_config = OptimizerConfig.from_dict(optimizer_config)
-        check_pipeline_config(self.pass_config, self.optimizer_config.in_graph)
         self.nonfinite = check_nonfinite_mode(nonfinite)
         self.device = torch.device(device) if device is not None else default_device()
         self.model = model.to(self.device)

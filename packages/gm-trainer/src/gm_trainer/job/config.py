@@ -18,7 +18,7 @@ import yaml
 
 from gm_config import ConfigError, PassConfig, PassPlan, sharding_plan_from_dict
 from gm_trainer.job.sections import DataConfig, DistConfig, ModelConfig
-from gm_trainer.job.validation import Section, build
+from gm_trainer.job.validation import Section, build, check_lr_schedule
 from gm_trainer.job.world import check_world_size
 
 #: The embedded default job, shipped inside the wheel.
@@ -109,6 +109,9 @@ class TrainConfig(Section):
                 f"train.warmup_steps must be >= 0 (got {self.warmup_steps}) and "
                 f"train.min_lr_ratio in [0, 1] (got {self.min_lr_ratio})"
             )
+        check_lr_schedule(
+            self.steps, self.lr_schedule, self.warmup_steps, self.min_lr_ratio, self.lr_decay_steps
+        )
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"train.betas must both lie in [0, 1), got {list(self.betas)}")
         from gm_trainer.optim import OptimizerConfig  # the trainer's own check of the name
