@@ -18,7 +18,7 @@ import torch
 
 from gm_trace.optimizer_update import GroupRule, OptimizerUpdate, ParamUpdate
 from gm_trainer.errors import TrainingError
-from gm_trainer.optim import OptimizerConfig
+from gm_trainer.optim import OptimizerConfig, initial_state
 from gm_trainer.topology import Topology
 
 #: ``torch.optim`` options the traced update implements only at these values.
@@ -235,10 +235,13 @@ class GraphStepInputs:
     def _layout(self, spec: OptimizerUpdate) -> None:
         """Create missing state as ``torch.optim`` would; list the inputs in graph order."""
         optimizer = self.optimizer
+        where = _group_of(optimizer.param_groups)
+        _refuse_ungrouped([p.fqn for p in spec.params if id(self.params[p.fqn]) not in where])
         for p in spec.params:
             param = self.params[p.fqn]
-            if not optimizer.state[param]:
-                _init_state(optimizer.state[param], param, spec.groups[p.group])
+            if not optimizer.state[param]:  # what torch.optim's first step creates
+                group = optimizer.param_groups[where[id(param)]]
+                optimizer.state[param].update(initial_state(optimizer, param, group))
         self._inputs, self._checks, self._steps, self._slots = [], [], [], []
         for kind, owner, name in spec.input_keys():
             param = self.params[owner]
@@ -276,19 +279,6 @@ class GraphStepInputs:
         for slot, live in zip(self._slots, self._live):
             self._pairs.setdefault((live, slot.rule), []).append(slot.fqn)
         self._lists = [(g["params"], len(g["params"])) for g in groups]
-
-
-def _init_state(state: dict[str, Any], param: torch.Tensor, rule: GroupRule) -> None:
-    """``torch.optim``'s lazy state, created before the first traced step."""
-    zeros = torch.zeros_like(param, memory_format=torch.preserve_format)
-    if rule.kind == "sgd":
-        if rule.momentum != 0:
-            # Zero, then buf * momentum + grad: exactly torch.optim's first clone(grad).
-            state["momentum_buffer"] = zeros
-        return
-    state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
-    state["exp_avg"] = zeros
-    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
 def _scalars(
