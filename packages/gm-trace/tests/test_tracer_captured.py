@@ -1,5 +1,5 @@
 """Where the tracer finds the tensors a train_fn reads from outside its arguments
-(:mod:`gm_trace.captured`): each becomes a graph input looked up again on every run, so a
+(:mod:`gm_trace.graph.captured`): each becomes a graph input looked up again on every run, so a
 rebinding along the path it was found on reaches the graph as it reaches eager."""
 
 from __future__ import annotations
