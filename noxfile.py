@@ -130,7 +130,7 @@ for _dist in ("gm-trace", "gm-trainer"):
 @nox.session(tags=["boundary", "no-torch"])
 def boundary(session: nox.Session) -> None:
     """Import-linter contracts, and every torch-free module imported without torch."""
-    session.install("import-linter>=2.0", "pyyaml>=6.0")
+    session.install("import-linter>=2.6", "pyyaml>=6.0")
     # Sources only: the contracts read import statements, so the torch layers need no torch.
     session.install("--no-deps", *_paths(*PACKAGES["gm-trainer"]))
     session.run("python", "-c", NO_TORCH_CHECK)
@@ -184,6 +184,17 @@ def zoo(session: nox.Session) -> None:
         *session.posargs,
         env={"GM_ZOO": "all", "GM_ZOO_REPORT": str(ROOT / "docs" / "zoo.md")},
     )
+
+
+@nox.session(tags=["composability"], default=False)
+def composability(session: nox.Session) -> None:
+    """Every pair (and some triples) of graph mode's features on real gloo ranks against
+    eager PyTorch, Inductor included; rewrites docs/composability.md. ``-- --cell pp,in_graph``
+    runs only the cells named (and then writes nothing unless ``--out`` is given too)."""
+    _install_layer(session, "gm-trainer", torch=True)
+    tests = ROOT / "packages" / "gm-trainer" / "tests"
+    args = session.posargs or ["--out", str(ROOT / "docs" / "composability.md")]
+    session.run("python", str(tests / "composability_report.py"), *args)
 
 
 @nox.session(tags=["bench"], default=False)

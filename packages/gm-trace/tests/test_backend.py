@@ -15,7 +15,12 @@ from torch._subclasses.fake_tensor import FakeTensor
 import gm_trace
 from gm_config import PassConfig
 from gm_trace import run_traced_graph
-from gm_trace.backend import BackendError, CompiledStep, available_backends, unregister_backend
+from gm_trace.passes.backend import (
+    BackendError,
+    CompiledStep,
+    available_backends,
+    unregister_backend,
+)
 from gm_trace.testing import MLP, TinyGPT, lm_loss, make_lm_batch, make_regression_batch, mse_loss
 from gm_trace.testing.compile import compile_joint
 
@@ -52,6 +57,28 @@ def compile_graph(model, train_fn, sample, backend):
 
 
 # --------------------------------------------------------------------------- parity
+
+
+@pytest.mark.inductor
+def test_a_compiled_step_reads_captured_tensors_every_run(inductor_cache):
+    """A closure tensor is an input of the compiled step, not a constant Inductor baked: a
+    change in place and a rebinding both reach it, as they reach eager."""
+    weights = torch.ones(8)
+
+    def weighted_mse(model, x, y):
+        return (torch.nn.functional.mse_loss(model(x), y, reduction="none") * weights).mean()
+
+    model, _, batch = mlp()
+    compiled, _ = compile_graph(model, weighted_mse, batch(0), "inductor")
+    assert isinstance(compiled.compiled_step, CompiledStep)
+    for change in range(3):
+        if change == 1:
+            weights.mul_(3.0)
+        if change == 2:
+            weights = torch.linspace(0.0, 2.0, 8)
+        expected = weighted_mse(model, *batch(0)).detach()
+        actual = run_traced_graph(compiled, model, *batch(0)).loss
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.inductor

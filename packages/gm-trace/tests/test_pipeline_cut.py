@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from gm_config import PassConfig, PassPlan
-from gm_trace import node_meta, run_traced_graph
-from gm_trace.stage_cut import FORWARD, cut_pipeline
-from gm_trace.stage_split import PipelineSplitError
+from gm_trace import run_traced_graph
+from gm_trace.graph import node_meta
+from gm_trace.passes.stage_cut import FORWARD, cut_pipeline
+from gm_trace.passes.stage_split import PipelineSplitError
 from gm_trace.testing import ConvBN, TinyGPT, ce_loss, lm_loss, make_image_batch, make_lm_batch
 from gm_trace.testing.compile import compile_joint
 from gm_trace.testing.pipeline import run_stages_in_one_process
@@ -197,6 +198,27 @@ def test_the_automatic_split_follows_where_modules_run_not_their_first_reader(st
     assert [s[0] for s in joint.stages.stages] == ["a", "b", "c"][:stages]
     whole = run_traced_graph(joint, copy.deepcopy(model), *batch)
     loss, grads = _run_stages(cut_pipeline(joint, stages), model, batch)
+    assert torch.equal(loss, whole.loss)
+    for fqn, grad in whole.grads.items():
+        assert torch.equal(grads[fqn], grad), fqn
+
+
+def test_captured_tensors_reach_every_stage():
+    # A closure tensor (a loss weight per token) read by the last stage's loss.
+    weights = torch.ones(64)
+
+    def weighted_lm_loss(model, tokens, labels):
+        logits = model(tokens)
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), weight=weights)
+
+    model, batch = _gpt(), make_lm_batch()
+    config = PassConfig(pp_degree=2)
+    joint, _ = compile_joint(model, weighted_lm_loss, batch, config, PassPlan(pp_stages=GPT_STAGES))
+    cut = cut_pipeline(joint, 2)
+    weights = torch.linspace(0.1, 2.0, 64)  # rebound after the trace
+    whole = run_traced_graph(joint, model, *batch)
+    assert torch.equal(whole.loss, weighted_lm_loss(model, *batch).detach())
+    loss, grads = run_stages_in_one_process(cut, model, *batch, joint.captured.values())
     assert torch.equal(loss, whole.loss)
     for fqn, grad in whole.grads.items():
         assert torch.equal(grads[fqn], grad), fqn

@@ -404,6 +404,59 @@ def test_data_dependent_python_names_the_op_and_user_line(
     assert info.value.__suppress_context__  # the torch-internal traceback is not the story
 
 
+class _WrongWidth(nn.Module):
+    """BatchNorm, dropout, then a Linear whose input width is wrong: eager fails as well."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(16)
+        self.drop = nn.Dropout(0.5)
+        self.fc = nn.Linear(10, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(self.drop(self.norm(x)))
+
+
+def test_a_capture_error_that_eager_shares_says_so_and_the_check_leaves_no_trace() -> None:
+    model = _WrongWidth()
+    x, y = make_regression_batch()  # (8, 16): fc expects 10 features
+    rng = torch.get_rng_state()
+    with pytest.raises(GraphCaptureError) as info:
+        trace_model_graph(model, lambda m, x, y: (m(x) - 1).pow(2).mean(), x, y)
+    message = str(info.value)
+    assert "Eager PyTorch fails too (checked" in message, message
+    assert "The same code runs in eager PyTorch" not in message
+    # eager's own words (the fake kernel words it otherwise), and where it happened
+    assert "mat1 and mat2 shapes cannot be multiplied (8x16 and 10x4)" in message
+    assert "`fc`" in message
+    # The eager check ran BatchNorm and dropout on real tensors, and undid both.
+    assert torch.equal(model.norm.running_mean, torch.zeros(16))
+    assert model.norm.num_batches_tracked.item() == 0
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@torch.library.custom_op("gm_test::no_fake_kernel", mutates_args=())
+def _no_fake_kernel(x: Tensor) -> Tensor:
+    return x * 2  # a real kernel only: fake tensors cannot run it
+
+
+def test_a_capture_error_that_eager_does_not_share_says_the_code_runs_eagerly() -> None:
+    model = MLP()
+    x, y = make_regression_batch()
+
+    def train_fn(m: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        return mse_loss(m, _no_fake_kernel(x), y)
+
+    train_fn(model, x, y).backward()  # eager PyTorch runs it
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(GraphCaptureError) as info:
+        trace_model_graph(model, train_fn, x, y)
+    message = str(info.value)
+    assert "The same code runs in eager PyTorch (checked" in message, message
+    assert "fails too" not in message
+
+
 @pytest.mark.parametrize(
     ("returned", "pattern"),
     [
@@ -557,3 +610,61 @@ def test_cast_input_modules_cast_where_named_and_must_exist():
     assert torch.equal(loss_of(["inner"]), F.mse_loss(residual_fp32, y).detach())
     with pytest.raises(KeyError, match=r"cast_input_modules names 'iner', which is not a module"):
         loss_of(["iner"])
+
+
+# A global the loss below reads (module level, so that train_fn finds it by name).
+ROW_WEIGHTS = torch.ones(8)
+
+
+class _Scales:
+    """A captured object: the loss reads its attribute."""
+
+    def __init__(self) -> None:
+        self.out = torch.ones(8)
+
+
+def test_tensors_read_from_outside_the_arguments_are_inputs_looked_up_every_run() -> None:
+    class_weights = torch.ones(8)
+    scales = _Scales()
+
+    def train_fn(model, x, y):
+        per_element = (model(x) - y) ** 2 * class_weights * scales.out
+        # A literal made while tracing: a constant, the same on every trace.
+        return (per_element.mean(1) * ROW_WEIGHTS).mean() * torch.tensor(0.5)
+
+    torch.manual_seed(0)
+    model, batch = MLP(), make_regression_batch(8)
+    joint = trace_model_graph(model, train_fn, *batch)
+    placeholders = joint.graph_module.graph.find_nodes(op="placeholder")
+    roles = [n.meta["gm_role"] for n in placeholders]
+    assert roles[-5:] == ["input", "input", "captured", "captured", "captured"]
+    paths = sorted(c.path for c in joint.captured.tensors)
+    assert paths[0] == f"closure variable 'class_weights' of {train_fn.__qualname__}"
+    assert paths[1] == f"closure variable 'scales' of {train_fn.__qualname__}.out"
+    assert paths[2] == f"global 'ROW_WEIGHTS' of {__name__}"
+    assert len(joint.graph_module.graph.find_nodes(op="get_attr")) == 1  # the literal
+
+    def check() -> None:
+        expected = _eager_grads(model, train_fn, batch)
+        assert torch.equal(run_traced_graph(joint, model, *batch).loss, expected)
+
+    global ROW_WEIGHTS
+    try:
+        check()
+        joint = copy.deepcopy(joint)  # a copy reads the same live values
+        class_weights = torch.linspace(0.0, 1.0, 8)  # rebound
+        ROW_WEIGHTS = torch.arange(8.0)  # a global rebound
+        check()
+        scales.out = torch.full((8,), 3.0)  # an attribute rebound
+        ROW_WEIGHTS[:4] = 0.0  # in place
+        check()
+        class_weights = class_weights.double()
+        with pytest.raises(
+            GraphSignatureError,
+            match=r"closure variable 'class_weights' of .* was traced as float32\[8\] "
+            r"\(stride \(1,\)\) on cpu, but is now float64\[8\]",
+        ):
+            run_traced_graph(joint, model, *batch)
+        assert "float64[8]" in joint.captured.mismatch()
+    finally:
+        ROW_WEIGHTS = torch.ones(8)

@@ -85,7 +85,7 @@ def in_graph_equals_eager_update(rank: int, world: int, optimizer: dict, backend
 
 
 def _collective_bytes(graph_module) -> dict[str, int]:
-    from gm_trace.graph_build import collective_kind, tensor_bytes
+    from gm_trace.graph.graph_build import collective_kind, tensor_bytes
 
     found: dict[str, int] = {}
     for node in graph_module.graph.nodes:
@@ -98,8 +98,8 @@ def _collective_bytes(graph_module) -> dict[str, int]:
 def deferred_equals_per_micro_batch(rank: int, world: int, k: int = 4):
     """train(accumulation_steps=k) (one reduction per step) against the same micro-batches
     reduced one by one (the trainer's path before deferral), same weights and data."""
-    from gm_trainer.accumulation import MicroBatches
-    from gm_trainer.gradients import scale_grads
+    from gm_trainer.optim.gradients import scale_grads
+    from gm_trainer.step.accumulation import MicroBatches
 
     model = tiny_gpt()
     deferred = GraphTrainer(
@@ -260,4 +260,47 @@ def signatures_per_micro_batch(rank: int, world: int):
         "train_step": per_step[0] / 3,
         "train": per_micro_batch[0] / 4,
         "compiles": trainer.compile_count,
+    }
+
+
+def groups_and_step_counts(rank: int, world: int):
+    """A frozen-then-trained parameter (its step count lags) and the biases split into an
+    AdamW group of their own after the first step, the optimizer in and out of the graph,
+    the same local batches. Returns both trainers' step counts and every shard and state."""
+    model = tiny_gpt()
+    trainers = [
+        GraphTrainer(
+            copy.deepcopy(model),
+            lm_loss,
+            PassConfig(),
+            optimizer_config={"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "in_graph": g},
+        )
+        for g in (False, True)
+    ]
+    for step in range(STEPS + 1):
+        x, y = make_lm_batch(2 * world, 16, 64, seed=step)
+        x, y = x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]
+        for trainer in trainers:
+            trainer.model.lm_head.weight.requires_grad_(step >= 2)
+            trainer.train([(x, y)])
+            if step == 0:
+                group = trainer.optimizer.param_groups[0]
+                biases = [p for p in group["params"] if p.dim() == 1]
+                group["params"] = [p for p in group["params"] if p.dim() != 1]
+                trainer.optimizer.add_param_group(
+                    {"params": biases, "weight_decay": 0.0, "lr": 3e-2}
+                )
+    eager, graph = trainers
+    return {
+        "in_graph": graph.optimizer_in_graph and graph.sharding is not None,
+        "steps": [
+            sorted({float(t.optimizer.state[p]["step"]) for p in t.model.parameters()})
+            for t in trainers
+        ],
+        "pairs": [
+            (eager.optimizer.state[a][key], graph.optimizer.state[b][key])
+            for a, b in zip(eager.model.parameters(), graph.model.parameters())
+            for key in eager.optimizer.state[a]
+        ]
+        + list(zip(eager.model.parameters(), graph.model.parameters())),
     }

@@ -29,7 +29,8 @@ from gm_trainer.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from gm_trainer.job.run_folder import find_resume_point, prune_checkpoints, step_checkpoints
+from gm_trainer.job.resume import find_resume_point
+from gm_trainer.job.run_folder import prune_checkpoints, step_checkpoints
 
 SHARD = "__0_0.distcp"
 
@@ -271,8 +272,9 @@ def test_a_bad_marker_on_a_newer_sibling_is_skipped(ckpt, edit, named):
     write_marker(bad, m)
     with pytest.warns(CheckpointWarning, match=f"skipping checkpoint {bad}: .*{named}"):
         assert latest_checkpoint(ckpt.parent) == ckpt
-    with pytest.warns(CheckpointWarning):
-        assert find_resume_point(ckpt.parent.parent).checkpoint == ckpt
+    point = find_resume_point(ckpt.parent.parent)  # gm-train says so itself (not a warning)
+    assert point.checkpoint == ckpt and [d.path for d in point.damaged] == [bad]
+    assert named in point.damaged[0].reason and point.damaged[0].moved_to is None
     assert step_checkpoints(ckpt.parent) == [(2, ckpt)]
     with pytest.raises(CheckpointError, match=named):
         checkpoint_info(bad)
@@ -299,8 +301,9 @@ def test_a_newest_checkpoint_with_corrupt_metadata_falls_back(ckpt, damage):
     forge(newest, ".metadata", data[: len(data) // 2] if damage == "truncated" else b"\x00junk")
     with pytest.warns(CheckpointWarning, match=f"skipping checkpoint {newest}: cannot read"):
         assert latest_checkpoint(ckpt.parent) == ckpt
-    with pytest.warns(CheckpointWarning, match=f"skipping checkpoint {newest}"):
-        assert find_resume_point(ckpt.parent.parent).checkpoint == ckpt
+    point = find_resume_point(ckpt.parent.parent)
+    assert point.checkpoint == ckpt and [d.path for d in point.damaged] == [newest]
+    assert "cannot read" in point.damaged[0].reason
 
 
 def test_pruning_also_removes_interrupted_saves(ckpt):

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
+from extras import PLOT
 
 from gm_trainer.job.cli import main
 
@@ -125,19 +126,35 @@ def test_usage_errors(argv: list[str], message: str, capsys: pytest.CaptureFixtu
 
 def test_bad_config_fails_fast_before_any_rank_starts(tmp_path: Path) -> None:
     (tmp_path / "job.yaml").write_text("model:\n  n_layer: 2\n")
-    result = gm_train("job.yaml", "--nproc", "2", cwd=tmp_path, timeout=60)
+    # "Fast" is: before any rank starts (the timeout only guards against a hang).
+    result = gm_train("job.yaml", "--nproc", "2", cwd=tmp_path, timeout=240)
     assert result.returncode == 2, result.stderr
+    assert result.stdout == "" and "torch.distributed" not in result.stderr  # no launcher
     assert "model.n_layer" in result.stderr and "'n_layers'" in result.stderr
     assert "job.yaml" in result.stderr
     assert not (tmp_path / "runs").exists()
 
 
+STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """A 2-rank job of :data:`STEPS` steps that logs every step: its result and run folder."""
+    return train_to_run_folder(
+        tmp_path_factory.mktemp("cli"),
+        "--nproc", "2", *TINY, f"train.steps={STEPS}", "logging.interval=1",
+    )  # fmt: skip
+
+
 @pytest.mark.distributed
-def test_two_rank_job_learns_and_fills_the_run_folder(tmp_path: Path) -> None:
-    steps = 30
-    result, run = train_to_run_folder(
-        tmp_path, "--nproc", "2", *TINY, f"train.steps={steps}", "logging.interval=1"
-    )
+def test_two_rank_job_learns_and_fills_the_run_folder(
+    two_rank_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    steps = STEPS
+    result, run = two_rank_run
     records = metrics(run)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     for key in ("loss", "grad_norm", "step_time_s", "tokens_per_s", "memory_mb", "lr"):
@@ -147,8 +164,6 @@ def test_two_rank_job_learns_and_fills_the_run_folder(tmp_path: Path) -> None:
     assert last < 0.8 * first, f"loss did not fall: first-5 mean {first:.3f}, last-5 {last:.3f}"
     assert records[0]["tokens_per_s"] > 0
 
-    png = (run / "loss.png").read_bytes()
-    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
     config = yaml.safe_load((run / "config.yaml").read_text())
     assert config["model"]["dim"] == 32 and config["train"]["steps"] == steps
     assert config["parallel"]["enable_overlap"] is True  # defaults filled in
@@ -166,3 +181,12 @@ def test_two_rank_job_learns_and_fills_the_run_folder(tmp_path: Path) -> None:
     metric_lines = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert len(metric_lines) == steps
     assert "loss" in metric_lines[-1] and "tok/s" in metric_lines[-1]
+
+
+@PLOT
+@pytest.mark.distributed
+def test_the_run_folder_holds_the_loss_curve(
+    two_rank_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    png = (two_rank_run[1] / "loss.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from extras import PLOT
 
 from gm_config import ConfigError, PassConfig
 from gm_trainer.checkpoint import MARKER_NAME
@@ -23,12 +24,12 @@ from gm_trainer.job.config import (
 )
 from gm_trainer.job.data import corpus_files, default_corpus
 from gm_trainer.job.progress import Progress, format_record
+from gm_trainer.job.resume import find_resume_point
 from gm_trainer.job.run_folder import (
     PLOT_INSTALL,
     MetricsWarning,
     RunFolder,
     checkpoint_dir,
-    find_resume_point,
     prune_checkpoints,
     read_metrics,
     resolve_run_dir,
@@ -451,9 +452,6 @@ def test_run_folder_files(tmp_path: Path) -> None:
     summary = folder.finish(records, world_size=2)
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == records
-    png = (tmp_path / "run" / "loss.png").read_bytes()
-    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
-    assert "loss_plot_skipped" not in summary
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == summary
     assert summary["first_loss"] == 5.0 and summary["final_loss"] == 1.0
     assert summary["steps"] == 5 and summary["world_size"] == 2
@@ -466,18 +464,32 @@ def test_run_folder_files(tmp_path: Path) -> None:
     assert not folder.graphs_dir.exists()
 
 
+@PLOT
+def test_run_folder_draws_the_loss_curve(tmp_path: Path) -> None:
+    folder = RunFolder(tmp_path / "run")
+    summary = folder.finish([_record(s, 5.0 / s) for s in range(1, 6)], world_size=2)
+    png = (tmp_path / "run" / "loss.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
+    assert "loss_plot_skipped" not in summary
+
+
 def test_without_matplotlib_the_plot_is_skipped_with_one_message(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # None in sys.modules is how Python says "not installed": importing it raises.
     for name in ("matplotlib", "matplotlib.backends.backend_agg", "matplotlib.figure"):
         monkeypatch.setitem(sys.modules, name, None)
-    # gm-train's console logger prints on rank 0 and does not propagate; caplog listens at
-    # the root logger.
-    monkeypatch.setattr(console_logger(), "propagate", True)
-    folder = RunFolder(tmp_path / "run")
-    (tmp_path / "run" / "loss.png").write_bytes(b"an earlier session's curve")
-    summary = folder.finish([_record(s, 5.0 / s) for s in range(1, 4)], world_size=1)
+    # gm-train's console logger prints on rank 0 and does not propagate: listen to it
+    # directly (pytest may already have, when the logger existed before this test; adding
+    # the handler twice is a no-op, while propagating would record every line twice).
+    logger = console_logger()
+    logger.addHandler(caplog.handler)
+    try:
+        folder = RunFolder(tmp_path / "run")
+        (tmp_path / "run" / "loss.png").write_bytes(b"an earlier session's curve")
+        summary = folder.finish([_record(s, 5.0 / s) for s in range(1, 4)], world_size=1)
+    finally:
+        logger.removeHandler(caplog.handler)
     assert not (tmp_path / "run" / "loss.png").exists()
     assert PLOT_INSTALL == "pip install 'gm-trainer[plot]'"
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [

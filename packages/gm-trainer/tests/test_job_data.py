@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from extras import TOKENIZERS
 from test_job_cli import gm_train, metrics
 
 from gm_config import ConfigError
@@ -99,6 +100,7 @@ def test_start_continues_with_the_next_window() -> None:
 # --------------------------------------------------------------------------- corpora
 
 
+@TOKENIZERS
 def test_text_and_jsonl_documents_are_separated_by_eos(tmp_path: Path) -> None:
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.txt").write_text("the graph")
@@ -126,6 +128,7 @@ def test_text_and_jsonl_documents_are_separated_by_eos(tmp_path: Path) -> None:
     assert torch.equal(again.train.tokens, data.train.tokens)
 
 
+@TOKENIZERS
 def test_hf_dataset_folder_and_parquet(tmp_path: Path) -> None:
     datasets = pytest.importorskip("datasets")
     table = datasets.Dataset.from_dict({"body": ["the graph", "mode"]})
@@ -165,6 +168,65 @@ def test_jsonl_line_without_the_field_is_a_config_error(
         )
 
 
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        # a Latin-1 byte in a UTF-8 file
+        (b'{"text": "caf\xe9 graph"}\n', r"c\.jsonl:2: byte 0xe9 \(byte column 14\) is not UTF-8"),
+        # half of a surrogate pair, escaped in the JSON: decodes, but is no text
+        (b'{"text": "the \\ud800 graph"}\n', r"c\.jsonl:2: field 'text' holds the lone surrogate"),
+    ],
+)
+@pytest.mark.parametrize("tokenizer", ["bytes", pytest.param("hf", marks=TOKENIZERS)])
+def test_jsonl_text_that_is_not_utf8_names_the_file_and_line(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    line: bytes,
+    expected: str,
+    tokenizer: str,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    path = make_jsonl(tmp_path / "c.jsonl", ["the graph"])
+    path.write_bytes(path.read_bytes() + line + b'{"text": "mode"}\n')
+    tok = "bytes" if tokenizer == "bytes" else str(make_tokenizer(tmp_path / "tok"))
+    args = [f"data.corpus={path}", "data.format=jsonl", f"data.tokenizer={tok}"]
+    with pytest.raises(ConfigError, match=expected) as info:
+        load_job_data(load_config(None, args).data, 2, tmp_path / "run")
+    assert "Unicode" not in type(info.value).__name__
+    assert "UTF-8" in str(info.value) or "surrogate" in str(info.value)
+    assert main(["--nproc", "2", *args]) == 2  # before any rank starts
+    err = capsys.readouterr().err
+    assert "gm-train: error:" in err and "c.jsonl:2" in err and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()
+
+
+@TOKENIZERS
+def test_a_text_file_that_is_not_utf8_names_its_line_for_a_tokenizer(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("the graph\n")
+    (tmp_path / "docs" / "b.txt").write_bytes(b"mode\none \xff\xfe joint step\n")
+    tok = make_tokenizer(tmp_path / "tok")
+    args = [f"data.corpus={tmp_path / 'docs'}", "data.glob='*.txt'", f"data.tokenizer={tok}"]
+    with pytest.raises(ConfigError, match=r"b\.txt:2: byte 0xff \(byte column 5\) is not UTF-8"):
+        load_job_data(load_config(None, args).data, 2, tmp_path / "run")
+    # Raw bytes need no decoding: the same files train as bytes, the bad ones included.
+    data = load_job_data(load_config(None, args[:2]).data, 2, tmp_path / "run").train.tokens
+    assert data.tolist() == [*b"the graph\n", 0, *b"mode\none \xff\xfe joint step\n", 0]
+
+
+def test_the_default_corpus_skips_the_standard_librarys_non_utf8_files(tmp_path: Path) -> None:
+    from gm_trainer.job.documents import read_documents
+
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "latin1.py").write_bytes(b"# -*- coding: latin-1 -*-\nname = '\xe9'\n")
+    files = sorted(tmp_path.glob("*.py"))
+    assert list(read_documents(files, "text", "text", None, skip_undecodable=True)) == ["x = 1\n"]
+    with pytest.raises(ConfigError, match=r"latin1\.py:2"):
+        list(read_documents(files, "text", "text", None))
+
+
+@TOKENIZERS
 def test_tokenizer_larger_than_the_model_is_a_config_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -181,6 +243,7 @@ def test_tokenizer_larger_than_the_model_is_a_config_error(
 # --------------------------------------------------------------------------- resume
 
 
+@TOKENIZERS
 @pytest.mark.distributed
 def test_jsonl_resume_continues_with_the_next_window_bitwise(tmp_path: Path) -> None:
     tok = make_tokenizer(tmp_path / "tok")

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from extras import PLOT
 from hf_configs import tiny_llama
 from test_job_cli import gm_train, metrics
 from test_job_data import make_jsonl, make_tokenizer, sentences
@@ -114,7 +115,7 @@ def test_hf_model_trains_like_eager(runs: Path, name: str, monkeypatch: pytest.M
 
 
 @pytest.mark.distributed
-def test_eval_loss_in_metrics_and_plot(runs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_eval_loss_in_metrics(runs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(runs)
     records = metrics(runs / "llama")
     assert [("eval_loss" in r) for r in records] == [False, True, True]
@@ -129,6 +130,11 @@ def test_eval_loss_in_metrics_and_plot(runs: Path, monkeypatch: pytest.MonkeyPat
         logits = model(input_ids=rows[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
     assert last["eval_loss"] == pytest.approx(loss.item(), rel=1e-5)
+
+
+@PLOT
+@pytest.mark.distributed
+def test_the_loss_curve_draws_the_eval_loss(runs: Path) -> None:
     assert (runs / "llama" / "loss.png").read_bytes().startswith(b"\x89PNG")
 
 
@@ -200,3 +206,45 @@ def test_errors_before_any_rank(
     assert main(["--nproc", "2", "model.source=hf", f"model.config={tmp_path}"]) == 2
     assert "pip install 'gm-trainer[hf]'" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        # a wrong type: transformers' validation names the field; the file and value are ours
+        ({"hidden_size": "32"}, ["keys: hidden_size='32'", "expected int, got str"]),
+        ({"num_hidden_layers": 1.5}, ["keys: num_hidden_layers=1.5", "expected int"]),
+        # heads that do not divide: one is caught by transformers, one only by us
+        (
+            {"num_attention_heads": 5},
+            ["hidden_size=32", "num_attention_heads=5", "not a multiple"],
+        ),
+        (
+            {"num_key_value_heads": 3},
+            ["num_attention_heads=4 is not a multiple of num_key_value_heads=3", "(e.g. 2)"],
+        ),
+    ],
+)
+def test_a_bad_config_json_names_the_file_key_and_value(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    change: dict[str, Any],
+    expected: list[str],
+) -> None:
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    fields = {**tiny_llama(vocab_size=300).to_dict(), **change}
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(fields))
+    assert main(["--nproc", "2", "model.source=hf", f"model.config={tmp_path / 'm'}"]) == 2
+    err = capsys.readouterr().err
+    assert f"model.config: {tmp_path / 'm' / 'config.json'}" in err, err
+    assert all(text in err for text in expected), err
+    assert "Traceback" not in err and not (tmp_path / "runs").exists()
+    # The same keys inline: the mapping is named instead of a file.
+    inline = yaml.safe_dump({**fields, "model_type": "llama"}, default_flow_style=True).strip()
+    assert main(["--nproc", "2", "model.source=hf", f"model.config={inline}"]) == 2
+    err = capsys.readouterr().err
+    assert "model.config (the inline llama mapping)" in err and expected[0] in err, err

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from extras import PLOT
 from test_job_cli import TINY, gm_train, metrics
 
 from gm_trainer.checkpoint import MARKER_NAME, checkpoint_info, export_full_state_dict
@@ -158,7 +159,12 @@ def test_resume_on_the_same_ranks_repeats_the_straight_run_bitwise(runs: dict[st
     assert summary["resumed_from_step"] == 4 and summary["steps"] == 8
     assert summary["first_loss"] == straight[0]["loss"]
     assert summary["final_loss"] == straight[-1]["loss"]
-    assert (root / "run4" / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+@PLOT
+@pytest.mark.distributed
+def test_a_resumed_run_draws_the_whole_loss_curve(runs: dict[str, Any]) -> None:
+    assert (runs["root"] / "run4" / "loss.png").read_bytes().startswith(b"\x89PNG")
 
 
 @pytest.mark.distributed

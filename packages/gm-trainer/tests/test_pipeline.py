@@ -7,14 +7,15 @@ import os
 
 import pipeline_bodies as bodies
 import pytest
+from extras import HF
 
-from gm_trainer.pipeline_schedule import Action, in_flight, interleaved_actions, rank_actions
+from gm_trainer.pipeline.schedule import Action, in_flight, interleaved_actions, rank_actions
 
 pytestmark = pytest.mark.distributed
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("case", ["tinygpt", "llama"])
+@pytest.mark.parametrize("case", ["tinygpt", pytest.param("llama", marks=HF)])
 def test_pp2_matches_eager_adam(case, schedule, dist_pool):
     results = dist_pool(2).run(bodies.parity, case, 2, schedule, 4, timeout=300)
     print(f"{case} pp2 {schedule}: worst |param diff| {max(r['worst'] for r in results):.2e}")
@@ -120,6 +121,7 @@ def test_pp2_hsdp_replicas_match_eager_and_fsdp_off_is_refused(dist_pool):
     assert "turn FSDP on" in error
 
 
+@HF
 def test_automatic_stages_balance_parameters_and_match_eager(dist_pool):
     results = dist_pool(2).run(bodies.parity, "llama", 2, "1f1b", 2, False, timeout=300)
     summary = results[0]["summary"]
@@ -210,6 +212,7 @@ def test_interleaved_orders_run_everything_after_what_it_reads(ranks, virtual, m
         assert in_flight(order) <= warmup + 1
 
 
+@HF
 @pytest.mark.parametrize("automatic", [False, True], ids=["named_stages", "automatic_split"])
 def test_pp2_tp2_mesh_context_matches_eager(dist_pool, automatic):
     results = dist_pool(4).run(bodies.tp_parity, automatic, timeout=600)

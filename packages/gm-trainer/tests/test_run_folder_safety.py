@@ -17,7 +17,7 @@ import yaml
 from test_job_cli import TINY, gm_train
 
 from gm_config import ConfigError
-from gm_trainer.durable import replacing
+from gm_trainer.checkpoint.durable import replacing
 from gm_trainer.job.cli import check_run_config, main
 from gm_trainer.job.config import JobConfig
 from gm_trainer.job.files import (
@@ -297,7 +297,7 @@ def test_a_failed_resume_leaves_the_run_as_it_was(
 
 
 def test_a_checkpoint_of_another_model_is_refused() -> None:
-    from gm_trainer.job.runner import check_same_model
+    from gm_trainer.job.resume import check_same_model
 
     config = JobConfig()
     saved = config.to_dict()

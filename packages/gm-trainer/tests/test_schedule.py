@@ -13,7 +13,7 @@ from gm_config import ConfigError, PassConfig
 from gm_trace.testing import MLP, make_regression_batch, mse_loss
 from gm_trainer.checkpoint import load_checkpoint, save_checkpoint
 from gm_trainer.job.config import load_config
-from gm_trainer.schedule import (
+from gm_trainer.optim.lr_schedule import (
     WarmupDecay,
     restore_scheduler,
     scheduler_extra,
@@ -109,3 +109,56 @@ def test_job_config_schedule_keys_and_errors() -> None:
         load_config(None, ["train.min_lr_ratio=2"])
     with pytest.raises(TypeError, match="lr_scheduler must be a factory"):
         GraphTrainer(MLP(), mse_loss, lr_scheduler=3)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "names"),
+    [
+        # The warmup outlasts the run: the rate never reaches train.lr.
+        (["train.steps=10", "train.warmup_steps=10"], ["train.warmup_steps=10", "train.steps=10"]),
+        (
+            ["train.steps=10", "train.warmup_steps=25", "train.lr_schedule=cosine"],
+            ["train.warmup_steps=25", "train.steps=10"],
+        ),
+        # The decay ends before the warmup does: lr min_lr_ratio * lr right after the warmup.
+        (
+            ["train.lr_schedule=linear", "train.warmup_steps=20", "train.lr_decay_steps=10"],
+            ["train.lr_decay_steps=10", "train.warmup_steps=20"],
+        ),
+        (
+            ["train.lr_schedule=cosine", "train.warmup_steps=20", "train.lr_decay_steps=20"],
+            ["train.lr_decay_steps=20", "train.warmup_steps=20"],
+        ),
+        # Keys of a decay that a constant schedule ignores.
+        (["train.lr_decay_steps=50"], ["train.lr_decay_steps=50", "train.lr_schedule=constant"]),
+        (["train.min_lr_ratio=0.1"], ["train.min_lr_ratio=0.1", "train.lr_schedule=constant"]),
+    ],
+)
+def test_schedules_that_cannot_do_what_they_say_are_config_errors(
+    overrides: list[str], names: list[str], tmp_path, capsys
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    message = str(info.value)
+    assert all(name in message for name in names), message
+    assert "Raise" in message or "raise" in message or "set train.lr_schedule" in message
+    # gm-train refuses it before any rank starts: exit status 2, nothing written.
+    from gm_trainer.job.cli import main
+
+    assert main([*overrides, f"logging.run_dir={tmp_path / 'run'}"]) == 2
+    assert names[0] in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_library_schedule_refuses_a_decay_that_ends_inside_the_warmup() -> None:
+    with pytest.raises(ConfigError, match=r"total_steps=4.*warmup_steps=4"):
+        WarmupDecay(total_steps=4, warmup_steps=4, decay="cosine")
+    with pytest.raises(ConfigError, match=r"total_steps=3.*warmup_steps=5"):
+        warmup_decay_factory(3, 5, "linear")
+    WarmupDecay(total_steps=4, warmup_steps=4, decay="constant")  # nothing decays: fine
+    # The edges that do what they say: the last warmup step reaches lr, the decay follows.
+    assert load_config(None, ["train.steps=10", "train.warmup_steps=9"]).train.warmup_steps == 9
+    ok = load_config(
+        None, ["train.lr_schedule=cosine", "train.warmup_steps=5", "train.lr_decay_steps=6"]
+    )
+    assert ok.train.lr_decay_steps == 6

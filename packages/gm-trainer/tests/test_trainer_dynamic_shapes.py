@@ -12,6 +12,7 @@ import dynamic_bodies as bodies
 import pytest
 import torch
 import yaml
+from extras import HF
 from torch import nn
 
 from gm_config import ConfigError, PassConfig
@@ -54,7 +55,7 @@ def acceptance_batches(name: str, steps: int = bodies.STEPS):
     ]
 
 
-@pytest.mark.parametrize(("name", "graphs"), [("tiny_gpt", 1), ("llama", 2)])
+@pytest.mark.parametrize(("name", "graphs"), [("tiny_gpt", 1), pytest.param("llama", 2, marks=HF)])
 def test_twenty_shapes_compile_at_most_two_graphs_bitwise_equal_to_eager(name, graphs):
     """Batch 1..8 x sequence 8..128. Llama's graph assumes batch != 1 (transformers' masks
     branch on it): a batch of 1 fails that guard and gets the second graph."""
@@ -170,7 +171,8 @@ def test_dynamic_dims_are_checked_where_they_are_given():
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("name", "config"), [("tiny_gpt", {"reshard_after_forward": True}), ("llama", {})]
+    ("name", "config"),
+    [("tiny_gpt", {"reshard_after_forward": True}), pytest.param("llama", {}, marks=HF)],
 )
 def test_fsdp_on_two_ranks_matches_eager_every_step(name, config, dist_pool):
     """fsdp, reshard (TinyGPT), recompute and overlap on the symbolic graph."""
@@ -191,7 +193,7 @@ def test_ranks_may_differ_in_a_declared_dim(dist_pool):
 
 @SLOW
 @pytest.mark.inductor
-@pytest.mark.parametrize("name", ["tiny_gpt", "llama"])
+@pytest.mark.parametrize("name", ["tiny_gpt", pytest.param("llama", marks=HF)])
 def test_inductor_compiles_at_most_two_graphs_for_twenty_shapes(name, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     model, train_fn, dims = bodies.MODELS[name]()

@@ -10,18 +10,31 @@ model); ``GM_ZOO=all`` (``nox -s zoo``) runs everything and writes docs/zoo.md.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import bodies
 import pytest
 from architectures import ARCHITECTURES, EXTRA_ARCHITECTURES, UNSUPPORTED, Architecture
 
-from gm_trace.capture_errors import GraphCaptureError
+from gm_trace.capture.capture_errors import GraphCaptureError
 
 pytestmark = pytest.mark.zoo
 
 FULL = os.environ.get("GM_ZOO") == "all"
 INDUCTOR = {"gpt2", "llama", "bert", "t5", "vit", "resnet"}
+
+
+#: The architectures of transformers need it installed (nox installs it for this suite).
+NO_TRANSFORMERS = pytest.mark.skip(
+    reason="needs transformers, the zoo's test dependency: pip install 'transformers>=5.0,<6'"
+)
+
+
+def _needs(arch: Architecture) -> list:
+    if "transformers" in arch.tags and importlib.util.find_spec("transformers") is None:
+        return [NO_TRANSFORMERS]
+    return []
 
 
 def _cases(architectures: list[Architecture], subset: set[str] | None = None) -> list:
@@ -31,7 +44,7 @@ def _cases(architectures: list[Architecture], subset: set[str] | None = None) ->
         if subset is not None and arch.name not in subset:
             continue
         skip = not FULL and "ci" not in arch.tags
-        marks = [pytest.mark.skip(reason="full zoo only: GM_ZOO=all")] if skip else []
+        marks = [pytest.mark.skip(reason="full zoo only: GM_ZOO=all")] if skip else _needs(arch)
         cases.append(pytest.param(arch.name, id=arch.name, marks=marks))
     return cases
 
@@ -83,7 +96,7 @@ def test_inductor_matches_the_graph(name, record_property):
     record_property("zoo_result", f"loss {result['loss']:.1e}, grad {result['grad']:.1e}")
 
 
-@pytest.mark.parametrize("arch", UNSUPPORTED, ids=[a.name for a in UNSUPPORTED])
+@pytest.mark.parametrize("arch", [pytest.param(a, id=a.name, marks=_needs(a)) for a in UNSUPPORTED])
 def test_what_cannot_be_captured_is_a_clear_error(arch, record_property):
     record_property("zoo_cell", (arch.name, "1 process = eager, bitwise"))
     with pytest.raises(GraphCaptureError, match=arch.expected_error) as caught:

@@ -13,22 +13,30 @@ import argparse
 import os
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from gm_config import ConfigError
+from gm_trainer.checkpoint import CheckpointError, checkpoint_extra
 from gm_trainer.job.config import SECTIONS, JobConfig, load_config
 from gm_trainer.job.files import RunFolderError, check_not_in_use, check_run_dir
 from gm_trainer.job.launch import AUTO, auto_resume_key, auto_resume_point, map_slurm_env
-from gm_trainer.job.run_folder import (
-    CHECKPOINTS_DIR,
+from gm_trainer.job.resume import (
+    Damaged,
     ResumePoint,
+    check_same_data,
+    check_same_model,
+    config_of_checkpoint,
     find_resume_point,
-    resolve_run_dir,
-    step_checkpoints,
+    set_aside_later_steps,
 )
+from gm_trainer.job.run_folder import CHECKPOINTS_DIR, resolve_run_dir, step_checkpoints
+
+if TYPE_CHECKING:
+    from gm_trainer.job.dataset import JobData
 
 EPILOG = """\
 examples:
@@ -87,7 +95,7 @@ def default_nproc() -> int:
     """One rank per accelerator; 2 CPU ranks (gloo) when there is none."""
     import torch
 
-    from gm_trainer.device import detect_device_type
+    from gm_trainer.parallel.device import detect_device_type
 
     kind = detect_device_type()
     if kind == "cpu":
@@ -114,37 +122,67 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"gm-train: error: {e}", file=sys.stderr)
         return 2
+    # Rank 0 of the launch reports; it alone writes (and moves damaged checkpoints aside).
+    reporter = not launched or os.environ.get("RANK") == "0"
+    writer = reporter and not args.print_config
     try:
         config_path: str | Path | None = paths[0] if paths else None
         base = load_config(config_path, overrides) if args.resume in (None, AUTO) else None
         auto = args.resume == AUTO or (base is not None and auto_resume_key(base))
+        damaged: tuple[Damaged, ...] = ()
         if auto and base is not None:  # the same command every time: its config, its folder
-            resume = auto_resume_point(base)
+            resume, damaged = auto_resume_point(base, set_aside_damaged=writer)
+            _report_damaged(damaged, resume, reporter)
             if resume is not None and resume.step >= base.train.steps:  # a requeue after the end
-                if not launched or os.environ.get("RANK") == "0":
+                if reporter:
                     print(f"gm-train: {resume.checkpoint} is the last step: nothing left to train")
                 return 0
+        elif args.resume is not None:
+            resume = find_resume_point(args.resume, set_aside_damaged=writer)
+            damaged = resume.damaged
+            _report_damaged(damaged, resume, reporter)
         else:
-            resume = find_resume_point(args.resume) if args.resume is not None else None
-        if not auto and config_path is None and resume is not None and resume.run_folder:
-            config_path = resume.run_folder / "config.yaml"  # the run as it was configured
-            check_run_config(config_path)
-        config = load_config(config_path, overrides)
+            resume = None
+        extra = checkpoint_extra(resume.checkpoint) if resume is not None else {}
+        if not auto and config_path is None and resume is not None and not resume.run_folder:
+            # Copied out of its run folder: the configuration it stores, not the defaults.
+            config = config_of_checkpoint(extra, resume.checkpoint, overrides)
+            if reporter:
+                print(
+                    f"gm-train: {resume.checkpoint} is not in a run folder (no config.yaml "
+                    "beside it): resuming with the configuration it stores, in a new run folder",
+                    file=sys.stderr,
+                )
+        else:
+            if not auto and config_path is None and resume is not None and resume.run_folder:
+                config_path = resume.run_folder / "config.yaml"  # the run as it was configured
+                check_run_config(config_path)
+            config = load_config(config_path, overrides)
         world_size = int(os.environ["WORLD_SIZE"]) if launched else args.nproc or default_nproc()
         config.check_world_size(world_size)
+        if resume is not None:  # before the ranks build, compile and load anything
+            check_same_model(config, extra.get("config"), resume.checkpoint)
         # Resolved once, before the ranks start, so that they agree on it (only rank 0 writes:
         # it alone creates a {timestamp} folder and checks that the folder is free).
         new_folder = not auto and any(
             o.partition("=")[0].strip() == "logging.run_dir" for o in overrides
         )
-        writer = not args.print_config and (not launched or os.environ.get("RANK") == "0")
         if not args.print_config:  # read and tokenise the data now: errors before any rank
-            prepare_data(config)
+            job_data = prepare_data(config)
+            if resume is not None:
+                fingerprint = job_data.train.fingerprint()
+                check_same_data(config, fingerprint, extra, resume.checkpoint)
         config.logging.run_dir = str(
-            choose_run_dir(config, resume, new_folder=new_folder, create=writer)
+            choose_run_dir(
+                config,
+                resume,
+                new_folder=new_folder,
+                create=writer,
+                ignore=[d.path for d in damaged],
+            )
         )
-    except (ConfigError, RunFolderError) as e:
-        if not launched or os.environ.get("RANK") == "0":
+    except (ConfigError, RunFolderError, CheckpointError) as e:
+        if reporter:
             print(f"gm-train: error: {e}", file=sys.stderr)
         return 2
     if args.print_config:
@@ -183,6 +221,7 @@ LATER_KEYS = frozenset(
     for section, keys in (
         ("model", ("source", "config", "weights")),
         ("data", ("format", "field", "tokenizer", "cache_dir", "eval_fraction", "eval_files")),
+        ("data", ("allow_changed_corpus",)),  # issue #31
         ("train", ("eval_interval",)),
         ("checkpoint", ("export",)),
     )
@@ -190,13 +229,27 @@ LATER_KEYS = frozenset(
 )
 
 
-def prepare_data(config: JobConfig) -> None:
+def prepare_data(config: JobConfig) -> JobData:
     """Fix ``data.cache_dir`` (beside the run folders) and tokenise the corpus into it, so a
     bad line or an empty corpus is a :class:`ConfigError` here and the ranks hit the cache."""
     from gm_trainer.job.dataset import cache_dir_of, load_job_data
 
     config.data.cache_dir = str(cache_dir_of(config.data.cache_dir, config.logging.run_dir))
-    load_job_data(config.data, config.model.seq_len, config.logging.run_dir)
+    return load_job_data(config.data, config.model.seq_len, config.logging.run_dir)
+
+
+def _report_damaged(damaged: Sequence[Damaged], resume: ResumePoint | None, reporter: bool) -> None:
+    """Say which damaged checkpoints discovery passed over, and where it went instead."""
+    if not reporter or not damaged:
+        return
+    for found in damaged:
+        print(f"gm-train: warning: {found.describe()}", file=sys.stderr)
+    then = (
+        f"resuming from the newest intact checkpoint, {resume.checkpoint}"
+        if resume is not None
+        else "no intact checkpoint is left: starting fresh"
+    )
+    print(f"gm-train: warning: {then}", file=sys.stderr)
 
 
 def check_run_config(path: Path) -> None:
@@ -240,7 +293,12 @@ def check_run_config(path: Path) -> None:
 
 
 def choose_run_dir(
-    config: JobConfig, resume: ResumePoint | None, *, new_folder: bool, create: bool = False
+    config: JobConfig,
+    resume: ResumePoint | None,
+    *,
+    new_folder: bool,
+    create: bool = False,
+    ignore: Collection[Path] = (),
 ) -> Path:
     """The run folder of this job; raise :class:`ConfigError` (or :class:`RunFolderError`)
     when it cannot go there.
@@ -250,7 +308,8 @@ def choose_run_dir(
     folder. A run never starts in a folder holding other checkpoints: a fresh run there would
     mix two runs' checkpoints, and a resume from an older one two histories. ``create``: the
     job's writer is about to start: create a ``{timestamp}`` folder (exclusively) and check
-    that the folder is gm-train's and no other job runs in it.
+    that the folder is gm-train's and no other job runs in it. ``ignore``: checkpoints found
+    damaged, which neither count as the run's nor as another run's.
     """
     if resume is not None and resume.step >= config.train.steps:
         raise ConfigError(
@@ -265,7 +324,10 @@ def choose_run_dir(
     if create:
         check_run_dir(run_dir)
         check_not_in_use(run_dir)
-    existing = step_checkpoints(run_dir / CHECKPOINTS_DIR)
+    # `ignore`: damaged checkpoints that discovery passed over (and the writer moves aside).
+    existing = [
+        (step, p) for step, p in step_checkpoints(run_dir / CHECKPOINTS_DIR) if p not in ignore
+    ]
     if continuing and resume is not None:
         newer = [path.name for step, path in existing if step > resume.step]
         if newer:
@@ -282,6 +344,11 @@ def choose_run_dir(
             f"{existing[-1][1].name}); {hint}choose another logging.run_dir, or delete "
             f"{run_dir / CHECKPOINTS_DIR}"
         )
+    if create:  # a step-N folder that is no checkpoint would make the save of step N fail
+        after = resume.step if continuing and resume is not None else 0
+        intact = {p for _, p in existing}
+        for found in set_aside_later_steps(run_dir / CHECKPOINTS_DIR, after, intact):
+            print(f"gm-train: warning: {found.describe()}", file=sys.stderr)
     return run_dir
 
 

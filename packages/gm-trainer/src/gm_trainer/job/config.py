@@ -18,7 +18,7 @@ import yaml
 
 from gm_config import ConfigError, PassConfig, PassPlan, sharding_plan_from_dict
 from gm_trainer.job.sections import DataConfig, DistConfig, ModelConfig
-from gm_trainer.job.validation import Section, build
+from gm_trainer.job.validation import Section, build, check_lr_schedule
 from gm_trainer.job.world import check_world_size
 
 #: The embedded default job, shipped inside the wheel.
@@ -98,7 +98,7 @@ class TrainConfig(Section):
         if self.weight_decay < 0:
             raise ConfigError(f"train.weight_decay must be >= 0, got {self.weight_decay}")
         self._positive("lr_decay_steps")
-        from gm_trainer.schedule import DECAYS
+        from gm_trainer.optim.lr_schedule import DECAYS
 
         if self.lr_schedule not in DECAYS:
             raise ConfigError(
@@ -109,9 +109,12 @@ class TrainConfig(Section):
                 f"train.warmup_steps must be >= 0 (got {self.warmup_steps}) and "
                 f"train.min_lr_ratio in [0, 1] (got {self.min_lr_ratio})"
             )
+        check_lr_schedule(
+            self.steps, self.lr_schedule, self.warmup_steps, self.min_lr_ratio, self.lr_decay_steps
+        )
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"train.betas must both lie in [0, 1), got {list(self.betas)}")
-        from gm_trainer.optim import OptimizerConfig  # the trainer's own check of the name
+        from gm_trainer.optim.config import OptimizerConfig  # the trainer's own check of the name
 
         try:
             OptimizerConfig.from_dict(self.optimizer_config())
@@ -122,7 +125,7 @@ class TrainConfig(Section):
         """The ``GraphTrainer(lr_scheduler=)`` factory, or ``None`` for a constant ``lr``."""
         if self.lr_schedule == "constant" and not self.warmup_steps:
             return None
-        from gm_trainer.schedule import warmup_decay_factory
+        from gm_trainer.optim.lr_schedule import warmup_decay_factory
 
         total = self.lr_decay_steps if self.lr_decay_steps is not None else self.steps
         return warmup_decay_factory(total, self.warmup_steps, self.lr_schedule, self.min_lr_ratio)

@@ -17,13 +17,13 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from gm_config import ConfigError
-from gm_trainer.durable import replacing
+from gm_trainer.checkpoint.durable import replacing
 from gm_trainer.job.documents import read_documents, source_files
 from gm_trainer.job.tokenize import Tokenizer, load_tokenizer
 
@@ -31,6 +31,10 @@ if TYPE_CHECKING:
     from gm_trainer.job.config import DataConfig
 
 CACHE_DIR_NAME = ".gm-train-cache"
+#: A token stream up to this long is hashed whole for its fingerprint (256 MiB of int64).
+FINGERPRINT_FULL = 1 << 25
+#: A longer one is fingerprinted by this many evenly spaced blocks (of 32K tokens).
+FINGERPRINT_BLOCKS = 1024
 _ENCODE_CHUNK = 256  # documents per tokenizer call
 
 
@@ -71,7 +75,8 @@ def token_stream(
             pass
     ids: list[int] = []
     chunk: list[str] = []
-    for doc in read_documents(files, fmt, field, max_bytes):
+    # The default corpus is the standard library, whose few non-UTF-8 test files are skipped.
+    for doc in read_documents(files, fmt, field, max_bytes, skip_undecodable=corpus is None):
         chunk.append(doc)
         if len(chunk) == _ENCODE_CHUNK:
             _extend(ids, chunk, tokenizer)
@@ -103,7 +108,8 @@ def _cache_key(
             if e.is_file():
                 st = e.stat()
                 stats.append([str(e.resolve()), st.st_size, st.st_mtime_ns])
-    text = json.dumps([stats, fmt, field, glob, max_bytes, tok.fingerprint])
+    # "strict-utf8": text files are no longer decoded with replacement characters.
+    text = json.dumps([stats, fmt, field, glob, max_bytes, tok.fingerprint, "strict-utf8"])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -122,6 +128,23 @@ class Windows:
         """The windows at ``index`` (1-D) as a (len, seq_len + 1) int64 tensor."""
         offsets = torch.arange(self.seq_len + 1)
         return self.tokens[index[:, None] * self.seq_len + offsets]
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What the windows are made of, cheaply: the token count and the sha256 of the
+        tokens (of :data:`FINGERPRINT_BLOCKS` evenly spaced blocks of them for a stream over
+        :data:`FINGERPRINT_FULL` tokens). Equal for the same corpus read with the same
+        settings; a rewritten corpus of the same size differs, wherever its content changed
+        (in a big stream: wherever a sampled block did)."""
+        tokens = self.tokens.to(device="cpu", dtype=torch.int64).contiguous()
+        n = tokens.numel()
+        digest = hashlib.sha256(str(n).encode())
+        if n <= FINGERPRINT_FULL:
+            digest.update(tokens.numpy())  # the buffer itself: no copy
+        else:
+            size = FINGERPRINT_FULL // FINGERPRINT_BLOCKS
+            for start in torch.linspace(0, n - size, FINGERPRINT_BLOCKS).long().tolist():
+                digest.update(tokens[start : start + size].numpy())
+        return {"tokens": n, "sha256": digest.hexdigest(), "sampled": n > FINGERPRINT_FULL}
 
     def split(self, fraction: float) -> tuple[Windows, Windows]:
         """(train, held-out): the last ``ceil(fraction * count)`` windows are held out."""

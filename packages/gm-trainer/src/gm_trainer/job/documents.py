@@ -30,12 +30,23 @@ def source_files(corpus: str | None, fmt: str, glob: str) -> list[Path]:
 
 
 def read_documents(
-    files: list[Path], fmt: str, field: str, max_bytes: int | None, *, raw: bool = False
+    files: list[Path],
+    fmt: str,
+    field: str,
+    max_bytes: int | None,
+    *,
+    raw: bool = False,
+    skip_undecodable: bool = False,
 ) -> Iterator[Any]:
     """The documents of ``files``: ``str`` (``bytes`` for ``text`` when ``raw``), at most
-    ``max_bytes`` of text in all (the last one cut)."""
+    ``max_bytes`` of text in all (the last one cut).
+
+    Text that is not UTF-8 (or holds a lone surrogate) is a :class:`ConfigError` naming the
+    file and line; ``skip_undecodable`` skips such ``text`` files instead (the default corpus:
+    the standard library ships a few deliberately mis-encoded test files).
+    """
     total = 0
-    for doc in _documents(files, fmt, field, raw):
+    for doc in _documents(files, fmt, field, raw, skip_undecodable):
         size = len(doc) if isinstance(doc, bytes) else len(doc.encode("utf-8"))
         if max_bytes is not None and total + size > max_bytes:
             left = max_bytes - total
@@ -51,23 +62,61 @@ def read_documents(
         yield doc
 
 
-def _documents(files: list[Path], fmt: str, field: str, raw: bool) -> Iterator[Any]:
+def _documents(
+    files: list[Path], fmt: str, field: str, raw: bool, skip_undecodable: bool
+) -> Iterator[Any]:
     for path in files:
         if fmt == "text":
             try:
                 data = path.read_bytes()
             except OSError:  # an unreadable file (permissions, a dangling link) is skipped
                 continue
-            yield data if raw else data.decode("utf-8", errors="replace")
+            if raw:
+                yield data
+                continue
+            try:
+                yield _decoded(data, path)
+            except ConfigError:
+                if not skip_undecodable:
+                    raise
         elif fmt == "jsonl":
             yield from _jsonl(path, field)
         else:
             yield from _hf_rows(path, field)
 
 
+#: How to get a file that is not UTF-8 into a corpus.
+_REENCODE = (
+    "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8 FILE), or leave it out "
+    "of data.corpus / data.glob"
+)
+
+
+def _decoded(data: bytes, path: Path, line_offset: int | None = None) -> str:
+    """``data`` as UTF-8, or a :class:`ConfigError` naming the file, line, column and byte.
+
+    ``line_offset``: ``data`` is line ``line_offset + 1`` of a JSON lines file; ``None``: a
+    whole text file.
+    """
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = (line_offset or 0) + data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        if line_offset is None:
+            what = "text for a tokenizer must be UTF-8 (data.tokenizer: bytes reads any file)"
+        else:
+            what = "a JSON lines file must be UTF-8"
+        raise ConfigError(
+            f"data.corpus: {path}:{line}: byte 0x{data[e.start]:02x} (byte column {column}) is "
+            f"not UTF-8 ({e.reason}); {what}: {_REENCODE}"
+        ) from None
+
+
 def _jsonl(path: Path, field: str) -> Iterator[str]:
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            line = _decoded(raw, path, number - 1)
             if not line.strip():
                 continue
             try:
@@ -88,6 +137,15 @@ def _text(value: Any, where: str, field: str) -> str:
         raise ConfigError(
             f"data.corpus: {where}: field {field!r} holds {type(value).__name__}, not text"
         )
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON can escape half of a surrogate pair: "\ud800"
+        raise ConfigError(
+            f"data.corpus: {where}: field {field!r} holds the lone surrogate "
+            f"{value[e.start]!r} at character {e.start}, which is no text (half of a "
+            "UTF-16 pair, written as a \\uXXXX escape); replace it by the character it was "
+            "meant to be or remove it"
+        ) from None
     return value
 
 

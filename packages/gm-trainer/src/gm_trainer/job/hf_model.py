@@ -4,6 +4,7 @@ optionally local weights. Needs the optional extra ``gm-trainer[hf]``; nothing i
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,8 @@ def require_transformers(what: str) -> Any:
 
 def load_hf_config(config: str | Mapping[str, Any]) -> Any:
     """A ``PretrainedConfig`` from a local folder (its ``config.json``) or an inline mapping
-    (with ``model_type``); :class:`ConfigError` when it is neither."""
+    (with ``model_type``); :class:`ConfigError` when it is neither, or when transformers
+    rejects a value (naming the file and the key)."""
     transformers = require_transformers("model.source: hf")
     if isinstance(config, Mapping):
         fields = dict(config)
@@ -41,22 +43,94 @@ def load_hf_config(config: str | Mapping[str, Any]) -> Any:
                 "model.config: an inline mapping needs model_type (e.g. llama, gpt2), got "
                 f"{model_type!r}"
             )
+        where = config_source(config)
         try:
-            return transformers.AutoConfig.for_model(model_type, **fields)
-        except (ValueError, TypeError) as e:
-            raise ConfigError(f"model.config: model_type {model_type!r}: {e}") from None
+            hf_config = transformers.AutoConfig.for_model(model_type, **fields)
+        except Exception as e:  # transformers' own and huggingface_hub's validation errors
+            raise _bad_config(e, where, fields, "the mapping") from None
+        check_hf_config(hf_config, where)
+        return hf_config
     folder = Path(config)
-    if not (folder / "config.json").is_file():
+    file = folder / "config.json"
+    where = config_source(config)
+    if not file.is_file():
         raise ConfigError(
             f"model.config: {folder} is not a Hugging Face model folder (no config.json); give "
             "a folder written by save_pretrained, or an inline mapping with model_type"
         )
     try:
-        return transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:
+        fields = json.loads(file.read_bytes().decode("utf-8"))
+    except ValueError as e:  # UnicodeDecodeError is a ValueError
         raise ConfigError(
-            f"model.config: {folder}/config.json is not a model config: {e}"
+            f"model.config: {file} is not a UTF-8 JSON object ({e}); repair the file or write "
+            "it again with save_pretrained"
         ) from None
+    if not isinstance(fields, dict):
+        raise ConfigError(f"model.config: {file} holds a {type(fields).__name__}, not an object")
+    try:
+        hf_config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    except Exception as e:
+        raise _bad_config(e, where, fields, str(file)) from None
+    check_hf_config(hf_config, where)
+    return hf_config
+
+
+def config_source(config: str | Mapping[str, Any]) -> str:
+    """How errors name ``model.config``: its ``config.json``, or the inline mapping."""
+    if isinstance(config, Mapping):
+        return f"model.config (the inline {config.get('model_type')} mapping)"
+    return f"model.config: {Path(config) / 'config.json'}"
+
+
+def _bad_config(error: Exception, where: str, fields: Mapping[str, Any], place: str) -> ConfigError:
+    """transformers' rejection of a config, with the keys it is about and their values."""
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip()).rstrip(".")
+    said = text.lower()
+    keys = [
+        f"{key}={value!r}"
+        for key, value in fields.items()
+        if key.lower() in said or key.removeprefix("num_").replace("_", " ") in said
+    ]
+    about = f" (keys: {', '.join(keys)})" if keys else ""
+    return ConfigError(
+        f"{where} is rejected by transformers{about}: {type(error).__name__}: {text}; "
+        f"correct {'those keys' if keys else 'the key it names'} in {place}"
+    )
+
+
+def check_hf_config(hf_config: Any, where: str) -> None:
+    """:class:`ConfigError` for attention heads that do not divide: the model builds, but its
+    first forward fails (or, on some architectures, silently drops heads).
+
+    The keys are named as the config file spells them (GPT-2's ``n_head`` for
+    ``num_attention_heads``).
+    """
+
+    def value(name: str) -> Any:
+        number = getattr(hf_config, name, None)
+        return number if isinstance(number, int) and not isinstance(number, bool) else None
+
+    def key(name: str) -> str:
+        return dict(getattr(hf_config, "attribute_map", {}) or {}).get(name, name)
+
+    heads, kv_heads = value("num_attention_heads"), value("num_key_value_heads")
+    hidden, head_dim = value("hidden_size"), value("head_dim")
+    if heads is not None and heads < 1:
+        raise ConfigError(f"{where}: {key('num_attention_heads')}={heads} must be >= 1")
+    if heads and kv_heads is not None and (kv_heads < 1 or heads % kv_heads):
+        raise ConfigError(
+            f"{where}: {key('num_attention_heads')}={heads} is not a multiple of "
+            f"{key('num_key_value_heads')}={kv_heads}: grouped-query attention shares each "
+            "key/value head among an equal number of query heads; make "
+            f"{key('num_key_value_heads')} a divisor of {key('num_attention_heads')} "
+            f"(e.g. {max(d for d in range(1, heads + 1) if heads % d == 0 and d <= kv_heads)})"
+        )
+    if heads and hidden is not None and head_dim is None and hidden % heads:
+        raise ConfigError(
+            f"{where}: {key('hidden_size')}={hidden} is not a multiple of "
+            f"{key('num_attention_heads')}={heads}: each head gets hidden_size / heads "
+            "dimensions; change one of them (or give head_dim)"
+        )
 
 
 def check_causal_lm(hf_config: Any) -> None:
@@ -136,14 +210,26 @@ def check_weights(hf_config: Any, weights: str | Sequence[str]) -> None:
     device (no memory), so a mismatch is reported before any rank starts."""
     from safetensors import safe_open
 
-    transformers = require_transformers("model.weights")
     keys: set[str] = set()
     for path in weight_files(weights):
         with safe_open(str(path), framework="pt") as f:
             keys |= set(f.keys())
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(hf_config)
-    check_weight_keys(model, keys)
+    check_weight_keys(meta_model(hf_config, "model.weights"), keys)
+
+
+def meta_model(hf_config: Any, where: str) -> nn.Module:
+    """The causal LM of ``hf_config`` on the meta device (no memory, no weights), or a
+    :class:`ConfigError` naming ``where`` when transformers cannot build it."""
+    transformers = require_transformers(where)
+    try:
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(hf_config)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ConfigError(
+            f"{where}: transformers cannot build the {hf_config.model_type} causal LM of this "
+            f"config ({type(e).__name__}: {first}); correct the key it names"
+        ) from None
 
 
 def decoder_layers(model: nn.Module) -> list[str]:

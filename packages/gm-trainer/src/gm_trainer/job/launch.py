@@ -1,8 +1,9 @@
 """How a ``gm-train`` process finds its place: ``--resume auto`` and SLURM's ``srun``.
 
-- ``--resume auto`` (or ``checkpoint.auto_resume: true``): continue from the newest complete
+- ``--resume auto`` (or ``checkpoint.auto_resume: true``): continue from the newest intact
   checkpoint of the configured run folder when there is one, else start fresh there, so the
-  same command survives ``torchrun --max-restarts`` and a scheduler's requeue.
+  same command survives ``torchrun --max-restarts`` and a scheduler's requeue. A damaged
+  newer checkpoint (any file's checksum wrong) is moved aside and the one before it taken.
 - Under ``srun`` without torchrun every task runs ``gm-train`` itself. With ``MASTER_ADDR`` and
   ``MASTER_PORT`` exported the SLURM variables are mapped to torch's (each task one rank);
   without them gm-train stops with a message instead of every task starting its own job.
@@ -15,15 +16,19 @@ from collections.abc import MutableMapping
 from pathlib import Path
 
 from gm_config import ConfigError
-from gm_trainer.checkpoint import latest_checkpoint
 from gm_trainer.job.config import JobConfig
-from gm_trainer.job.run_folder import CHECKPOINTS_DIR, ResumePoint, find_resume_point
+from gm_trainer.job.resume import Damaged, ResumePoint, discover, resume_point
+from gm_trainer.job.run_folder import CHECKPOINTS_DIR
 
 AUTO = "auto"
 
 
-def auto_resume_point(config: JobConfig) -> ResumePoint | None:
-    """The newest complete checkpoint of ``config``'s run folder; ``None``: start fresh.
+def auto_resume_point(
+    config: JobConfig, *, set_aside_damaged: bool = False
+) -> tuple[ResumePoint | None, tuple[Damaged, ...]]:
+    """The newest intact checkpoint of ``config``'s run folder (``None``: start fresh), and
+    the damaged ones passed on the way (moved aside with ``set_aside_damaged``; see
+    :func:`gm_trainer.job.resume.discover`).
 
     Raises :class:`ConfigError` when the run folder has a ``{timestamp}`` (a restarted
     command would never find the folder of its first attempt).
@@ -35,10 +40,8 @@ def auto_resume_point(config: JobConfig) -> ResumePoint | None:
             f"{run_dir!r}: a restarted command would start a new folder each time. Set e.g. "
             "logging.run_dir=runs/my-job"
         )
-    root = Path(run_dir) / CHECKPOINTS_DIR
-    if not root.is_dir() or latest_checkpoint(root) is None:
-        return None
-    return find_resume_point(run_dir)
+    newest, damaged = discover(Path(run_dir) / CHECKPOINTS_DIR, set_aside_damaged=set_aside_damaged)
+    return (resume_point(newest, damaged) if newest is not None else None), damaged
 
 
 def map_slurm_env(env: MutableMapping[str, str] | None = None) -> bool:

@@ -24,18 +24,15 @@ import statistics
 import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gm_config import ConfigError
 from gm_trainer.checkpoint import (
     MARKER_NAME,
     CheckpointError,
     checkpoint_info,
-    latest_checkpoint,
 )
-from gm_trainer.durable import replacing, write_atomic
+from gm_trainer.checkpoint.durable import replacing, write_atomic
 from gm_trainer.job.files import (
     RUN_MARKER,
     RunFolderError,
@@ -298,6 +295,15 @@ def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / CHECKPOINTS_DIR / f"step-{step:08d}"
 
 
+def step_folders(root: str | Path) -> list[tuple[int, Path]]:
+    """Every ``step-N`` folder under ``root`` as ``(N, path)``, complete or not, by step."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name))]
+    return sorted(p for p in found if p[1].is_dir())
+
+
 def step_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
     """The complete ``step-N`` checkpoints under ``root`` as ``(step, path)``, oldest first.
 
@@ -345,58 +351,3 @@ def run_folder_of(checkpoint: str | Path) -> Path | None:
     ):
         return run
     return None
-
-
-@dataclass(frozen=True)
-class ResumePoint:
-    """The checkpoint ``gm-train --resume PATH`` continues from."""
-
-    checkpoint: Path
-    """The checkpoint folder (complete: its commit marker is there)."""
-
-    step: int
-    """Optimizer steps done when it was saved."""
-
-    world_size: int
-    """Ranks that saved it (the resumed run may use another number)."""
-
-    run_folder: Path | None
-    """The run folder that holds it, or ``None``."""
-
-
-def find_resume_point(path: str | Path) -> ResumePoint:
-    """Resolve ``--resume PATH``: a checkpoint folder, or a run folder / checkpoints root whose
-    newest complete checkpoint is taken. Raises :class:`ConfigError` with the reason."""
-    where = Path(path)
-    if not where.exists():
-        raise ConfigError(f"--resume {path}: no such file or directory")
-    if not where.is_dir():
-        raise ConfigError(
-            f"--resume {path}: not a folder; give a checkpoint folder (RUN/checkpoints/"
-            "step-XXXXXXXX), a run folder or its checkpoints folder"
-        )
-    looks_like_checkpoint = (
-        (where / MARKER_NAME).exists()
-        or (where / ".metadata").exists()
-        or where.name.endswith(".tmp")
-    )
-    if looks_like_checkpoint:
-        checkpoint = where
-    else:
-        root = where / CHECKPOINTS_DIR if (where / CHECKPOINTS_DIR).is_dir() else where
-        found = latest_checkpoint(root)
-        if found is None:
-            interrupted = sorted(p.name for p in root.glob("*.tmp") if p.is_dir())
-            why = f"; {', '.join(interrupted)}: interrupted save(s)" if interrupted else ""
-            raise ConfigError(
-                f"--resume {path}: no complete checkpoint in {root} (a checkpoint is a folder "
-                f"step-XXXXXXXX holding the commit marker {MARKER_NAME}){why}"
-            )
-        checkpoint = found
-    try:
-        info = checkpoint_info(checkpoint)  # every key checked: CheckpointError, never KeyError
-        step, world_size = info["step"], info["world_size"]
-    except CheckpointError as e:
-        hint = "; --resume the run folder to take its newest complete checkpoint"
-        raise ConfigError(f"--resume {path}: {e}{hint if looks_like_checkpoint else ''}") from None
-    return ResumePoint(checkpoint, step, world_size, run_folder_of(checkpoint))

@@ -18,12 +18,12 @@ from gm_trainer.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from gm_trainer.device import init_distributed
-from gm_trainer.durable import replacing
+from gm_trainer.checkpoint.durable import replacing
 from gm_trainer.job.config import JobConfig
 from gm_trainer.job.dataset import PackedBatches, load_job_data, position_of
 from gm_trainer.job.evaluate import Evaluator
 from gm_trainer.job.progress import Progress
+from gm_trainer.job.resume import check_same_data, check_same_model
 from gm_trainer.job.run_folder import (
     RunFolder,
     checkpoint_dir,
@@ -33,8 +33,9 @@ from gm_trainer.job.run_folder import (
 )
 from gm_trainer.job.sources import build_model
 from gm_trainer.job.telemetry import StepProfiler, Telemetry, job_flops_per_token
-from gm_trainer.mesh import MeshContext
-from gm_trainer.schedule import restore_scheduler, scheduler_extra, set_base_lrs
+from gm_trainer.optim.lr_schedule import restore_scheduler, scheduler_extra, set_base_lrs
+from gm_trainer.parallel.device import init_distributed
+from gm_trainer.parallel.mesh import MeshContext
 
 if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer
@@ -61,11 +62,12 @@ def run_rank(config_dict: dict[str, Any], resume: str | None = None) -> dict[str
     rank, world_size = init_distributed(timeout_s=config.dist.timeout_s)
     try:
         if world_size > 1:
-            # Under torchrun each rank resolved {timestamp} itself: take rank 0's folder, the
-            # one every rank must save its checkpoint shards into.
-            shared = [config.logging.run_dir]
+            # Under torchrun each rank resolved {timestamp} and found its checkpoint itself:
+            # take rank 0's folder, the one every rank must save its checkpoint shards into,
+            # and rank 0's checkpoint (it alone moved damaged ones aside).
+            shared = [config.logging.run_dir, resume]
             dist.broadcast_object_list(shared, src=0)
-            config.logging.run_dir = shared[0]
+            config.logging.run_dir, resume = shared
         return run_job(config, rank, world_size, resume=resume)
     finally:
         if dist.is_available() and dist.is_initialized():
@@ -113,6 +115,7 @@ def _train(
     model = built.model
     n_params = sum(p.numel() for p in model.parameters())  # before sharding
     job_data = load_job_data(d, m.seq_len, run_dir)  # the CLI has tokenised it: a cache hit
+    fingerprint = job_data.train.fingerprint()  # saved with each checkpoint, compared on resume
     micro = t.global_batch_size // t.accumulation
     pp = config.parallel.pp_degree
     dp = world_size // pp  # ranks that read different rows: one pipeline's ranks read the same
@@ -166,8 +169,12 @@ def _train(
         check_same_model(config, saved.get("config"), resume)
         position = trainer.data_position
         notes = _reconcile(trainer, config, saved.get("config"))
+        notes += check_same_data(config, fingerprint, saved, resume)
         was = saved.get("data") if isinstance(saved.get("data"), dict) else {}
-        if was.get("windows", job_data.train.count) != job_data.train.count:
+        # Without a fingerprint (an older checkpoint) only the window count can tell.
+        if "fingerprint" not in was and was.get("windows", job_data.train.count) != (
+            job_data.train.count
+        ):
             notes.append(
                 f"warning: the checkpoint's corpus held {was['windows']} training windows, this "
                 f"one {job_data.train.count}: the data changed, so the run goes on on another "
@@ -243,7 +250,12 @@ def _train(
                     )
             if trainer.step in saves:
                 epoch, offset = position_of(trainer.data_position, micro, job_data.train.count)
-                extra["data"] = {"epoch": epoch, "offset": offset, "windows": job_data.train.count}
+                extra["data"] = {
+                    "epoch": epoch,
+                    "offset": offset,
+                    "windows": job_data.train.count,
+                    "fingerprint": fingerprint,
+                }
                 saved_at = time.perf_counter()
                 last_checkpoint = save_checkpoint(
                     trainer,
@@ -306,26 +318,6 @@ def _train(
     return summary
 
 
-def check_same_model(config: JobConfig, saved: Any, checkpoint: str | Path) -> None:
-    """Raise :class:`ConfigError` when the configuration saved in ``checkpoint`` describes
-    another model than ``config`` (a change of ``n_heads`` loads without a shape error, but
-    the weights then mean something else)."""
-    if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
-        return  # a checkpoint written without gm-train's config
-    now = config.to_dict()["model"]
-    differ = [
-        f"model.{key}={saved['model'][key]!r} (this run: {value!r})"
-        for key, value in now.items()
-        if key in saved["model"] and saved["model"][key] != value
-    ]
-    if differ:
-        raise ConfigError(
-            f"--resume {checkpoint}: the checkpoint was saved with {', '.join(differ)}; "
-            "resume it with the configuration it was trained with (its run folder's "
-            "config.yaml) and leave the model section unchanged"
-        )
-
-
 def _reconcile(trainer: GraphTrainer, config: JobConfig, saved: Any) -> list[str]:
     """After loading: the config's optimizer hyperparameters win over the checkpoint's (so
     ``train.lr=...`` on resume takes effect); lines telling what differs from the saved run."""
@@ -378,6 +370,6 @@ def _graph_batch(batch: tuple[Any, Any], parallel: PassConfig) -> tuple[Any, Any
     micro-batch, as ``train_step`` will."""
     if parallel.pp_degree == 1:
         return batch
-    from gm_trainer.pipeline_runtime import split_microbatches
+    from gm_trainer.pipeline.runtime import split_microbatches
 
     return split_microbatches(*batch, parallel.pp_microbatches)[0]

@@ -101,6 +101,12 @@ class DataConfig(Section):
     seed: int = 0
     """Seed of the generator that samples the training windows."""
 
+    allow_changed_corpus: bool = False
+    """On resume, continue even when the corpus's content differs from the checkpoint's (its
+    fingerprint: token count and a hash of the tokens) while the data settings are the same,
+    with a warning; ``false``: refuse such a resume (the saved position means another
+    stream)."""
+
     def validate(self) -> None:
         self._positive("max_bytes")
         if not self.glob:

@@ -46,10 +46,17 @@ def check_model_section(
             "model.weights must be a folder, a .safetensors file or a list of them, got "
             f"{weights!r}"
         )
-    from gm_trainer.job.hf_model import check_causal_lm, check_weights, load_hf_config
+    from gm_trainer.job.hf_model import (
+        check_causal_lm,
+        check_weights,
+        config_source,
+        load_hf_config,
+        meta_model,
+    )
 
     hf_config = load_hf_config(config)  # a folder that is no HF model fails here
     check_causal_lm(hf_config)
+    meta_model(hf_config, config_source(config))  # what the ranks will build, without memory
     if weights is not None:
         check_weights(hf_config, weights)
     return config, weights

@@ -97,3 +97,36 @@ def build(cls: Any, data: Any, where: str) -> Any:
         paths = [f"{where}.{k}" for k in unknown]
         raise ConfigError(f"unknown key(s) {paths}; {where} accepts {accepted}")
     return cls(**dict(data))
+
+
+def check_lr_schedule(
+    steps: int, schedule: str, warmup_steps: int, min_lr_ratio: float, decay_steps: int | None
+) -> None:
+    """Raise :class:`ConfigError` for a ``train`` learning-rate schedule that cannot do what
+    its keys say (each message names the keys, their values and the fix)."""
+    if warmup_steps >= steps:
+        raise ConfigError(
+            f"train.warmup_steps={warmup_steps} is not below train.steps={steps}: the warmup "
+            f"would outlast the run and the rate never reach train.lr. Lower "
+            f"train.warmup_steps (e.g. to {max(0, steps // 10)}) or raise train.steps"
+        )
+    if schedule == "constant":
+        ignored = [
+            f"train.{key}={value}"
+            for key, value in (("lr_decay_steps", decay_steps), ("min_lr_ratio", min_lr_ratio))
+            if value not in (None, 0.0)
+        ]
+        if ignored:
+            raise ConfigError(
+                f"{' and '.join(ignored)} describe a decay, but train.lr_schedule=constant "
+                "never decays: set train.lr_schedule to linear or cosine, or remove them"
+            )
+        return
+    if decay_steps is not None and decay_steps <= warmup_steps:
+        raise ConfigError(
+            f"train.lr_decay_steps={decay_steps} is not after train.warmup_steps="
+            f"{warmup_steps}: the {schedule} decay would be over before the warmup ends, and "
+            f"the rate drop to train.min_lr_ratio={min_lr_ratio} x train.lr right after it. "
+            "Raise train.lr_decay_steps above train.warmup_steps (or set it to null: "
+            "train.steps)"
+        )

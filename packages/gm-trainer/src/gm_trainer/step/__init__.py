@@ -1,0 +1,1 @@
+"""Running a step's micro-batches: executor, accumulation, deferred reductions, the loop."""
