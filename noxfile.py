@@ -186,6 +186,17 @@ def zoo(session: nox.Session) -> None:
     )
 
 
+@nox.session(tags=["composability"], default=False)
+def composability(session: nox.Session) -> None:
+    """Every pair (and some triples) of graph mode's features on real gloo ranks against
+    eager PyTorch, Inductor included; rewrites docs/composability.md. ``-- --cell pp,in_graph``
+    runs only the cells named (and then writes nothing unless ``--out`` is given too)."""
+    _install_layer(session, "gm-trainer", torch=True)
+    tests = ROOT / "packages" / "gm-trainer" / "tests"
+    args = session.posargs or ["--out", str(ROOT / "docs" / "composability.md")]
+    session.run("python", str(tests / "composability_report.py"), *args)
+
+
 @nox.session(tags=["bench"], default=False)
 def bench(session: nox.Session) -> None:
     """Benchmarks (not run by CI): graph mode vs eager and FSDP2, trace time, the symbolic

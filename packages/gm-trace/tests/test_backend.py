@@ -55,6 +55,28 @@ def compile_graph(model, train_fn, sample, backend):
 
 
 @pytest.mark.inductor
+def test_a_compiled_step_reads_captured_tensors_every_run(inductor_cache):
+    """A closure tensor is an input of the compiled step, not a constant Inductor baked: a
+    change in place and a rebinding both reach it, as they reach eager."""
+    weights = torch.ones(8)
+
+    def weighted_mse(model, x, y):
+        return (torch.nn.functional.mse_loss(model(x), y, reduction="none") * weights).mean()
+
+    model, _, batch = mlp()
+    compiled, _ = compile_graph(model, weighted_mse, batch(0), "inductor")
+    assert isinstance(compiled.compiled_step, CompiledStep)
+    for change in range(3):
+        if change == 1:
+            weights.mul_(3.0)
+        if change == 2:
+            weights = torch.linspace(0.0, 2.0, 8)
+        expected = weighted_mse(model, *batch(0)).detach()
+        actual = run_traced_graph(compiled, model, *batch(0)).loss
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.inductor
 @pytest.mark.parametrize("build", [tiny_gpt, mlp], ids=["tiny_gpt", "mlp"])
 def test_inductor_matches_the_graph_over_adam_steps(build, inductor_cache):
     """Each step, both graphs run on the same weights: loss and every gradient agree; the

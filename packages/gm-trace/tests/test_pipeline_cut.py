@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import operator
 
+import pipeline_cut_bodies
 import pytest
 import torch
 import torch.nn.functional as F
@@ -199,3 +200,69 @@ def test_the_automatic_split_follows_where_modules_run_not_their_first_reader(st
     assert torch.equal(loss, whole.loss)
     for fqn, grad in whole.grads.items():
         assert torch.equal(grads[fqn], grad), fqn
+
+
+def test_captured_tensors_reach_every_stage():
+    # A closure tensor (a loss weight per token) read by the last stage's loss.
+    weights = torch.ones(64)
+
+    def weighted_lm_loss(model, tokens, labels):
+        logits = model(tokens)
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), weight=weights)
+
+    model, batch = _gpt(), make_lm_batch()
+    config = PassConfig(pp_degree=2)
+    joint, _ = compile_joint(model, weighted_lm_loss, batch, config, PassPlan(pp_stages=GPT_STAGES))
+    cut = cut_pipeline(joint, 2)
+    weights = torch.linspace(0.1, 2.0, 64)  # rebound after the trace
+    whole = run_traced_graph(joint, model, *batch)
+    assert torch.equal(whole.loss, weighted_lm_loss(model, *batch).detach())
+    loss, grads = run_stages_in_one_process(cut, model, *batch, joint.captured.values())
+    assert torch.equal(loss, whole.loss)
+    for fqn, grad in whole.grads.items():
+        assert torch.equal(grads[fqn], grad), fqn
+
+
+@pytest.mark.distributed
+def test_deferred_reduction_splits_by_stage_and_matches_the_plain_gradients(dist_pool):
+    """Under FSDP a pipeline's micro-batches accumulate (``deferred_reduce``): each stage's
+    backward adds into its own buffers, and each stage reduces its own buckets only."""
+    result = dist_pool(2).run(pipeline_cut_bodies.deferred_stages)[0]
+    first, second = result["stages"]
+    # the buckets of tok_emb, pos_emb, layers.0, layers.1 | layers.2, layers.3, norm
+    assert (len(first["buffers"]), len(second["buffers"])) == (4, 3)
+    assert sorted(first["buffers"] + second["buffers"]) == list(range(result["n_buffers"]))
+    assert first["weight_read"] and second["weight_read"]
+    for stage in (first, second):
+        assert not stage["foreign"]  # a stage never reduces another stage's parameters
+        assert stage["collectives"] == {"reduce_scatter_tensor": len(stage["buffers"])}
+    assert not set(first["fqns"]) & set(second["fqns"])
+    assert sorted(first["fqns"] + second["fqns"]) == result["expected"]
+
+
+def test_a_symbolic_graph_cuts_and_sizes_its_transfers_per_micro_batch():
+    """With ``dynamic_dims`` the transfers are symbolic: ``Transfer.layout(at)`` sizes them
+    for each sequence length, and the stages compute what the whole graph does at each."""
+    model = _gpt()
+    dims = {"input": {1: "seq"}, "label": {1: "seq"}}
+    joint, _ = compile_joint(
+        model,
+        lm_loss,
+        make_lm_batch(seq_len=16),
+        PassConfig(pp_degree=2),
+        PassPlan(pp_stages=GPT_STAGES),
+        dynamic_dims=dims,
+    )
+    guards = joint.shape_guards
+    cut = cut_pipeline(joint, 2)
+    activation = next(t for t in cut.transfers if t.phase == FORWARD and len(t.shape) == 3)
+    assert isinstance(activation.shape[1], torch.SymInt)
+    for seq in (16, 9):
+        batch = make_lm_batch(seq_len=seq, seed=seq)
+        at = guards.at({"seq": seq})
+        assert activation.layout(at) == ((2, seq, 32), (seq * 32, 32, 1))
+        whole = run_traced_graph(joint, model, *batch)
+        loss, grads = _run_stages(cut, model, batch)
+        assert torch.equal(loss, whole.loss)
+        assert all(torch.equal(grads[fqn], g) for fqn, g in whole.grads.items())
+    assert cut.boundary_bytes() == [2 * (2 * 16 * 32 + 64 * 32) * 4]  # at the traced sizes

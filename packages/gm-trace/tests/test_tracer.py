@@ -610,3 +610,61 @@ def test_cast_input_modules_cast_where_named_and_must_exist():
     assert torch.equal(loss_of(["inner"]), F.mse_loss(residual_fp32, y).detach())
     with pytest.raises(KeyError, match=r"cast_input_modules names 'iner', which is not a module"):
         loss_of(["iner"])
+
+
+# A global the loss below reads (module level, so that train_fn finds it by name).
+ROW_WEIGHTS = torch.ones(8)
+
+
+class _Scales:
+    """A captured object: the loss reads its attribute."""
+
+    def __init__(self) -> None:
+        self.out = torch.ones(8)
+
+
+def test_tensors_read_from_outside_the_arguments_are_inputs_looked_up_every_run() -> None:
+    class_weights = torch.ones(8)
+    scales = _Scales()
+
+    def train_fn(model, x, y):
+        per_element = (model(x) - y) ** 2 * class_weights * scales.out
+        # A literal made while tracing: a constant, the same on every trace.
+        return (per_element.mean(1) * ROW_WEIGHTS).mean() * torch.tensor(0.5)
+
+    torch.manual_seed(0)
+    model, batch = MLP(), make_regression_batch(8)
+    joint = trace_model_graph(model, train_fn, *batch)
+    placeholders = joint.graph_module.graph.find_nodes(op="placeholder")
+    roles = [n.meta["gm_role"] for n in placeholders]
+    assert roles[-5:] == ["input", "input", "captured", "captured", "captured"]
+    paths = sorted(c.path for c in joint.captured.tensors)
+    assert paths[0] == f"closure variable 'class_weights' of {train_fn.__qualname__}"
+    assert paths[1] == f"closure variable 'scales' of {train_fn.__qualname__}.out"
+    assert paths[2] == f"global 'ROW_WEIGHTS' of {__name__}"
+    assert len(joint.graph_module.graph.find_nodes(op="get_attr")) == 1  # the literal
+
+    def check() -> None:
+        expected = _eager_grads(model, train_fn, batch)
+        assert torch.equal(run_traced_graph(joint, model, *batch).loss, expected)
+
+    global ROW_WEIGHTS
+    try:
+        check()
+        joint = copy.deepcopy(joint)  # a copy reads the same live values
+        class_weights = torch.linspace(0.0, 1.0, 8)  # rebound
+        ROW_WEIGHTS = torch.arange(8.0)  # a global rebound
+        check()
+        scales.out = torch.full((8,), 3.0)  # an attribute rebound
+        ROW_WEIGHTS[:4] = 0.0  # in place
+        check()
+        class_weights = class_weights.double()
+        with pytest.raises(
+            GraphSignatureError,
+            match=r"closure variable 'class_weights' of .* was traced as float32\[8\] "
+            r"\(stride \(1,\)\) on cpu, but is now float64\[8\]",
+        ):
+            run_traced_graph(joint, model, *batch)
+        assert "float64[8]" in joint.captured.mismatch()
+    finally:
+        ROW_WEIGHTS = torch.ones(8)

@@ -27,15 +27,19 @@ def eager_adam(
     return model
 
 
-def world_mean_losses(trainer: Any, batches: Iterable[tuple[Any, Any]]) -> list[float]:
+def world_mean_losses(
+    trainer: Any, batches: Iterable[tuple[Any, Any]], norms: list[float] | None = None
+) -> list[float]:
     """Train ``trainer`` one optimizer step per batch; each step's loss averaged over the
-    world (every rank must call it)."""
+    world (every rank must call it). ``norms``: filled with each step's global gradient norm."""
     import torch.distributed as dist
 
     losses = []
     for input, label in batches:
         loss = trainer.train_step(input, label)
-        trainer.optimizer_step()
+        norm = trainer.optimizer_step()
+        if norms is not None:
+            norms.append(norm)
         mean = loss.reshape(1).clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / dist.get_world_size())

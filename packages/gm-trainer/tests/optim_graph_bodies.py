@@ -261,3 +261,46 @@ def signatures_per_micro_batch(rank: int, world: int):
         "train": per_micro_batch[0] / 4,
         "compiles": trainer.compile_count,
     }
+
+
+def groups_and_step_counts(rank: int, world: int):
+    """A frozen-then-trained parameter (its step count lags) and the biases split into an
+    AdamW group of their own after the first step, the optimizer in and out of the graph,
+    the same local batches. Returns both trainers' step counts and every shard and state."""
+    model = tiny_gpt()
+    trainers = [
+        GraphTrainer(
+            copy.deepcopy(model),
+            lm_loss,
+            PassConfig(),
+            optimizer_config={"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "in_graph": g},
+        )
+        for g in (False, True)
+    ]
+    for step in range(STEPS + 1):
+        x, y = make_lm_batch(2 * world, 16, 64, seed=step)
+        x, y = x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]
+        for trainer in trainers:
+            trainer.model.lm_head.weight.requires_grad_(step >= 2)
+            trainer.train([(x, y)])
+            if step == 0:
+                group = trainer.optimizer.param_groups[0]
+                biases = [p for p in group["params"] if p.dim() == 1]
+                group["params"] = [p for p in group["params"] if p.dim() != 1]
+                trainer.optimizer.add_param_group(
+                    {"params": biases, "weight_decay": 0.0, "lr": 3e-2}
+                )
+    eager, graph = trainers
+    return {
+        "in_graph": graph.optimizer_in_graph and graph.sharding is not None,
+        "steps": [
+            sorted({float(t.optimizer.state[p]["step"]) for p in t.model.parameters()})
+            for t in trainers
+        ],
+        "pairs": [
+            (eager.optimizer.state[a][key], graph.optimizer.state[b][key])
+            for a, b in zip(eager.model.parameters(), graph.model.parameters())
+            for key in eager.optimizer.state[a]
+        ]
+        + list(zip(eager.model.parameters(), graph.model.parameters())),
+    }

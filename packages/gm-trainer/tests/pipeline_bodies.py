@@ -3,7 +3,9 @@ eager process on the global batch."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import warnings
 from collections import Counter
 
 import torch
@@ -57,13 +59,18 @@ def global_batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
 
 
-def _eager(model, train_fn, rows: int):
+def _eager(model, train_fn, rows: int, norms: list[float] | None = None):
+    """``STEPS`` eager Adam steps on the global batch: the losses and the trained model;
+    ``norms``: filled with each step's gradient norm."""
     model = copy.deepcopy(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
         loss = train_fn(model, *global_batch(step, rows))
         loss.backward()
+        if norms is not None:
+            grads = [p.grad.double() for p in model.parameters() if p.grad is not None]
+            norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
@@ -80,14 +87,17 @@ def parity(
     named_stages: bool = True,
     virtual: int = 1,
     backend: str | None = None,
+    in_graph: bool = False,
 ) -> dict:
     """``STEPS`` Adam steps of the pipeline (x FSDP over ``world // pp``) == one eager process
-    on the global batch; what each stage ran."""
+    on the global batch; what each stage ran and the warnings (``in_graph``: the update
+    asked in the graph)."""
     make, train_fn = MODELS[case]
     model = make()
     dp = world // pp
     rows_per_dp = 2 * microbatches
-    expected_losses, reference = _eager(model, train_fn, rows_per_dp * dp)
+    expected_norms: list[float] = []
+    expected_losses, reference = _eager(model, train_fn, rows_per_dp * dp, expected_norms)
     config = PassConfig(
         pp_degree=pp,
         pp_microbatches=microbatches,
@@ -96,16 +106,28 @@ def parity(
         backend=backend,
     )
     plan = PassPlan(pp_stages=STAGES[case]) if named_stages else None
-    trainer = GraphTrainer(model, train_fn, config, plan, optimizer_config={"lr": LR})
+    optimizer = {"lr": LR, "in_graph": in_graph}
+    trainer = GraphTrainer(model, train_fn, config, plan, optimizer_config=optimizer)
     dp_index = rank % dp
     rows = slice(dp_index * rows_per_dp, (dp_index + 1) * rows_per_dp)
     batches = (global_batch(step, rows_per_dp * dp) for step in range(STEPS))
-    losses = world_mean_losses(trainer, ((x[rows], y[rows]) for x, y in batches))
+    norms: list[float] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        losses = world_mean_losses(trainer, ((x[rows], y[rows]) for x, y in batches), norms)
     torch.testing.assert_close(
         torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-5
     )
+    torch.testing.assert_close(
+        torch.tensor(norms, dtype=torch.float64),
+        torch.tensor(expected_norms, dtype=torch.float64),
+        rtol=1e-5,
+        atol=1e-6,
+    )
     programs = list(trainer.pipeline.programs.values())
+    reduction = trainer.pipeline.reduction  # under FSDP the stages' gradients land here
     owned = {fqn for program in programs for fqns in program.grads.values() for fqn in fqns}
+    owned |= set(reduction.grad_fqns) if reduction is not None else set()
     worst = 0.0
     for fqn in sorted(owned):
         actual = full_parameter(trainer.model, fqn, trainer.sharding, trainer.fsdp_group)
@@ -119,10 +141,16 @@ def parity(
         for n in getattr(program, half).graph_module.graph.nodes
         if collective_kind(n) is not None
     )
+    reduced = Counter(
+        collective_kind(n)
+        for n in (reduction.graph_module.graph.nodes if reduction is not None else ())
+        if collective_kind(n) is not None
+    )
     stats = trainer.pipeline.stats
     return {
         "stage": trainer.topology.pp_stage,
         "owned": sorted(owned),
+        "reduction": dict(reduced),
         "worst": worst,
         "losses": losses,
         "collectives": dict(collectives),
@@ -134,7 +162,95 @@ def parity(
         "bubble": stats.bubble_fraction,
         "summary": trainer.pass_summary(),
         "compiled": sorted(trainer.pipeline.compiled),
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
+        "in_graph": trainer.optimizer_in_graph,
     }
+
+
+def collectives_per_step(rank: int, world: int, pp: int, microbatches: int = 4) -> dict:
+    """The collectives one optimizer step (``train_step`` + ``optimizer_step``) of TinyGPT
+    runs on this rank, recorded as they run, after a first step that compiled: a pipeline of
+    ``pp`` stages x FSDP over ``world // pp`` (``pp=1``: FSDP over the world, no pipeline).
+    Every data-parallel rank trains ``2 * microbatches`` rows."""
+    from gm_trace.testing.counting import recording_collectives
+
+    rows = 2 * microbatches
+    dp = world // pp
+    config = PassConfig(pp_degree=pp, pp_microbatches=microbatches if pp > 1 else 1)
+    plan = PassPlan(pp_stages=STAGES["tinygpt"]) if pp > 1 else None
+    trainer = GraphTrainer(tinygpt(), lm_loss, config, plan, optimizer_config={"lr": LR})
+    j = rank % dp
+    steps = []
+    for step in range(2):
+        x, y = global_batch(step, rows * dp)
+        with recording_collectives() if step else contextlib.nullcontext([]) as calls:
+            trainer.train_step(x[j * rows : (j + 1) * rows], y[j * rows : (j + 1) * rows])
+            trainer.optimizer_step()
+        steps.append(calls)
+    per_kind: Counter = Counter()
+    nbytes: Counter = Counter()
+    for call in steps[1]:
+        if call.group == "fsdp" or call.kind == "reduce_scatter_tensor":
+            per_kind[call.kind] += 1
+            nbytes[call.kind] += call.nbytes
+    return {
+        "stage": trainer.topology.pp_stage,
+        "dp_index": j,
+        "count": dict(per_kind),
+        "bytes": dict(nbytes),
+    }
+
+
+def dynamic_parity(rank: int, world: int) -> dict:
+    """PP 2 x FSDP over ``world // 2`` with the sequence length changing every step: declared
+    symbolic (``dynamic_dims``; the data-parallel ranks even get different lengths) and found
+    by automatic dynamic (the same length on every rank). Each against eager Adam on the same
+    rows, the mean of the data-parallel ranks' losses as data parallelism takes it: losses,
+    gradient norms and this rank's parameters. Returns the compile counts."""
+    from gm_trace.testing import make_lm_batch
+
+    seq_dims = {"input": {1: "seq"}, "label": {1: "seq"}}
+    dp, rows, seqs = world // 2, 4, (8, 6, 8, 5, 7)
+    counts = {}
+    for declared in (True, False):
+        model = tinygpt()
+        reference = copy.deepcopy(model)
+        optimizer = torch.optim.Adam(reference.parameters(), lr=LR)
+        trainer = GraphTrainer(
+            model,
+            lm_loss,
+            PassConfig(pp_degree=2, pp_microbatches=2),
+            PassPlan(pp_stages=STAGES["tinygpt"]),
+            optimizer_config={"lr": LR},
+            dynamic_dims=seq_dims if declared else None,
+        )
+        j = rank % dp
+        for step, seq in enumerate(seqs):
+            parts = [
+                make_lm_batch(rows, seq - k * declared, VOCAB, seed=10 * step + k)
+                for k in range(dp)
+            ]
+            expected = sum(lm_loss(reference, x, y) for x, y in parts) / dp
+            expected.backward()
+            grads = [p.grad.double().norm() for p in reference.parameters()]
+            expected_norm = torch.linalg.vector_norm(torch.stack(grads)).item()
+            optimizer.step()
+            optimizer.zero_grad()
+            loss = trainer.train_step(*parts[j]).reshape(1).clone()
+            norm = trainer.optimizer_step()
+            torch.distributed.all_reduce(loss)
+            torch.testing.assert_close(
+                loss / world, expected.detach().reshape(1), rtol=1e-5, atol=1e-5
+            )
+            assert abs(norm - expected_norm) <= 1e-5 * expected_norm, (step, norm)
+        owned = trainer.pipeline.reduction.grad_fqns
+        for fqn in owned:
+            actual = full_parameter(trainer.model, fqn, trainer.sharding, trainer.fsdp_group)
+            expected_param = reference.get_parameter(fqn).detach()
+            tolerance = parity_tolerance(len(seqs))
+            torch.testing.assert_close(actual, expected_param, **tolerance, msg=fqn)
+        counts["declared" if declared else "automatic"] = trainer.compile_count
+    return counts
 
 
 def held_activations(rank: int, world: int, microbatches: int) -> dict:
@@ -179,7 +295,6 @@ def bad_configs(rank: int, world: int) -> dict:
         ),
         "pp does not divide": message(PassConfig(pp_degree=3)),
         "microbatches": message(PassConfig(pp_degree=2, pp_microbatches=3)),
-        "in-graph optimizer": message(pp2, optimizer_config={"in_graph": True}),
         "mesh without pp": message(pp2, mesh_context=_tp_mesh()),
     }
 

@@ -5,6 +5,8 @@ optimizer step instead of k, the same training as reducing each micro-batch."""
 
 from __future__ import annotations
 
+import copy
+
 import optim_graph_bodies as bodies
 import pytest
 import torch
@@ -173,3 +175,109 @@ def test_each_micro_batch_computes_its_signature_once(world, dist_pool):
     for result in run(bodies.signatures_per_micro_batch):
         # The ranks' agreement looks the graph up and hands it on to the step and the call.
         assert result == {"train_step": 1, "train": 1, "compiles": 3}
+
+
+# ---------------------------------------------------------------- what torch.optim reads per step
+
+
+def _pair(**optim) -> list[GraphTrainer]:
+    """An eager and an in-graph trainer of the same MLP."""
+    torch.manual_seed(0)
+    model = MLP()
+    return [
+        GraphTrainer(
+            copy.deepcopy(model),
+            mse_loss,
+            PassConfig(),
+            optimizer_config={"lr": 1e-2, **optim, "in_graph": in_graph},
+        )
+        for in_graph in (False, True)
+    ]
+
+
+def _largest_difference(eager: GraphTrainer, graph: GraphTrainer) -> float:
+    """The largest difference of any weight or optimizer state (0.0: bitwise equal)."""
+    pairs = list(zip(eager.model.parameters(), graph.model.parameters()))
+    pairs += [
+        (eager.optimizer.state[a][key], graph.optimizer.state[b][key])
+        for a, b in zip(eager.model.parameters(), graph.model.parameters())
+        for key in eager.optimizer.state[a]
+    ]
+    assert pairs and all(a.shape == b.shape for a, b in pairs)
+    return max((a.double() - b.double()).abs().max().item() for a, b in pairs)
+
+
+def test_in_graph_adam_bias_correction_uses_each_parameters_step_count():
+    # fc1.weight is frozen for the first two steps: torch.optim skips it, so its step count
+    # lags the others' by two once it trains again.
+    trainers = _pair(name="adam")
+    for step, batch in enumerate(_batches(range(6))):
+        for t in trainers:
+            t.model.fc1.weight.requires_grad_(step >= 2)
+            t.train([batch])
+    eager, graph = trainers
+    assert graph.optimizer_in_graph
+    steps = [float(graph.optimizer.state[p]["step"]) for p in graph.model.parameters()]
+    assert steps == [4.0] + [6.0] * 5
+    assert _largest_difference(eager, graph) == 0.0
+
+
+def _split_groups(trainer: GraphTrainer, **options) -> None:
+    """Move every bias into a parameter group of its own with ``options``."""
+    group = trainer.optimizer.param_groups[0]
+    biases = [p for p in group["params"] if p.dim() == 1]
+    group["params"] = [p for p in group["params"] if p.dim() != 1]
+    trainer.optimizer.add_param_group({"params": biases, **options})
+
+
+def test_in_graph_update_follows_parameter_groups_split_after_compile():
+    # The usual split: no weight decay (and another lr) for biases. AdamW's decoupled decay
+    # and every group's lr are graph inputs, so the compiled graph follows the split.
+    trainers = _pair(name="adamw", weight_decay=0.1)
+    batches = _batches(range(4))
+    for t in trainers:
+        t.train(batches[:1])
+        _split_groups(t, weight_decay=0.0, lr=3e-2)
+        t.train(batches[1:])
+    eager, graph = trainers
+    assert graph.optimizer_in_graph and graph.compile_count == 1
+    assert _largest_difference(eager, graph) == 0.0
+
+
+def test_a_new_graph_traces_each_parameters_own_group_and_an_old_one_refuses_it():
+    trainers = _pair(name="adam", weight_decay=0.01)
+    wide = [make_regression_batch(12, seed=s) for s in range(3)]
+    for t in trainers:
+        t.train(_batches(range(1)))  # compiles the graph of 8-row batches
+        _split_groups(t, betas=(0.8, 0.99), weight_decay=0.0)
+        t.train(wide)  # a new graph, traced with the split groups
+    eager, graph = trainers
+    assert graph.optimizer_in_graph and graph.compile_count == 2
+    assert _largest_difference(eager, graph) == 0.0
+    # The graph of 8-row batches baked group 0's betas in for the biases too.
+    before = [p.detach().clone() for p in graph.model.parameters()]
+    with pytest.raises(TrainingError, match=r"param_groups\[1\].*betas") as info:
+        graph.train(_batches(range(1)))
+    assert "'fc1.bias'" in str(info.value) and "in_graph=False" in str(info.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, graph.model.parameters()))
+
+
+def test_in_graph_update_traces_the_hyper_parameters_the_optimizer_was_built_with():
+    # kwargs override the fields when the optimizer is built; the graph must trace the same.
+    kwargs = {"betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.05}
+    trainers = _pair(name="adam", kwargs=kwargs)
+    for t in trainers:
+        t.train(_batches(range(4)))
+    eager, graph = trainers
+    assert graph.optimizer_in_graph
+    assert graph.optimizer.param_groups[0]["betas"] == (0.8, 0.99)
+    assert _largest_difference(eager, graph) == 0.0
+
+
+@pytest.mark.distributed
+def test_per_parameter_step_counts_and_split_groups_under_fsdp(dist_pool):
+    for result in dist_pool(2).run(bodies.groups_and_step_counts):
+        assert result["in_graph"]
+        assert result["steps"] == [[3.0, 5.0]] * 2  # lm_head.weight trained 3 of 5 steps
+        for a, b in result["pairs"]:
+            torch.testing.assert_close(b, a, rtol=1.3e-6, atol=1e-5)

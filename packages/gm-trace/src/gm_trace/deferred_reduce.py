@@ -19,6 +19,7 @@ Placeholders added after the label's tensors: one buffer per reduction
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -55,6 +56,56 @@ class DeferredReduction:
 
     grad_fqns: tuple[str, ...]
     """The parameters whose reduced gradients ``graph_module`` returns, in order."""
+
+    def restricted(self, buffers: Sequence[int]) -> DeferredReduction:
+        """The reduction of the accumulation buffers ``buffers`` (indices into
+        :attr:`buffers`) alone: the gradients that read only them, with only their
+        collectives. A pipeline stage reduces its own buckets this way; the other stages'
+        are never allocated or reduced on its ranks.
+
+        Raises :class:`DeferredReduceError` when a gradient reads both kept and other buffers.
+        """
+        graph = self.graph_module.graph
+        placeholders = list(graph.find_nodes(op="placeholder"))
+        kept = [placeholders[i] for i in buffers]
+        reads: dict[fx.Node, frozenset[fx.Node]] = {}
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                reads[node] = frozenset((node,))
+            elif node.op != "output":
+                reads[node] = frozenset().union(*(reads[n] for n in node.all_input_nodes))
+        outputs, fqns = [], []
+        for fqn, value in zip(self.grad_fqns, graph.output_node().args[0]):
+            if not reads[value] & set(kept):
+                continue
+            if not reads[value] <= set(kept):
+                raise DeferredReduceError(
+                    f"the reduced gradient of {fqn} reads the accumulation buffers "
+                    f"{sorted(n.name for n in reads[value])}, not only the kept "
+                    f"{[n.name for n in kept]}; its reduction cannot be split"
+                )
+            outputs.append(value)
+            fqns.append(fqn)
+        needed = set(kept)
+        stack = list(outputs)
+        while stack:
+            node = stack.pop()
+            if node not in needed:
+                needed.add(node)
+                stack.extend(node.all_input_nodes)
+        sub = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for node in kept:  # in the order asked for: the buffers' order
+            env[node] = sub.node_copy(node)
+        for node in graph.nodes:
+            if node in needed and node.op != "placeholder":
+                env[node] = sub.node_copy(node, env.__getitem__)
+        sub.output(tuple(env[n] for n in outputs))
+        return DeferredReduction(
+            fx.GraphModule(self.graph_module, sub),
+            tuple(self.buffers[i] for i in buffers),
+            tuple(fqns),
+        )
 
 
 class DeferredReducePass(GraphPass):

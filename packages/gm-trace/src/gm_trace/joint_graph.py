@@ -8,9 +8,9 @@ backend's compiled step). ``run_traced_graph`` needs nothing else to run it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch.fx as fx
 
@@ -19,9 +19,6 @@ from gm_trace.graph_annotate import OutputSpec
 from gm_trace.guards import ShapeGuards
 from gm_trace.sharding_layout import ShardingLayout
 from gm_trace.signature import InputSignature
-
-if TYPE_CHECKING:
-    from gm_passes import PassPipeline
 
 #: ``PassContext.artifacts`` names of what the gm-trace passes decide.
 SHARDING_LAYOUT = "sharding_layout"
@@ -32,12 +29,24 @@ PIPELINE_STAGES = "pipeline_stages"
 LAST_MICRO_BATCH = "last_micro_batch"
 
 
+class PassRunner(Protocol):
+    """What :meth:`JointGraph.through` needs of a pass pipeline (``gm_passes.PassPipeline`` is
+    one): the value names this interface, not the pipeline that implements it."""
+
+    run: Callable[..., fx.GraphModule]
+    """``run(graph_module, graph_info=..., **options)``: the graph module after the passes."""
+
+    context: Any
+    """After :attr:`run`: ``context.artifacts`` holds what the passes decided."""
+
+
 @dataclass(frozen=True)
 class JointGraph:
     """One joint forward + backward graph and what its placeholders and outputs are.
 
     See :mod:`gm_trace.tracer` for the calling convention: placeholders are the unique state
-    tensors (``state_fqns``), then the tensor leaves of input and label; outputs are
+    tensors (``state_fqns``), then the tensor leaves of input and label, then the captured
+    tensors (``captured``); outputs are
     ``(loss, *grads, *mutated_state)``.
     """
 
@@ -106,6 +115,11 @@ class JointGraph:
     (``grad_fqns`` is empty), output 1 is the global gradient norm, and the graph takes the
     update's inputs after the label's tensors."""
 
+    captured: Any = None
+    """The tensors the train_fn reads from outside its arguments, lifted to placeholders after
+    the label's tensors (a :class:`~gm_trace.captured.CapturedInputs`: where each is looked up
+    again on every run); ``None`` when it reads none."""
+
     stages: Any = None
     """The pipeline stages the ``pp_stages`` pass assigned (a
     :class:`~gm_trace.stage_split.StageAssignment`; every node carries its stage in
@@ -153,7 +167,7 @@ class JointGraph:
         """A copy with ``changes``."""
         return dataclasses.replace(self, **changes)
 
-    def through(self, pipeline: PassPipeline, **run_options: Any) -> JointGraph:
+    def through(self, pipeline: PassRunner, **run_options: Any) -> JointGraph:
         """This graph after ``pipeline``'s passes, with what they decided: the sharding
         layout, the compiled step. ``run_options`` go to :meth:`PassPipeline.run` (``model``,
         process groups, ``dump_dir``)."""

@@ -16,10 +16,13 @@ says. The loss's finiteness rides in the norm's all-reduce: a non-finite loss an
 the returned norm ``inf``.
 
 Outputs become ``(loss, grad_norm, *mutated_state)``. New placeholders follow the label's
-tensors: first the per-step scalars of each parameter group (:attr:`GroupRule.scalars`, 0-d
-float64 tensors the caller computes from the live learning rate and step count), then each
-parameter's state tensors (:attr:`ParamUpdate.states`), in :attr:`OptimizerUpdate.params`
-order — :meth:`OptimizerUpdate.input_keys` lists them.
+tensors: first the per-step scalars of each parameter (:attr:`GroupRule.scalars`, 0-d float64
+tensors the caller computes from the learning rate of the parameter's live group and the
+parameter's own step count, as ``torch.optim`` does), then each parameter's state tensors
+(:attr:`GroupRule.states`), in :attr:`OptimizerUpdate.params` order —
+:meth:`OptimizerUpdate.input_keys` lists them. So the learning rate of every group, and
+AdamW's decoupled weight decay, follow ``param_groups`` between steps; the other
+hyper-parameters of each parameter's group are baked in (:class:`GroupRule`).
 
 The op sequence is that of ``torch.optim``'s single-tensor (``foreach=False``) code, with the
 Python scalars that depend on the learning rate or the step passed in as tensors, so a step
@@ -66,7 +69,8 @@ class OptimizerUpdateError(GraphModeRuntimeError):
 @dataclass(frozen=True)
 class GroupRule:
     """The update rule of one parameter group: its kind and the hyper-parameters baked into
-    the graph (the learning rate is not: it arrives every step through :attr:`scalars`)."""
+    the graph (the learning rate is not, nor AdamW's weight decay: they arrive every step,
+    per parameter, through :attr:`scalars`)."""
 
     kind: Literal["adam", "adamw", "sgd"]
     """``adam`` (L2 weight decay), ``adamw`` (decoupled) or ``sgd``."""
@@ -78,7 +82,8 @@ class GroupRule:
     """Adam's epsilon."""
 
     weight_decay: float = 0.0
-    """Weight decay, as ``torch.optim`` of this kind applies it."""
+    """Weight decay, as ``torch.optim`` of this kind applies it (baked in for ``adam`` and
+    ``sgd``; ``adamw``'s decoupled decay is the per-step scalar ``decay``)."""
 
     momentum: float = 0.0
     """SGD momentum (its buffer starts at zero, which equals ``torch.optim``'s first clone)."""
@@ -91,7 +96,7 @@ class GroupRule:
 
     @property
     def scalars(self) -> tuple[str, ...]:
-        """The per-step scalar inputs of this group, in placeholder order."""
+        """The per-step scalar inputs of each parameter of this group, in placeholder order."""
         return _SCALARS[self.kind]
 
     @property
@@ -131,11 +136,11 @@ class OptimizerUpdate:
     """The FSDP group the norm's all-reduce runs over (``None``: nothing sharded); the pass
     fills it in when the fsdp pass sharded the graph."""
 
-    def input_keys(self) -> list[tuple[str, int | str, str]]:
-        """The added placeholders in order: ``("scalar", group, name)`` for each group's
+    def input_keys(self) -> list[tuple[str, str, str]]:
+        """The added placeholders in order: ``("scalar", fqn, name)`` for each parameter's
         scalars, then ``("state", fqn, name)`` for each parameter's states."""
-        keys: list[tuple[str, Any, str]] = [
-            ("scalar", g, name) for g, rule in enumerate(self.groups) for name in rule.scalars
+        keys = [
+            ("scalar", p.fqn, name) for p in self.params for name in self.groups[p.group].scalars
         ]
         keys += [
             ("state", p.fqn, name) for p in self.params for name in self.groups[p.group].states
@@ -197,11 +202,11 @@ class _Emitter:
         node.meta[node_meta.PHASE] = "backward"
         return node
 
-    def placeholders(self) -> dict[tuple[Any, str], fx.Node]:
-        """The new inputs, after the last existing placeholder."""
+    def placeholders(self) -> dict[tuple[str, str, str], fx.Node]:
+        """The new inputs, after the last existing placeholder, by their input key."""
         last = list(self.graph.find_nodes(op="placeholder"))[-1]
         params = {n.meta.get(node_meta.FQN): n for n in self.graph.find_nodes(op="placeholder")}
-        made: dict[tuple[Any, str], fx.Node] = {}
+        made: dict[tuple[str, str, str], fx.Node] = {}
         for kind, owner, name in self.spec.input_keys():
             with self.graph.inserting_after(last):
                 node = self.graph.placeholder(f"opt_{len(made)}_{name}")
@@ -212,7 +217,7 @@ class _Emitter:
                 with unset_fake_temporarily(), self.mode:
                     node.meta["val"] = torch.empty_like(params[owner].meta["val"])
             node.meta[node_meta.ROLE] = OPTIMIZER_INPUT
-            made[(owner, name)] = node
+            made[(kind, owner, name)] = node
             last = node
         return made
 
@@ -250,8 +255,8 @@ class _Emitter:
         order = {node: i for i, node in enumerate(self.graph.nodes)}
         for p in sorted(spec.params, key=lambda p: order[grads[p.fqn]]):
             rule = spec.groups[p.group]
-            scalars = {name: inputs[(p.group, name)] for name in rule.scalars}
-            states = [inputs[(p.fqn, name)] for name in rule.states]
+            scalars = {name: inputs[("scalar", p.fqn, name)] for name in rule.scalars}
+            states = [inputs[("state", p.fqn, name)] for name in rule.states]
             apply = _sgd if rule.kind == "sgd" else _adam
             nodes = _UpdateNodes(self.op, rule, params[p.fqn], grads[p.fqn], states, scalars)
             for target, value in apply(nodes):
@@ -315,7 +320,7 @@ class _UpdateNodes(NamedTuple):
     states: list[fx.Node]
     """Its optimizer states, updated in place (``exp_avg``, ``exp_avg_sq``; ``momentum_buffer``)."""
     scalars: dict[str, fx.Node]
-    """The group's per-step scalars (learning rate, bias corrections)."""
+    """The parameter's per-step scalars (learning rate, its bias corrections, AdamW's decay)."""
 
 
 def _adam(update: _UpdateNodes) -> list[tuple[fx.Node, fx.Node]]:
@@ -327,11 +332,12 @@ def _adam(update: _UpdateNodes) -> list[tuple[fx.Node, fx.Node]]:
     if rule.maximize:
         grad = op(aten.neg.default, grad)
     new_param = param
-    if rule.weight_decay != 0:
-        if rule.kind == "adamw":
-            new_param = op(aten.mul.Tensor, param, scalars["decay"])
-        else:
-            grad = op(aten.add.Tensor, grad, param, alpha=rule.weight_decay)
+    if rule.kind == "adamw":
+        # Always, so that the decay follows param_groups: torch.optim skips the multiplication
+        # when weight_decay == 0, and then decay is 1.0, which changes no bit.
+        new_param = op(aten.mul.Tensor, param, scalars["decay"])
+    elif rule.weight_decay != 0:
+        grad = op(aten.add.Tensor, grad, param, alpha=rule.weight_decay)
     new_avg = op(aten.lerp.Scalar, exp_avg, grad, 1 - beta1)
     new_sq = op(
         aten.addcmul.default, op(aten.mul.Tensor, exp_avg_sq, beta2), grad, grad, value=1 - beta2

@@ -50,9 +50,11 @@ def run_traced_graph(
     not written to ``.grad``. When the ``backend`` pass compiled the graph, its
     ``joint.compiled_step`` computes the outputs instead of the graph module itself. A sharded
     graph (``joint.sharding``) expects ``model`` to hold the shards (``ShardingLayout.apply``).
-    ``extra_args`` follow the input tensors: the optimizer update's inputs when the
-    ``optimizer`` pass ran (``OptimizerUpdate.input_keys``); the graph then updates the
-    parameters itself and returns the global gradient norm instead of gradients.
+    The tensors the train_fn reads from outside its arguments (``joint.captured``) are looked
+    up again now and follow the input tensors. ``extra_args`` follow them: the optimizer
+    update's inputs when the ``optimizer`` pass ran (``OptimizerUpdate.input_keys``); the
+    graph then updates the parameters itself and returns the global gradient norm instead of
+    gradients.
     ``leaves``: the flattened ``(input, label)`` when the caller has already matched them
     against ``joint``'s signature and guards (``GraphTrainer``'s graph cache does): they are
     not flattened and checked again.
@@ -61,6 +63,8 @@ def run_traced_graph(
         GraphSignatureError: ``input`` / ``label`` differ from the traced sample in structure,
             shape, dtype, device or a constant value (a symbolic graph: in a static dim, or
             its sizes fail ``joint.shape_guards``), or ``model`` lacks a traced state FQN.
+        CapturedTensorError: (a ``GraphSignatureError``) a captured tensor is gone or no
+            longer has its traced shape, stride, dtype or device.
     """
     guards = joint.shape_guards
     if leaves is None:
@@ -69,7 +73,8 @@ def run_traced_graph(
         leaves = guards.contiguous_leaves(leaves)
 
     live = _live_state(model, joint.state_fqns)
-    args = [*live, *(leaf for leaf in leaves if isinstance(leaf, Tensor)), *extra_args]
+    captured = joint.captured.values() if joint.captured is not None else ()
+    args = [*live, *(leaf for leaf in leaves if isinstance(leaf, Tensor)), *captured, *extra_args]
     gm, compiled = joint.graph_module, joint.compiled_step
     with torch.no_grad():
         outputs = gm(*args) if compiled is None else compiled.run(gm, args)

@@ -6,7 +6,9 @@ passes inserted: an all-gather goes with its parameter, a reduce-scatter with it
 Within a stage, a node is in the FORWARD half when the tracer recorded it in forward or a
 forward node needs it (the all-gathers forward reads), otherwise in the BACKWARD half (the
 re-gathers for backward, the reduce-scatters). Nodes without a stage (ops on the batch alone)
-are copied into every half that reads them.
+are copied into every half that reads them. An element of a tuple- or list-valued op
+(BatchNorm's saved statistics, the pieces of a ``chunk``) is taken in the half that computes
+the op, so what a half reads from elsewhere is always a tensor (checked when cutting).
 
 Values are named by their node in the full graph (``Key``). A half takes the values it reads
 but does not compute and returns the values anything else reads, so one dict per micro-batch
@@ -24,11 +26,14 @@ import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import sympy
 import torch
 import torch.fx as fx
 
 from gm_passes.graph_ops import mutates_an_input
 from gm_trace import node_meta
+from gm_trace.captured import CAPTURED_INPUT
+from gm_trace.dynamic_shapes import concrete_int
 from gm_trace.graph_build import tensor_bytes
 from gm_trace.joint_graph import JointGraph
 from gm_trace.memory import is_view
@@ -44,11 +49,15 @@ Key = str
 
 @dataclass(frozen=True)
 class Slot:
-    """A placeholder of the full graph, filled by the runtime: a state tensor by FQN or the
-    ``index``-th tensor leaf of ``(input, label)``."""
+    """A placeholder of the full graph, filled by the runtime: a state tensor by FQN, the
+    ``index``-th of the tensor leaves of ``(input, label)`` followed by the captured tensors'
+    values (``JointGraph.captured``, looked up again every step), or the ``extra``-th input
+    after them (a pass's: an accumulation buffer or the micro-batch weight of
+    ``deferred_reduce``)."""
 
     fqn: str | None
     index: int | None
+    extra: int | None = None
 
 
 @dataclass(frozen=True)
@@ -71,15 +80,26 @@ class Transfer:
     """When it travels: right after the producer's ``"forward"`` or ``"backward"``."""
     tag: int
     """Its index among all transfers: with the micro-batch, the point-to-point tag."""
-    shape: tuple[int, ...]
+    shape: tuple[int | torch.SymInt, ...]
+    """As traced: a size of a symbolic graph (``dynamic_dims``) may be a ``SymInt``."""
     dtype: torch.dtype
-    stride: tuple[int, ...]
+    stride: tuple[int | torch.SymInt, ...]
     """The layout the producer traced (it is sent contiguous, and laid out so again)."""
+
+    def layout(
+        self, at: Mapping[sympy.Symbol, int] | None = None
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shape and stride for a micro-batch whose symbolic dims have the sizes ``at``
+        (symbol -> size; ``None``: as traced)."""
+        return (
+            tuple(concrete_int(d, at) for d in self.shape),
+            tuple(concrete_int(d, at) for d in self.stride),
+        )
 
     @property
     def nbytes(self) -> int:
-        """Bytes per micro-batch."""
-        return math.prod(self.shape) * self.dtype.itemsize
+        """Bytes per micro-batch (of a symbolic graph: at the traced sizes)."""
+        return math.prod(self.layout()[0]) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -95,7 +115,7 @@ class StageProgram:
     receives: tuple[Transfer, ...]
     keep: tuple[Key, ...]
     """Values held from a micro-batch's forward to its backward (saved activations,
-    received inputs backward reads, values sent after backward)."""
+    received inputs backward reads, values sent after backward); tensors, every one."""
     held_bytes: int
     """Static estimate of the bytes ``keep`` holds per micro-batch, from the traced shapes."""
     grads: Mapping[Key, tuple[str, ...]]
@@ -169,24 +189,24 @@ def cut_pipeline(joint: JointGraph, n_stages: int) -> PipelineCut:
         received = {t.key for t in receives}
         keep = {k for k in halves[BACKWARD].inputs if k not in slots}
         keep |= {t.key for t in sends if t.phase == BACKWARD}
-        programs.append(
-            StageProgram(
-                stage=s,
-                forward=halves[FORWARD],
-                backward=halves[BACKWARD],
-                slots={
-                    k: slots[k]
-                    for k in {*halves[FORWARD].inputs, *halves[BACKWARD].inputs}
-                    if k in slots and k not in received
-                },
-                sends=sends,
-                receives=receives,
-                keep=tuple(sorted(keep)),
-                held_bytes=_held_bytes([by_name[k] for k in keep]),
-                grads={v.name: fqns for v, fqns in grad_of.items() if stage.get(v) == s},
-                loss=loss_node.name if stage.get(loss_node) == s else None,
-            )
+        program = StageProgram(
+            stage=s,
+            forward=halves[FORWARD],
+            backward=halves[BACKWARD],
+            slots={
+                k: slots[k]
+                for k in {*halves[FORWARD].inputs, *halves[BACKWARD].inputs}
+                if k in slots and k not in received
+            },
+            sends=sends,
+            receives=receives,
+            keep=tuple(sorted(keep)),
+            held_bytes=_held_bytes([by_name[k] for k in keep]),
+            grads={v.name: fqns for v, fqns in grad_of.items() if stage.get(v) == s},
+            loss=loss_node.name if stage.get(loss_node) == s else None,
         )
+        _check_tensor_inputs(program, by_name)
+        programs.append(program)
     loss_stage = stage.get(loss_node)
     if loss_stage is None:
         raise PipelineSplitError("the loss does not depend on any stage's parameters")
@@ -243,20 +263,56 @@ def _halves(nodes: list[fx.Node], stage: dict[fx.Node, int]) -> dict[fx.Node, st
     for node in reversed(nodes):  # the rest: forward when forward reads it
         if node in stage and node not in half:
             half[node] = FORWARD if any(half.get(u) == FORWARD for u in node.users) else BACKWARD
+    for node in nodes:
+        # An element of a tuple or list (BatchNorm's saved statistics, a chunk) is taken where
+        # the tuple is computed, so the halves keep and exchange tensors, never the tuple.
+        source = _multi_output_source(node)
+        if node in half and source in half:
+            half[node] = half[source]
     return half
+
+
+def _multi_output_source(node: fx.Node) -> fx.Node | None:
+    """The tuple- or list-valued node ``node`` takes an element of (``None``: not such a
+    ``getitem``)."""
+    if node.target is not operator.getitem or not node.all_input_nodes:
+        return None
+    source = node.args[0]
+    if isinstance(source, fx.Node) and isinstance(source.meta.get("val"), (tuple, list)):
+        return source
+    return None
+
+
+def _check_tensor_inputs(program: StageProgram, by_name: Mapping[Key, fx.Node]) -> None:
+    """Every value a half reads from elsewhere (the other half, another stage) must be a
+    tensor: the runtime holds, sends and measures tensors."""
+    for phase in (FORWARD, BACKWARD):
+        for key in getattr(program, phase).inputs:
+            val = by_name[key].meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                raise PipelineSplitError(
+                    f"stage {program.stage}'s {phase} reads {key!r} ({by_name[key].target}), "
+                    f"a {type(val).__name__}, from outside its half; a stage keeps and receives "
+                    "tensors only (take its elements with getitem in the half that computes "
+                    "it, or cut the stages elsewhere)"
+                )
 
 
 def _slots(nodes: list[fx.Node]) -> dict[Key, Slot]:
     slots: dict[Key, Slot] = {}
-    index = 0
+    index = extra = 0
     for node in nodes:
         if node.op != "placeholder":
             continue
-        if node.meta.get(node_meta.ROLE) == "input":
+        role = node.meta.get(node_meta.ROLE)
+        if role in ("input", CAPTURED_INPUT):  # in that order
             slots[node.name] = Slot(None, index)
             index += 1
-        else:
+        elif role in ("param", "buffer"):
             slots[node.name] = Slot(node.meta[node_meta.FQN], None)
+        else:  # a pass's input after the batch, which the pass's owner fills
+            slots[node.name] = Slot(None, None, extra)
+            extra += 1
     return slots
 
 

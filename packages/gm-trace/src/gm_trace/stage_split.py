@@ -221,17 +221,26 @@ def derive_stages(graph: fx.Graph) -> None:
             pending.append(node)
         elif staged:
             node.meta[node_meta.STAGE] = max(n.meta[node_meta.STAGE] for n in staged)
-    for node in reversed(pending):
-        readers = [
-            u.meta[node_meta.STAGE] for u in node.users if u.meta.get(node_meta.STAGE) is not None
-        ]
-        inputs = [
-            n.meta[node_meta.STAGE]
-            for n in node.all_input_nodes
-            if n.meta.get(node_meta.STAGE) is not None
-        ]
-        if readers or inputs:
-            node.meta[node_meta.STAGE] = min(readers) if readers else max(inputs)
+    # Again until nothing changes: a node that reads an undecided one and that nothing reads
+    # (the deferred_reduce pass's in-place add into a buffer) is decided after its input.
+    while pending:
+        for node in reversed(pending):
+            readers = [
+                u.meta[node_meta.STAGE]
+                for u in node.users
+                if u.meta.get(node_meta.STAGE) is not None
+            ]
+            inputs = [
+                n.meta[node_meta.STAGE]
+                for n in node.all_input_nodes
+                if n.meta.get(node_meta.STAGE) is not None
+            ]
+            if readers or inputs:
+                node.meta[node_meta.STAGE] = min(readers) if readers else max(inputs)
+        left = [n for n in pending if n.meta.get(node_meta.STAGE) is None]
+        if len(left) == len(pending):
+            break
+        pending = left
 
 
 def check_flow(graph: fx.Graph) -> None:

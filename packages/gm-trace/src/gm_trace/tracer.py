@@ -15,11 +15,15 @@ Placeholders, in this order:
    ``joint.state_fqns[i]`` is the canonical FQN of placeholder ``i`` (the first name under which the
    tensor appears) and ``joint.state_is_param[i]`` says whether it is a parameter. Tied / shared
    tensors appear once; their other names are in ``joint.param_aliases`` / ``joint.buffer_aliases``
-   (alias FQN -> canonical FQN). There are no ``get_attr`` nodes for parameters or buffers;
-   tensors that are neither (plain tensor attributes, tensors captured by the train_fn closure)
-   are baked in as ``get_attr`` constants.
+   (alias FQN -> canonical FQN). There are no ``get_attr`` nodes for parameters or buffers.
 2. **Input tensors** - the ``Tensor`` leaves of ``input``, in ``torch.utils._pytree`` flatten order.
 3. **Label tensors** - the ``Tensor`` leaves of ``label``, in flatten order.
+4. **Captured tensors** - tensors the train_fn reads from outside its arguments (closure
+   variables, globals, attributes of captured objects, plain tensor attributes of the model's
+   modules), in ``joint.captured`` order (:mod:`gm_trace.captured`): ``run_traced_graph`` looks
+   each up again on every run, so rebinding one or changing it in place is seen as in eager.
+   Other tensor constants (``torch.tensor(...)`` written inside train_fn) stay ``get_attr``
+   constants.
 
 Non-tensor leaves (``int``, ``float``, ``bool``, ``str``, ``None``) are NOT placeholders: they are
 baked into the graph as constants and are part of ``joint.input_signature``, so calling the graph
@@ -49,9 +53,10 @@ return a JointGraph that says so.
 
 Node metadata (keys and meanings in :mod:`gm_trace.node_meta`)
 --------------------------------------------------------------
-- Placeholders: ``meta["gm_role"]`` in ``{"param", "buffer", "input"}``; state placeholders carry
-  ``meta["gm_fqn"]`` (canonical FQN) and parameters ``meta["gm_trainable"]``; input placeholders
-  carry ``meta["gm_path"]`` (``"input['mask'][1]"``, ``"label"``).
+- Placeholders: ``meta["gm_role"]`` in ``{"param", "buffer", "input", "captured"}``; state
+  placeholders carry ``meta["gm_fqn"]`` (canonical FQN) and parameters ``meta["gm_trainable"]``;
+  input placeholders carry ``meta["gm_path"]`` (``"input['mask'][1]"``, ``"label"``), captured
+  ones where the tensor was found (``"closure variable 'weights' of train_fn"``).
 - Every other node: ``meta["gm_phase"]`` is ``"forward"`` for nodes recorded before
   ``autograd.grad`` was called and ``"backward"`` for nodes recorded inside it (including the
   ``ones_like`` seed of the loss gradient). Backward nodes inherit ``stack_trace`` and
@@ -105,6 +110,7 @@ from gm_trace.capture_errors import (
     describe,
     eager_failure,
 )
+from gm_trace.captured import lift_captured
 from gm_trace.dtensor import check_no_fake_constants, dtensor_state
 from gm_trace.graph_annotate import (
     OutputSpec,
@@ -289,6 +295,7 @@ def trace_model_graph(
     grad_slots = record["grad_slots"]
     grad_fqns = [state_fqns[i] for i in grad_slots]
     annotate(gm, state_fqns, n_params, params, signature.paths, tensor_pos)
+    captured = lift_captured(gm, train_fn, model)
     mutated_fqns = append_mutated_state_outputs(gm, state_fqns)
     mark_outputs(
         gm,
@@ -311,6 +318,7 @@ def trace_model_graph(
         mutated_fqns=tuple(mutated_fqns),
         input_signature=signature,
         shape_guards=guards_of(symbolic) if symbolic is not None else None,
+        captured=captured,
     )
 
 

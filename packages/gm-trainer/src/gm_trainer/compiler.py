@@ -96,10 +96,13 @@ class GraphCompiler:
         """Which graph variant a micro-batch runs: a plain step, an accumulating micro-batch
         (under FSDP it reduces nothing, with ``in_graph`` it updates nothing), or a window's
         last, which reduces the window's sum under FSDP (overlapped with its backward) or
-        takes the update."""
+        takes the update. Every micro-batch of a pipeline accumulates: under FSDP the
+        stepper reduces the step's gradients once (``last`` does not apply)."""
+        fsdp = self._topology.fsdp_active
+        if self.run.pass_config.pp_degree > 1:
+            return ACCUMULATE if fsdp else STEP
         if not accumulate:
             return STEP
-        fsdp = self._topology.fsdp_active
         if last and (fsdp or self.update_traceable):
             return LAST
         return ACCUMULATE if fsdp or self.update.requested else STEP
@@ -128,6 +131,8 @@ class GraphCompiler:
         if variant == ACCUMULATE:  # no update in the graph; reduce once per step under FSDP
             defer = [DeferredReducePass()] if run.topology.fsdp_active else []
             passes = [*self.extra_passes, *defer]
+            if run.pass_config.pp_degree > 1:  # no graph of a pipeline takes the update
+                self._eager_update_reason()
         else:
             last = [LastMicroBatchPass()] if variant == LAST else []
             joint, passes = self._with_update(joint, [*self.extra_passes, *last])
@@ -196,21 +201,24 @@ class GraphCompiler:
     ) -> tuple[JointGraph, list[GraphPass]]:
         """``joint`` and ``passes`` with the ``optimizer`` pass when ``in_graph`` asks for it
         and the optimizer can be traced; otherwise unchanged, with a ``RuntimeWarning``."""
-        if not self.update.requested:
-            return joint, passes
-        reason = self.update.why_not(self._topology)
-        if reason is not None:
-            if self.in_graph_reason is None:
-                warnings.warn(
-                    "OptimizerConfig(in_graph=True): the update runs eagerly, outside the "
-                    f"graph: {reason}",
-                    RuntimeWarning,
-                    stacklevel=5,
-                )
-            self.in_graph_reason = reason
+        if not self.update.requested or self._eager_update_reason() is not None:
             return joint, passes
         spec = self.update.plan(joint.grad_fqns)
         return joint.replace(optimizer_update=spec), [*passes, OptimizerUpdatePass()]
+
+    def _eager_update_reason(self) -> str | None:
+        """Why ``OptimizerConfig(in_graph=True)``'s update cannot go in the graph (``None``:
+        it can, or in_graph is off); the first time, a ``RuntimeWarning`` says so."""
+        reason = self.update.why_not(self._topology) if self.update.requested else None
+        if reason is not None and self.in_graph_reason is None:
+            warnings.warn(
+                f"OptimizerConfig(in_graph=True): the update runs eagerly, outside the graph: "
+                f"{reason}",
+                RuntimeWarning,
+                stacklevel=6,
+            )
+        self.in_graph_reason = reason
+        return reason
 
     def _adopt_sharding(self, layout: ShardingLayout | None) -> None:
         """Shard the live model the first time; every later graph must expect the same."""

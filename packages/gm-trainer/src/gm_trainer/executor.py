@@ -18,12 +18,11 @@ import torch
 
 from gm_trace import run_traced_graph
 from gm_trace.joint_graph import JointGraph
-from gm_trace.signature import InputSignature
 from gm_trainer.accumulation import LastOfWindow
 from gm_trainer.compiler import GraphCompiler
 from gm_trainer.deferred import DeferredGrads
 from gm_trainer.gradients import accumulate_grads
-from gm_trainer.graph_cache import STEP, Found, GraphRegistry, agree_on_batch
+from gm_trainer.graph_cache import STEP, Found, GraphRegistry
 from gm_trainer.padding import Padding
 from gm_trainer.pipeline_runtime import PipelineRunner, split_microbatches
 from gm_trainer.stepper import OptimizerStepper
@@ -66,6 +65,8 @@ class StepExecutor:
             if self._run.pass_config.pp_degree > 1:
                 backend = self.compiler.pass_config.backend
                 self.pipeline = PipelineRunner(self._run, self.model, backend)
+                # Before anything draws from them, and before a checkpoint can restore them.
+                self.pipeline.seed_generators()
         return self._run
 
     @property
@@ -96,11 +97,13 @@ class StepExecutor:
         topology = self.topology
         batch = self.pad(*batch) if batch is not None else None
         where = (topology.rank, topology.world_size, topology.collective_device)
-        if self.pipeline is not None:  # a pipeline traces a micro-batch: agree on the batch
-            signature = InputSignature.of(*batch) if batch is not None else None
-            ended, _ = agree_on_batch(signature, self.model, *where)
-            return ended, None
         cache = self.registry.cache(self.compiler.variant_for(accumulate, last))
+        if self.pipeline is not None:  # a pipeline runs a micro-batch's graph: agree on that
+            if batch is not None:
+                batch = split_microbatches(*batch, self.pipeline.config.pp_microbatches)[0]
+            who = f"rank {topology.rank} ({self.pipeline.describe_rank()})"
+            ended, _ = cache.agree(batch, self.model, *where, who=who)
+            return ended, None  # the pipeline looks the graph up per batch itself
         return cache.agree(batch, self.model, *where)
 
     def run(
@@ -146,15 +149,20 @@ class StepExecutor:
 
     def _run_pipeline(self, input: Any, label: Any, weight: float) -> torch.Tensor:
         """The batch split into micro-batches, whose graph — looked up by signature and
-        module state like any other — is cut into this rank's stage programs and run."""
+        module state like any other — is cut into this rank's stage programs and run. Under
+        FSDP that graph accumulates (the reduction of this rank's stages runs once, in the
+        stepper's step)."""
         pipeline = self.pipeline
         micro = split_microbatches(input, label, pipeline.config.pp_microbatches)
-        joint = self.registry.cache(STEP).lookup(*micro[0], self.model)
+        variant = self.compiler.variant_for(accumulate=True)
+        joint = self.registry.cache(variant).lookup(*micro[0], self.model)
         if joint is None:
-            pipeline.check_signature(InputSignature.of(*micro[0]))
-            joint = self.compile(*micro[0])
+            joint = self.compile(*micro[0], variant)
         self.compiler.closure_watch.check()
         freed = pipeline.adopt(joint)
         if freed:  # later traces must see these parameters' real shapes
             self.compiler.keep_full_shapes(freed)
-        return pipeline.step(joint, micro, weight)
+        reduction, extra = pipeline.reduction, []
+        if reduction is not None:
+            extra = self.deferred.args(reduction, weight / len(micro))
+        return pipeline.step(joint, micro, weight, extra)

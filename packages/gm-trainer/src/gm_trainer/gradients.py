@@ -12,6 +12,7 @@ from gm_trace.joint_graph import JointGraph
 from gm_trace.sharding import RowShard
 from gm_trainer.errors import TrainingError
 from gm_trainer.optim import global_grad_norm
+from gm_trainer.ranks import waiting_for
 from gm_trainer.topology import Topology
 from gm_trainer.tp import tp_shard_dims
 
@@ -81,5 +82,10 @@ def grad_norm_tensor(
         return norm
     # Each stage holds its own parameters: sum the squares over the pipeline.
     squared = norm.square()
-    dist.all_reduce(squared, group=topology.pp_group)
+    doing = (
+        f"rank {topology.rank} (pipeline stage {topology.pp_stage}) waited for the ranks of its "
+        f"pipeline {list(topology.pp_ranks)} to sum the gradient norm in optimizer_step()"
+    )
+    with waiting_for(doing):
+        dist.all_reduce(squared, group=topology.pp_group)
     return squared.sqrt()

@@ -165,6 +165,11 @@ class GraphCache:
             key = signature.generalized(guards.leaf_dims) if guards else signature
             if key != entry.joint.input_signature:
                 continue
+            captured = entry.joint.captured  # tensors train_fn reads from its closure, ...
+            changed = captured.mismatch() if captured is not None else None
+            if changed is not None:
+                misses.append(f"graph {i}: {changed}")
+                continue
             reason = guards.violation(leaves) if guards else None
             if reason is None:
                 return entry.joint, []
@@ -271,16 +276,24 @@ class GraphCache:
         rank: int,
         world: int,
         device: torch.device,
+        who: str | None = None,
     ) -> tuple[list[int], Found | None]:
         """The ranks' agreement on a micro-batch (``None``: this rank's data has ended):
         returns the ranks whose data has ended and the graph found for the batch, handed on
         to the step (``None`` when it needs one). The graph keys must agree (their symbolic
-        dims may differ); when any rank needs a new graph, every rank compiles one."""
+        dims may differ); when any rank needs a new graph, every rank compiles one. ``who``:
+        this rank, as a timeout's error names it."""
         key, found = None, None
         if batch is not None:
             key, found = self.agreement_key(*batch, model)
         ended, compile_all = agree_on_batch(
-            key, model, rank, world, device, needs_graph=batch is not None and found is None
+            key,
+            model,
+            rank,
+            world,
+            device,
+            needs_graph=batch is not None and found is None,
+            who=who,
         )
         self.force_compile = compile_all and not ended
         return ended, None if self.force_compile else found
@@ -317,6 +330,7 @@ def agree_on_batch(
     device: torch.device,
     *,
     needs_graph: bool = False,
+    who: str | None = None,
 ) -> tuple[list[int], bool]:
     """``(ranks whose data has ended, whether any rank needs a new graph)``.
 
@@ -325,13 +339,14 @@ def agree_on_batch(
     ``needs_graph``: no compiled graph takes this rank's batch. When one rank compiles,
     every rank must (the compile checks collectives across ranks). Raises
     :class:`TrainingError` when the ranks' graph keys (signature, module state) differ: a rank
-    that recompiled alone would issue collectives the others never match.
+    that recompiled alone would issue collectives the others never match; and when a rank
+    never joins the agreement (``who``: this rank, as that error names it).
     """
     digest = None
     if signature is not None:
         text = str(signature.spec) + signature.describe() + str(module_state_key(model))
         digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
-    ended, agreed, compile_all = agree_on_digest(digest, rank, world, device, needs_graph)
+    ended, agreed, compile_all = agree_on_digest(digest, rank, world, device, needs_graph, who)
     if not agreed:
         raise TrainingError(
             f"rank {rank}: ranks disagree on the batch signature or module state; every rank "
@@ -408,4 +423,4 @@ class GraphRegistry:
             if cache.pipelines:
                 variants = cache.summary(cache.pipelines)
                 parts.append(f"{label} micro-batch variants:\n\n" + variants)
-        return "\n\n".join(parts)
+        return "\n\n".join(part for part in parts if part)  # a pipeline's: no plain steps

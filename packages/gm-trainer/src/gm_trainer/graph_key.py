@@ -2,8 +2,11 @@
 
 The training flag of every module (dropout, BatchNorm) and the set of trainable parameters
 are part of each graph's cache key, so ``model.eval()`` or ``requires_grad_(False)`` after
-compiling selects (or traces) the matching graph. Values captured by the ``train_fn``'s
-closure are baked in as constants; :class:`ClosureWatch` warns when one is rebound.
+compiling selects (or traces) the matching graph. Tensors the ``train_fn`` reads from its
+closure, globals or captured objects are graph inputs looked up again every step
+(:mod:`gm_trace.captured`; a new shape or dtype traces a new graph). Other captured values
+(Python numbers, flags, objects) are baked in at trace time; :class:`ClosureWatch` warns when
+a closure variable holding one is rebound.
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ def _contents(cell: Any) -> Any:
 
 class ClosureWatch:
     """Remembers what the ``train_fn``'s closure variables held when it was traced and warns
-    (once) when one of them is later rebound: the graph keeps the traced value."""
+    (once) when one that is not a tensor is later rebound: the graph keeps the traced value.
+    (A tensor rebound to a tensor is read by the graph every step: nothing to warn about.)"""
 
     def __init__(self, train_fn: Callable[..., Any]) -> None:
         self._cells = _closure_cells(train_fn)
@@ -69,15 +73,24 @@ class ClosureWatch:
         rebound = [
             name
             for (name, cell), traced in zip(self._cells, self._traced)
-            if _contents(cell) is not traced
+            if _rebound(traced, _contents(cell))
         ]
         if rebound:
             self._warned = True
             warnings.warn(
                 f"train_fn's closure variable(s) {rebound} now hold a different object than "
-                "when the graph was traced; the compiled graph still uses the traced value. "
-                "Pass changing values in the input or label, or keep tensors as buffers or "
-                "parameters of the model (see 'Limitations' in the user guide)",
+                "when the graph was traced; the compiled graph still uses the traced value "
+                "(tensors are read every step, but Python numbers, flags and other objects are "
+                "baked into the graph). Make a changing number a tensor (torch.tensor(x), "
+                "updated in place or rebound), pass it in the input or label, or keep it as a "
+                "buffer of the model (see 'Limitations' in the user guide)",
                 RuntimeWarning,
                 stacklevel=4,
             )
+
+
+def _rebound(traced: Any, now: Any) -> bool:
+    """A closure variable holds another object, and the graph would not see the change."""
+    if now is traced:
+        return False
+    return not (isinstance(traced, torch.Tensor) and isinstance(now, torch.Tensor))

@@ -40,7 +40,9 @@ class OptimizerConfig:
     """Clip gradients to this GLOBAL norm (across all shards); ``None`` disables clipping."""
 
     kwargs: dict[str, Any] | None = None
-    """Extra keyword arguments for a named optimizer (e.g. ``{"momentum": 0.9}``)."""
+    """Extra keyword arguments for a named optimizer (e.g. ``{"momentum": 0.9}``); they win
+    over the fields of the same name (``lr``, ``betas``, ``eps``, ``weight_decay``), and
+    ``in_graph`` traces what the built optimizer holds."""
 
     in_graph: bool = False
     """Trace the update (Adam, AdamW, SGD; the global-norm clip) into the step's graph: each

@@ -8,8 +8,17 @@ first, then FSDP within each stage) and is cut into per-stage forward and backwa
 (:mod:`gm_trace.stage_cut`), once per graph. This
 rank runs its stage's halves in the schedule's order (:mod:`gm_trainer.pipeline_schedule`),
 receiving what earlier stages computed for a forward and what later stages computed for a
-backward, and adds the mean of the micro-batches' gradients to its parameters' ``.grad``. The
-loss comes from the stage that computes it, averaged over micro-batches, to every rank.
+backward. Without FSDP it adds the mean of the micro-batches' gradients to its parameters'
+``.grad``; under FSDP the graph is the accumulating variant (``deferred_reduce``): each
+micro-batch's backward adds its unreduced gradients into this rank's stages' accumulation
+buffers, and :attr:`PipelineRunner.reduction` — the reduction of those buffers alone — runs
+once per optimizer step (:class:`~gm_trainer.deferred.DeferredGrads`), so every parameter is
+reduce-scattered once per step, as without a pipeline. The loss comes from the stage that
+computes it, averaged over micro-batches, to every rank.
+
+Each rank's random generators are seeded once, when the run is resolved, from the seed the
+user set, its place in the pipeline and its data-parallel index (:func:`pipeline_seed`), so
+the dropout masks of different stages and replicas are independent.
 
 Sends never block (``isend``, waited at the end of the step); the receives of the next action
 are posted before the current one computes, and waiting for them is the measured bubble.
@@ -18,29 +27,34 @@ Parameters of other stages are freed on this rank: it never reads them.
 
 from __future__ import annotations
 
+import hashlib
+import math
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from gm_config import ConfigError, PassConfig
+from gm_config import ConfigError
 from gm_trace import node_meta
 from gm_trace.backend import CompiledStep, compile_graph
+from gm_trace.deferred_reduce import DeferredReduction
 from gm_trace.joint_graph import JointGraph
-from gm_trace.signature import InputSignature, flatten_io
+from gm_trace.signature import flatten_io
 from gm_trace.stage_cut import BACKWARD, FORWARD, PipelineCut, StageProgram, Transfer, cut_pipeline
 from gm_trainer.errors import TrainingError
 from gm_trainer.gradients import add_to_grad
 from gm_trainer.pipeline_schedule import Action, in_flight, rank_actions
+from gm_trainer.ranks import waiting_for
 from gm_trainer.topology import ResolvedRun
 
 Env = dict[str, torch.Tensor]
-# (key, buffer, work, stride) per value; buffer None: from a stage of this rank, work is its
-# (tag, micro-batch)
-_Receives = list[tuple[str, torch.Tensor | None, Any, tuple[int, ...]]]
+# (transfer, buffer, work, stride) per value of an action; buffer None: from a stage of this
+# rank, work is its (tag, micro-batch); stride: the producer's layout at this batch's sizes
+_Receives = list[tuple[Transfer, torch.Tensor | None, Any, tuple[int, ...]]]
 
 
 @dataclass
@@ -73,9 +87,15 @@ class _Step:
     envs: dict[tuple[int, int], Env] = field(default_factory=dict)
     """(stage, micro-batch) -> the values held from its forward to its backward."""
     losses: list[torch.Tensor] = field(default_factory=list)
-    pending: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
+    pending: list[tuple[Any, torch.Tensor, Transfer, int]] = field(default_factory=list)
+    """(work, tensor, transfer, micro-batch) of each send not yet waited for."""
     local: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     """(transfer tag, micro-batch) -> a value between two stages of this rank."""
+    extra: dict[int, torch.Tensor] = field(default_factory=dict)
+    """The graph's inputs after the batch that this rank's stages read, by position
+    (:attr:`gm_trace.stage_cut.Slot.extra`): its accumulation buffers and the weight."""
+    sizes: dict[Any, int] | None = None
+    """A symbolic graph's dims at this batch's micro-batches (symbol -> size)."""
 
 
 @dataclass
@@ -87,13 +107,19 @@ class _Adopted:
     """This rank's stages (``pp_index + k * pp_degree``) and what each runs."""
     compiled: dict[tuple[int, str], CompiledStep]
     """(stage, phase) -> the half compiled by ``PassConfig.backend`` (none without)."""
+    reduction: DeferredReduction | None = None
+    """The deferred reduction of this rank's stages' accumulation buffers (FSDP)."""
+    extra: tuple[int, ...] = ()
+    """The positions (after the batch) of the inputs :attr:`PipelineRunner.step`'s ``extra``
+    fills, in its order: this rank's buffers, then the weight."""
 
 
 class PipelineRunner:
     """One rank's stages of a pipeline-parallel run.
 
-    Every graph the registry holds for the pipeline's micro-batch (one per module state:
-    training flags, trainable set) is cut once; each step runs the cut of its graph.
+    Every graph the registry holds for the pipeline's micro-batch (one per module state —
+    training flags, trainable set — and input signature; a symbolic one takes every size it
+    guards) is cut once; each step runs the cut of its graph, sized for its micro-batches.
     """
 
     def __init__(self, run: ResolvedRun, model: torch.nn.Module, backend: str | None) -> None:
@@ -115,6 +141,8 @@ class PipelineRunner:
         self._first: JointGraph | None = None
         self.current_joint: JointGraph | None = None
         """The graph the last step ran."""
+        self.seed: int | None = None
+        """The seed :meth:`seed_generators` gave this rank's generators."""
 
     # ------------------------------------------------------------------ set-up
 
@@ -146,20 +174,26 @@ class PipelineRunner:
         return self.current.compiled if self.current is not None else {}
 
     @property
+    def reduction(self) -> DeferredReduction | None:
+        """What the last step's micro-batches left to reduce once per optimizer step: the
+        reduction of this rank's stages' buckets alone (``None`` without FSDP)."""
+        return self.current.reduction if self.current is not None else None
+
+    @property
     def cut(self) -> PipelineCut | None:
         """The last step's graph, cut into stages."""
         return self.current.cut if self.current is not None else None
 
-    def check_signature(self, signature: InputSignature) -> None:
-        """A pipeline runs one micro-batch shape: the parameters of other stages are freed
-        on this rank, and retracing for another shape needs every stage's layout."""
-        if self._first is not None and signature != self._first.input_signature:
-            raise TrainingError(
-                "a pipeline-parallel trainer runs one micro-batch shape, traced with\n"
-                f"{self._first.input_signature.describe()}\nbut this batch's "
-                f"micro-batches are\n{signature.describe()}\nkeep the batch shape and "
-                "pp_microbatches fixed"
-            )
+    def seed_generators(self) -> int:
+        """Seed this rank's generators (``torch.manual_seed``: CPU and accelerators) with
+        :func:`pipeline_seed` of the seed last set (``torch.initial_seed()``), this rank's
+        place in its pipeline and its data-parallel index; returns the seed. Without it every
+        stage would draw the same dropout masks from the same starting state."""
+        self.seed = pipeline_seed(
+            torch.initial_seed(), self.pp_index, self.topology.data_parallel_rank
+        )
+        torch.manual_seed(self.seed)
+        return self.seed
 
     def adopt(self, joint: JointGraph) -> dict[str, tuple[int, ...]]:
         """Cut ``joint`` into stages (once per graph); the first time, free the parameters of
@@ -177,7 +211,8 @@ class PipelineRunner:
                 for stage, program in programs.items()
                 for phase in (FORWARD, BACKWARD)
             }
-        self._adopted[id(joint)] = _Adopted(cut, programs, compiled)
+        reduction, extra = _own_reduction(joint, programs)
+        self._adopted[id(joint)] = _Adopted(cut, programs, compiled, reduction, extra)
         if self._first is not None:
             return {}
         self._first = joint
@@ -209,28 +244,45 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self, joint: JointGraph, micro: list[tuple[Any, Any]], weight: float) -> torch.Tensor:
+    def step(
+        self,
+        joint: JointGraph,
+        micro: list[tuple[Any, Any]],
+        weight: float,
+        extra: list[torch.Tensor] = (),
+    ) -> torch.Tensor:
         """Run the schedule of ``joint`` (adopted) for the micro-batches of one batch; add
-        ``weight`` x the mean micro-batch gradient."""
+        ``weight`` x the mean micro-batch gradient (to ``.grad``, or under FSDP into the
+        accumulation buffers ``extra`` gives: those of :attr:`reduction`, then the 0-d weight
+        of one micro-batch, ``weight / len(micro)``)."""
         self.adopt(joint)
         model = self.model
         state = dict(model.named_parameters())
         state.update(model.named_buffers())
+        # The captured tensors (closure, globals, ...) follow each micro-batch's leaves.
+        captured = joint.captured.values() if joint.captured is not None else []
         batches = [
-            [leaf for leaf in pytree.tree_leaves(mb) if isinstance(leaf, torch.Tensor)]
+            [leaf for leaf in pytree.tree_leaves(mb) if isinstance(leaf, torch.Tensor)] + captured
             for mb in micro
         ]
         step = _Step(batches, state, weight / len(micro))
+        if len(extra) != len(self.current.extra):
+            raise TrainingError(
+                f"the pipeline's graph reads {len(self.current.extra)} inputs after the batch "
+                f"on this rank (accumulation buffers and weight), but {len(extra)} were given"
+            )
+        step.extra = dict(zip(self.current.extra, extra))
+        step.sizes = _symbol_sizes(joint, micro[0])
         actions = self.actions
         started = time.perf_counter()
         self.stats.wait_s = 0.0
         params = {t.untyped_storage().data_ptr() for t in state.values()}
         held = peak = 0
-        incoming = self._post_receives(actions[0])
+        incoming = self._post_receives(actions[0], step.sizes)
         for index, action in enumerate(actions):
             # The next action's receives are posted first, so they arrive during this one.
             following = actions[index + 1] if index + 1 < len(actions) else None
-            received, incoming = incoming, following and self._post_receives(following)
+            received, incoming = incoming, following and self._post_receives(following, step.sizes)
             kept = (action.stage, action.microbatch)
             if action.phase == FORWARD:
                 self._forward(step, action, received)
@@ -239,8 +291,9 @@ class PipelineRunner:
             else:
                 held -= _bytes(step.envs[kept], params)
                 self._backward(step, action, received)
-        for work, _ in step.pending:
-            work.wait()
+        for work, _, transfer, m in step.pending:
+            with waiting_for(partial(self._describe_send, transfer, m)):
+                work.wait()
         self.stats.messages = len(step.pending)
         loss = self._loss(step)
         self.stats.step_s = time.perf_counter() - started
@@ -251,7 +304,7 @@ class PipelineRunner:
     def _forward(self, step: _Step, action: Action, received: _Receives) -> None:
         program, m = self.programs[action.stage], action.microbatch
         env = self._slots(step, program, m)
-        self._wait(step, received, env)
+        self._wait(step, action, received, env)
         self._run(program, FORWARD, env)
         self._send(step, program.transfers("send", FORWARD), m, env)
         if program.loss is not None:
@@ -261,7 +314,7 @@ class PipelineRunner:
     def _backward(self, step: _Step, action: Action, received: _Receives) -> None:
         program, m = self.programs[action.stage], action.microbatch
         env = {**self._slots(step, program, m), **step.envs.pop((program.stage, m))}
-        self._wait(step, received, env)
+        self._wait(step, action, received, env)
         self._run(program, BACKWARD, env)
         self._send(step, program.transfers("send", BACKWARD), m, env)
         sent = {t.key for t in program.sends}
@@ -284,7 +337,12 @@ class PipelineRunner:
     def _slots(self, step: _Step, program: StageProgram, m: int) -> Env:
         env: Env = {}
         for key, slot in program.slots.items():
-            env[key] = step.state[slot.fqn] if slot.fqn is not None else step.batches[m][slot.index]
+            if slot.fqn is not None:
+                env[key] = step.state[slot.fqn]
+            elif slot.index is not None:
+                env[key] = step.batches[m][slot.index]
+            else:
+                env[key] = step.extra[slot.extra]
         return env
 
     # ------------------------------------------------------------------ communication
@@ -303,29 +361,33 @@ class PipelineRunner:
                 step.local[t.tag, m] = tensor
                 continue
             tensor = tensor.contiguous()
-            work = dist.isend(tensor, self._peer(t.dst), tag=self._tag(t, m))
-            step.pending.append((work, tensor))
+            with waiting_for(partial(self._describe_send, t, m)):
+                work = dist.isend(tensor, self._peer(t.dst), tag=self._tag(t, m))
+            step.pending.append((work, tensor, t, m))
 
-    def _post_receives(self, action: Action) -> _Receives:
+    def _post_receives(self, action: Action, sizes: dict[Any, int] | None) -> _Receives:
         """Post the receives ``action`` needs; their buffers fill in the background."""
         posted: _Receives = []
         for t in self.programs[action.stage].transfers("receive", action.phase):
+            shape, stride = t.layout(sizes)
             if t.src in self.programs:  # from a stage of this rank: taken when it runs
-                posted.append((t.key, None, (t.tag, action.microbatch), t.stride))
+                posted.append((t, None, (t.tag, action.microbatch), stride))
                 continue
-            buffer = torch.empty(t.shape, dtype=t.dtype, device=self.topology.device)
-            work = dist.irecv(buffer, self._peer(t.src), tag=self._tag(t, action.microbatch))
-            posted.append((t.key, buffer, work, t.stride))
+            buffer = torch.empty(shape, dtype=t.dtype, device=self.topology.device)
+            with waiting_for(partial(self._describe_receive, t, action)):
+                work = dist.irecv(buffer, self._peer(t.src), tag=self._tag(t, action.microbatch))
+            posted.append((t, buffer, work, stride))
         return posted
 
-    def _wait(self, step: _Step, received: _Receives, env: Env) -> None:
+    def _wait(self, step: _Step, action: Action, received: _Receives, env: Env) -> None:
         started = time.perf_counter()
-        for key, buffer, work, stride in received:
+        for t, buffer, work, stride in received:
             if buffer is None:
-                env[key] = step.local.pop(work)
+                env[t.key] = step.local.pop(work)
                 continue
-            work.wait()
-            env[key] = buffer if buffer.stride() == stride else _laid_out(buffer, stride)
+            with waiting_for(partial(self._describe_receive, t, action)):
+                work.wait()
+            env[t.key] = buffer if buffer.stride() == stride else _laid_out(buffer, stride)
         self.stats.wait_s += time.perf_counter() - started
 
     def _loss(self, step: _Step) -> torch.Tensor:
@@ -336,8 +398,42 @@ class PipelineRunner:
             output = self.current_joint.graph_module.graph.output_node()
             dtype = output.args[0][0].meta["val"].dtype
             loss = torch.empty((), dtype=dtype, device=self.topology.device)
-        dist.broadcast(loss, src=self._peer(self.cut.loss_stage), group=self.topology.pp_group)
+        source = self._peer(self.cut.loss_stage)
+        doing = (
+            f"rank {self.topology.rank} ({self.describe_rank()}) waited for the loss of this "
+            f"step from rank {source} (stage {self.cut.loss_stage}, which computes it)"
+        )
+        with waiting_for(doing):
+            dist.broadcast(loss, src=source, group=self.topology.pp_group)
         return loss
+
+    # ------------------------------------------------------------------ what waits name
+
+    def describe_rank(self) -> str:
+        """This rank's place, for errors: ``pipeline stage 0 of 2, ranks [0, 1]``."""
+        stages = ", ".join(map(str, self.own_stages))
+        total = self.config.pp_degree * self.config.pp_virtual_stages
+        plural = "s" if len(self.own_stages) > 1 else ""
+        return (
+            f"pipeline stage{plural} {stages} of {total}, in the pipeline of ranks "
+            f"{list(self.topology.pp_ranks)}"
+        )
+
+    def _describe_receive(self, t: Transfer, action: Action) -> str:
+        what = "activations" if t.phase == FORWARD else "gradients"
+        return (
+            f"rank {self.topology.rank} ({self.describe_rank()}) waited in the {action.phase} "
+            f"of micro-batch {action.microbatch} (stage {action.stage}) for rank "
+            f"{self._peer(t.src)} (stage {t.src}) to send the {what} of that micro-batch"
+        )
+
+    def _describe_send(self, t: Transfer, m: int) -> str:
+        what = "activations" if t.phase == FORWARD else "gradients"
+        return (
+            f"rank {self.topology.rank} ({self.describe_rank()}) waited for rank "
+            f"{self._peer(t.dst)} (stage {t.dst}) to take the {what} of micro-batch {m} "
+            f"that stage {t.src} sent after its {t.phase}"
+        )
 
     # ------------------------------------------------------------------ reports
 
@@ -357,32 +453,33 @@ class PipelineRunner:
             lines.append(f"  stage {index}: {count:,} parameters: {', '.join(modules)}")
         for index, nbytes in enumerate(self.cut.boundary_bytes()):
             lines.append(f"  boundary {index}|{index + 1}: {nbytes:,} bytes per micro-batch")
+        reduction = self.reduction
+        if reduction is not None:
+            nbytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype, _ in reduction.buffers)
+            lines.append(
+                f"  gradients (FSDP): accumulated per micro-batch into {len(reduction.buffers)} "
+                f"buffers of this rank's stages ({nbytes:,} bytes), reduced once per optimizer "
+                "step"
+            )
         flight = in_flight(self.actions)
         estimate = flight * max(p.held_bytes for p in self.programs.values())
         lines.append(
             f"  this rank (stage {', '.join(map(str, self.programs))}): at most {flight} "
             f"micro-batch stages in flight; activations held at peak "
             f"{self.stats.peak_held_bytes:,} bytes measured, {estimate:,} estimated; bubble "
-            f"{self.stats.bubble_fraction:.1%} of the last step"
+            f"{self.stats.bubble_fraction:.1%} of the last step; generators seeded {self.seed}"
         )
         return "\n".join(lines)
 
 
-def check_pipeline_config(config: PassConfig, in_graph: bool) -> None:
-    """Refuse, before anything runs, what a pipeline does not combine with yet."""
-    if config.pp_degree == 1:
-        return
-    refused = {
-        "OptimizerConfig(in_graph=True)": in_graph,
-        "dynamic_dims": bool(config.dynamic_dims),
-    }
-    for what, present in refused.items():
-        if present:
-            raise ConfigError(
-                f"PassConfig.pp_degree={config.pp_degree} does not combine with {what} yet: "
-                "the stage graphs run as captured, with FSDP within each stage; drop one of "
-                "the two"
-            )
+def pipeline_seed(seed: int, stage: int, dp_rank: int) -> int:
+    """The seed of the ranks at pipeline place ``stage`` of data-parallel index ``dp_rank``
+    for the user's ``seed``: the same in every run with that seed, distinct across stages and
+    replicas (so are their dropout masks), shared by the tensor-parallel ranks of one stage,
+    which must draw the same masks, and unrelated to ``seed`` itself, so that no stage draws
+    its masks from the numbers that initialised the weights."""
+    digest = hashlib.sha256(f"gm-pipeline/{seed}/{stage}/{dp_rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1  # 63 bits: every generator takes them
 
 
 def split_microbatches(input: Any, label: Any, n: int) -> list[tuple[Any, Any]]:
@@ -404,15 +501,56 @@ def split_microbatches(input: Any, label: Any, n: int) -> list[tuple[Any, Any]]:
     return [pytree.tree_unflatten([c[m] for c in columns], spec) for m in range(n)]
 
 
+def _own_reduction(
+    joint: JointGraph, programs: dict[int, StageProgram]
+) -> tuple[DeferredReduction | None, tuple[int, ...]]:
+    """The deferred reduction of the accumulation buffers ``programs`` read, and the
+    positions of the inputs they read after the batch (those buffers, then the weight)."""
+    deferred = joint.deferred
+    read = {s.extra for p in programs.values() for s in p.slots.values() if s.extra is not None}
+    if deferred is None:
+        if read:
+            raise TrainingError(
+                f"the pipeline's graph reads inputs after the batch {sorted(read)} that no "
+                "pass describes; a pipeline runs the plain or the accumulating graph only"
+            )
+        return None, ()
+    n_buffers = len(deferred.buffers)
+    own = sorted(i for i in read if i < n_buffers)
+    return deferred.restricted(own), (*own, n_buffers)
+
+
+def _symbol_sizes(joint: JointGraph, micro: tuple[Any, Any]) -> dict[Any, int] | None:
+    """A symbolic graph's dims at ``micro`` (symbol -> size); ``None`` for a static one."""
+    guards = joint.shape_guards
+    if guards is None:
+        return None
+    sizes = guards.sizes(flatten_io(*micro)[1])
+    if isinstance(sizes, str):  # the lookup checked the guards: a bug if reached
+        raise TrainingError(f"a micro-batch does not fit the pipeline's graph: {sizes}")
+    return {dim.symbol: size for dim, size in zip(guards.dims, sizes)}
+
+
 def _laid_out(tensor: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
     """``tensor`` (received contiguous) in the layout its producer traced, which a compiled
-    half was specialised to."""
-    return torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype).copy_(tensor)
+    half was specialised to. A dim of stride 0 was an ``expand`` (the gradient of a ``sum``):
+    its values are equal, and one of them is written."""
+    laid_out = torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype, device=tensor.device)
+    target, source = laid_out, tensor
+    for dim in reversed(range(tensor.dim())):
+        if stride[dim] == 0 and tensor.shape[dim] > 1:
+            target, source = target.select(dim, 0), source.select(dim, 0)
+    target.copy_(source)
+    return laid_out
 
 
 def _bytes(env: Env, exclude: set[int]) -> int:
     """Bytes of the distinct storages ``env`` holds, other than those in ``exclude``."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in env.values()}
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in env.values()
+        if isinstance(t, torch.Tensor)  # a symbolic graph also keeps sizes
+    }
     return sum(n for ptr, n in storages.items() if ptr not in exclude)
 
 
@@ -420,6 +558,6 @@ __all__ = [
     "Action",
     "PipelineRunner",
     "PipelineStats",
-    "check_pipeline_config",
+    "pipeline_seed",
     "split_microbatches",
 ]

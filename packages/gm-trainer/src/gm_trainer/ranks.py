@@ -2,18 +2,65 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import re
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
+from gm_config import GraphModeError
+from gm_trainer.errors import TrainingError
 from gm_trainer.topology import Topology
 
 _NO_BATCH = -(2**62)
 
+TIMEOUT_SETTING = (
+    "the process group's timeout (gm-train: dist.timeout_s; a script of your own: the "
+    "timeout= of torch.distributed.init_process_group)"
+)
+
+
+@contextlib.contextmanager
+def waiting_for(doing: str | Callable[[], str]) -> Iterator[None]:
+    """Run a wait on other ranks (a collective, posting or waiting for a point-to-point
+    message). When the process group gives up on it (a timeout, a lost connection: c10d
+    raises a ``RuntimeError``) raise a :class:`TrainingError` that says ``doing`` -- who
+    waited for whom and for what, built only then when a callable -- why, and what to do."""
+    try:
+        yield
+    except GraphModeError:
+        raise
+    except RuntimeError as exc:
+        raise peer_wait_error(doing() if callable(doing) else doing, exc) from exc
+
+
+def peer_wait_error(doing: str, exc: BaseException) -> TrainingError:
+    """The error for a wait on other ranks that failed with ``exc`` (see :func:`waiting_for`)."""
+    text = str(exc).strip()
+    # gloo prefixes its source location: "[.../unbound_buffer.cc:78] Timed out waiting ..."
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0]) if text else type(exc).__name__
+    reason = reason.split(". ")[0].rstrip(".")  # its first sentence
+    if re.search(r"time[ds]? ?out", reason, re.IGNORECASE):
+        return TrainingError(
+            f"{doing}, and gave up after {TIMEOUT_SETTING}: {reason}. That rank stalled or "
+            "stopped calling train_step() -- every rank must call train_step() (and "
+            "optimizer_step()) for every batch, the same number of times -- or it died; "
+            "raise the timeout if it is only slow (a long first compile, a slow data loader)"
+        )
+    return TrainingError(
+        f"{doing}, but the connection failed: {reason}. That rank has probably died or left "
+        "the process group (its own error says why)"
+    )
+
 
 def agree_on_digest(
-    digest: int | None, rank: int, world: int, device: torch.device, needs_graph: bool = False
+    digest: int | None,
+    rank: int,
+    world: int,
+    device: torch.device,
+    needs_graph: bool = False,
+    who: str | None = None,
 ) -> tuple[list[int], bool, bool]:
     """One all-reduce over the world per micro-batch: ``(ranks whose data has ended, whether
     the ranks with a batch agree on its key, whether any rank needs a new graph)``.
@@ -21,6 +68,8 @@ def agree_on_digest(
     ``digest`` is this rank's batch key, below 2**56 (``None``: no batch left). Every rank gets
     the same answer, so all can stop together, as torch's ``Join`` context lets them; keys must
     agree, since a rank that recompiled alone would issue collectives the others never match.
+    A rank that never joins is a :class:`TrainingError` naming ``who`` (this rank; default
+    ``rank N``) and the ranks it waited for.
     """
     probe = torch.zeros(3 + world, dtype=torch.int64, device=device)
     if digest is None:
@@ -28,7 +77,14 @@ def agree_on_digest(
         probe[3 + rank] = 1
     else:
         probe[0], probe[1], probe[2] = digest, -digest, int(needs_graph)
-    dist.all_reduce(probe, op=dist.ReduceOp.MAX)
+    others = [r for r in range(world) if r != rank]
+    peers = f"rank(s) {others}" if len(others) <= 8 else f"the other {len(others)} ranks"
+    doing = (
+        f"{who or f'rank {rank}'} waited for {peers} to agree on the next batch (one "
+        "all-reduce before every train_step() and every micro-batch of train())"
+    )
+    with waiting_for(doing):
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX)
     ended = [r for r in range(world) if probe[3 + r].item()]
     if ended or digest is None:
         return ended, True, False

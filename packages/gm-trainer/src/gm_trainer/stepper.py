@@ -101,7 +101,10 @@ class OptimizerStepper:
     # ------------------------------------------------------------------ the end of a step
 
     def grad_norm(self) -> torch.Tensor:
-        """The global 2-norm of the current gradients, as on the unsharded model (float64)."""
+        """The global 2-norm of the current gradients, as on the unsharded model (float64);
+        what micro-batches left in deferred buffers (a pipeline under FSDP, an accumulation
+        window) is reduced onto ``.grad`` first."""
+        self.deferred.reduce(self._model)
         return grad_norm_tensor(self._model, self._row_shards, self._topology)
 
     def step(self, scale: float = 1.0, loss: float | None = None) -> float:

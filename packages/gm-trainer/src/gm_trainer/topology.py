@@ -77,6 +77,17 @@ class Topology:
         return self.mesh.replicate_group if self.mesh is not None else None
 
     @property
+    def data_parallel_rank(self) -> int:
+        """This rank's index among the :attr:`data_parallel_size` ranks that read different
+        data (HSDP: replica x shard-group size + shard); the TP ranks of one shard share it."""
+        if self.fsdp_group is None:
+            return 0
+        shard = dist.get_rank(self.fsdp_group)
+        replicate = self.replicate_group
+        replica = dist.get_rank(replicate) if replicate is not None else 0
+        return replica * self.fsdp_group.size() + shard
+
+    @property
     def data_parallel_size(self) -> int:
         """Ranks that read different data: the FSDP group times its HSDP replicas (not TP)."""
         if self.fsdp_group is None:

@@ -46,7 +46,7 @@ from gm_trainer.mesh import MeshError, ResolvedMesh, resolve_mesh_context
 from gm_trainer.optim import OptimizerConfig
 from gm_trainer.optim_graph import GraphUpdatePlanner
 from gm_trainer.padding import Padding
-from gm_trainer.pipeline_runtime import PipelineRunner, check_pipeline_config
+from gm_trainer.pipeline_runtime import PipelineRunner
 from gm_trainer.step_guard import check_nonfinite_mode
 from gm_trainer.stepper import OptimizerStepper
 from gm_trainer.topology import FSDP_GROUP_NAME, ResolvedRun, Topology
@@ -129,7 +129,6 @@ class GraphTrainer:
         self.pass_config = dataclasses.replace(pass_config)
         self.pass_plan = pass_plan
         self.optimizer_config = OptimizerConfig.from_dict(optimizer_config)
-        check_pipeline_config(self.pass_config, self.optimizer_config.in_graph)
         self.nonfinite = check_nonfinite_mode(nonfinite)
         self.device = torch.device(device) if device is not None else default_device()
         self.model = model.to(self.device)
@@ -142,21 +141,22 @@ class GraphTrainer:
         # The components, each the owner of its state; built here, wired explicitly.
         self.train_state = TrainState()
         self.registry = GraphRegistry(graph_cache_size, self.pass_config)
+        deferred = DeferredGrads()  # an accumulation window's buffers (gm_trainer.deferred)
+        self.stepper = OptimizerStepper(
+            self.optimizer_config, self.nonfinite, lr_scheduler, self.train_state, deferred
+        )
         self.compiler = GraphCompiler(
             self.model,
             train_fn,
             self.pass_config,
             pass_plan,
             mesh,
-            GraphUpdatePlanner(self.optimizer_config),
+            # Traces each parameter with its own group of the optimizer the stepper holds.
+            GraphUpdatePlanner(self.optimizer_config, self.model, self.stepper),
             self.registry,
             passes,
         )
         self.graph_dump_dir = graph_dump_dir
-        deferred = DeferredGrads()  # an accumulation window's buffers (gm_trainer.deferred)
-        self.stepper = OptimizerStepper(
-            self.optimizer_config, self.nonfinite, lr_scheduler, self.train_state, deferred
-        )
         self.executor = StepExecutor(
             self.model,
             self.compiler,
