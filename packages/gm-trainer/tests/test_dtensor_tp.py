@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dtensor_bodies as bodies
 import pytest
+from extras import HF
 
 from gm_trace.testing.distributed import DistributedPool
-from extras import HF
 
 pytestmark = pytest.mark.distributed
 
