@@ -130,7 +130,7 @@ for _dist in ("gm-trace", "gm-trainer"):
 @nox.session(tags=["boundary", "no-torch"])
 def boundary(session: nox.Session) -> None:
     """Import-linter contracts, and every torch-free module imported without torch."""
-    session.install("import-linter>=2.0", "pyyaml>=6.0")
+    session.install("import-linter>=2.6", "pyyaml>=6.0")
     # Sources only: the contracts read import statements, so the torch layers need no torch.
     session.install("--no-deps", *_paths(*PACKAGES["gm-trainer"]))
     session.run("python", "-c", NO_TORCH_CHECK)

@@ -121,7 +121,7 @@ def _eager_step(model, optimizer):
 
 
 def _graph_step(trainer, accumulation: int = 1, compute_only: bool = False):
-    from gm_trainer.accumulation import MicroBatches
+    from gm_trainer.step.accumulation import MicroBatches
 
     def step(batch):
         micro = batch[0].shape[0] // accumulation
@@ -198,7 +198,7 @@ def distributed_config(rank: int, world: int, n_layers: int, steps: int, config:
 
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from gm_trace.memory import peak_allocated_bytes
+    from gm_trace.graph.memory import peak_allocated_bytes
     from gm_trainer import GraphTrainer
 
     gc.collect()
@@ -333,7 +333,7 @@ def _train_window(trainer, k: int):
 
 def _graph_bytes_per_step(trainer, k: int) -> int:
     """Bytes the collectives of one optimizer step move, counted in the graphs that ran."""
-    from gm_trace.graph_build import collective_kind, is_all_gather, tensor_bytes
+    from gm_trace.graph.graph_build import collective_kind, is_all_gather, tensor_bytes
 
     def moved(graph_module) -> int:
         # As FSDP2's figure: an all-gather moves its full output, a reduction its input.

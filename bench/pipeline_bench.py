@@ -22,7 +22,7 @@ from gm_config import PassConfig, PassPlan
 from gm_trace.testing import TinyGPT, lm_loss
 from gm_trace.testing.distributed import DistributedPool
 from gm_trainer import GraphTrainer
-from gm_trainer.pipeline_schedule import in_flight
+from gm_trainer.pipeline.schedule import in_flight
 
 DIM, HEADS, SEQ, VOCAB = 128, 4, 64, 256
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")

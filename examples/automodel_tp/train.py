@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
 
 from gm_config import PassConfig
 from gm_trainer import GraphTrainer, MeshContext
-from gm_trainer.device import init_distributed
+from gm_trainer.parallel.device import init_distributed
 
 
 def tp_plan(n_layers: int) -> dict[str, ParallelStyle]:

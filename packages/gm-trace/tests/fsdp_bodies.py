@@ -12,7 +12,7 @@ import torch.distributed as dist
 from gm_config import PassConfig, PassPlan
 from gm_passes.graph_ops import is_collective, is_wait, op_name
 from gm_trace import run_traced_graph
-from gm_trace.fsdp import (
+from gm_trace.passes.fsdp import (
     CollectiveMismatchError,
     FSDPConfigError,
     collective_sequence,
@@ -283,8 +283,8 @@ def reshard(rank: int, world: int, overrides: dict):
 def many_gathers_in_flight(rank: int, world: int):
     """40 all-gathers in flight while compute runs, 30 times: the pattern that corrupts the
     heap through torch 2.13's functional gloo all-gather. Values are checked, too."""
-    from gm_trace.collectives import all_gather_op
-    from gm_trace.groups import resolve_process_group
+    from gm_trace.graph.collectives import all_gather_op
+    from gm_trace.graph.groups import resolve_process_group
 
     group = resolve_process_group("fsdp")
     gather = all_gather_op(group)

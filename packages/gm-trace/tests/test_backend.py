@@ -15,7 +15,12 @@ from torch._subclasses.fake_tensor import FakeTensor
 import gm_trace
 from gm_config import PassConfig
 from gm_trace import run_traced_graph
-from gm_trace.backend import BackendError, CompiledStep, available_backends, unregister_backend
+from gm_trace.passes.backend import (
+    BackendError,
+    CompiledStep,
+    available_backends,
+    unregister_backend,
+)
 from gm_trace.testing import MLP, TinyGPT, lm_loss, make_lm_batch, make_regression_batch, mse_loss
 from gm_trace.testing.compile import compile_joint
 

@@ -9,7 +9,7 @@ import torch
 from gm_config import PassConfig
 from gm_passes import PassPipeline
 from gm_trace import trace_model_graph
-from gm_trace.fsdp import RowShard, select_sharded_params
+from gm_trace.passes.fsdp import RowShard, select_sharded_params
 from gm_trace.testing import MLP, TinyGPT, make_regression_batch, mse_loss
 from gm_trace.testing.distributed import DistributedPool
 

@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from gm_config import PassConfig, PassPlan
-from gm_trace import node_meta, run_traced_graph
-from gm_trace.stage_cut import FORWARD, cut_pipeline
-from gm_trace.stage_split import PipelineSplitError
+from gm_trace import run_traced_graph
+from gm_trace.graph import node_meta
+from gm_trace.passes.stage_cut import FORWARD, cut_pipeline
+from gm_trace.passes.stage_split import PipelineSplitError
 from gm_trace.testing import ConvBN, TinyGPT, ce_loss, lm_loss, make_image_batch, make_lm_batch
 from gm_trace.testing.compile import compile_joint
 from gm_trace.testing.pipeline import run_stages_in_one_process
@@ -257,6 +258,11 @@ def test_a_symbolic_graph_cuts_and_sizes_its_transfers_per_micro_batch():
     cut = cut_pipeline(joint, 2)
     activation = next(t for t in cut.transfers if t.phase == FORWARD and len(t.shape) == 3)
     assert isinstance(activation.shape[1], torch.SymInt)
+    # size arithmetic is computed again where it is read: only tensors are kept or received
+    values = {n.name: n.meta.get("val") for n in joint.graph_module.graph.nodes}
+    for program in cut.programs:
+        read = [*program.keep, *program.forward.inputs, *program.backward.inputs]
+        assert all(isinstance(values[k], torch.Tensor) for k in read), program.stage
     for seq in (16, 9):
         batch = make_lm_batch(seq_len=seq, seed=seq)
         at = guards.at({"seq": seq})

@@ -10,7 +10,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
 from gm_config import PassConfig
-from gm_trace.fsdp import full_parameter
+from gm_trace.passes.fsdp import full_parameter
 from gm_trace.testing import (
     MLP,
     DropoutMLP,
@@ -23,7 +23,7 @@ from gm_trace.testing import (
     mse_loss,
 )
 from gm_trainer.checkpoint import load_checkpoint, save_checkpoint
-from gm_trainer.mesh import MeshContext
+from gm_trainer.parallel.mesh import MeshContext
 from gm_trainer.trainer import GraphTrainer
 
 # Odd sizes: every sharded dim 0 (61, 30, 90, 3 rows) splits unevenly over 2 and 4 ranks, and

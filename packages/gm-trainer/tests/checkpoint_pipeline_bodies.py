@@ -11,8 +11,8 @@ import torch.distributed as dist
 from gm_config import PassConfig, PassPlan
 from gm_trace.testing import TinyGPT, lm_loss, make_lm_batch
 from gm_trainer.checkpoint import full_model_state, load_checkpoint, save_checkpoint
-from gm_trainer.checkpoint_io import open_checkpoint
-from gm_trainer.checkpoint_read import read_metadata
+from gm_trainer.checkpoint.io import open_checkpoint
+from gm_trainer.checkpoint.read import read_metadata
 from gm_trainer.trainer import GraphTrainer
 
 # Odd sizes: the embedding's 61 rows and pos_emb's 3 split unevenly over a stage's 2 FSDP ranks.

@@ -23,12 +23,12 @@ from torch.distributed.tensor.parallel import (
 
 from gm_config import PassConfig
 from gm_trace import GraphCaptureError, trace_model_graph
-from gm_trace.graph_build import collective_kind
+from gm_trace.graph.graph_build import collective_kind
 from gm_trace.testing import MLP, make_regression_batch, mse_loss
 from gm_trace.testing.parity import parity_tolerance
 from gm_trainer import GraphTrainer, MeshContext
 from gm_trainer.checkpoint import load_checkpoint, save_checkpoint
-from gm_trainer.mesh import MeshError
+from gm_trainer.parallel.mesh import MeshError
 
 STEPS, LR, CLIP = 5, 1e-3, 0.5
 OPTIMIZER = {"name": "adam", "lr": LR, "grad_clip": CLIP}

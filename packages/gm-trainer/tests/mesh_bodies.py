@@ -16,11 +16,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from gm_config import PassConfig
-from gm_trace.fsdp import full_parameter
+from gm_trace.passes.fsdp import full_parameter
 from gm_trainer import GraphTrainer, MeshContext
-from gm_trainer.mesh import MeshError, resolve_mesh_context
-from gm_trainer.optim import global_grad_norm
-from gm_trainer.tp import tp_shard_dims
+from gm_trainer.optim.config import global_grad_norm
+from gm_trainer.parallel.mesh import MeshError, resolve_mesh_context
+from gm_trainer.parallel.tp import tp_shard_dims
 
 EXAMPLE_PATH = Path(__file__).resolve().parents[3] / "examples" / "automodel_tp" / "train.py"
 

@@ -85,7 +85,7 @@ def in_graph_equals_eager_update(rank: int, world: int, optimizer: dict, backend
 
 
 def _collective_bytes(graph_module) -> dict[str, int]:
-    from gm_trace.graph_build import collective_kind, tensor_bytes
+    from gm_trace.graph.graph_build import collective_kind, tensor_bytes
 
     found: dict[str, int] = {}
     for node in graph_module.graph.nodes:
@@ -98,8 +98,8 @@ def _collective_bytes(graph_module) -> dict[str, int]:
 def deferred_equals_per_micro_batch(rank: int, world: int, k: int = 4):
     """train(accumulation_steps=k) (one reduction per step) against the same micro-batches
     reduced one by one (the trainer's path before deferral), same weights and data."""
-    from gm_trainer.accumulation import MicroBatches
-    from gm_trainer.gradients import scale_grads
+    from gm_trainer.optim.gradients import scale_grads
+    from gm_trainer.step.accumulation import MicroBatches
 
     model = tiny_gpt()
     deferred = GraphTrainer(

@@ -14,8 +14,8 @@ from eager_reference import world_mean_losses
 from hf_configs import tiny_llama
 
 from gm_config import PassConfig, PassPlan
-from gm_trace.graph_build import collective_kind
-from gm_trace.sharding_layout import full_parameter
+from gm_trace.graph.graph_build import collective_kind
+from gm_trace.graph.sharding_layout import full_parameter
 from gm_trace.testing import TinyGPT, lm_loss
 from gm_trace.testing.parity import parity_tolerance
 from gm_trainer import GraphTrainer

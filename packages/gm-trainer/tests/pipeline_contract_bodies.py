@@ -299,7 +299,7 @@ def stalled_peer(rank: int, world: int, how: str, stall_s: float = 0.0) -> str:
     """PP 2 (1F1B, 2 micro-batches) in a process group with a short timeout, where rank 1
     stalls in the second step: ``"stops"`` calling ``train_step``, or ``"computes"`` its
     stage's first forward for ``stall_s`` seconds. Returns this rank's error."""
-    from gm_trace.backend import register_backend, unregister_backend
+    from gm_trace.passes.backend import register_backend, unregister_backend
 
     register_backend("stalling", _stalling_backend)
     # rank 1 runs 4 halves per step (F0 B0 F1 B1): the 5th is the second step's first forward

@@ -150,7 +150,7 @@ def test_a_torchrun_restart_gets_a_store_prefix_of_its_own(monkeypatch: pytest.M
 
     import torch.distributed as dist
 
-    from gm_trainer.device import _restart_store
+    from gm_trainer.parallel.device import _restart_store
 
     timeout = datetime.timedelta(seconds=10)
     server = dist.TCPStore("localhost", 0, is_master=True, timeout=timeout, wait_for_workers=False)

@@ -16,8 +16,8 @@ from torch import nn
 from gm_config import PassConfig
 from gm_trace.testing import MLP, mse_loss
 from gm_trainer import GraphTrainer, MeshContext
-from gm_trainer.mesh import MeshError
-from gm_trainer.tp import (
+from gm_trainer.parallel.mesh import MeshError
+from gm_trainer.parallel.tp import (
     ColumnParallelLinear,
     RowParallelLinear,
     parallelize_linears,
@@ -109,7 +109,7 @@ def test_tp_layers_of_one_rank_are_the_whole_linear():
     assert torch.equal(rows[1].bias, linear.bias)
 
 
-#: The example's split, with gm_trainer.tp's own layers instead of DTensor.
+#: The example's split, with gm_trainer.parallel.tp's own layers instead of DTensor.
 OWN_TP_PLAN = {
     "layers.*.attn.wq": "colwise",
     "layers.*.attn.wk": "colwise",

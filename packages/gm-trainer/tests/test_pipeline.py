@@ -9,7 +9,7 @@ import pipeline_bodies as bodies
 import pytest
 from extras import HF
 
-from gm_trainer.pipeline_schedule import Action, in_flight, interleaved_actions, rank_actions
+from gm_trainer.pipeline.schedule import Action, in_flight, interleaved_actions, rank_actions
 
 pytestmark = pytest.mark.distributed
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gm_trace.testing.distributed import run_distributed
-from gm_trainer.pipeline_runtime import pipeline_seed
+from gm_trainer.pipeline.runtime import pipeline_seed
 
 pytestmark = pytest.mark.distributed
 

@@ -17,7 +17,7 @@ import yaml
 from test_job_cli import TINY, gm_train
 
 from gm_config import ConfigError
-from gm_trainer.durable import replacing
+from gm_trainer.checkpoint.durable import replacing
 from gm_trainer.job.cli import check_run_config, main
 from gm_trainer.job.config import JobConfig
 from gm_trainer.job.files import (

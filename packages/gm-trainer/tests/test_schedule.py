@@ -13,7 +13,7 @@ from gm_config import ConfigError, PassConfig
 from gm_trace.testing import MLP, make_regression_batch, mse_loss
 from gm_trainer.checkpoint import load_checkpoint, save_checkpoint
 from gm_trainer.job.config import load_config
-from gm_trainer.schedule import (
+from gm_trainer.optim.lr_schedule import (
     WarmupDecay,
     restore_scheduler,
     scheduler_extra,

@@ -13,9 +13,9 @@ from gm_config import PassConfig
 from gm_trace import GraphCaptureError
 from gm_trace.testing import MLP, lm_loss, make_lm_batch, make_regression_batch, mse_loss
 from gm_trace.testing.parity import parity_tolerance
-from gm_trainer.device import default_device, detect_device_type
-from gm_trainer.mesh import MeshError
-from gm_trainer.optim import OptimizerConfig
+from gm_trainer.optim.config import OptimizerConfig
+from gm_trainer.parallel.device import default_device, detect_device_type
+from gm_trainer.parallel.mesh import MeshError
 from gm_trainer.trainer import GraphTrainer, TrainingError
 
 

@@ -64,7 +64,7 @@ class PassConfig:
 
     tp_size: int = 1
     """Tensor-parallel size, filled in from the mesh context. The TP collectives come from the
-    model (DTensor ``parallelize_module`` or ``gm_trainer.tp`` layers), not from a pass."""
+    model (DTensor ``parallelize_module`` or ``gm_trainer.parallel.tp`` layers), not from a pass."""
 
     sequence_parallel: bool = False
     """The TP plan splits activations along the sequence (``SequenceParallel``). For a DTensor

@@ -7,26 +7,26 @@
   (:class:`BackendPass`) are registered with ``gm_passes`` through the entry-point group
   ``gm_passes.passes``; :func:`register_backend` adds a compiler for ``PassConfig.backend``.
 - ``trace_model_graph(..., dynamic_dims=...)`` traces the marked batch dims as symbols; the
-  graph's :class:`ShapeGuards` say which sizes it takes (:mod:`gm_trace.dynamic_shapes`).
+  graph's :class:`ShapeGuards` say which sizes it takes (:mod:`gm_trace.graph.dynamic_shapes`).
 - The fsdp pass decides a :class:`ShardingLayout`; :meth:`ShardingLayout.apply` shards the live
   model and :func:`full_parameter` rebuilds a whole parameter from the shards.
 """
 
-from gm_trace.backend import BackendError, BackendPass, available_backends, register_backend
-from gm_trace.capture_errors import GraphCaptureError
-from gm_trace.dynamic_shapes import DynamicShapeError
-from gm_trace.fsdp import CollectiveMismatchError, FSDPConfigError, FSDPPass, RowShard
-from gm_trace.graph_annotate import OutputSpec
-from gm_trace.groups import register_process_group, resolve_process_group
-from gm_trace.guards import ShapeGuard, ShapeGuards
-from gm_trace.joint_graph import JointGraph
-from gm_trace.overlap import AutoOverlapPass
-from gm_trace.recompute import RecomputePass
-from gm_trace.reshard import ReshardAfterForwardPass
-from gm_trace.run_graph import GraphOutputs, run_traced_graph
-from gm_trace.sharding_layout import ShardedParam, ShardingLayout, full_parameter
-from gm_trace.signature import GraphSignatureError, InputSignature
-from gm_trace.tracer import trace_model_graph
+from gm_trace.capture.capture_errors import GraphCaptureError
+from gm_trace.capture.tracer import trace_model_graph
+from gm_trace.graph.dynamic_shapes import DynamicShapeError
+from gm_trace.graph.graph_annotate import OutputSpec
+from gm_trace.graph.groups import register_process_group, resolve_process_group
+from gm_trace.graph.guards import ShapeGuard, ShapeGuards
+from gm_trace.graph.joint_graph import JointGraph
+from gm_trace.graph.sharding_layout import ShardedParam, ShardingLayout, full_parameter
+from gm_trace.graph.signature import GraphSignatureError, InputSignature
+from gm_trace.passes.backend import BackendError, BackendPass, available_backends, register_backend
+from gm_trace.passes.fsdp import CollectiveMismatchError, FSDPConfigError, FSDPPass, RowShard
+from gm_trace.passes.overlap import AutoOverlapPass
+from gm_trace.passes.recompute import RecomputePass
+from gm_trace.passes.reshard import ReshardAfterForwardPass
+from gm_trace.runtime.run_graph import GraphOutputs, run_traced_graph
 
 __all__ = [
     "AutoOverlapPass",

@@ -17,7 +17,7 @@ import bodies
 import pytest
 from architectures import ARCHITECTURES, EXTRA_ARCHITECTURES, UNSUPPORTED, Architecture
 
-from gm_trace.capture_errors import GraphCaptureError
+from gm_trace.capture.capture_errors import GraphCaptureError
 
 pytestmark = pytest.mark.zoo
 

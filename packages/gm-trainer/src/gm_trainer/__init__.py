@@ -20,9 +20,9 @@ from gm_trainer.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from gm_trainer.device import default_device, detect_device_type, init_distributed
-from gm_trainer.mesh import MeshContext
-from gm_trainer.optim import OptimizerConfig
+from gm_trainer.optim.config import OptimizerConfig
+from gm_trainer.parallel.device import default_device, detect_device_type, init_distributed
+from gm_trainer.parallel.mesh import MeshContext
 from gm_trainer.trainer import GraphTrainer, TrainingError
 
 __all__ = [

@@ -2,18 +2,18 @@
 
 Components, each the one owner of its state (see docs/architecture.md):
 
-- :class:`~gm_trainer.topology.Topology` (in the resolved run): ranks, groups, device;
-- :class:`~gm_trainer.compiler.GraphCompiler` and its
-  :class:`~gm_trainer.graph_cache.GraphRegistry`: trace, passes, sharding, compiled graphs;
-- :class:`~gm_trainer.executor.StepExecutor`: runs each micro-batch (plain, accumulating,
+- :class:`~gm_trainer.parallel.topology.Topology` (in the resolved run): ranks, groups, device;
+- :class:`~gm_trainer.compile.compiler.GraphCompiler` and its
+  :class:`~gm_trainer.compile.registry.GraphRegistry`: trace, passes, sharding, compiled graphs;
+- :class:`~gm_trainer.step.executor.StepExecutor`: runs each micro-batch (plain, accumulating,
   a window's last, pipeline stages);
-- :class:`~gm_trainer.stepper.OptimizerStepper`: the optimizer, the LR scheduler and the one
+- :class:`~gm_trainer.step.stepper.OptimizerStepper`: the optimizer, the LR scheduler and the one
   end of every step;
-- :class:`~gm_trainer.train_state.TrainState`: step, skipped steps, data position;
-- :class:`~gm_trainer.checkpoint_view.CheckpointView`: what checkpoints read and restore.
+- :class:`~gm_trainer.step.train_state.TrainState`: step, skipped steps, data position;
+- :class:`~gm_trainer.checkpoint.view.CheckpointView`: what checkpoints read and restore.
 
 ``train_step`` runs a batch's graph and ACCUMULATES gradients on the live parameters;
-``optimizer_step`` ends the step; ``train`` is the data loop (:mod:`gm_trainer.loop`).
+``optimizer_step`` ends the step; ``train`` is the data loop (:mod:`gm_trainer.step.loop`).
 """
 
 from __future__ import annotations
@@ -29,28 +29,28 @@ import torch.utils._pytree as pytree
 
 from gm_config import PassConfig, PassPlan
 from gm_passes import GraphPass, PassPipeline
-from gm_trace.dtensor import DTensorSpec
-from gm_trace.joint_graph import JointGraph
-from gm_trace.sharding import RowShard
-from gm_trace.sharding_layout import ShardingLayout
-from gm_trainer.checkpoint_io import CheckpointError
-from gm_trainer.checkpoint_view import CheckpointView
-from gm_trainer.compiler import GraphCompiler
-from gm_trainer.deferred import DeferredGrads
-from gm_trainer.device import default_device
+from gm_trace.capture.dtensor import DTensorSpec
+from gm_trace.graph.joint_graph import JointGraph
+from gm_trace.graph.sharding import RowShard
+from gm_trace.graph.sharding_layout import ShardingLayout
+from gm_trainer.checkpoint.io import CheckpointError
+from gm_trainer.checkpoint.view import CheckpointView
+from gm_trainer.compile.compiler import GraphCompiler
+from gm_trainer.compile.padding import Padding
+from gm_trainer.compile.registry import STEP, GraphRegistry, with_dynamic_dims
 from gm_trainer.errors import TrainingError
-from gm_trainer.executor import StepExecutor
-from gm_trainer.graph_cache import STEP, GraphRegistry, with_dynamic_dims
-from gm_trainer.loop import train_loop
-from gm_trainer.mesh import MeshError, ResolvedMesh, resolve_mesh_context
-from gm_trainer.optim import OptimizerConfig
-from gm_trainer.optim_graph import GraphUpdatePlanner
-from gm_trainer.padding import Padding
-from gm_trainer.pipeline_runtime import PipelineRunner
-from gm_trainer.step_guard import check_nonfinite_mode
-from gm_trainer.stepper import OptimizerStepper
-from gm_trainer.topology import FSDP_GROUP_NAME, ResolvedRun, Topology
-from gm_trainer.train_state import TrainState
+from gm_trainer.optim.config import OptimizerConfig
+from gm_trainer.optim.graph_update import GraphUpdatePlanner
+from gm_trainer.optim.nonfinite import check_nonfinite_mode
+from gm_trainer.parallel.device import default_device
+from gm_trainer.parallel.mesh import MeshError, ResolvedMesh, resolve_mesh_context
+from gm_trainer.parallel.topology import FSDP_GROUP_NAME, ResolvedRun, Topology
+from gm_trainer.pipeline.runtime import PipelineRunner
+from gm_trainer.step.deferred import DeferredGrads
+from gm_trainer.step.executor import StepExecutor
+from gm_trainer.step.loop import train_loop
+from gm_trainer.step.stepper import OptimizerStepper
+from gm_trainer.step.train_state import TrainState
 
 __all__ = ["FSDP_GROUP_NAME", "GraphTrainer", "TrainingError"]
 
@@ -77,10 +77,10 @@ class GraphTrainer:
             :class:`TrainingError` naming the first bad parameter (``"error"``) or is skipped
             (``"skip"``, counted in ``skipped_steps``); no weight is changed either way.
         lr_scheduler: ``factory(optimizer) -> LRScheduler`` (e.g.
-            :func:`gm_trainer.schedule.warmup_decay_factory`), built with the optimizer and
+            :func:`gm_trainer.optim.lr_schedule.warmup_decay_factory`), built with the optimizer and
             stepped after every optimizer step; its state is in :meth:`state_dict`.
         dynamic_dims: batch dims traced as symbols, one graph for all their sizes: path ->
-            ``{dim: name}``, as ``PassConfig.dynamic_dims`` (:mod:`gm_trainer.graph_cache`).
+            ``{dim: name}``, as ``PassConfig.dynamic_dims`` (:mod:`gm_trainer.compile.registry`).
     """
 
     def __init__(
@@ -141,7 +141,7 @@ class GraphTrainer:
         # The components, each the owner of its state; built here, wired explicitly.
         self.train_state = TrainState()
         self.registry = GraphRegistry(graph_cache_size, self.pass_config)
-        deferred = DeferredGrads()  # an accumulation window's buffers (gm_trainer.deferred)
+        deferred = DeferredGrads()  # an accumulation window's buffers (gm_trainer.step.deferred)
         self.stepper = OptimizerStepper(
             self.optimizer_config, self.nonfinite, lr_scheduler, self.train_state, deferred
         )
@@ -283,9 +283,9 @@ class GraphTrainer:
         module state (training flags, trainable parameters); cached per both.
 
         ``accumulate``: the variant for a micro-batch that only accumulates (under FSDP it
-        reduces nothing: :mod:`gm_trainer.deferred`); without FSDP, the plain graph.
+        reduces nothing: :mod:`gm_trainer.step.deferred`); without FSDP, the plain graph.
         ``last`` (with ``accumulate``): the window's last micro-batch, whose graph takes the
-        update when it is in the graph (:mod:`gm_trace.last_micro_batch`)."""
+        update when it is in the graph (:mod:`gm_trace.passes.last_micro_batch`)."""
         executor = self.executor
         executor.resolve()
         input, label = executor.pad(self._to_device(sample_input), self._to_device(sample_label))
@@ -417,7 +417,7 @@ class GraphTrainer:
         :func:`gm_trainer.checkpoint.trainer_state_dict`; ``save_checkpoint`` saves atomically.
         """
         from gm_trainer.checkpoint import trainer_state_dict
-        from gm_trainer.schedule import scheduler_extra
+        from gm_trainer.optim.lr_schedule import scheduler_extra
 
         if self.lr_scheduler is not None:
             extra = scheduler_extra(self.lr_scheduler, extra)
@@ -429,7 +429,7 @@ class GraphTrainer:
         See :func:`gm_trainer.checkpoint.load_trainer_state_dict`.
         """
         from gm_trainer.checkpoint import load_trainer_state_dict
-        from gm_trainer.schedule import restore_scheduler
+        from gm_trainer.optim.lr_schedule import restore_scheduler
 
         extra = load_trainer_state_dict(self.checkpoint_view(), state)
         restore_scheduler(self.lr_scheduler, self.optimizer, self.step, extra)

@@ -11,7 +11,7 @@ import torch
 from gm_config import PassConfig, PassPlan
 from gm_passes import GraphPass, PassPipeline
 from gm_trace import trace_model_graph
-from gm_trace.joint_graph import JointGraph
+from gm_trace.graph.joint_graph import JointGraph
 
 
 def compile_joint(

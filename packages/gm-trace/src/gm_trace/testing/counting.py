@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gm_trace.signature import InputSignature
+from gm_trace.graph.signature import InputSignature
 
 #: Op namespaces of collectives: eager c10d, functional (graphs) and this project's own.
 COLLECTIVE_NAMESPACES = ("c10d.", "_c10d_functional.", "c10d_functional.", "gm_c10d.")

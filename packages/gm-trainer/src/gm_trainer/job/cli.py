@@ -95,7 +95,7 @@ def default_nproc() -> int:
     """One rank per accelerator; 2 CPU ranks (gloo) when there is none."""
     import torch
 
-    from gm_trainer.device import detect_device_type
+    from gm_trainer.parallel.device import detect_device_type
 
     kind = detect_device_type()
     if kind == "cpu":

@@ -98,7 +98,7 @@ class TrainConfig(Section):
         if self.weight_decay < 0:
             raise ConfigError(f"train.weight_decay must be >= 0, got {self.weight_decay}")
         self._positive("lr_decay_steps")
-        from gm_trainer.schedule import DECAYS
+        from gm_trainer.optim.lr_schedule import DECAYS
 
         if self.lr_schedule not in DECAYS:
             raise ConfigError(
@@ -114,7 +114,7 @@ class TrainConfig(Section):
         )
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"train.betas must both lie in [0, 1), got {list(self.betas)}")
-        from gm_trainer.optim import OptimizerConfig  # the trainer's own check of the name
+        from gm_trainer.optim.config import OptimizerConfig  # the trainer's own check of the name
 
         try:
             OptimizerConfig.from_dict(self.optimizer_config())
@@ -125,7 +125,7 @@ class TrainConfig(Section):
         """The ``GraphTrainer(lr_scheduler=)`` factory, or ``None`` for a constant ``lr``."""
         if self.lr_schedule == "constant" and not self.warmup_steps:
             return None
-        from gm_trainer.schedule import warmup_decay_factory
+        from gm_trainer.optim.lr_schedule import warmup_decay_factory
 
         total = self.lr_decay_steps if self.lr_decay_steps is not None else self.steps
         return warmup_decay_factory(total, self.warmup_steps, self.lr_schedule, self.min_lr_ratio)

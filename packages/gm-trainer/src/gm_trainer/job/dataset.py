@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from gm_config import ConfigError
-from gm_trainer.durable import replacing
+from gm_trainer.checkpoint.durable import replacing
 from gm_trainer.job.documents import read_documents, source_files
 from gm_trainer.job.tokenize import Tokenizer, load_tokenizer
 

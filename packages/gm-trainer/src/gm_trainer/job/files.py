@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from gm_config import GraphModeRuntimeError
-from gm_trainer.durable import write_atomic
+from gm_trainer.checkpoint.durable import write_atomic
 from gm_trainer.job.config import SECTIONS
 
 #: Written when gm-train creates (or first adopts) a run folder: the folder is gm-train's own.

@@ -27,7 +27,7 @@ from gm_trainer.checkpoint import (
     scan_checkpoints,
     verify_checkpoint,
 )
-from gm_trainer.checkpoint_io import set_aside
+from gm_trainer.checkpoint.io import set_aside
 from gm_trainer.job.config import JobConfig, apply_overrides
 from gm_trainer.job.files import RunFolderError
 from gm_trainer.job.run_folder import CHECKPOINTS_DIR, run_folder_of, step_folders

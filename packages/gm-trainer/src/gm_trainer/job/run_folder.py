@@ -32,7 +32,7 @@ from gm_trainer.checkpoint import (
     CheckpointError,
     checkpoint_info,
 )
-from gm_trainer.durable import replacing, write_atomic
+from gm_trainer.checkpoint.durable import replacing, write_atomic
 from gm_trainer.job.files import (
     RUN_MARKER,
     RunFolderError,

@@ -18,8 +18,7 @@ from gm_trainer.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from gm_trainer.device import init_distributed
-from gm_trainer.durable import replacing
+from gm_trainer.checkpoint.durable import replacing
 from gm_trainer.job.config import JobConfig
 from gm_trainer.job.dataset import PackedBatches, load_job_data, position_of
 from gm_trainer.job.evaluate import Evaluator
@@ -34,8 +33,9 @@ from gm_trainer.job.run_folder import (
 )
 from gm_trainer.job.sources import build_model
 from gm_trainer.job.telemetry import StepProfiler, Telemetry, job_flops_per_token
-from gm_trainer.mesh import MeshContext
-from gm_trainer.schedule import restore_scheduler, scheduler_extra, set_base_lrs
+from gm_trainer.optim.lr_schedule import restore_scheduler, scheduler_extra, set_base_lrs
+from gm_trainer.parallel.device import init_distributed
+from gm_trainer.parallel.mesh import MeshContext
 
 if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer
@@ -370,6 +370,6 @@ def _graph_batch(batch: tuple[Any, Any], parallel: PassConfig) -> tuple[Any, Any
     micro-batch, as ``train_step`` will."""
     if parallel.pp_degree == 1:
         return batch
-    from gm_trainer.pipeline_runtime import split_microbatches
+    from gm_trainer.pipeline.runtime import split_microbatches
 
     return split_microbatches(*batch, parallel.pp_microbatches)[0]

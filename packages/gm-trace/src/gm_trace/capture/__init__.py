@@ -1,0 +1,1 @@
+"""Capturing a whole training step as one joint graph: tracer, tracing context, capture errors."""

@@ -1,0 +1,127 @@
+"""A static peak-memory estimate of a graph: liveness of the tensors its nodes produce.
+
+Each node that allocates holds its bytes from the node that creates it until the last node
+that reads it or any view of it; views, waits and in-place ops allocate nothing. Inputs
+(parameters, buffers, batch) are live for the whole graph; so are outputs from their
+creation. An estimate for comparing schedules, not a promise about an allocator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+
+from gm_passes.graph_ops import is_wait, mutates_an_input, op_name
+from gm_trace.graph.graph_build import tensor_bytes
+
+#: Ops whose result shares its input's storage.
+VIEW_OPS = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "slice",
+        "select",
+        "t",
+        "transpose",
+        "permute",
+        "expand",
+        "unsqueeze",
+        "squeeze",
+        "as_strided",
+        "alias",
+        "detach",
+        "split",
+        "split_with_sizes",
+        "unbind",
+        "chunk",
+        "narrow",
+        "getitem",
+        "unflatten",
+        "flatten",
+    }
+)
+
+
+def is_view(node: fx.Node) -> bool:
+    """True for an op whose result shares its (first) input's storage."""
+    if node.op != "call_function" or not node.all_input_nodes:
+        return False
+    name = op_name(node).split(".")
+    base = name[-2] if len(name) >= 2 else name[-1]
+    return base in VIEW_OPS or name[-1] == "getitem"
+
+
+def _aliases_input(node: fx.Node) -> bool:
+    return is_view(node) or is_wait(node) or mutates_an_input(node)
+
+
+def estimate_peak_memory(
+    graph_module: fx.GraphModule, at: Mapping[sympy.Symbol, int] | None = None
+) -> int:
+    """The largest total of live tensor bytes at any point of the graph's execution.
+
+    For a graph with symbolic sizes each tensor's bytes are a formula of the sizes; the
+    estimate evaluates them at ``at`` (symbol -> size: ``joint.shape_guards.at({"seq":
+    128})``), by default at the sizes the graph was traced with."""
+    nodes = list(graph_module.graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
+    owner: dict[fx.Node, fx.Node] = {}  # node -> the node whose allocation it reads
+    for node in nodes:
+        owner[node] = owner[node.all_input_nodes[0]] if _aliases_input(node) else node
+    end = len(nodes)
+    last_use = {node: order[node] for node in nodes}
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            root = owner[arg]
+            last_use[root] = max(last_use[root], order[node])
+    output = graph_module.graph.output_node()
+    for arg in output.all_input_nodes:
+        last_use[owner[arg]] = end
+    # Sweep: +bytes at allocation, -bytes after last use.
+    delta = [0] * (end + 2)
+    for node in nodes:
+        if owner[node] is not node:
+            continue
+        nbytes = tensor_bytes(node, at)
+        start = 0 if node.op == "placeholder" else order[node]
+        stop = end if node.op == "placeholder" else last_use[node]
+        delta[start] += nbytes
+        delta[stop + 1] -= nbytes
+    peak = live = 0
+    for change in delta:
+        live += change
+        peak = max(peak, live)
+    return peak
+
+
+def peak_allocated_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu") -> int:
+    """Measured, not estimated: the peak of tensor memory allocated while ``fn()`` runs, above
+    what was allocated when it started (CUDA: the caching allocator's statistics; CPU: the
+    profiler's allocation and free events, summed in time order)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - start
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (event.start_ns(), event.nbytes())
+        for event in prof.profiler.kineto_results.events()
+        if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU
+    )
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak

@@ -1,0 +1,114 @@
+"""``ShardingLayout``: what the fsdp pass decided, as a value, and the one place that applies it.
+
+The pass rewrites the graph and returns the layout; it never touches the live model. Whoever
+runs the graph (the trainer, a test) applies the layout once with :meth:`ShardingLayout.apply`,
+and everything that needs to know which piece a rank holds — the retrace, the gradient norm,
+checkpoints — reads the same value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from gm_trace.graph.collectives import all_gather_single
+from gm_trace.graph.groups import resolve_process_group
+from gm_trace.graph.sharding import FSDPConfigError, RowShard
+
+
+@dataclass(frozen=True)
+class ShardedParam:
+    """One parameter as the fsdp pass sharded it."""
+
+    fqn: str
+    """Canonical FQN (tied aliases share it)."""
+
+    full_shape: tuple[int, ...]
+    """The whole parameter's shape."""
+
+    shard: RowShard
+    """This rank's rows of dim 0."""
+
+    bucket: int
+    """Index of the all-gather bucket in :attr:`ShardingLayout.buckets`."""
+
+    gather_dtype: torch.dtype
+    """The dtype the all-gather moves (the compute dtype under mixed precision)."""
+
+
+@dataclass(frozen=True)
+class ShardingLayout:
+    """Per parameter, which piece of dim 0 this rank holds over the FSDP group."""
+
+    group_name: str
+    """The registered name of the FSDP process group."""
+
+    degree: int
+    """Ranks in the FSDP group."""
+
+    rank: int
+    """This rank's position in the FSDP group."""
+
+    params: Mapping[str, ShardedParam]
+    """The sharded parameters by canonical FQN."""
+
+    buckets: tuple[tuple[str, ...], ...]
+    """The parameters gathered by each all-gather, in graph order."""
+
+    replicated: tuple[str, ...]
+    """Trainable parameters left whole: their gradients are all-reduced."""
+
+    def shard_of(self, fqn: str) -> RowShard | None:
+        """This rank's rows of ``fqn``, or ``None`` when it is not sharded."""
+        param = self.params.get(fqn)
+        return param.shard if param is not None else None
+
+    def full_shapes(self) -> dict[str, torch.Size]:
+        """Canonical FQN -> whole shape: what a retrace of the sharded model traces with."""
+        return {fqn: torch.Size(p.full_shape) for fqn, p in self.params.items()}
+
+    def same_shards(self, other: ShardingLayout) -> bool:
+        """Whether ``other`` puts the same rows of the same parameters on this rank."""
+        return {f: p.shard for f, p in self.params.items()} == {
+            f: p.shard for f, p in other.params.items()
+        }
+
+    def apply(self, model: torch.nn.Module) -> None:
+        """Replace each sharded parameter's data by this rank's rows, keeping the Parameter
+        object (optimizers and tied aliases hold it). Call once, on the unsharded model."""
+        for fqn, param in self.params.items():
+            live = model.get_parameter(fqn)
+            if tuple(live.shape) != param.full_shape:
+                raise FSDPConfigError(
+                    f"parameter {fqn!r} has shape {tuple(live.shape)}, but the layout shards a "
+                    f"parameter of shape {param.full_shape}; apply a layout once, to the model "
+                    "it was traced from"
+                )
+            live.data = live.data[param.shard.start : param.shard.stop].clone()
+
+
+def full_parameter(
+    model: torch.nn.Module,
+    fqn: str,
+    layout: ShardingLayout | None,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """The whole parameter ``fqn`` (an alias is fine) rebuilt from every rank's shard: a
+    collective over the layout's group that every rank must call. A parameter the layout does
+    not shard (or ``layout=None``) is returned as it is."""
+    target = model.get_parameter(fqn)
+    local = target.detach()
+    shard = None
+    if layout is not None:
+        canonical = next(name for name, p in model.named_parameters() if p is target)
+        shard = layout.shard_of(canonical)
+    if shard is None:
+        return local
+    group = group if group is not None else resolve_process_group(layout.group_name)
+    padded = torch.cat([local, local.new_zeros((shard.chunk - shard.local_rows, *local.shape[1:]))])
+    out = padded.new_empty((shard.padded_rows, *local.shape[1:]))
+    all_gather_single(out, padded.contiguous(), group=group)
+    return out[: shard.rows]

@@ -1,0 +1,118 @@
+"""``FSDPPass``: shard parameters along dim 0 and put the collectives into the graph.
+
+For every parameter the plan selects, the graph input becomes this rank's shard; an
+all-gather after the placeholder rebuilds the full parameter for compute, and the gradient
+output is reduce-scattered back to a shard. Trainable parameters the plan leaves unsharded
+stay replicated and their gradients are all-reduced. Gradients follow data-parallel MEAN
+semantics: each is divided by the group size and summed over the group.
+
+Mixed precision (``PassConfig.param_dtype``): the tracer casts each parameter where compute
+reads it; when every compute use of a sharded parameter is one such cast, the pass casts the
+SHARD instead and gathers in the smaller dtype. Gradients are reduced in
+``PassConfig.reduce_dtype`` (default: the dtype compute produced them in) and the reduced shard
+is cast to the parameter's own dtype, so the optimizer only ever sees fp32 master shards.
+
+Dim 0 is split as ``torch.chunk`` splits it (rank 0 largest, a rank may hold nothing); padding
+to equal pieces exists only inside the collectives. The pass does not touch the live model: it
+publishes a :class:`ShardingLayout` (``ctx.artifacts["sharding_layout"]``, then
+``JointGraph.sharding``), and whoever runs the graph applies it once, so the optimizer sees
+plain local shards.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from gm_config import PassConfig, PassPlan, fsdp_requested
+from gm_passes import GraphPass, PassContext, PassResult
+from gm_trace.graph.collectives import all_gather_op
+from gm_trace.graph.groups import resolve_process_group
+from gm_trace.graph.joint_graph import SHARDING_LAYOUT, JointGraph
+from gm_trace.graph.sharding import (
+    FSDPConfigError,
+    RowShard,
+    block_of,
+    owning_modules,
+    select_sharded_params,
+)
+from gm_trace.graph.sharding_layout import ShardedParam, ShardingLayout, full_parameter
+from gm_trace.passes.fsdp_rewrite import Rewrite, plan_buckets
+from gm_trace.passes.rank_agreement import (
+    CollectiveMismatchError,
+    check_collective_agreement,
+    collective_sequence,
+    verify_ranks_agree,
+)
+
+__all__ = [
+    "CollectiveMismatchError",
+    "FSDPConfigError",
+    "FSDPPass",
+    "RowShard",
+    "ShardedParam",
+    "ShardingLayout",
+    "block_of",
+    "check_collective_agreement",
+    "collective_sequence",
+    "full_parameter",
+    "owning_modules",
+    "plan_buckets",
+    "select_sharded_params",
+    "verify_ranks_agree",
+]
+
+
+class FSDPPass(GraphPass):
+    """Shard the selected parameters over the ``"fsdp"`` group (see module docstring)."""
+
+    name = "fsdp"
+    runs_after = ("canonicalize",)
+    options = ("fsdp_degree", "bucket_cap_mb", "reduce_dtype")
+
+    @classmethod
+    def enabled_by(cls, config: PassConfig, plan: PassPlan | None) -> str | None:
+        return "PassConfig.fsdp_enabled" if fsdp_requested(config, plan) else None
+
+    def run(self, graph_module: fx.GraphModule, ctx: PassContext) -> PassResult:
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+            ctx.record(self.name, skipped="torch.distributed not initialised or world size 1")
+            return PassResult(graph_module, False)
+        group_name = ctx.process_groups.get("fsdp", "fsdp")
+        group = resolve_process_group(group_name)
+        degree = ctx.config.fsdp_degree or group.size()
+        if degree != group.size():
+            raise FSDPConfigError(
+                f"PassConfig.fsdp_degree={ctx.config.fsdp_degree} but the process group "
+                f"registered as {group_name!r} has {group.size()} ranks; set fsdp_degree to "
+                f"{group.size()} or leave it None to take the group size"
+            )
+        if ctx.model is None or not isinstance(ctx.graph_info, JointGraph):
+            raise FSDPConfigError(
+                "the fsdp pass needs the live model and the traced JointGraph: run it through "
+                "joint_graph.through(pipeline, model=...)"
+            )
+        rank = dist.get_rank(group)
+        selected = select_sharded_params(ctx.model, ctx.plan)
+        replicate = None
+        if "fsdp_replicate" in ctx.process_groups:
+            name = ctx.process_groups["fsdp_replicate"]
+            replicate = (name, resolve_process_group(name).size())
+        reduce_dtype = ctx.config.reduce_dtype
+        rewrite = Rewrite(
+            graph_module,
+            group_name,
+            degree,
+            rank,
+            replicate,
+            all_gather=all_gather_op(group),
+            reduce_dtype=getattr(torch, reduce_dtype) if reduce_dtype else None,
+        )
+        cap = ctx.config.bucket_cap_mb
+        cap_bytes = None if cap is None else int(cap * 2**20)
+        layout, stats = rewrite.apply(ctx.graph_info, selected, ctx.plan, cap_bytes)
+        check_collective_agreement(graph_module, group)
+        ctx.publish(SHARDING_LAYOUT, layout)
+        ctx.record(self.name, degree=degree, group=group_name, **stats)
+        return PassResult(graph_module, True)

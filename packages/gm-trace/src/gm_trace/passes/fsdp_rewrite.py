@@ -1,0 +1,356 @@
+"""The graph surgery of the fsdp pass: gather each bucket of shards after the placeholders,
+reduce-scatter (or all-reduce) each gradient where it is computed, in the dtypes mixed
+precision asks for."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from gm_config import PassPlan
+from gm_trace.graph import node_meta
+from gm_trace.graph.graph_build import (
+    aten,
+    c10d,
+    call,
+    fake_mode_of,
+    fake_tensor,
+    pad_rows,
+    prims,
+    take_rows,
+    tensor_bytes,
+)
+from gm_trace.graph.joint_graph import JointGraph
+from gm_trace.graph.sharding import RowShard, block_of
+from gm_trace.graph.sharding_layout import ShardedParam, ShardingLayout
+
+
+@dataclass
+class _ShardedParam:
+    """One parameter the pass shards, and where its gradient leaves the graph."""
+
+    fqn: str
+    placeholder: fx.Node
+    shard: RowShard
+    inner: tuple[int, ...]
+    grad_index: int | None
+    casts: list[fx.Node]
+    """The compute-side casts of the full parameter (mixed precision); empty without."""
+
+    @property
+    def gather_dtype(self) -> torch.dtype:
+        """The dtype the all-gather moves: the compute dtype when every use is a cast."""
+        return (self.casts[0] if self.casts else self.placeholder).meta["val"].dtype
+
+    @property
+    def piece_numel(self) -> int:
+        """Elements this parameter adds to each rank's piece of a flat bucket."""
+        return self.shard.chunk * math.prod(self.inner)
+
+
+def plan_buckets(
+    params: list[_ShardedParam], blocks: dict[str, Any], cap_bytes: int | None
+) -> list[list[_ShardedParam]]:
+    """Consecutive parameters of one block, split where a bucket would pass ``cap_bytes``.
+
+    ``cap_bytes=None``: one bucket per parameter.
+    """
+    buckets: list[list[_ShardedParam]] = []
+    size = 0
+    for param in params:
+        nbytes = param.piece_numel * param.gather_dtype.itemsize
+        # One flat buffer has one dtype; a block of mixed dtypes gets one bucket per run.
+        same_block = (
+            buckets
+            and blocks[buckets[-1][-1].fqn] == blocks[param.fqn]
+            and buckets[-1][-1].gather_dtype == param.gather_dtype
+        )
+        if cap_bytes is not None and same_block and size + nbytes <= cap_bytes:
+            buckets[-1].append(param)
+            size += nbytes
+        else:
+            buckets.append([param])
+            size = nbytes
+    return buckets
+
+
+class Rewrite:
+    """The graph surgery of one FSDP pass run."""
+
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        group_name: str,
+        degree: int,
+        rank: int,
+        replicate: tuple[str, int] | None = None,
+        all_gather: Any = c10d.all_gather_into_tensor.default,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.gm = gm
+        self.graph = gm.graph
+        self.mode = fake_mode_of(gm.graph)
+        self.group_name = group_name
+        self.all_gather = all_gather  # see gm_trace.graph.collectives: gloo needs its own op
+        self.degree = degree
+        self.rank = rank
+        self.reduce_dtype = reduce_dtype
+        self.replicate_name = replicate[0] if replicate else None
+        # Mean over every data-parallel rank: the shard group times its replicas (HSDP).
+        self.divisor = degree * (replicate[1] if replicate else 1)
+        self.counts: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+
+    def _count(self, kind: str, node: fx.Node) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        self.bytes[kind] = self.bytes.get(kind, 0) + tensor_bytes(node)
+
+    def apply(
+        self,
+        joint: JointGraph,
+        selected: set[str],
+        plan: PassPlan | None,
+        cap_bytes: int | None,
+    ) -> tuple[ShardingLayout, dict[str, Any]]:
+        """Rewrite the graph; return the layout the live model must take, and statistics."""
+        aliases = joint.param_aliases
+        grads = joint.grad_output_index
+        sharded: list[_ShardedParam] = []
+        replicated: list[str] = []
+        for node in self.graph.find_nodes(op="placeholder"):
+            if node.meta.get(node_meta.ROLE) != "param":
+                continue
+            fqn, val = node.meta[node_meta.FQN], node.meta["val"]
+            names = {fqn} | {a for a, canonical in aliases.items() if canonical == fqn}
+            if names & selected and val.dim() >= 1:
+                shard = RowShard(val.shape[0], self.degree, self.rank)
+                inner = tuple(val.shape[1:])
+                sharded.append(
+                    _ShardedParam(fqn, node, shard, inner, grads.get(fqn), _compute_casts(node))
+                )
+            elif fqn in grads:
+                replicated.append(fqn)
+
+        # A bucket never spans two pipeline stages: each stage gathers only its own.
+        blocks = {
+            p.fqn: (block_of(p.fqn, plan), p.placeholder.meta.get(node_meta.STAGE)) for p in sharded
+        }
+        buckets = plan_buckets(sharded, blocks, cap_bytes)
+        erased = {cast for param in sharded for cast in param.casts}
+        first_compute = next(
+            n for n in self.graph.nodes if n.op != "placeholder" and n not in erased
+        )
+        for bucket in buckets:
+            with self.graph.inserting_before(first_compute):
+                self._gather(bucket)
+            with_grads = [p for p in bucket if p.grad_index is not None]
+            if with_grads:
+                self._reduce_scatter(with_grads)
+        for fqn in replicated:
+            self._all_reduce(grads[fqn])
+        layout = ShardingLayout(
+            self.group_name,
+            self.degree,
+            self.rank,
+            {
+                p.fqn: ShardedParam(p.fqn, (p.shard.rows, *p.inner), p.shard, i, p.gather_dtype)
+                for i, bucket in enumerate(buckets)
+                for p in bucket
+            },
+            tuple(tuple(p.fqn for p in bucket) for bucket in buckets),
+            tuple(replicated),
+        )
+        return layout, {
+            "sharded_params": len(sharded),
+            "replicated_params": len(replicated),
+            "sharded": [p.fqn for p in sharded],
+            "replicated": replicated,
+            "buckets": [[p.fqn for p in bucket] for bucket in buckets],
+            "collectives": dict(self.counts),
+            "bytes_per_step": dict(self.bytes),
+        }
+
+    def _gather(self, bucket: list[_ShardedParam]) -> None:
+        """One all-gather of the bucket's padded shards, flattened and concatenated; each
+        full parameter is cut back out of the ``[degree, piece]`` result."""
+        flats = []
+        for param in bucket:
+            full_val = param.placeholder.meta["val"]
+            local_shape = (param.shard.local_rows, *param.inner)
+            param.placeholder.meta["val"] = fake_tensor(self.mode, local_shape, full_val)
+            param.placeholder.meta.pop("tensor_meta", None)
+            padded = pad_rows(
+                self.graph,
+                self.mode,
+                self._cast(param.placeholder, param.gather_dtype, prologue=True),
+                param.shard.chunk - param.shard.local_rows,
+                **{node_meta.COMM_PROLOGUE: True},
+            )
+            flats.append(self._op(aten.reshape.default, padded, [-1], prologue=True))
+        flat = flats[0] if len(flats) == 1 else self._op(aten.cat.default, flats, prologue=True)
+        gathered = call(
+            self.graph,
+            self.mode,
+            self.all_gather,
+            flat,
+            self.degree,
+            self.group_name,
+            **{node_meta.BUCKET: [p.fqn for p in bucket]},
+        )
+        self._count("all_gather", gathered)
+        grid = self._op(aten.reshape.default, self._wait(gathered), [self.degree, -1])
+        for param, piece in zip(bucket, self._split(grid, bucket, dim=1)):
+            full = self._op(aten.reshape.default, piece, [param.shard.padded_rows, *param.inner])
+            full = take_rows(
+                self.graph, self.mode, full, param.shard.rows, **{node_meta.COMM_EPILOGUE: True}
+            )
+            full.meta[node_meta.FULL_PARAM] = param.fqn
+            for cast in param.casts:  # already in the compute dtype
+                cast.replace_all_uses_with(full)
+                self.graph.erase_node(cast)
+            # Compute reads the full parameter; only the all-gather's prologue reads the shard.
+            param.placeholder.replace_all_uses_with(
+                full, delete_user_cb=lambda user: not user.meta.get(node_meta.COMM_PROLOGUE)
+            )
+
+    def _reduce_scatter(self, bucket: list[_ShardedParam]) -> None:
+        """One reduce-scatter over the bucket's padded gradients laid out ``[degree, piece]``,
+        issued as soon as the last of them is computed."""
+        outputs = [_output_at(self.graph, p.grad_index) for p in bucket]
+        order = {node: i for i, node in enumerate(self.graph.nodes)}
+        last = max(outputs, key=order.__getitem__)
+        with self.graph.inserting_before(last.next):
+            grads = [self._in_reduce_dtype(grad) for grad in outputs]
+            rows = []
+            for param, grad in zip(bucket, grads):
+                padded = pad_rows(
+                    self.graph, self.mode, grad, param.shard.padded_rows - param.shard.rows
+                )
+                rows.append(self._op(aten.reshape.default, padded, [self.degree, -1]))
+            grid = rows[0] if len(rows) == 1 else self._op(aten.cat.default, rows, 1)
+            flat = self._op(aten.reshape.default, grid, [-1])
+            scaled = call(self.graph, self.mode, aten.div.Tensor, flat, self.divisor)
+            scattered = call(
+                self.graph,
+                self.mode,
+                c10d.reduce_scatter_tensor.default,
+                scaled,
+                "sum",
+                self.degree,
+                self.group_name,
+                **{node_meta.BUCKET: [p.fqn for p in bucket]},
+            )
+            self._count("reduce_scatter", scaled)
+            reduced = self._across_replicas(self._wait(scattered))
+            for param, piece in zip(bucket, self._split(reduced, bucket, dim=0)):
+                local = self._op(aten.reshape.default, piece, [param.shard.chunk, *param.inner])
+                local = take_rows(
+                    self.graph,
+                    self.mode,
+                    local,
+                    param.shard.local_rows,
+                    **{node_meta.COMM_EPILOGUE: True},
+                )
+                local = self._cast(local, param.placeholder.meta["val"].dtype)
+                _set_output_at(self.graph, param.grad_index, local)
+        _erase_if_unused(self.graph, outputs)
+
+    def _split(self, node: fx.Node, bucket: list[_ShardedParam], dim: int) -> list[fx.Node]:
+        """Each parameter's piece of a bucket buffer along ``dim``."""
+        if len(bucket) == 1:
+            return [node]
+        pieces, offset = [], 0
+        for param in bucket:
+            end = offset + param.piece_numel
+            pieces.append(self._op(aten.slice.Tensor, node, dim, offset, end))
+            offset = end
+        return pieces
+
+    def _op(self, op: Any, *args: Any, prologue: bool = False) -> fx.Node:
+        # Reshapes and slices around a collective: the overlap pass moves them with it.
+        role = node_meta.COMM_PROLOGUE if prologue else node_meta.COMM_EPILOGUE
+        return call(self.graph, self.mode, op, *args, **{role: True})
+
+    def _all_reduce(self, index: int) -> None:
+        output = _output_at(self.graph, index)
+        with self.graph.inserting_before(output.next):
+            grad = self._in_reduce_dtype(output)
+            scaled = call(self.graph, self.mode, aten.div.Tensor, grad, self.divisor)
+            reduced = self._across_replicas(self._all_reduce_over(scaled, self.group_name))
+            reduced = self._cast(reduced, output.meta["val"].dtype)
+        _set_output_at(self.graph, index, reduced)
+        _erase_if_unused(self.graph, [output])
+
+    def _in_reduce_dtype(self, grad: fx.Node) -> fx.Node:
+        """The gradient to reduce: before the cast back to the parameter's dtype that mixed
+        precision's backward ends with, in ``reduce_dtype`` when one is set."""
+        computed = grad.args[0] if _is_dtype_cast(grad) else grad
+        return self._cast(computed, self.reduce_dtype or computed.meta["val"].dtype)
+
+    def _cast(self, node: fx.Node, dtype: torch.dtype, prologue: bool = False) -> fx.Node:
+        if node.meta["val"].dtype == dtype:
+            return node
+        return self._op(prims.convert_element_type.default, node, dtype, prologue=prologue)
+
+    def _across_replicas(self, node: fx.Node) -> fx.Node:
+        """HSDP: sum the already-reduced shard over the replicate group too."""
+        if self.replicate_name is None:
+            return node
+        return self._all_reduce_over(node, self.replicate_name)
+
+    def _all_reduce_over(self, node: fx.Node, group_name: str) -> fx.Node:
+        reduced = call(self.graph, self.mode, c10d.all_reduce.default, node, "sum", group_name)
+        self._count("all_reduce", node)
+        return self._wait(reduced)
+
+    def _wait(self, node: fx.Node) -> fx.Node:
+        return call(self.graph, self.mode, c10d.wait_tensor.default, node)
+
+
+def _is_dtype_cast(node: fx.Node) -> bool:
+    """``aten._to_copy(x, dtype=...)`` that changes only the dtype (mixed precision's casts)."""
+    if node.op != "call_function" or node.target is not aten._to_copy.default:
+        return False
+    out, source = node.meta["val"], node.args[0].meta["val"]
+    return (
+        "dtype" in node.kwargs
+        and set(node.kwargs) <= {"dtype", "layout", "device"}
+        and out.dtype != source.dtype
+        and out.device == source.device
+        and out.layout == source.layout
+    )
+
+
+def _compute_casts(placeholder: fx.Node) -> list[fx.Node]:
+    """The placeholder's users when all are casts to one dtype, else ``[]`` (gather as is).
+
+    Any other user (a tuple-returning op such as ``native_layer_norm`` or
+    ``convolution_backward`` included) reads the full parameter in its own dtype."""
+    users = list(placeholder.users)
+    if not users or not all(_is_dtype_cast(u) for u in users):
+        return []
+    return users if len({u.meta["val"].dtype for u in users}) == 1 else []
+
+
+def _erase_if_unused(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    # A cast to the parameter's dtype the reduction replaced (each at most once: tied outputs).
+    for node in dict.fromkeys(nodes):
+        if not node.users and _is_dtype_cast(node):
+            graph.erase_node(node)
+
+
+def _output_at(graph: fx.Graph, index: int) -> fx.Node:
+    return graph.output_node().args[0][index]
+
+
+def _set_output_at(graph: fx.Graph, index: int, new: fx.Node) -> None:
+    # By position, not by node: autograd may return one tensor as the gradient of two
+    # parameters (``a + b``), and each needs its own collective.
+    output = graph.output_node()
+    values = list(output.args[0])
+    values[index] = new
+    output.args = (tuple(values),)

@@ -1,0 +1,370 @@
+"""``OptimizerUpdatePass`` (pass name ``optimizer``): the optimizer update inside the graph.
+
+The joint graph returns one gradient per parameter (after ``fsdp``: this rank's reduced
+shard). This pass consumes them where they are: it appends, before the output, the global
+gradient norm (squares of every local gradient in float64, one all-reduce over the FSDP group
+for the sharded ones), the clip to ``max_norm`` when asked, and then each parameter's update
+of Adam, AdamW or SGD on its local shard, in the order the gradients are computed. The
+parameters and the optimizer states (``exp_avg`` …, graph inputs) are updated IN PLACE; the
+graph no longer returns gradients, so nothing is kept on ``.grad``.
+
+A step whose global norm is not finite, or whose loss is not finite on any rank, changes
+nothing: each update is computed out of place and committed with ``copy_(where(finite, new,
+old))`` (the ``found_inf`` masking of ``GradScaler`` / ``_fused_adam``), so the weights and
+states keep their values and the caller raises or skips as ``GraphTrainer(nonfinite=...)``
+says. The loss's finiteness rides in the norm's all-reduce: a non-finite loss anywhere makes
+the returned norm ``inf``.
+
+Outputs become ``(loss, grad_norm, *mutated_state)``. New placeholders follow the label's
+tensors: first the per-step scalars of each parameter (:attr:`GroupRule.scalars`, 0-d float64
+tensors the caller computes from the learning rate of the parameter's live group and the
+parameter's own step count, as ``torch.optim`` does), then each parameter's state tensors
+(:attr:`GroupRule.states`), in :attr:`OptimizerUpdate.params` order —
+:meth:`OptimizerUpdate.input_keys` lists them. So the learning rate of every group, and
+AdamW's decoupled weight decay, follow ``param_groups`` between steps; the other
+hyper-parameters of each parameter's group are baked in (:class:`GroupRule`).
+
+The op sequence is that of ``torch.optim``'s single-tensor (``foreach=False``) code, with the
+Python scalars that depend on the learning rate or the step passed in as tensors, so a step
+is bitwise the eager step on CPU. Order: the clip and the finite-check need the norm over every
+shard before any update is committed, so the updates follow the norm's all-reduce.
+Runs after ``fsdp``, ``reshard`` and ``recompute``, before ``overlap`` (which then sinks each
+reduce-scatter's wait to the update that first reads it) and the backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from gm_config import GraphModeRuntimeError
+from gm_passes import GraphPass, PassContext, PassResult
+from gm_trace.graph import node_meta
+from gm_trace.graph.graph_build import fake_mode_of
+from gm_trace.graph.joint_graph import OPTIMIZER_UPDATE, SHARDING_LAYOUT
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+#: ``meta[node_meta.ROLE]`` of the placeholders this pass adds.
+OPTIMIZER_INPUT = "optimizer"
+
+_SCALARS = {
+    "adam": ("neg_step_size", "bias_correction2_sqrt"),
+    "adamw": ("neg_step_size", "bias_correction2_sqrt", "decay"),
+    "sgd": ("neg_lr",),
+}
+_STATES = {"adam": ("exp_avg", "exp_avg_sq"), "adamw": ("exp_avg", "exp_avg_sq")}
+
+
+class OptimizerUpdateError(GraphModeRuntimeError):
+    """The ``optimizer`` pass cannot put the update in this graph."""
+
+
+@dataclass(frozen=True)
+class GroupRule:
+    """The update rule of one parameter group: its kind and the hyper-parameters baked into
+    the graph (the learning rate is not, nor AdamW's weight decay: they arrive every step,
+    per parameter, through :attr:`scalars`)."""
+
+    kind: Literal["adam", "adamw", "sgd"]
+    """``adam`` (L2 weight decay), ``adamw`` (decoupled) or ``sgd``."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam's betas."""
+
+    eps: float = 1e-8
+    """Adam's epsilon."""
+
+    weight_decay: float = 0.0
+    """Weight decay, as ``torch.optim`` of this kind applies it (baked in for ``adam`` and
+    ``sgd``; ``adamw``'s decoupled decay is the per-step scalar ``decay``)."""
+
+    momentum: float = 0.0
+    """SGD momentum (its buffer starts at zero, which equals ``torch.optim``'s first clone)."""
+
+    nesterov: bool = False
+    """SGD Nesterov momentum."""
+
+    maximize: bool = False
+    """Ascend instead of descend."""
+
+    @property
+    def scalars(self) -> tuple[str, ...]:
+        """The per-step scalar inputs of each parameter of this group, in placeholder order."""
+        return _SCALARS[self.kind]
+
+    @property
+    def states(self) -> tuple[str, ...]:
+        """The ``optimizer.state[param]`` tensors each parameter of this group reads."""
+        if self.kind == "sgd":
+            return ("momentum_buffer",) if self.momentum != 0 else ()
+        return _STATES[self.kind]
+
+
+@dataclass(frozen=True)
+class ParamUpdate:
+    """One parameter the graph updates: its canonical FQN and its group's index."""
+
+    fqn: str
+    group: int
+
+
+@dataclass(frozen=True)
+class OptimizerUpdate:
+    """What the ``optimizer`` pass puts in the graph (``JointGraph.optimizer_update``)."""
+
+    groups: tuple[GroupRule, ...]
+    """The rule of each parameter group."""
+
+    params: tuple[ParamUpdate, ...]
+    """Every parameter with a gradient output, in ``named_parameters`` order."""
+
+    max_norm: float | None = None
+    """Clip gradients to this global norm first (``None``: no clip)."""
+
+    sharded: frozenset[str] = frozenset()
+    """FQNs whose gradients are disjoint shards over the FSDP group (squares summed over it);
+    the pass fills it from the fsdp pass's layout."""
+
+    group_name: str | None = None
+    """The FSDP group the norm's all-reduce runs over (``None``: nothing sharded); the pass
+    fills it in when the fsdp pass sharded the graph."""
+
+    def input_keys(self) -> list[tuple[str, str, str]]:
+        """The added placeholders in order: ``("scalar", fqn, name)`` for each parameter's
+        scalars, then ``("state", fqn, name)`` for each parameter's states."""
+        keys = [
+            ("scalar", p.fqn, name) for p in self.params for name in self.groups[p.group].scalars
+        ]
+        keys += [
+            ("state", p.fqn, name) for p in self.params for name in self.groups[p.group].states
+        ]
+        return keys
+
+
+class OptimizerUpdatePass(GraphPass):
+    """Trace the optimizer update into the graph (module docstring). Added by
+    ``GraphTrainer`` when ``OptimizerConfig.in_graph`` is set; reads what to trace from
+    ``JointGraph.optimizer_update``."""
+
+    name = "optimizer"
+    runs_after = ("canonicalize", "fsdp", "reshard", "recompute")
+    runs_before = ("overlap", "backend")
+
+    def run(self, graph_module: fx.GraphModule, ctx: PassContext) -> PassResult:
+        joint = ctx.graph_info
+        spec: OptimizerUpdate | None = getattr(joint, "optimizer_update", None)
+        if spec is None:
+            raise OptimizerUpdateError(
+                "the 'optimizer' pass needs JointGraph.optimizer_update (what to trace); "
+                "switch it on with GraphTrainer(optimizer_config={'in_graph': True}) instead "
+                "of naming it in PassConfig.extra_passes"
+            )
+        missing = sorted({p.fqn for p in spec.params} - set(joint.grad_fqns))
+        if missing:
+            raise OptimizerUpdateError(
+                f"optimizer_update names parameters without a gradient output: {missing}"
+            )
+        layout = ctx.artifacts.get(SHARDING_LAYOUT)
+        if layout is not None:
+            spec = dataclasses.replace(
+                spec,
+                sharded=frozenset(layout.params),
+                group_name=ctx.process_groups.get("fsdp", "fsdp"),
+            )
+        _Emitter(graph_module.graph, joint, spec).emit()
+        ctx.publish(OPTIMIZER_UPDATE, spec)
+        ctx.record(self.name, params_updated=len(spec.params), clip=spec.max_norm)
+        return PassResult(graph_module, True)
+
+
+class _Emitter:
+    """The graph surgery of one ``optimizer`` pass run."""
+
+    def __init__(self, graph: fx.Graph, joint: Any, spec: OptimizerUpdate) -> None:
+        self.graph, self.joint, self.spec = graph, joint, spec
+        self.mode = fake_mode_of(graph)
+        self.output = graph.output_node()
+
+    def op(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        """``target(*args, **kwargs)`` before the output, with its fake value."""
+        with self.graph.inserting_before(self.output):
+            node = self.graph.call_function(target, args, kwargs)
+        fake_args, fake_kwargs = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+        with unset_fake_temporarily(), self.mode:
+            node.meta["val"] = target(*fake_args, **fake_kwargs)
+        node.meta[node_meta.PHASE] = "backward"
+        return node
+
+    def placeholders(self) -> dict[tuple[str, str, str], fx.Node]:
+        """The new inputs, after the last existing placeholder, by their input key."""
+        last = list(self.graph.find_nodes(op="placeholder"))[-1]
+        params = {n.meta.get(node_meta.FQN): n for n in self.graph.find_nodes(op="placeholder")}
+        made: dict[tuple[str, str, str], fx.Node] = {}
+        for kind, owner, name in self.spec.input_keys():
+            with self.graph.inserting_after(last):
+                node = self.graph.placeholder(f"opt_{len(made)}_{name}")
+            if kind == "scalar":  # a 0-d CPU tensor, which ops on any device accept
+                with unset_fake_temporarily(), self.mode:
+                    node.meta["val"] = torch.empty((), dtype=torch.float64)
+            else:
+                with unset_fake_temporarily(), self.mode:
+                    node.meta["val"] = torch.empty_like(params[owner].meta["val"])
+            node.meta[node_meta.ROLE] = OPTIMIZER_INPUT
+            made[(kind, owner, name)] = node
+            last = node
+        return made
+
+    def emit(self) -> None:
+        spec = self.spec
+        inputs = self.placeholders()
+        outputs = list(self.output.args[0])
+        index = self.joint.grad_output_index
+        grads = {p.fqn: outputs[index[p.fqn]] for p in spec.params}
+        params = {
+            n.meta.get(node_meta.FQN): n
+            for n in self.graph.find_nodes(op="placeholder")
+            if n.meta.get(node_meta.ROLE) == "param"
+        }
+        loss = outputs[0]
+        norm = self.global_norm(
+            [grads[p.fqn] for p in spec.params], [p.fqn for p in spec.params], loss
+        )
+        finite = self.op(aten.isfinite.default, norm)
+        if spec.max_norm is not None:
+            coef = self.op(
+                aten.div.Tensor,
+                self.op(
+                    aten.full.default,
+                    [],
+                    spec.max_norm,
+                    dtype=torch.float64,
+                    device=norm.meta["val"].device,
+                ),
+                self.op(aten.add.Tensor, norm, 1e-6),
+            )
+            coef = self.op(aten.clamp_max.default, coef, 1.0)
+            grads = {fqn: self.op(aten.mul.Tensor, g, coef) for fqn, g in grads.items()}
+        # Gradients in the order they are computed: the earliest reduced shard first.
+        order = {node: i for i, node in enumerate(self.graph.nodes)}
+        for p in sorted(spec.params, key=lambda p: order[grads[p.fqn]]):
+            rule = spec.groups[p.group]
+            scalars = {name: inputs[("scalar", p.fqn, name)] for name in rule.scalars}
+            states = [inputs[("state", p.fqn, name)] for name in rule.states]
+            apply = _sgd if rule.kind == "sgd" else _adam
+            nodes = _UpdateNodes(self.op, rule, params[p.fqn], grads[p.fqn], states, scalars)
+            for target, value in apply(nodes):
+                # Keep the old value unless the step is finite: found_inf masking.
+                self.op(aten.copy_.default, target, self.op(aten.where.self, finite, value, target))
+        kept = [o for i, o in enumerate(outputs) if i not in set(index.values())]
+        self.output.args = ((kept[0], norm, *kept[1:]),)
+
+    def global_norm(self, grads: list[fx.Node], fqns: list[str], loss: fx.Node) -> fx.Node:
+        """The 2-norm of all gradients as on the unsharded model, with the op order of
+        ``gm_trainer.optim.config.global_grad_norm`` (float64 squares, shards summed over the
+        group); ``inf`` when ``loss`` is not finite on any rank of the group (its flag rides in the
+        same all-reduce; a finite loss adds an exact ``+0.0``)."""
+        spec, op = self.spec, self.op
+
+        def squares(nodes: list[fx.Node]) -> fx.Node:
+            if not nodes:
+                return op(aten.zeros.default, [], dtype=torch.float64, device=device)
+            parts = [
+                op(
+                    aten.sum.default,
+                    op(
+                        aten.pow.Tensor_Scalar, op(aten._to_copy.default, g, dtype=torch.float64), 2
+                    ),
+                )
+                for g in nodes
+            ]
+            return op(aten.sum.default, op(aten.stack.default, parts))
+
+        device = grads[0].meta["val"].device if grads else torch.device("cpu")
+        sharded = [g for g, f in zip(grads, fqns) if f in spec.sharded]
+        replicated = [g for g, f in zip(grads, fqns) if f not in spec.sharded]
+        bad_loss = op(
+            aten.where.self,
+            op(aten.isfinite.default, loss),
+            op(aten.zeros.default, [], dtype=torch.float64, device=device),
+            op(aten.full.default, [], float("inf"), dtype=torch.float64, device=device),
+        )
+        over_group = op(aten.stack.default, [squares(sharded), squares([]), bad_loss])
+        if spec.group_name is not None:
+            reduced = op(c10d.all_reduce.default, over_group, "sum", spec.group_name)
+            over_group = op(c10d.wait_tensor.default, reduced)
+        first = op(aten.select.int, over_group, 0, 0)
+        rest = op(aten.add.Tensor, op(aten.select.int, over_group, 0, 1), squares([]))
+        total = op(aten.add.Tensor, op(aten.add.Tensor, first, rest), squares(replicated))
+        total = op(aten.add.Tensor, total, op(aten.select.int, over_group, 0, 2))
+        return op(aten.sqrt.default, total)
+
+
+class _UpdateNodes(NamedTuple):
+    """What one parameter's update is built from."""
+
+    op: Any
+    """Adds a node to the graph: ``op(target, *args, **kwargs) -> fx.Node``."""
+    rule: GroupRule
+    """The optimizer and hyper-parameters of the parameter's group."""
+    param: fx.Node
+    """The parameter's shard, updated in place."""
+    grad: fx.Node
+    """Its (reduced, clipped) gradient."""
+    states: list[fx.Node]
+    """Its optimizer states, updated in place (``exp_avg``, ``exp_avg_sq``; ``momentum_buffer``)."""
+    scalars: dict[str, fx.Node]
+    """The parameter's per-step scalars (learning rate, its bias corrections, AdamW's decay)."""
+
+
+def _adam(update: _UpdateNodes) -> list[tuple[fx.Node, fx.Node]]:
+    """``torch.optim.adam._single_tensor_adam`` for one parameter (amsgrad off), out of place:
+    returns ``(tensor, new value)`` for the parameter and each state, to commit."""
+    op, rule, param, grad, states, scalars = update
+    exp_avg, exp_avg_sq = states
+    beta1, beta2 = rule.betas
+    if rule.maximize:
+        grad = op(aten.neg.default, grad)
+    new_param = param
+    if rule.kind == "adamw":
+        # Always, so that the decay follows param_groups: torch.optim skips the multiplication
+        # when weight_decay == 0, and then decay is 1.0, which changes no bit.
+        new_param = op(aten.mul.Tensor, param, scalars["decay"])
+    elif rule.weight_decay != 0:
+        grad = op(aten.add.Tensor, grad, param, alpha=rule.weight_decay)
+    new_avg = op(aten.lerp.Scalar, exp_avg, grad, 1 - beta1)
+    new_sq = op(
+        aten.addcmul.default, op(aten.mul.Tensor, exp_avg_sq, beta2), grad, grad, value=1 - beta2
+    )
+    root = op(aten.sqrt.default, new_sq)
+    denom = op(
+        aten.add.Tensor, op(aten.div.Tensor, root, scalars["bias_correction2_sqrt"]), rule.eps
+    )
+    # addcdiv_(exp_avg, denom, value=-step_size) computes self + (value * t1) / t2.
+    step = op(aten.div.Tensor, op(aten.mul.Tensor, new_avg, scalars["neg_step_size"]), denom)
+    new_param = op(aten.add.Tensor, new_param, step)
+    return [(param, new_param), (exp_avg, new_avg), (exp_avg_sq, new_sq)]
+
+
+def _sgd(update: _UpdateNodes) -> list[tuple[fx.Node, fx.Node]]:
+    """``torch.optim.sgd._single_tensor_sgd`` for one parameter (dampening 0), out of place
+    (see :func:`_adam`)."""
+    op, rule, param, grad, states, scalars = update
+    commits = []
+    if rule.maximize:
+        grad = op(aten.neg.default, grad)
+    if rule.weight_decay != 0:
+        grad = op(aten.add.Tensor, grad, param, alpha=rule.weight_decay)
+    if rule.momentum != 0:
+        (buf,) = states
+        new_buf = op(aten.add.Tensor, op(aten.mul.Tensor, buf, rule.momentum), grad)
+        commits.append((buf, new_buf))
+        grad = op(aten.add.Tensor, grad, new_buf, alpha=rule.momentum) if rule.nesterov else new_buf
+    # torch.optim's own tensor-lr form of param.add_(grad, alpha=-lr).
+    return [(param, op(aten.addcmul.default, param, grad, scalars["neg_lr"])), *commits]

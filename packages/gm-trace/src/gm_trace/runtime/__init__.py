@@ -1,0 +1,1 @@
+"""Running a traced joint graph on the live model."""

@@ -1,0 +1,157 @@
+"""Where this rank's piece of each tensor sits in the whole, for checkpoints.
+
+A parameter (and each per-element optimizer state of it) is split by FSDP into rows of dim 0,
+by TP along one dim, by both, or not at all. DCP saves the piece as a DTensor that says so, and
+reshards on load:
+
+- FSDP rows: ``Shard(0)`` on the FSDP mesh (``torch.chunk``'s split, like ``RowShard``);
+- a TP split along ``d``: ``Shard(d)`` on the TP mesh (even pieces);
+- both: FSDP shards dim 0 of the TP piece, FSDP2's convention — ``[Shard(0), Shard(d)]`` on the
+  ``(fsdp_shard, tp)`` mesh, or ``[_StridedShard(0, split_factor=tp), Shard(0)]`` when TP also
+  splits dim 0.
+
+HSDP replicas hold the same pieces; DCP writes one copy.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from gm_trace.graph.sharding import RowShard
+from gm_trainer.checkpoint.io import CheckpointError
+from gm_trainer.checkpoint.view import CheckpointView
+from gm_trainer.parallel.tp import tp_shard_dims
+
+
+@dataclass(frozen=True)
+class Piece:
+    """How one tensor of this rank relates to the whole tensor."""
+
+    rows: RowShard | None
+    """FSDP: this rank's rows of dim 0 (of the TP piece when TP splits too)."""
+
+    tp_dim: int | None
+    """TP: the dim the TP ranks split evenly, or ``None``."""
+
+    @property
+    def whole(self) -> bool:
+        """True when this rank holds the whole tensor."""
+        return self.rows is None and self.tp_dim is None
+
+
+#: A tensor every rank holds whole.
+WHOLE = Piece(None, None)
+
+
+class CheckpointLayout:
+    """The pieces of a trainer's parameters, and their DTensor views (see module docstring)."""
+
+    def __init__(self, view: CheckpointView) -> None:
+        self._rows = view.row_shards
+        mesh = view.topology.mesh
+        self._tp_group = mesh.tp_group if mesh is not None else None
+        self._tp_dims = tp_shard_dims(view.model) if self._tp_group is not None else {}
+        # Meshes over the trainer's existing groups: no new process group, no collective.
+        device = view.topology.device.type
+        self._fsdp_mesh = _lazy(
+            lambda: DeviceMesh.from_group(
+                view.topology.fsdp_group, device, mesh_dim_names=("fsdp",)
+            )
+        )
+        self._tp_mesh = _lazy(
+            lambda: DeviceMesh.from_group(self._tp_group, device, mesh_dim_names=("tp",))
+        )
+        self._fsdp_tp_mesh = _lazy(lambda: _required(mesh.shard_tp_mesh))
+
+    @property
+    def tp_size(self) -> int:
+        return self._tp_group.size() if self._tp_group is not None else 1
+
+    def of(self, fqn: str) -> Piece:
+        """The piece of parameter ``fqn`` (canonical FQN) this rank holds."""
+        return Piece(self._rows.get(fqn), self._tp_dims.get(fqn))
+
+    def full_shape(self, local_shape: torch.Size | tuple[int, ...], piece: Piece) -> tuple:
+        """The whole tensor's shape, from this rank's piece's."""
+        shape = list(local_shape)
+        if piece.rows is not None:
+            shape[0] = piece.rows.rows
+        if piece.tp_dim is not None:
+            shape[piece.tp_dim] *= self.tp_size
+        return tuple(shape)
+
+    def local_shape(self, full: tuple[int, ...], piece: Piece) -> tuple[int, ...]:
+        """This rank's piece's shape, from the whole tensor's."""
+        shape = list(full)
+        if piece.tp_dim is not None:
+            shape[piece.tp_dim] //= self.tp_size
+        if piece.rows is not None:
+            shape[0] = piece.rows.local_rows
+        return tuple(shape)
+
+    def view(self, local: torch.Tensor, piece: Piece) -> torch.Tensor:
+        """``local`` as DCP should save it: a DTensor describing the piece, or itself."""
+        if piece.whole:
+            return local
+        mesh, placements = self._placement(piece)
+        full = self.full_shape(local.shape, piece)
+        stride = torch.empty(full, device="meta").stride()
+        return DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=torch.Size(full), stride=stride
+        )
+
+    def take(self, what: str, value: Any, full: tuple[int, ...], piece: Piece) -> torch.Tensor:
+        """This rank's piece of ``value``: a DTensor (laid out as here, or any other way) or a
+        whole tensor of shape ``full``."""
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(
+                f"{what} is a {type(value).__name__} in the checkpoint, not a tensor"
+            )
+        if tuple(value.shape) != full:
+            raise CheckpointError(
+                f"{what} has shape {tuple(value.shape)} in the checkpoint but {full} here; the "
+                "checkpoint was written for a different model configuration"
+            )
+        if isinstance(value, DTensor):
+            if not piece.whole:
+                mesh, placements = self._placement(piece)
+                if value.placements == placements and value.device_mesh.shape == mesh.shape:
+                    return value.to_local()
+            value = value.full_tensor()
+        if piece.tp_dim is not None:
+            tp_rank = dist.get_rank(self._tp_group)
+            value = value.chunk(self.tp_size, dim=piece.tp_dim)[tp_rank]
+        if piece.rows is not None:
+            value = value[piece.rows.start : piece.rows.stop]
+        return value
+
+    def _placement(self, piece: Piece) -> tuple[DeviceMesh, tuple[Any, ...]]:
+        if piece.rows is None:
+            return self._tp_mesh(), (Shard(piece.tp_dim),)
+        if piece.tp_dim is None:
+            return self._fsdp_mesh(), (Shard(0),)
+        rows = _StridedShard(0, split_factor=self.tp_size) if piece.tp_dim == 0 else Shard(0)
+        return self._fsdp_tp_mesh(), (rows, Shard(piece.tp_dim))
+
+
+def _required(mesh: DeviceMesh | None) -> DeviceMesh:
+    if mesh is None:
+        raise CheckpointError(
+            "parameters are split by both FSDP and TP, but the mesh context's "
+            "fsdp_non_moe_mesh has no 'tp' dim to lay them out on; build the mesh with "
+            "gm_trainer.MeshContext.build(tp=..., dp_shard=...)"
+        )
+    return mesh
+
+
+def _lazy(build: Callable[[], DeviceMesh]) -> Callable[[], DeviceMesh]:
+    return functools.cache(build)

@@ -1,0 +1,1 @@
+"""Compiling a step into graph variants and keeping them: compiler, registry, keys."""

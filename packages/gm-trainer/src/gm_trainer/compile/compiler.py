@@ -1,0 +1,238 @@
+"""Turning a batch into a compiled graph: trace the joint step, run the passes, shard the
+model once, and keep the graph in the registry.
+
+:class:`GraphCompiler` owns what compiling decides for a trainer: the resolved run (process
+groups and configuration, at the first compile), the sharding layout it applies to the live
+model (once; it is the layout's only owner), the model's DTensor specs, and why the update
+stays out of the graph. It is given the model, the step function and the registry; it never
+builds the optimizer (the stepper does, on the sharded parameters).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from gm_config import PassConfig, PassPlan
+from gm_passes import GraphPass, PassPipeline
+from gm_trace.capture.dtensor import DTensorSpec
+from gm_trace.graph.joint_graph import JointGraph
+from gm_trace.graph.sharding_layout import ShardingLayout
+from gm_trace.passes.deferred_reduce import DeferredReducePass
+from gm_trace.passes.last_micro_batch import LastMicroBatchPass
+from gm_trace.passes.optimizer_update import OptimizerUpdate, OptimizerUpdatePass
+from gm_trainer.compile.graph_key import ClosureWatch
+from gm_trainer.compile.registry import ACCUMULATE, LAST, STEP, GraphCache, GraphRegistry
+from gm_trainer.errors import TrainingError
+from gm_trainer.parallel.dtensor_tp import adopt_dtensor_params, trace_step
+from gm_trainer.parallel.mesh import ResolvedMesh
+from gm_trainer.parallel.topology import FSDP_GROUP_NAME, ResolvedRun, Topology, resolve_run
+
+
+class UpdatePlanner(Protocol):
+    """The optimizer's side of the update in the graph (``gm_trainer.optim.graph_update``)."""
+
+    @property
+    def requested(self) -> bool: ...
+
+    def why_not(self, topology: Topology) -> str | None: ...
+
+    def plan(self, grad_fqns: Sequence[str]) -> OptimizerUpdate: ...
+
+
+class GraphCompiler:
+    """Compiles and registers the graphs of one trainer (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        train_fn: Callable[..., Any],
+        pass_config: PassConfig,
+        pass_plan: PassPlan | None,
+        mesh: ResolvedMesh | None,
+        update: UpdatePlanner,
+        registry: GraphRegistry,
+        passes: Sequence[GraphPass] = (),
+    ) -> None:
+        self.model = model
+        self.train_fn = train_fn
+        self.pass_config = pass_config
+        self.pass_plan = pass_plan
+        self.mesh = mesh
+        self.update = update
+        self.registry = registry
+        self.extra_passes = list(passes)
+        self.run: ResolvedRun | None = None
+        """Decided at the first compile (it registers process groups), never changed."""
+        self.sharding: ShardingLayout | None = None
+        """The fsdp pass's layout, applied to the live model at the first compile."""
+        self.dtensor_specs: dict[str, DTensorSpec] = {}
+        """DTensor (``parallelize_module``) parameters, localized at the first compile."""
+        self.in_graph_reason: str | None = None
+        """Why ``OptimizerConfig(in_graph=True)``'s update runs eagerly (``None``: it doesn't)."""
+        self.dump_dir: Path | None = None
+        """Rank 0 writes the graph before and after each pass under here."""
+        self.pytree_pre_hook: Callable[[], None] | None = None
+        self.closure_watch: ClosureWatch | None = None
+        self._full_shapes: dict[str, tuple[int, ...]] = {}
+
+    def resolve(self, place: Topology) -> ResolvedRun:
+        """The run, resolved on the first call (a collective: every rank calls it)."""
+        if self.run is None:
+            self.run = resolve_run(self.pass_config, self.pass_plan, self.mesh, place)
+            self.dtensor_specs = adopt_dtensor_params(self.model, self.mesh)
+        return self.run
+
+    @property
+    def update_traceable(self) -> bool:
+        """True when ``in_graph`` asks for the update in the graph and it can be traced."""
+        return self.update.requested and self.update.why_not(self._topology) is None
+
+    def variant_for(self, accumulate: bool, last: bool = False) -> str:
+        """Which graph variant a micro-batch runs: a plain step, an accumulating micro-batch
+        (under FSDP it reduces nothing, with ``in_graph`` it updates nothing), or a window's
+        last, which reduces the window's sum under FSDP (overlapped with its backward) or
+        takes the update. Every micro-batch of a pipeline accumulates: under FSDP the
+        stepper reduces the step's gradients once (``last`` does not apply)."""
+        fsdp = self._topology.fsdp_active
+        if self.run.pass_config.pp_degree > 1:
+            return ACCUMULATE if fsdp else STEP
+        if not accumulate:
+            return STEP
+        if last and (fsdp or self.update_traceable):
+            return LAST
+        return ACCUMULATE if fsdp or self.update.requested else STEP
+
+    def compile(self, input: Any, label: Any, variant: str = STEP) -> JointGraph:
+        """The graph of ``variant`` for this (padded, device-resident) batch and the model's
+        module state: looked up, or traced, transformed and registered. The run must be
+        resolved (:meth:`resolve`)."""
+        cache = self.registry.cache(variant)
+        found = cache.lookup(input, label, self.model)
+        if found is not None:
+            return found
+        cache.begin(input, label, self.model)  # the bound; the symbolic dims
+        run = self.run
+        first = self.registry.compile_count == 0
+        joint = trace_step(
+            self.model,
+            self.train_fn,
+            self.dtensor_specs,
+            run,
+            input,
+            label,
+            pre_hook=self.pytree_pre_hook if first else None,
+            **self._trace_options(cache),
+        )
+        if variant == ACCUMULATE:  # no update in the graph; reduce once per step under FSDP
+            defer = [DeferredReducePass()] if run.topology.fsdp_active else []
+            passes = [*self.extra_passes, *defer]
+            if run.pass_config.pp_degree > 1:  # no graph of a pipeline takes the update
+                self._eager_update_reason()
+        else:
+            last = [LastMicroBatchPass()] if variant == LAST else []
+            joint, passes = self._with_update(joint, [*self.extra_passes, *last])
+        pipeline = PassPipeline.from_config(run.pass_config, run.pass_plan, passes)
+        topology = run.topology
+        joint = joint.through(
+            pipeline,
+            model=self.model,
+            fsdp_group_name=FSDP_GROUP_NAME,
+            process_groups=dict(topology.process_groups),
+            dump_dir=self._graph_dump_dir(topology.rank),
+        )
+        self._adopt_sharding(joint.sharding)
+        cache.pipelines.append(pipeline)
+        # Keyed by the state AFTER the passes, which is what later steps will see.
+        cache.add(joint, self.model)
+        if self.closure_watch is None:
+            self.closure_watch = ClosureWatch(self.train_fn)
+        return joint
+
+    def keep_full_shapes(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Trace these state tensors at ``shapes`` from now on: their live storage was
+        freed (another pipeline stage's parameters)."""
+        self._full_shapes.update(shapes)
+
+    # ------------------------------------------------------------------ internals
+
+    @property
+    def _topology(self) -> Topology:
+        if self.run is None:
+            raise RuntimeError("the run is resolved at the first compile (a bug: resolve first)")
+        return self.run.topology
+
+    def _graph_dump_dir(self, rank: int) -> Path | None:
+        if self.dump_dir is None or rank != 0:
+            return None
+        return self.dump_dir / f"signature-{len(self.registry.cache(STEP).graphs)}"
+
+    def _trace_options(self, cache: GraphCache) -> dict[str, Any]:
+        """Keyword arguments for ``trace_model_graph``: full state shapes, mixed precision and
+        the symbolic dims ``cache`` decided for this trace."""
+        options: dict[str, Any] = {}
+        if cache.tracing_dims:
+            options["dynamic_dims"] = cache.tracing_dims
+            options["dynamic_fallback"] = cache.tracing_fallback
+        # After the first compile the live parameters are shards (or freed: another pipeline
+        # stage's); a retrace needs their full shapes.
+        shapes = dict(self._full_shapes)
+        if self.sharding is not None:
+            shapes.update(self.sharding.full_shapes())
+        if shapes:
+            options["state_shapes"] = shapes
+        # PassConfig.param_dtype: cast the parameters, and the inputs of the root and of every
+        # planned module (where FSDP2 would cast them).
+        dtype = self.run.pass_config.param_dtype
+        if dtype is not None:
+            plan = self.run.pass_plan
+            names = [name for name, _ in self.model.named_modules() if name]
+            planned = plan.planned_modules(names) if plan is not None else []
+            options["param_dtype"] = getattr(torch, dtype)
+            options["cast_input_modules"] = ["", *planned]
+        return options
+
+    def _with_update(
+        self, joint: JointGraph, passes: list[GraphPass]
+    ) -> tuple[JointGraph, list[GraphPass]]:
+        """``joint`` and ``passes`` with the ``optimizer`` pass when ``in_graph`` asks for it
+        and the optimizer can be traced; otherwise unchanged, with a ``RuntimeWarning``."""
+        if not self.update.requested or self._eager_update_reason() is not None:
+            return joint, passes
+        spec = self.update.plan(joint.grad_fqns)
+        return joint.replace(optimizer_update=spec), [*passes, OptimizerUpdatePass()]
+
+    def _eager_update_reason(self) -> str | None:
+        """Why ``OptimizerConfig(in_graph=True)``'s update cannot go in the graph (``None``:
+        it can, or in_graph is off); the first time, a ``RuntimeWarning`` says so."""
+        reason = self.update.why_not(self._topology) if self.update.requested else None
+        if reason is not None and self.in_graph_reason is None:
+            warnings.warn(
+                f"OptimizerConfig(in_graph=True): the update runs eagerly, outside the graph: "
+                f"{reason}",
+                RuntimeWarning,
+                stacklevel=6,
+            )
+        self.in_graph_reason = reason
+        return reason
+
+    def _adopt_sharding(self, layout: ShardingLayout | None) -> None:
+        """Shard the live model the first time; every later graph must expect the same."""
+        if self.sharding is None:
+            if layout is not None:
+                layout.apply(self.model)
+                self.sharding = layout
+            return
+        if layout is None or not self.sharding.same_shards(layout):
+            raise TrainingError(
+                "a new graph expects the parameters sharded differently from the first one "
+                f"({'unsharded' if layout is None else 'another layout'}); the plan, degree "
+                "or group must not change between compiles of one trainer"
+            )
+
+
+__all__ = ["GraphCompiler"]

@@ -1,0 +1,91 @@
+"""What the trainer does with the gradients a graph returns: add them to ``.grad``, scale
+them, and take their global norm over every shard and rank."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from gm_trace.graph.joint_graph import JointGraph
+from gm_trace.graph.sharding import RowShard
+from gm_trainer.errors import TrainingError
+from gm_trainer.optim.config import global_grad_norm
+from gm_trainer.parallel.ranks import waiting_for
+from gm_trainer.parallel.topology import Topology
+from gm_trainer.parallel.tp import tp_shard_dims
+
+
+def accumulate_grads(
+    model: torch.nn.Module, joint: JointGraph, grads: dict[str, torch.Tensor], weight: float
+) -> None:
+    """Add ``weight`` x each gradient of one graph run to its parameter's ``.grad`` (set it
+    when there is none, as autograd's AccumulateGrad does)."""
+    expected = set(joint.grad_fqns)
+    if set(grads) != expected:
+        raise TrainingError(
+            f"the graph returned gradients for {sorted(grads)} but the model expects "
+            f"{sorted(expected)}; missing {sorted(expected - set(grads))}, "
+            f"unexpected {sorted(set(grads) - expected)}"
+        )
+    for fqn in joint.grad_fqns:
+        param, grad = model.get_parameter(fqn), grads[fqn]
+        if grad.shape != param.shape:
+            raise TrainingError(
+                f"gradient of {fqn!r} has shape {tuple(grad.shape)} but the parameter has "
+                f"{tuple(param.shape)}"
+            )
+        add_to_grad(param, grad, weight)
+
+
+def add_to_grad(param: torch.Tensor, grad: torch.Tensor, weight: float) -> None:
+    """``param.grad += weight * grad``, setting it when there is none (``grad`` is a graph
+    output of this step, so it may be kept and scaled in place)."""
+    if param.grad is None:
+        param.grad = grad.mul_(weight) if weight != 1.0 else grad
+    else:
+        # grad * weight, then the add: the op order of a window's last graph (in_graph).
+        param.grad.add_(grad.mul_(weight) if weight != 1.0 else grad)
+
+
+def scale_grads(model: torch.nn.Module, factor: float) -> None:
+    """Multiply every existing gradient by ``factor`` in place."""
+    for param in model.parameters():
+        if param.grad is not None:
+            param.grad.mul_(factor)
+
+
+def grad_norm_tensor(
+    model: torch.nn.Module, row_shards: Mapping[str, RowShard], topology: Topology
+) -> torch.Tensor:
+    """The global 2-norm of the current gradients, as on the unsharded model (float64):
+    over FSDP shards (``row_shards``), TP slices and pipeline stages."""
+    tp_group = topology.tp_group
+    tp_sharded = tp_shard_dims(model) if tp_group is not None else {}
+    # (FSDP-sharded?, TP-sharded?) -> gradients
+    buckets: dict[tuple[bool, bool], list[torch.Tensor]] = {
+        (s, t): [] for s in (True, False) for t in (True, False)
+    }
+    for fqn, param in model.named_parameters():
+        if param.grad is not None:
+            buckets[fqn in row_shards, fqn in tp_sharded].append(param.grad)
+    norm = global_grad_norm(
+        buckets[True, False],
+        buckets[False, False],
+        topology.fsdp_group,
+        sharded_tp=buckets[True, True],
+        replicated_tp=buckets[False, True],
+        tp_group=tp_group,
+    )
+    if topology.pp_group is None:
+        return norm
+    # Each stage holds its own parameters: sum the squares over the pipeline.
+    squared = norm.square()
+    doing = (
+        f"rank {topology.rank} (pipeline stage {topology.pp_stage}) waited for the ranks of its "
+        f"pipeline {list(topology.pp_ranks)} to sum the gradient norm in optimizer_step()"
+    )
+    with waiting_for(doing):
+        dist.all_reduce(squared, group=topology.pp_group)
+    return squared.sqrt()

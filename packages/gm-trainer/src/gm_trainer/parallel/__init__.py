@@ -1,0 +1,1 @@
+"""Where a step runs: devices, the device mesh, tensor parallelism, ranks, the topology."""

@@ -1,0 +1,218 @@
+"""Where a trainer runs: its ranks, its process groups by role and its device, decided once.
+
+:func:`resolve_run` registers the process groups the passes use and fills what the mesh
+decides (``fsdp_degree``, ``tp_size``, the TP flags) into a copy of the ``PassConfig``. It runs
+once, at the first compile, on every rank; its :class:`ResolvedRun` never changes afterwards,
+and every component that needs a group or a rank gets the frozen :class:`Topology` from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from gm_config import PassConfig, PassPlan, fsdp_requested
+from gm_trace.graph.groups import register_process_group
+from gm_trainer.parallel.device import detect_device_type
+from gm_trainer.parallel.mesh import REPLICATE_GROUP_NAME, MeshError, ResolvedMesh
+from gm_trainer.parallel.tp import TP_GROUP_NAME
+
+FSDP_GROUP_NAME = "fsdp"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This rank's place in the run: ranks, groups by role, mesh and device (a value)."""
+
+    rank: int
+    """This rank in the world."""
+
+    world_size: int
+    """Ranks in the world."""
+
+    device: torch.device
+    """Where the model and batches live."""
+
+    mesh: ResolvedMesh | None = None
+    """The external mesh (TP, HSDP, PP), or ``None`` for a 1-D FSDP mesh over the world."""
+
+    fsdp_group: dist.ProcessGroup | None = None
+    """The group gradients are reduce-scattered over; ``None`` when nothing is sharded."""
+
+    process_groups: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Group roles beyond ``"fsdp"`` -> registered names, for the passes (HSDP, TP)."""
+
+    pp_group: dist.ProcessGroup | None = None
+    """The ranks of this rank's pipeline, one per stage; ``None`` without pipelines."""
+
+    pp_stage: int = 0
+    """This rank's place in its pipeline."""
+
+    pp_ranks: tuple[int, ...] = ()
+    """The global rank at each place of this rank's pipeline."""
+
+    @property
+    def collective_device(self) -> torch.device:
+        """Where tensors of collectives live: gloo takes CPU tensors, nccl/hccl their device's."""
+        return torch.device("cpu") if self.device.type == "cpu" else self.device
+
+    @property
+    def fsdp_active(self) -> bool:
+        """True when gradients are synchronised over an FSDP group of more than one rank."""
+        return self.fsdp_group is not None
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup | None:
+        """The tensor-parallel group of the mesh context, when it has more than one rank."""
+        return self.mesh.tp_group if self.mesh is not None else None
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        """The HSDP replicate group, when there is one."""
+        return self.mesh.replicate_group if self.mesh is not None else None
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's index among the :attr:`data_parallel_size` ranks that read different
+        data (HSDP: replica x shard-group size + shard); the TP ranks of one shard share it."""
+        if self.fsdp_group is None:
+            return 0
+        shard = dist.get_rank(self.fsdp_group)
+        replicate = self.replicate_group
+        replica = dist.get_rank(replicate) if replicate is not None else 0
+        return replica * self.fsdp_group.size() + shard
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that read different data: the FSDP group times its HSDP replicas (not TP)."""
+        if self.fsdp_group is None:
+            return 1
+        return self.mesh.dp_size if self.mesh is not None else self.fsdp_group.size()
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """What a trainer runs with, decided once, at its first compile, and never changed.
+
+    The requested ``PassConfig`` stays as the caller gave it; this holds a copy with what the
+    mesh decides filled in (``fsdp_degree``, ``tp_size``, ``fsdp_enabled``, the TP flags).
+    """
+
+    pass_config: PassConfig
+    """The configuration the passes run with."""
+
+    pass_plan: PassPlan | None
+    """Which modules FSDP shards (``None``: every parameter)."""
+
+    topology: Topology
+    """Ranks, groups and device."""
+
+
+def resolve_run(
+    config: PassConfig,
+    plan: PassPlan | None,
+    mesh: ResolvedMesh | None,
+    place: Topology,
+) -> ResolvedRun:
+    """Register the process groups the passes use and fill the mesh's sizes into a copy of
+    ``config``; ``place`` gives rank, world size and device. Once, on every rank."""
+    fsdp_wanted = fsdp_requested(config, plan)
+    if mesh is not None:
+        run = _resolve_external_mesh(config, plan, mesh, fsdp_wanted, place)
+        return _in_pipeline(run, mesh.pp_group) if mesh.pp_group is not None else run
+    if config.pp_degree > 1:
+        return _resolve_pipeline_mesh(config, plan, place, fsdp_wanted)
+    if not fsdp_wanted or place.world_size == 1:
+        return ResolvedRun(config, plan, place)
+    device_mesh = init_device_mesh(
+        detect_device_type(), (place.world_size,), mesh_dim_names=(FSDP_GROUP_NAME,)
+    )
+    group = device_mesh.get_group(FSDP_GROUP_NAME)
+    register_process_group(FSDP_GROUP_NAME, group)
+    resolved = dataclasses.replace(config, fsdp_degree=config.fsdp_degree or group.size())
+    return ResolvedRun(resolved, plan, dataclasses.replace(place, fsdp_group=group))
+
+
+def _resolve_pipeline_mesh(
+    config: PassConfig, plan: PassPlan | None, place: Topology, fsdp_wanted: bool
+) -> ResolvedRun:
+    """A ``(pp, fsdp)`` mesh, as torchtitan lays it out: rank = stage * dp + dp index, FSDP
+    within each stage, one pipeline per dp index."""
+    pp, world = config.pp_degree, place.world_size
+    if world % pp:
+        raise MeshError(
+            f"PassConfig.pp_degree={pp} must divide the world size {world}; every stage runs "
+            f"on world / pp_degree ranks (choose a pp_degree among "
+            f"{[d for d in range(1, world + 1) if world % d == 0]})"
+        )
+    dp = world // pp
+    if dp > 1 and not fsdp_wanted:
+        raise MeshError(
+            f"PassConfig.pp_degree={pp} on {world} ranks leaves {dp} data-parallel ranks per "
+            "stage, but FSDP is off (PassConfig.fsdp_enabled or the plan), and only the fsdp "
+            "pass keeps their gradients in sync; turn FSDP on or use pp_degree ranks"
+        )
+    device_mesh = init_device_mesh(
+        detect_device_type(), (pp, dp), mesh_dim_names=("pp", FSDP_GROUP_NAME)
+    )
+    if dp == 1:  # an unregistered "fsdp" would mean the world
+        run = ResolvedRun(dataclasses.replace(config, fsdp_enabled=False), plan, place)
+    else:
+        group = device_mesh.get_group(FSDP_GROUP_NAME)
+        register_process_group(FSDP_GROUP_NAME, group)
+        resolved = dataclasses.replace(config, fsdp_degree=config.fsdp_degree or dp)
+        run = ResolvedRun(resolved, plan, dataclasses.replace(place, fsdp_group=group))
+    return _in_pipeline(run, device_mesh.get_group("pp"))
+
+
+def _in_pipeline(run: ResolvedRun, pp_group: dist.ProcessGroup) -> ResolvedRun:
+    """``run`` as one stage of the pipeline ``pp_group`` (a mesh context's ``pp`` dim)."""
+    ranks = tuple(dist.get_process_group_ranks(pp_group))
+    topology = dataclasses.replace(
+        run.topology, pp_group=pp_group, pp_stage=ranks.index(dist.get_rank()), pp_ranks=ranks
+    )
+    # The backend compiles each stage's forward and backward graphs once the whole graph is
+    # cut (gm_trainer.pipeline.runtime), not the whole graph.
+    config = dataclasses.replace(run.pass_config, backend=None)
+    return dataclasses.replace(run, pass_config=config, topology=topology)
+
+
+def _resolve_external_mesh(
+    config: PassConfig,
+    plan: PassPlan | None,
+    mesh: ResolvedMesh,
+    fsdp_wanted: bool,
+    place: Topology,
+) -> ResolvedRun:
+    filled = mesh.checked_config(config)
+    roles: dict[str, str] = {}
+    if mesh.tp_group is not None:
+        # One name on every rank: the FSDP pass compares collective sequences, names included.
+        register_process_group(TP_GROUP_NAME, mesh.tp_group)
+        roles["tp"] = TP_GROUP_NAME
+    if mesh.dp_size == 1:
+        # Pure TP: nothing to shard over, and an unregistered "fsdp" would mean the world.
+        resolved = dataclasses.replace(config, **filled, fsdp_enabled=False)
+        return ResolvedRun(resolved, plan, _on_mesh(place, mesh, roles))
+    resolved = dataclasses.replace(config, **filled)
+    if not fsdp_wanted:
+        return ResolvedRun(resolved, plan, _on_mesh(place, mesh, roles))
+    register_process_group(FSDP_GROUP_NAME, mesh.fsdp_group)
+    if mesh.replicate_group is not None:
+        register_process_group(REPLICATE_GROUP_NAME, mesh.replicate_group)
+        roles["fsdp_replicate"] = REPLICATE_GROUP_NAME
+    return ResolvedRun(resolved, plan, _on_mesh(place, mesh, roles, mesh.fsdp_group))
+
+
+def _on_mesh(
+    place: Topology,
+    mesh: ResolvedMesh,
+    roles: dict[str, str],
+    fsdp_group: dist.ProcessGroup | None = None,
+) -> Topology:
+    return dataclasses.replace(place, mesh=mesh, process_groups=dict(roles), fsdp_group=fsdp_group)

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: the stage schedules and the runtime that runs them."""

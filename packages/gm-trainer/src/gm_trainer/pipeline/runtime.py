@@ -1,0 +1,566 @@
+"""Run one ``train_step`` batch through the pipeline: this rank's stage, every micro-batch.
+
+The step executor hands a batch here when ``PassConfig.pp_degree > 1``. The batch (the same
+on every rank of a pipeline) is split along dim 0 into ``pp_microbatches``; the joint graph of
+one micro-batch — looked up in the registry by signature and module state like every graph,
+so ``eval()`` or a frozen parameter get their own — ran through the passes (``pp_stages``
+first, then FSDP within each stage) and is cut into per-stage forward and backward graphs
+(:mod:`gm_trace.passes.stage_cut`), once per graph. This
+rank runs its stage's halves in the schedule's order (:mod:`gm_trainer.pipeline.schedule`),
+receiving what earlier stages computed for a forward and what later stages computed for a
+backward. Without FSDP it adds the mean of the micro-batches' gradients to its parameters'
+``.grad``; under FSDP the graph is the accumulating variant (``deferred_reduce``): each
+micro-batch's backward adds its unreduced gradients into this rank's stages' accumulation
+buffers, and :attr:`PipelineRunner.reduction` — the reduction of those buffers alone — runs
+once per optimizer step (:class:`~gm_trainer.step.deferred.DeferredGrads`), so every parameter is
+reduce-scattered once per step, as without a pipeline. The loss comes from the stage that
+computes it, averaged over micro-batches, to every rank.
+
+Each rank's random generators are seeded once, when the run is resolved, from the seed the
+user set, its place in the pipeline and its data-parallel index (:func:`pipeline_seed`), so
+the dropout masks of different stages and replicas are independent.
+
+Sends never block (``isend``, waited at the end of the step); the receives of the next action
+are posted before the current one computes, and waiting for them is the measured bubble.
+Parameters of other stages are freed on this rank: it never reads them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from gm_config import ConfigError
+from gm_trace.graph import node_meta
+from gm_trace.graph.joint_graph import JointGraph
+from gm_trace.graph.signature import flatten_io
+from gm_trace.passes.backend import CompiledStep, compile_graph
+from gm_trace.passes.deferred_reduce import DeferredReduction
+from gm_trace.passes.stage_cut import (
+    BACKWARD,
+    FORWARD,
+    PipelineCut,
+    StageProgram,
+    Transfer,
+    cut_pipeline,
+)
+from gm_trainer.errors import TrainingError
+from gm_trainer.optim.gradients import add_to_grad
+from gm_trainer.parallel.ranks import waiting_for
+from gm_trainer.parallel.topology import ResolvedRun
+from gm_trainer.pipeline.schedule import Action, in_flight, rank_actions
+
+Env = dict[str, torch.Tensor]
+# (transfer, buffer, work, stride) per value of an action; buffer None: from a stage of this
+# rank, work is its (tag, micro-batch); stride: the producer's layout at this batch's sizes
+_Receives = list[tuple[Transfer, torch.Tensor | None, Any, tuple[int, ...]]]
+
+
+@dataclass
+class PipelineStats:
+    """What the last ``train_step`` measured on this rank."""
+
+    step_s: float = 0.0
+    """Wall time of the whole schedule."""
+    wait_s: float = 0.0
+    """Time spent waiting for values from other stages: the bubble."""
+    peak_held_bytes: int = 0
+    """The most bytes of activations held between micro-batches' forward and backward."""
+    messages: int = 0
+    """Point-to-point messages this rank sent (and, alike, received) in the step."""
+    steps: int = 0
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of the step this stage waited for other stages."""
+        return self.wait_s / self.step_s if self.step_s else 0.0
+
+
+@dataclass
+class _Step:
+    """The state of one schedule run."""
+
+    batches: list[list[torch.Tensor]]
+    state: dict[str, torch.Tensor]
+    weight: float
+    envs: dict[tuple[int, int], Env] = field(default_factory=dict)
+    """(stage, micro-batch) -> the values held from its forward to its backward."""
+    losses: list[torch.Tensor] = field(default_factory=list)
+    pending: list[tuple[Any, torch.Tensor, Transfer, int]] = field(default_factory=list)
+    """(work, tensor, transfer, micro-batch) of each send not yet waited for."""
+    local: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    """(transfer tag, micro-batch) -> a value between two stages of this rank."""
+    extra: dict[int, torch.Tensor] = field(default_factory=dict)
+    """The graph's inputs after the batch that this rank's stages read, by position
+    (:attr:`gm_trace.passes.stage_cut.Slot.extra`): its accumulation buffers and the weight."""
+    sizes: dict[Any, int] | None = None
+    """A symbolic graph's dims at this batch's micro-batches (symbol -> size)."""
+
+
+@dataclass
+class _Adopted:
+    """One graph of the pipeline, cut into stages, with this rank's stages' programs."""
+
+    cut: PipelineCut
+    programs: dict[int, StageProgram]
+    """This rank's stages (``pp_index + k * pp_degree``) and what each runs."""
+    compiled: dict[tuple[int, str], CompiledStep]
+    """(stage, phase) -> the half compiled by ``PassConfig.backend`` (none without)."""
+    reduction: DeferredReduction | None = None
+    """The deferred reduction of this rank's stages' accumulation buffers (FSDP)."""
+    extra: tuple[int, ...] = ()
+    """The positions (after the batch) of the inputs :attr:`PipelineRunner.step`'s ``extra``
+    fills, in its order: this rank's buffers, then the weight."""
+
+
+class PipelineRunner:
+    """One rank's stages of a pipeline-parallel run.
+
+    Every graph the registry holds for the pipeline's micro-batch (one per module state —
+    training flags, trainable set — and input signature; a symbolic one takes every size it
+    guards) is cut once; each step runs the cut of its graph, sized for its micro-batches.
+    """
+
+    def __init__(self, run: ResolvedRun, model: torch.nn.Module, backend: str | None) -> None:
+        self.config = run.pass_config
+        self.topology = run.topology
+        self.model = model
+        self.backend = backend
+        self.actions: list[Action] = rank_actions(
+            self.config.pp_schedule,
+            self.pp_index,
+            self.config.pp_degree,
+            self.config.pp_microbatches,
+            self.config.pp_virtual_stages,
+        )
+        """This rank's schedule: the order of its forward and backward halves."""
+        self.stats = PipelineStats()
+        self._adopted: dict[int, _Adopted] = {}
+        """id(graph) -> its cut; the registry keeps the graphs alive."""
+        self._first: JointGraph | None = None
+        self.current_joint: JointGraph | None = None
+        """The graph the last step ran."""
+        self.seed: int | None = None
+        """The seed :meth:`seed_generators` gave this rank's generators."""
+
+    # ------------------------------------------------------------------ set-up
+
+    @property
+    def pp_index(self) -> int:
+        """This rank's place in its pipeline: it runs stages ``pp_index + k * pp_degree``."""
+        return self.topology.pp_stage
+
+    @property
+    def own_stages(self) -> range:
+        """The stages this rank runs."""
+        config = self.config
+        return range(self.pp_index, config.pp_degree * config.pp_virtual_stages, config.pp_degree)
+
+    @property
+    def current(self) -> _Adopted | None:
+        """The cut of the graph the last step ran (``None`` before the first)."""
+        joint = self.current_joint
+        return self._adopted[id(joint)] if joint is not None else None
+
+    @property
+    def programs(self) -> dict[int, StageProgram]:
+        """What this rank's stages run in the last step's graph."""
+        return self.current.programs if self.current is not None else {}
+
+    @property
+    def compiled(self) -> dict[tuple[int, str], CompiledStep]:
+        """The backend's compiled halves of the last step's graph."""
+        return self.current.compiled if self.current is not None else {}
+
+    @property
+    def reduction(self) -> DeferredReduction | None:
+        """What the last step's micro-batches left to reduce once per optimizer step: the
+        reduction of this rank's stages' buckets alone (``None`` without FSDP)."""
+        return self.current.reduction if self.current is not None else None
+
+    @property
+    def cut(self) -> PipelineCut | None:
+        """The last step's graph, cut into stages."""
+        return self.current.cut if self.current is not None else None
+
+    def seed_generators(self) -> int:
+        """Seed this rank's generators (``torch.manual_seed``: CPU and accelerators) with
+        :func:`pipeline_seed` of the seed last set (``torch.initial_seed()``), this rank's
+        place in its pipeline and its data-parallel index; returns the seed. Without it every
+        stage would draw the same dropout masks from the same starting state."""
+        self.seed = pipeline_seed(
+            torch.initial_seed(), self.pp_index, self.topology.data_parallel_rank
+        )
+        torch.manual_seed(self.seed)
+        return self.seed
+
+    def adopt(self, joint: JointGraph) -> dict[str, tuple[int, ...]]:
+        """Cut ``joint`` into stages (once per graph); the first time, free the parameters of
+        other stages and return their shapes (a later trace needs them)."""
+        self.current_joint = joint
+        if id(joint) in self._adopted:
+            return {}
+        config = self.config
+        cut = cut_pipeline(joint, config.pp_degree * config.pp_virtual_stages)
+        programs = {stage: cut.programs[stage] for stage in self.own_stages}
+        compiled = {}
+        if self.backend is not None:  # the whole graph was not compiled: each half is
+            compiled = {
+                (stage, phase): compile_graph(getattr(program, phase).graph_module, self.backend)
+                for stage, program in programs.items()
+                for phase in (FORWARD, BACKWARD)
+            }
+        reduction, extra = _own_reduction(joint, programs)
+        self._adopted[id(joint)] = _Adopted(cut, programs, compiled, reduction, extra)
+        if self._first is not None:
+            return {}
+        self._first = joint
+        return self._free_other_stages(joint)
+
+    def foreign_state(self, joint: JointGraph | None = None) -> frozenset[str]:
+        """Canonical FQNs of the parameters and buffers that stages of other ranks own in
+        ``joint`` (default: the first graph; the ``pp_stages`` pass tags each state
+        placeholder, alike in every graph of one model)."""
+        joint = joint if joint is not None else self._first
+        if joint is None:
+            return frozenset()
+        return frozenset(
+            n.meta[node_meta.FQN]
+            for n in joint.graph_module.graph.nodes
+            if n.op == "placeholder"
+            and n.meta.get(node_meta.STAGE) is not None
+            and n.meta[node_meta.STAGE] not in self.own_stages
+        )
+
+    def _free_other_stages(self, joint: JointGraph) -> dict[str, tuple[int, ...]]:
+        """Drop the storage of parameters another stage owns: nothing here reads them."""
+        params = dict(self.model.named_parameters())
+        freed = {}
+        for fqn in self.foreign_state(joint) & params.keys():
+            freed[fqn] = tuple(params[fqn].shape)
+            params[fqn].data = params[fqn].data.new_empty(0)
+        return freed
+
+    # ------------------------------------------------------------------ the step
+
+    def step(
+        self,
+        joint: JointGraph,
+        micro: list[tuple[Any, Any]],
+        weight: float,
+        extra: list[torch.Tensor] = (),
+    ) -> torch.Tensor:
+        """Run the schedule of ``joint`` (adopted) for the micro-batches of one batch; add
+        ``weight`` x the mean micro-batch gradient (to ``.grad``, or under FSDP into the
+        accumulation buffers ``extra`` gives: those of :attr:`reduction`, then the 0-d weight
+        of one micro-batch, ``weight / len(micro)``)."""
+        self.adopt(joint)
+        model = self.model
+        state = dict(model.named_parameters())
+        state.update(model.named_buffers())
+        # The captured tensors (closure, globals, ...) follow each micro-batch's leaves.
+        captured = joint.captured.values() if joint.captured is not None else []
+        batches = [
+            [leaf for leaf in pytree.tree_leaves(mb) if isinstance(leaf, torch.Tensor)] + captured
+            for mb in micro
+        ]
+        step = _Step(batches, state, weight / len(micro))
+        if len(extra) != len(self.current.extra):
+            raise TrainingError(
+                f"the pipeline's graph reads {len(self.current.extra)} inputs after the batch "
+                f"on this rank (accumulation buffers and weight), but {len(extra)} were given"
+            )
+        step.extra = dict(zip(self.current.extra, extra))
+        step.sizes = _symbol_sizes(joint, micro[0])
+        actions = self.actions
+        started = time.perf_counter()
+        self.stats.wait_s = 0.0
+        params = {t.untyped_storage().data_ptr() for t in state.values()}
+        held = peak = 0
+        incoming = self._post_receives(actions[0], step.sizes)
+        for index, action in enumerate(actions):
+            # The next action's receives are posted first, so they arrive during this one.
+            following = actions[index + 1] if index + 1 < len(actions) else None
+            received, incoming = incoming, following and self._post_receives(following, step.sizes)
+            kept = (action.stage, action.microbatch)
+            if action.phase == FORWARD:
+                self._forward(step, action, received)
+                held += _bytes(step.envs[kept], params)
+                peak = max(peak, held)
+            else:
+                held -= _bytes(step.envs[kept], params)
+                self._backward(step, action, received)
+        for work, _, transfer, m in step.pending:
+            with waiting_for(partial(self._describe_send, transfer, m)):
+                work.wait()
+        self.stats.messages = len(step.pending)
+        loss = self._loss(step)
+        self.stats.step_s = time.perf_counter() - started
+        self.stats.peak_held_bytes = peak
+        self.stats.steps += 1
+        return loss
+
+    def _forward(self, step: _Step, action: Action, received: _Receives) -> None:
+        program, m = self.programs[action.stage], action.microbatch
+        env = self._slots(step, program, m)
+        self._wait(step, action, received, env)
+        self._run(program, FORWARD, env)
+        self._send(step, program.transfers("send", FORWARD), m, env)
+        if program.loss is not None:
+            step.losses.append(env[program.loss].detach())
+        step.envs[program.stage, m] = {k: env[k] for k in program.keep if k in env}
+
+    def _backward(self, step: _Step, action: Action, received: _Receives) -> None:
+        program, m = self.programs[action.stage], action.microbatch
+        env = {**self._slots(step, program, m), **step.envs.pop((program.stage, m))}
+        self._wait(step, action, received, env)
+        self._run(program, BACKWARD, env)
+        self._send(step, program.transfers("send", BACKWARD), m, env)
+        sent = {t.key for t in program.sends}
+        for key, fqns in program.grads.items():
+            for fqn in fqns:
+                # add_to_grad may scale the graph's output in place: not one still being sent
+                grad = env[key].clone() if key in sent or len(fqns) > 1 else env[key]
+                add_to_grad(self.model.get_parameter(fqn), grad, step.weight)
+
+    def _run(self, program: StageProgram, phase: str, env: Env) -> None:
+        half = getattr(program, phase)
+        args = [env[k] for k in half.inputs]
+        compiled = self.compiled.get((program.stage, phase))
+        with torch.no_grad():
+            results = (
+                compiled.run(half.graph_module, args) if compiled else half.graph_module(*args)
+            )
+        env.update(zip(half.outputs, results))
+
+    def _slots(self, step: _Step, program: StageProgram, m: int) -> Env:
+        env: Env = {}
+        for key, slot in program.slots.items():
+            if slot.fqn is not None:
+                env[key] = step.state[slot.fqn]
+            elif slot.index is not None:
+                env[key] = step.batches[m][slot.index]
+            else:
+                env[key] = step.extra[slot.extra]
+        return env
+
+    # ------------------------------------------------------------------ communication
+
+    def _peer(self, stage: int) -> int:
+        """The global rank running ``stage`` in this rank's pipeline."""
+        return self.topology.pp_ranks[stage % self.config.pp_degree]
+
+    def _tag(self, transfer: Transfer, m: int) -> int:
+        return m * len(self.cut.transfers) + transfer.tag
+
+    def _send(self, step: _Step, transfers: tuple[Transfer, ...], m: int, env: Env) -> None:
+        for t in transfers:
+            tensor = env[t.key].detach()
+            if t.dst in self.programs:  # a later stage of this rank: no message
+                step.local[t.tag, m] = tensor
+                continue
+            tensor = tensor.contiguous()
+            with waiting_for(partial(self._describe_send, t, m)):
+                work = dist.isend(tensor, self._peer(t.dst), tag=self._tag(t, m))
+            step.pending.append((work, tensor, t, m))
+
+    def _post_receives(self, action: Action, sizes: dict[Any, int] | None) -> _Receives:
+        """Post the receives ``action`` needs; their buffers fill in the background."""
+        posted: _Receives = []
+        for t in self.programs[action.stage].transfers("receive", action.phase):
+            shape, stride = t.layout(sizes)
+            if t.src in self.programs:  # from a stage of this rank: taken when it runs
+                posted.append((t, None, (t.tag, action.microbatch), stride))
+                continue
+            buffer = torch.empty(shape, dtype=t.dtype, device=self.topology.device)
+            with waiting_for(partial(self._describe_receive, t, action)):
+                work = dist.irecv(buffer, self._peer(t.src), tag=self._tag(t, action.microbatch))
+            posted.append((t, buffer, work, stride))
+        return posted
+
+    def _wait(self, step: _Step, action: Action, received: _Receives, env: Env) -> None:
+        started = time.perf_counter()
+        for t, buffer, work, stride in received:
+            if buffer is None:
+                env[t.key] = step.local.pop(work)
+                continue
+            with waiting_for(partial(self._describe_receive, t, action)):
+                work.wait()
+            env[t.key] = buffer if buffer.stride() == stride else _laid_out(buffer, stride)
+        self.stats.wait_s += time.perf_counter() - started
+
+    def _loss(self, step: _Step) -> torch.Tensor:
+        """The mean micro-batch loss, from the stage that computes it, on every rank."""
+        if step.losses:
+            loss = torch.stack(step.losses).mean().reshape(())
+        else:
+            output = self.current_joint.graph_module.graph.output_node()
+            dtype = output.args[0][0].meta["val"].dtype
+            loss = torch.empty((), dtype=dtype, device=self.topology.device)
+        source = self._peer(self.cut.loss_stage)
+        doing = (
+            f"rank {self.topology.rank} ({self.describe_rank()}) waited for the loss of this "
+            f"step from rank {source} (stage {self.cut.loss_stage}, which computes it)"
+        )
+        with waiting_for(doing):
+            dist.broadcast(loss, src=source, group=self.topology.pp_group)
+        return loss
+
+    # ------------------------------------------------------------------ what waits name
+
+    def describe_rank(self) -> str:
+        """This rank's place, for errors: ``pipeline stage 0 of 2, ranks [0, 1]``."""
+        stages = ", ".join(map(str, self.own_stages))
+        total = self.config.pp_degree * self.config.pp_virtual_stages
+        plural = "s" if len(self.own_stages) > 1 else ""
+        return (
+            f"pipeline stage{plural} {stages} of {total}, in the pipeline of ranks "
+            f"{list(self.topology.pp_ranks)}"
+        )
+
+    def _describe_receive(self, t: Transfer, action: Action) -> str:
+        what = "activations" if t.phase == FORWARD else "gradients"
+        return (
+            f"rank {self.topology.rank} ({self.describe_rank()}) waited in the {action.phase} "
+            f"of micro-batch {action.microbatch} (stage {action.stage}) for rank "
+            f"{self._peer(t.src)} (stage {t.src}) to send the {what} of that micro-batch"
+        )
+
+    def _describe_send(self, t: Transfer, m: int) -> str:
+        what = "activations" if t.phase == FORWARD else "gradients"
+        return (
+            f"rank {self.topology.rank} ({self.describe_rank()}) waited for rank "
+            f"{self._peer(t.dst)} (stage {t.dst}) to take the {what} of micro-batch {m} "
+            f"that stage {t.src} sent after its {t.phase}"
+        )
+
+    # ------------------------------------------------------------------ reports
+
+    def summary(self) -> str:
+        """Per stage: its modules and parameters; per boundary: bytes crossing it; this
+        rank's measured bubble and held activations."""
+        if self.cut is None:
+            return "pipeline: not compiled yet"
+        config = self.config
+        stages = self.current_joint.stages
+        automatic = " (stages balanced automatically)" if stages.automatic else ""
+        lines = [
+            f"pipeline: {len(stages.stages)} stages on {config.pp_degree} ranks, "
+            f"{config.pp_microbatches} micro-batches, schedule {config.pp_schedule}{automatic}"
+        ]
+        for index, (modules, count) in enumerate(zip(stages.stages, stages.param_counts)):
+            lines.append(f"  stage {index}: {count:,} parameters: {', '.join(modules)}")
+        for index, nbytes in enumerate(self.cut.boundary_bytes()):
+            lines.append(f"  boundary {index}|{index + 1}: {nbytes:,} bytes per micro-batch")
+        reduction = self.reduction
+        if reduction is not None:
+            nbytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype, _ in reduction.buffers)
+            lines.append(
+                f"  gradients (FSDP): accumulated per micro-batch into {len(reduction.buffers)} "
+                f"buffers of this rank's stages ({nbytes:,} bytes), reduced once per optimizer "
+                "step"
+            )
+        flight = in_flight(self.actions)
+        estimate = flight * max(p.held_bytes for p in self.programs.values())
+        lines.append(
+            f"  this rank (stage {', '.join(map(str, self.programs))}): at most {flight} "
+            f"micro-batch stages in flight; activations held at peak "
+            f"{self.stats.peak_held_bytes:,} bytes measured, {estimate:,} estimated; bubble "
+            f"{self.stats.bubble_fraction:.1%} of the last step; generators seeded {self.seed}"
+        )
+        return "\n".join(lines)
+
+
+def pipeline_seed(seed: int, stage: int, dp_rank: int) -> int:
+    """The seed of the ranks at pipeline place ``stage`` of data-parallel index ``dp_rank``
+    for the user's ``seed``: the same in every run with that seed, distinct across stages and
+    replicas (so are their dropout masks), shared by the tensor-parallel ranks of one stage,
+    which must draw the same masks, and unrelated to ``seed`` itself, so that no stage draws
+    its masks from the numbers that initialised the weights."""
+    digest = hashlib.sha256(f"gm-pipeline/{seed}/{stage}/{dp_rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1  # 63 bits: every generator takes them
+
+
+def split_microbatches(input: Any, label: Any, n: int) -> list[tuple[Any, Any]]:
+    """``(input, label)`` cut into ``n`` equal micro-batches along dim 0 of every tensor leaf
+    (other leaves are repeated)."""
+    paths, leaves, spec = flatten_io(input, label)
+    columns = []
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            columns.append([leaf] * n)
+            continue
+        if leaf.dim() == 0 or leaf.shape[0] % n:
+            raise ConfigError(
+                f"PassConfig.pp_microbatches={n} must divide dim 0 of every tensor of the "
+                f"batch, but {path} has shape {tuple(leaf.shape)}; choose a batch size that "
+                f"is a multiple of {n} or another pp_microbatches"
+            )
+        columns.append(list(leaf.chunk(n)))
+    return [pytree.tree_unflatten([c[m] for c in columns], spec) for m in range(n)]
+
+
+def _own_reduction(
+    joint: JointGraph, programs: dict[int, StageProgram]
+) -> tuple[DeferredReduction | None, tuple[int, ...]]:
+    """The deferred reduction of the accumulation buffers ``programs`` read, and the
+    positions of the inputs they read after the batch (those buffers, then the weight)."""
+    deferred = joint.deferred
+    read = {s.extra for p in programs.values() for s in p.slots.values() if s.extra is not None}
+    if deferred is None:
+        if read:
+            raise TrainingError(
+                f"the pipeline's graph reads inputs after the batch {sorted(read)} that no "
+                "pass describes; a pipeline runs the plain or the accumulating graph only"
+            )
+        return None, ()
+    n_buffers = len(deferred.buffers)
+    own = sorted(i for i in read if i < n_buffers)
+    return deferred.restricted(own), (*own, n_buffers)
+
+
+def _symbol_sizes(joint: JointGraph, micro: tuple[Any, Any]) -> dict[Any, int] | None:
+    """A symbolic graph's dims at ``micro`` (symbol -> size); ``None`` for a static one."""
+    guards = joint.shape_guards
+    if guards is None:
+        return None
+    sizes = guards.sizes(flatten_io(*micro)[1])
+    if isinstance(sizes, str):  # the lookup checked the guards: a bug if reached
+        raise TrainingError(f"a micro-batch does not fit the pipeline's graph: {sizes}")
+    return {dim.symbol: size for dim, size in zip(guards.dims, sizes)}
+
+
+def _laid_out(tensor: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """``tensor`` (received contiguous) in the layout its producer traced, which a compiled
+    half was specialised to. A dim of stride 0 was an ``expand`` (the gradient of a ``sum``):
+    its values are equal, and one of them is written."""
+    laid_out = torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype, device=tensor.device)
+    target, source = laid_out, tensor
+    for dim in reversed(range(tensor.dim())):
+        if stride[dim] == 0 and tensor.shape[dim] > 1:
+            target, source = target.select(dim, 0), source.select(dim, 0)
+    target.copy_(source)
+    return laid_out
+
+
+def _bytes(env: Env, exclude: set[int]) -> int:
+    """Bytes of the distinct storages ``env`` holds, other than those in ``exclude``."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in env.values()}
+    return sum(n for ptr, n in storages.items() if ptr not in exclude)
+
+
+__all__ = [
+    "Action",
+    "PipelineRunner",
+    "PipelineStats",
+    "pipeline_seed",
+    "split_microbatches",
+]

@@ -1,0 +1,1 @@
+"""Running and ending a step: executor, windows, deferred grads, stepper, state, the loop."""
