@@ -293,14 +293,12 @@ def _multi_output_source(node: fx.Node) -> fx.Node | None:
 
 def _check_tensor_inputs(program: StageProgram, by_name: Mapping[Key, fx.Node]) -> None:
     """Every value a half reads from elsewhere (the other half, another stage) must be a
-    tensor: the runtime holds, sends and measures tensors. A symbolic graph's backward may
-    also keep a size its own forward computed (a ``SymInt``; sizes never cross stages:
-    :func:`~gm_trace.passes.stage_split.check_flow`)."""
+    tensor: the runtime holds, sends and measures tensors (a symbolic graph's size
+    arithmetic is computed again in every half that reads it)."""
     for phase in (FORWARD, BACKWARD):
         for key in getattr(program, phase).inputs:
             val = by_name[key].meta.get("val")
-            kept_size = phase == BACKWARD and isinstance(val, torch.SymInt)
-            if not isinstance(val, torch.Tensor) and not kept_size:
+            if not isinstance(val, torch.Tensor):
                 raise PipelineSplitError(
                     f"stage {program.stage}'s {phase} reads {key!r} ({by_name[key].target}), "
                     f"a {type(val).__name__}, from outside its half; a stage keeps and receives "

@@ -58,9 +58,7 @@ def run_stages_in_one_process(
         env = slots(program)
         run(program, FORWARD, env)
         kept[program.stage] = {
-            k: env[k] if isinstance(env[k], int) else _tensor(env[k], program, "keeps")
-            for k in program.keep
-            if k in env
+            k: _tensor(env[k], program, "keeps") for k in program.keep if k in env
         }
         if program.loss is not None:
             loss = env[program.loss]

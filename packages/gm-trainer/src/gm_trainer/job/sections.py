@@ -4,9 +4,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from gm_config import ConfigError
 from gm_trainer.job.validation import Section
@@ -45,8 +46,6 @@ class ModelConfig(Section):
     """Tokens per training sequence (also the model's maximum sequence length)."""
 
     def __post_init__(self) -> None:
-        from gm_trainer.job.sources import check_model_section  # checks config and weights
-
         special = {"config": self.config, "weights": self.weights}
         self.config = self.weights = None  # typed by check_model_section, not by annotation
         super().__post_init__()
@@ -113,8 +112,6 @@ class DataConfig(Section):
             raise ConfigError("data.glob must be a non-empty pattern such as '*.py'")
         if self.corpus is not None and not Path(self.corpus).exists():
             raise ConfigError(f"data.corpus: {self.corpus} does not exist")
-        from gm_trainer.job.sources import check_data_section
-
         check_data_section(self)
 
 
@@ -135,3 +132,79 @@ class DistConfig(Section):
 
     def validate(self) -> None:
         self._positive("timeout_s", "dp_replicate")
+
+
+MODEL_SOURCES = ("builtin", "hf")
+DATA_FORMATS = ("text", "jsonl", "hf")
+
+
+def check_model_section(
+    model: ModelConfig, config: Any, weights: Any
+) -> tuple[str | dict[str, Any] | None, str | list[str] | None]:
+    """Check ``model.source`` / ``config`` / ``weights``; return the last two normalised."""
+    if model.source not in MODEL_SOURCES:
+        raise ConfigError(f"model.source={model.source!r}: use one of {list(MODEL_SOURCES)}")
+    if model.source == "builtin":
+        if config is not None or weights is not None:
+            raise ConfigError(
+                "model.config and model.weights describe a Hugging Face model: set "
+                "model.source: hf, or leave them null for the built-in GPT"
+            )
+        return None, None
+    if isinstance(config, Mapping):
+        config = dict(config)
+    elif not isinstance(config, str) or not config:
+        raise ConfigError(
+            "model.source: hf needs model.config: a local folder with config.json, or an "
+            f"inline mapping with model_type; got {config!r}"
+        )
+    if isinstance(weights, (list, tuple)) and all(isinstance(w, str) for w in weights):
+        weights = list(weights)
+    elif weights is not None and not isinstance(weights, str):
+        raise ConfigError(
+            "model.weights must be a folder, a .safetensors file or a list of them, got "
+            f"{weights!r}"
+        )
+    from gm_trainer.job.hf_model import (
+        check_causal_lm,
+        check_weights,
+        config_source,
+        load_hf_config,
+        meta_model,
+    )
+
+    hf_config = load_hf_config(config)  # a folder that is no HF model fails here
+    check_causal_lm(hf_config)
+    meta_model(hf_config, config_source(config))  # what the ranks will build, without memory
+    if weights is not None:
+        check_weights(hf_config, weights)
+    return config, weights
+
+
+def check_data_section(data: DataConfig) -> None:
+    """Check ``data.format`` / ``tokenizer`` / the held-out split."""
+    if data.format not in DATA_FORMATS:
+        raise ConfigError(f"data.format={data.format!r}: use one of {list(DATA_FORMATS)}")
+    if not data.field:
+        raise ConfigError("data.field must name the document's key, e.g. text")
+    if data.format == "hf" and data.corpus is None:
+        raise ConfigError("data.format: hf needs data.corpus (a save_to_disk folder or parquet)")
+    if not 0.0 <= data.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction must lie in [0, 1), got {data.eval_fraction}")
+    if data.eval_fraction and data.eval_files is not None:
+        raise ConfigError("give data.eval_fraction or data.eval_files, not both")
+    if data.eval_files is not None and not Path(data.eval_files).exists():
+        raise ConfigError(f"data.eval_files: {data.eval_files} does not exist")
+    if data.tokenizer != "bytes":
+        from gm_trainer.job.tokenize import load_tokenizer
+
+        load_tokenizer(data.tokenizer)
+
+
+def model_vocab_size(model: ModelConfig) -> int:
+    """The vocabulary size of the configured model."""
+    if model.source == "hf":
+        from gm_trainer.job.hf_model import load_hf_config
+
+        return int(load_hf_config(model.config).vocab_size)
+    return model.vocab_size

@@ -3,16 +3,16 @@ replicas and batch sizes checked against each other before any rank starts."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from gm_config import ConfigError, fsdp_requested
 
-if TYPE_CHECKING:
-    from gm_trainer.job.config import JobConfig
 
-
-def check_world_size(job: JobConfig, world_size: int) -> None:
+def check_world_size(job: Any, world_size: int) -> None:
     """Raise :class:`ConfigError` unless the job can run on ``world_size`` ranks.
+
+    ``job``: the :class:`~gm_trainer.job.config.JobConfig` (not imported: it calls this,
+    and reads its ``train``, ``parallel`` and ``dist`` sections only).
 
     gm-train runs ``parallel.pp_degree`` pipeline stages, each on ``world_size /
     pp_degree`` data-parallel ranks (the ranks of one pipeline read the same rows), and

@@ -1,1 +1,1 @@
-"""The one end of a step: optimizer config, stepper, in-graph update, non-finite policy, LR."""
+"""Optimizers: their config, gradients (add, scale, norm), the in-graph update, LR schedules."""

@@ -1,1 +1,1 @@
-"""Running a step's micro-batches: executor, accumulation, deferred reductions, the loop."""
+"""Running and ending a step: executor, windows, deferred grads, stepper, state, the loop."""
