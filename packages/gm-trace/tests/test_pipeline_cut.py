@@ -258,7 +258,7 @@ def test_a_symbolic_graph_cuts_and_sizes_its_transfers_per_micro_batch():
     cut = cut_pipeline(joint, 2)
     activation = next(t for t in cut.transfers if t.phase == FORWARD and len(t.shape) == 3)
     assert isinstance(activation.shape[1], torch.SymInt)
-    # size arithmetic on the batch's sizes is computed again where it is read, not kept
+    # size arithmetic is computed again where it is read: only tensors are kept or received
     values = {n.name: n.meta.get("val") for n in joint.graph_module.graph.nodes}
     for program in cut.programs:
         read = [*program.keep, *program.forward.inputs, *program.backward.inputs]

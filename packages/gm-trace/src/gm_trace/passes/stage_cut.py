@@ -239,7 +239,7 @@ def _stages(nodes: list[fx.Node]) -> dict[fx.Node, int]:
     stage = {n: n.meta[node_meta.STAGE] for n in nodes if n.meta.get(node_meta.STAGE) is not None}
     for node in nodes:
         # Size arithmetic of a symbolic graph on the batch's sizes alone is computed again in
-        # every half that reads it, as ops on the batch are, instead of kept across halves.
+        # every half that reads it, as ops on the batch are: only tensors are kept or sent.
         if isinstance(node.meta.get("val"), torch.SymInt) and not any(
             n in stage for n in node.all_input_nodes
         ):

@@ -553,11 +553,7 @@ def _laid_out(tensor: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
 
 def _bytes(env: Env, exclude: set[int]) -> int:
     """Bytes of the distinct storages ``env`` holds, other than those in ``exclude``."""
-    storages = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-        for t in env.values()
-        if isinstance(t, torch.Tensor)  # a symbolic graph's backward may keep a size
-    }
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in env.values()}
     return sum(n for ptr, n in storages.items() if ptr not in exclude)
 
 
