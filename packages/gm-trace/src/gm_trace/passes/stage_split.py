@@ -23,7 +23,7 @@ into per-stage forward and backward graphs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -154,20 +154,25 @@ def _allowed_cuts(graph: fx.Graph, units: list[tuple[str, int]]) -> set[int]:
         node.meta[node_meta.STAGE] = _explicit_stage(node, singles)
     derive_stages(graph)
     forbidden: set[int] = set()
+    for node, dst, src_node, src in _crossing_edges(graph):
+        against = (src > dst and node_phase(node) != "backward") or (
+            src < dst and node_phase(src_node) == "backward"
+        )
+        if against or not isinstance(src_node.meta.get("val"), torch.Tensor):
+            forbidden.update(range(min(src, dst) + 1, max(src, dst) + 1))
+    return set(range(1, len(units))) - forbidden
+
+
+def _crossing_edges(graph: fx.Graph) -> Iterator[tuple[fx.Node, int, fx.Node, int]]:
+    """``(node, its stage, input, the input's stage)`` for every edge between two stages."""
     for node in graph.nodes:
         dst = node.meta.get(node_meta.STAGE)
         if dst is None or node.op == "output":
             continue
         for src_node in node.all_input_nodes:
             src = src_node.meta.get(node_meta.STAGE)
-            if src is None or src == dst:
-                continue
-            against = (src > dst and node_phase(node) != "backward") or (
-                src < dst and node_phase(src_node) == "backward"
-            )
-            if against or not isinstance(src_node.meta.get("val"), torch.Tensor):
-                forbidden.update(range(min(src, dst) + 1, max(src, dst) + 1))
-    return set(range(1, len(units))) - forbidden
+            if src is not None and src != dst:
+                yield node, dst, src_node, src
 
 
 def _unit_of(fqn: str) -> str:
@@ -247,34 +252,27 @@ def check_flow(graph: fx.Graph) -> None:
     """Raise :class:`PipelineSplitError` for an edge the pipeline cannot carry: a forward op
     fed by a later stage, a later stage fed by an earlier stage's backward, or anything but
     a tensor crossing a boundary."""
-    for node in graph.nodes:
-        dst = node.meta.get(node_meta.STAGE)
-        if dst is None or node.op == "output":
-            continue
-        for src_node in node.all_input_nodes:
-            src = src_node.meta.get(node_meta.STAGE)
-            if src is None or src == dst:
-                continue
-            if src > dst and node_phase(node) != "backward":
-                raise PipelineSplitError(
-                    f"{_describe(node)} runs in stage {dst} but reads {_describe(src_node)} "
-                    f"from the later stage {src}: the stage boundaries cut the forward "
-                    "against its data flow; move these modules into one stage or reorder "
-                    "the stages"
-                )
-            if src < dst and node_phase(src_node) == "backward":
-                raise PipelineSplitError(
-                    f"{_describe(node)} in stage {dst} needs the backward value "
-                    f"{_describe(src_node)} of the earlier stage {src}, which runs after it; "
-                    "move these modules into one stage"
-                )
-            if not isinstance(src_node.meta.get("val"), torch.Tensor):
-                raise PipelineSplitError(
-                    f"{_describe(src_node)} crosses from stage {src} to stage {dst} but is "
-                    f"not a tensor ({type(src_node.meta.get('val')).__name__}): only tensors "
-                    "travel between stages (a multi-output op and its readers, or a size "
-                    "computed from data, stay in one stage); cut elsewhere"
-                )
+    for node, dst, src_node, src in _crossing_edges(graph):
+        if src > dst and node_phase(node) != "backward":
+            raise PipelineSplitError(
+                f"{_describe(node)} runs in stage {dst} but reads {_describe(src_node)} "
+                f"from the later stage {src}: the stage boundaries cut the forward "
+                "against its data flow; move these modules into one stage or reorder "
+                "the stages"
+            )
+        if src < dst and node_phase(src_node) == "backward":
+            raise PipelineSplitError(
+                f"{_describe(node)} in stage {dst} needs the backward value "
+                f"{_describe(src_node)} of the earlier stage {src}, which runs after it; "
+                "move these modules into one stage"
+            )
+        if not isinstance(src_node.meta.get("val"), torch.Tensor):
+            raise PipelineSplitError(
+                f"{_describe(src_node)} crosses from stage {src} to stage {dst} but is "
+                f"not a tensor ({type(src_node.meta.get('val')).__name__}): only tensors "
+                "travel between stages (a multi-output op and its readers, or a size "
+                "computed from data, stay in one stage); cut elsewhere"
+            )
 
 
 def _describe(node: fx.Node) -> str:

@@ -50,80 +50,57 @@ def train_loop(
     if log_interval is not None and log_fn is None:
         log_fn = print_record
     try:
-        return _loop(
-            executor,
-            stepper,
-            state,
-            to_device,
-            dataloader,
-            max_steps,
-            log_interval,
-            log_fn,
-            accumulation_steps,
-        )
-    except BaseException:
-        stepper.discard()
-        raise
+        place = executor.place
+        records: list[dict[str, Any]] = []
+        window = MicroBatches()
+        started = time.perf_counter()
+        batches = iter(dataloader)
+        seen = 0
 
+        def end_step(*, always_log: bool = False) -> None:
+            records.append(_optimizer_step(executor, stepper, state, window, started))
+            due = always_log or state.step % (log_interval or 1) == 0
+            if log_fn is not None and place.rank == 0 and due:
+                log_fn(records[-1])
 
-def _loop(
-    executor: StepExecutor,
-    stepper: OptimizerStepper,
-    state: TrainState,
-    to_device: Callable[[Any], Any],
-    dataloader: Iterable[Any],
-    max_steps: int | None,
-    log_interval: int | None,
-    log_fn: Callable[[dict[str, Any]], None] | None,
-    accumulation_steps: int,
-) -> list[dict[str, Any]]:
-    place = executor.place
-    records: list[dict[str, Any]] = []
-    window = MicroBatches()
-    started = time.perf_counter()
-    batches = iter(dataloader)
-    seen = 0
-
-    def end_step(*, always_log: bool = False) -> None:
-        records.append(_optimizer_step(executor, stepper, state, window, started))
-        due = always_log or state.step % (log_interval or 1) == 0
-        if log_fn is not None and place.rank == 0 and due:
-            log_fn(records[-1])
-
-    while max_steps is None or len(records) < max_steps:
-        batch = next(batches, _END)
-        input = label = last = found = None
-        if batch is not _END:
-            input, label = to_device(split_batch(batch))
-            size = batch_size(input)
-            last = window.last(size) if len(window) == accumulation_steps - 1 > 0 else None
-        accumulate = accumulation_steps > 1
-        if place.world_size > 1:
-            mine = None if batch is _END else (input, label)
-            ended, found = executor.agree(mine, accumulate, last is not None)
-            if ended:
-                _warn_uneven(place.rank, place.world_size, ended, seen)
+        while max_steps is None or len(records) < max_steps:
+            batch = next(batches, _END)
+            input = label = last = found = None
+            if batch is not _END:
+                input, label = to_device(split_batch(batch))
+                size = batch_size(input)
+                last = window.last(size) if len(window) == accumulation_steps - 1 > 0 else None
+            accumulate = accumulation_steps > 1
+            if place.world_size > 1:
+                mine = None if batch is _END else (input, label)
+                ended, found = executor.agree(mine, accumulate, last is not None)
+                if ended:
+                    _warn_uneven(place.rank, place.world_size, ended, seen)
+                    break
+            elif batch is _END:
                 break
-        elif batch is _END:
-            break
-        seen += 1
-        loss = executor.run(input, label, window.weight(size), accumulate, last, found)
-        state.consume()
-        window.add(loss, size, count_tokens(input))
-        if len(window) < accumulation_steps:
-            continue
-        end_step()
-        window, started = MicroBatches(), time.perf_counter()
-    if not seen:
-        raise ValueError(
-            "the dataloader yielded no batches, so there is nothing to train; check its "
-            "length, batch size and drop_last"
-        )
-    if len(window):
-        # The data ended inside an accumulation window: apply what was accumulated (its
-        # samples weighted as usual) rather than leaking gradients into the next call.
-        end_step(always_log=True)
-    return records
+            seen += 1
+            loss = executor.run(input, label, window.weight(size), accumulate, last, found)
+            state.consume()
+            window.add(loss, size, count_tokens(input))
+            if len(window) < accumulation_steps:
+                continue
+            end_step()
+            window, started = MicroBatches(), time.perf_counter()
+        if not seen:
+            raise ValueError(
+                "the dataloader yielded no batches, so there is nothing to train; check its "
+                "length, batch size and drop_last"
+            )
+        if len(window):
+            # The data ended inside an accumulation window: apply what was accumulated (its
+            # samples weighted as usual) rather than leaking gradients into the next call.
+            end_step(always_log=True)
+        return records
+
+    except BaseException:
+        stepper.discard()  # no partial gradient is left behind
+        raise
 
 
 def _warn_uneven(rank: int, world_size: int, ended: list[int], seen: int) -> None:
