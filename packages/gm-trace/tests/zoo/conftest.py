@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from architectures import BY_NAME
+from architectures import BY_NAME, MOE_LEFT_OUT
 
 ROWS = [
     "1 process = eager, bitwise",
@@ -90,4 +90,7 @@ def render(cells: dict[tuple[str, str], tuple[str, str]]) -> str:
     if notes:
         out += ["", "## What the clear errors would take", ""]
         out += [f"- **{name}**: {note}" for name, note in notes]
+    if any(BY_NAME[name].family == "moe" for name in names):
+        out += ["", "## Mixture-of-experts architectures without a row", ""]
+        out += [f"- **{model_type}**: {why}" for model_type, why in MOE_LEFT_OUT.items()]
     return "\n".join(out) + "\n"

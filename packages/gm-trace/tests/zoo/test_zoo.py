@@ -5,7 +5,9 @@ two pipeline stages and run stage by stage, bitwise the whole graph; FSDP on 2 g
 against eager, with and without ``reshard_after_forward``; ``param_dtype=bfloat16`` against
 eager FSDP2 under the same ``MixedPrecisionPolicy``; the Inductor backend. CI runs the subset
 tagged ``ci`` (a LayerNorm decoder, an RMSNorm decoder, an encoder and a BatchNorm vision
-model); ``GM_ZOO=all`` (``nox -s zoo``) runs everything and writes docs/zoo.md.
+model) and the one-process row of those tagged ``ci-moe`` (mixtures of experts with
+transformers' default experts kernel); ``GM_ZOO=all`` (``nox -s zoo``) runs everything and
+writes docs/zoo.md.
 """
 
 from __future__ import annotations
@@ -37,13 +39,18 @@ def _needs(arch: Architecture) -> list:
     return []
 
 
-def _cases(architectures: list[Architecture], subset: set[str] | None = None) -> list:
-    """One pytest param per architecture; outside the CI subset only with ``GM_ZOO=all``."""
+def _cases(
+    architectures: list[Architecture],
+    subset: set[str] | None = None,
+    ci_tags: frozenset[str] = frozenset({"ci"}),
+) -> list:
+    """One pytest param per architecture; outside the CI subset (``ci_tags``) only with
+    ``GM_ZOO=all``."""
     cases = []
     for arch in architectures:
         if subset is not None and arch.name not in subset:
             continue
-        skip = not FULL and "ci" not in arch.tags
+        skip = not FULL and not ci_tags & arch.tags
         marks = [pytest.mark.skip(reason="full zoo only: GM_ZOO=all")] if skip else _needs(arch)
         cases.append(pytest.param(arch.name, id=arch.name, marks=marks))
     return cases
@@ -52,7 +59,7 @@ def _cases(architectures: list[Architecture], subset: set[str] | None = None) ->
 ZOO = ARCHITECTURES + EXTRA_ARCHITECTURES
 
 
-@pytest.mark.parametrize("name", _cases(ZOO))
+@pytest.mark.parametrize("name", _cases(ZOO, ci_tags=frozenset({"ci", "ci-moe"})))
 def test_single_process_is_bitwise_eager(name, record_property):
     record_property("zoo_cell", (name, "1 process = eager, bitwise"))
     result = bodies.single_process(name)
