@@ -1,4 +1,4 @@
-"""The shape functions the tracer adds (gm_trace.capture.fake_kernels): ``aten._grouped_mm`` on
+"""The shape functions the tracer adds (gm_trace.graph.fake_kernels): ``aten._grouped_mm`` on
 CPU in float32, as transformers' default experts kernel runs it, captured bitwise eager."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from torch._subclasses import fake_impls
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from gm_trace import GraphCaptureError, run_traced_graph, trace_model_graph
-from gm_trace.capture.fake_kernels import extra_fake_kernels
+from gm_trace.graph.fake_kernels import extra_fake_kernels
 
 GROUPS = torch.tensor([3, 3, 8], dtype=torch.int32)  # the second group is empty
 

@@ -483,7 +483,7 @@ ARCHITECTURES: list[Architecture] = [
         },
     ),
     # mixture of experts, with transformers' default experts kernel (grouped_mm: torch's fake
-    # tensors get its float32 shape function from gm_trace.capture.fake_kernels) ...
+    # tensors get its float32 shape function from gm_trace.graph.fake_kernels) ...
     moe("mixtral", "MixtralForCausalLM"),
     moe("qwen2-moe", "Qwen2MoeForCausalLM"),
     moe("qwen3-moe", "Qwen3MoeForCausalLM", tags=("ci-moe",)),

@@ -24,7 +24,7 @@ from gm_trace.capture.capture_errors import GraphCaptureError
 pytestmark = pytest.mark.zoo
 
 FULL = os.environ.get("GM_ZOO") == "all"
-INDUCTOR = {"gpt2", "llama", "bert", "t5", "vit", "resnet"}
+INDUCTOR = {"gpt2", "llama", "bert", "t5", "vit", "resnet", "qwen3-moe"}
 
 
 #: The architectures of transformers need it installed (nox installs it for this suite).

@@ -1,7 +1,7 @@
 """The environment ``make_fx`` traces a training step in: node metadata preserved,
 ``torch.compile``-wrapped functions inlined, autograd's backward kept on the calling thread and
 tagged with its forward ops, and the shape functions torch lacks for ops eager runs
-(:mod:`gm_trace.capture.fake_kernels`)."""
+(:mod:`gm_trace.graph.fake_kernels`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from gm_trace.capture.fake_kernels import extra_fake_kernels
+from gm_trace.graph.fake_kernels import extra_fake_kernels
 
 
 @contextlib.contextmanager

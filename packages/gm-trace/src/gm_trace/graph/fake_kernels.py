@@ -1,4 +1,4 @@
-"""Shape functions the tracer adds where torch's fake tensors lack one for what eager runs.
+"""Shape functions graph mode adds where torch's fake tensors lack one for what eager runs.
 
 Graph capture traces on fake tensors, so every op of the step needs a shape function; the graph
 then runs the op's real kernel, so a shape function changes no value. torch 2.13's meta function
@@ -8,8 +8,10 @@ experts trained in float32 on CPU runs eagerly but cannot be traced.
 
 :func:`extra_fake_kernels` adds a shape function for exactly that case -- ``aten._grouped_mm``
 on CPU in float32 / float16 -- for the duration of a trace (the tracer enters it in
-:func:`~gm_trace.capture.trace_context.tracing_context`); every other dtype and device still
-goes to torch's own meta function, and nothing stays registered after the trace.
+:func:`~gm_trace.capture.trace_context.tracing_context`) and of an Inductor compile, which
+traces the graph on fake tensors again (:mod:`gm_trace.passes.inductor_backend`); every other
+dtype and device still goes to torch's own meta function, and nothing stays registered after
+the block.
 """
 
 from __future__ import annotations
