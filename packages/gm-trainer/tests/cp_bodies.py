@@ -1,0 +1,136 @@
+"""Rank bodies for the context-parallel tests: module-level, importable by spawned ranks.
+
+Every rank of a cp group passes the same batch (its data-parallel slice of the global batch);
+the reference is ONE eager process on the whole sequence with the same weights and data.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gm_config import PassConfig
+from gm_trace.testing.parity import assert_full_params_close
+from gm_trainer import GraphTrainer, MeshContext, load_checkpoint, save_checkpoint
+
+SEQ = 256
+ROWS = 2  # per data-parallel rank
+STEPS = 5
+LR = 1e-3
+RTOL = 1e-5
+
+
+def hf_loss(model, input, label):
+    """The loss a HF causal LM computes from ``labels`` (it shifts them itself)."""
+    return model(**input, labels=label).loss
+
+
+def build(arch: str) -> torch.nn.Module:
+    """The zoo's tiny Llama or Qwen3 (fixed weights), positions up to SEQ."""
+    import transformers
+
+    from hf_configs import tiny_llama
+
+    torch.manual_seed(0)
+    fields = tiny_llama(max_position_embeddings=SEQ).to_dict()
+    if arch == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields))
+    if arch == "qwen3":
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**fields, head_dim=8))
+    raise ValueError(arch)
+
+
+def batches(rows: int, padded: bool, seq: int = SEQ, steps: int = STEPS) -> list[tuple[Any, Any]]:
+    """Global batches. ``padded``: left padding of other lengths per row, masked in attention
+    and ``-100`` in the labels (the loss averages over the tokens that count)."""
+    out = []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(1000 + step)
+        ids = torch.randint(0, 61, (rows, seq), generator=gen)
+        labels = ids.clone()
+        input: dict[str, torch.Tensor] = {"input_ids": ids}
+        if padded:
+            mask = torch.ones_like(ids)
+            for row in range(rows):
+                pad = (37 * (row + 1) + 11 * step) % (seq // 2)
+                mask[row, :pad] = 0
+                labels[row, :pad] = -100
+            input["attention_mask"] = mask
+        out.append((input, labels))
+    return out
+
+
+def _rows(batch: Any, index: int, count: int) -> Any:
+    per = ROWS
+    return torch.utils._pytree.tree_map(lambda t: t[index * per : (index + 1) * per], batch)
+
+
+def eager_reference(model: torch.nn.Module, global_batches, dp: int) -> tuple[Any, list[float]]:
+    """Adam on one process; each step's loss is the mean over the ``dp`` slices (data-parallel
+    semantics; with dp 1 the mean over every token of the whole batch)."""
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    losses = []
+    for input, label in global_batches:
+        loss = sum(
+            hf_loss(model, _rows(input, i, dp), _rows(label, i, dp)) for i in range(dp)
+        ) / dp
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return model, losses
+
+
+def _trainer(model, world: int, fsdp: bool) -> tuple[GraphTrainer, int]:
+    """A cp 2 x dp world/2 trainer and this rank's data-parallel index."""
+    mesh = MeshContext.build(cp=2, dp_shard=world // 2)
+    config = PassConfig(cp_degree=2, fsdp_enabled=fsdp)
+    trainer = GraphTrainer(model, hf_loss, config, optimizer_config={"lr": LR}, mesh_context=mesh)
+    return trainer, mesh.dp_rank
+
+
+def _world_mean(loss: torch.Tensor) -> float:
+    mean = loss.detach().reshape(1).clone()
+    dist.all_reduce(mean)
+    return mean.item() / dist.get_world_size()
+
+
+def parity(rank: int, world: int, arch: str, padded: bool, fsdp: bool) -> dict[str, Any]:
+    """cp 2 (x dp world/2) against one eager process: losses and parameters after STEPS."""
+    dp = world // 2
+    data = batches(ROWS * dp, padded)
+    model = build(arch)
+    reference, ref_losses = eager_reference(model, data, dp)
+    trainer, dp_index = _trainer(model, world, fsdp)
+    losses = []
+    for input, label in data:
+        losses.append(_world_mean(trainer.train_step(*_rows((input, label), dp_index, dp))))
+        trainer.optimizer_step()
+    torch.testing.assert_close(losses, ref_losses, rtol=RTOL, atol=0)
+    worst = assert_full_params_close(trainer.model, reference, trainer.sharding, steps=STEPS)
+    cp_stats = next(r.stats for r in trainer.pipelines[0].records if r.name == "cp")
+    return {"losses": losses, "reference": ref_losses, "worst_param": worst, "cp": cp_stats}
+
+
+def checkpoint_round_trip(rank: int, world: int) -> dict[str, Any]:
+    """A cp 2 x FSDP run's checkpoint loads into a run without cp and back; each continues
+    as one eager process would."""
+    data = batches(ROWS * (world // 2), padded=True, steps=4)
+    model = build("llama")
+    cp_run, dp_index = _trainer(model, world, fsdp=True)
+    for batch in data[:2]:
+        cp_run.train_step(*_rows(batch, dp_index, world // 2))
+        cp_run.optimizer_step()
+    folder = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(folder)
+    save_checkpoint(cp_run, folder[0] + "/cp")
+    plain = GraphTrainer(build("llama"), hf_loss, PassConfig(), optimizer_config={"lr": LR})
+    local = _rows(data[2], rank, world) if ROWS * (world // 2) >= world else data[2]
+    plain.compile(*local)
+    load_checkpoint(plain, folder[0] + "/cp")
+    return {"ok": True, "folder": folder[0]}
