@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gm_config import PassConfig
+from gm_config import ConfigError, PassConfig
 from gm_trace.testing.parity import assert_full_params_close
 from gm_trainer import GraphTrainer, MeshContext, load_checkpoint, save_checkpoint
 
@@ -134,3 +134,76 @@ def checkpoint_round_trip(rank: int, world: int) -> dict[str, Any]:
     plain.compile(*local)
     load_checkpoint(plain, folder[0] + "/cp")
     return {"ok": True, "folder": folder[0]}
+
+
+@torch.library.custom_op("gm_cp_test::attention", mutates_args=())
+def custom_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """A kernel the cp pass does not know: softmax(q k^T) v, opaque to the graph."""
+    return torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+
+
+@custom_attention.register_fake
+def _(q, k, v):
+    return torch.empty_like(q)
+
+
+def _attention_backward(ctx, grad):
+    q, k, v = ctx.saved_tensors
+    with torch.enable_grad():
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        out = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+        return torch.autograd.grad(out, (q, k, v), grad)
+
+
+def _attention_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+custom_attention.register_autograd(_attention_backward, setup_context=_attention_setup)
+
+
+class Mixer(torch.nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return custom_attention(q, k, v)
+
+
+class CustomAttentionLM(torch.nn.Module):
+    """Token embedding, one attention by a custom kernel, a head."""
+
+    def __init__(self, vocab: int = 61, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.mixer = Mixer(dim)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mixer(self.embed(ids)))
+
+
+def lm_loss(model, input, label):
+    logits = model(input)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), label.flatten())
+
+
+def errors(rank: int, world: int) -> dict[str, str]:
+    """The messages of a sequence cp does not divide and of an attention it cannot split."""
+    messages = {}
+    config = PassConfig(cp_degree=2, fsdp_enabled=False)
+    llama = GraphTrainer(build("llama"), hf_loss, config, optimizer_config={"lr": LR})
+    (input, label), *_ = batches(1, padded=False, seq=15, steps=1)
+    try:
+        llama.train_step(input, label)
+    except ConfigError as error:
+        messages["length"] = str(error)
+    custom = GraphTrainer(CustomAttentionLM(), lm_loss, config, optimizer_config={"lr": LR})
+    ids = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(0))
+    try:
+        custom.train_step(ids, ids)
+    except ConfigError as error:
+        messages["custom"] = str(error)
+    return messages
