@@ -117,23 +117,54 @@ def parity(rank: int, world: int, arch: str, padded: bool, fsdp: bool) -> dict[s
     return {"losses": losses, "reference": ref_losses, "worst_param": worst, "cp": cp_stats}
 
 
+def _full(trainer: GraphTrainer) -> dict[str, torch.Tensor]:
+    from gm_trace.passes.fsdp import full_parameter
+
+    return {
+        fqn: full_parameter(trainer.model, fqn, trainer.sharding).clone()
+        for fqn, _ in trainer.model.named_parameters()
+    }
+
+
 def checkpoint_round_trip(rank: int, world: int) -> dict[str, Any]:
-    """A cp 2 x FSDP run's checkpoint loads into a run without cp and back; each continues
-    as one eager process would."""
-    data = batches(ROWS * (world // 2), padded=True, steps=4)
-    model = build("llama")
-    cp_run, dp_index = _trainer(model, world, fsdp=True)
+    """A cp 2 x FSDP run's checkpoint loads into an FSDP run without cp (every parameter and
+    the step as saved), which trains on and saves; a cp run loads that back alike."""
+    dp = world // 2
+    data = batches(ROWS * dp, padded=True, steps=4)
+    cp_run, dp_index = _trainer(build("llama"), world, fsdp=True)
     for batch in data[:2]:
-        cp_run.train_step(*_rows(batch, dp_index, world // 2))
+        cp_run.train_step(*_rows(batch, dp_index, dp))
         cp_run.optimizer_step()
     folder = [tempfile.mkdtemp() if rank == 0 else None]
     dist.broadcast_object_list(folder)
     save_checkpoint(cp_run, folder[0] + "/cp")
+    saved = _full(cp_run)
+
+    def plain_rows(batch):  # no cp: each rank reads its own row
+        return torch.utils._pytree.tree_map(lambda t: t[rank : rank + 1], batch)
+
+    torch.manual_seed(123)  # other weights: the load must replace them
     plain = GraphTrainer(build("llama"), hf_loss, PassConfig(), optimizer_config={"lr": LR})
-    local = _rows(data[2], rank, world) if ROWS * (world // 2) >= world else data[2]
-    plain.compile(*local)
+    plain.compile(*plain_rows(data[2]))
     load_checkpoint(plain, folder[0] + "/cp")
-    return {"ok": True, "folder": folder[0]}
+    loaded = _full(plain)
+    same = all(torch.equal(saved[k], loaded[k]) for k in saved) and plain.step == 2
+    loss = plain.train_step(*plain_rows(data[2]))
+    plain.optimizer_step()
+    save_checkpoint(plain, folder[0] + "/plain")
+    saved_plain = _full(plain)
+
+    back, dp_index = _trainer(build("llama"), world, fsdp=True)
+    back.compile(*_rows(data[3], dp_index, dp))
+    load_checkpoint(back, folder[0] + "/plain")
+    back_same = all(torch.equal(saved_plain[k], v) for k, v in _full(back).items())
+    back_loss = back.train_step(*_rows(data[3], dp_index, dp))
+    back.optimizer_step()
+    return {
+        "cp_to_plain": same,
+        "plain_to_cp": back_same and back.step == 4,
+        "finite": bool(torch.isfinite(loss) and torch.isfinite(back_loss)),
+    }
 
 
 @torch.library.custom_op("gm_cp_test::attention", mutates_args=())
