@@ -205,7 +205,9 @@ def cp(session: nox.Session) -> None:
     _install_layer(session, "gm-trainer", torch=True)
     session.env["GM_CP"] = "all"
     tests = ROOT / "packages" / "gm-trainer" / "tests"
-    session.run("pytest", str(tests / "test_cp.py"), "-q", *session.posargs)
+    session.run(
+        "pytest", str(tests / "test_cp.py"), "-q", "-p", "no:cacheprovider", *session.posargs
+    )
 
 
 @nox.session(tags=["bench"], default=False)

@@ -40,7 +40,7 @@ def build(arch: str) -> torch.nn.Module:
     if arch == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields))
     if arch == "qwen3":
-        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**fields, head_dim=8))
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**fields, "head_dim": 8}))
     raise ValueError(arch)
 
 
