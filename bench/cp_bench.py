@@ -94,7 +94,7 @@ def _rank(rank: int, world: int, seqs: list[int], rows: int, steps: int) -> dict
                 interpreter.run(*_graph_args(joint, model, *batch))
             runs[cp] = {"joint": joint, "model": model, "held": interpreter.held, "ms": []}
         for step in range(steps + 1):  # alternate: the same noise for both
-            for cp, run in runs.items():
+            for run in runs.values():
                 torch.distributed.barrier()
                 started = time.perf_counter()
                 run_traced_graph(run["joint"], run["model"], *batch)
@@ -116,7 +116,9 @@ def main() -> None:
     with DistributedPool(2) as pool:
         results = pool.run(_rank, args.seq, args.rows, args.steps, timeout=1800)
     print(f"HF Llama (tiny), {args.rows} rows, causal, 2 gloo ranks, FSDP off\n")
-    print("| seq | rank | cp | held activations, measured | step ms | held vs cp 1 | step vs cp 1 |")
+    print(
+        "| seq | rank | cp | held activations, measured | step ms | held vs cp 1 | step vs cp 1 |"
+    )
     print("|---|---|---|---|---|---|---|")
     for seq in args.seq:
         for rank, result in enumerate(results):

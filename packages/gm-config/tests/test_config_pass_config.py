@@ -331,4 +331,3 @@ def test_cp_degree_and_cp_dims_are_checked():
     for bad in ({}, [1], {"label": -1}, {"": 1}, {"label": "x"}):
         with pytest.raises(ConfigError, match=r"PassConfig.cp_dims"):
             PassConfig(cp_dims=bad)
-

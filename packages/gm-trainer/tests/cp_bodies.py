@@ -32,7 +32,6 @@ def hf_loss(model, input, label):
 def build(arch: str) -> torch.nn.Module:
     """The zoo's tiny Llama or Qwen3 (fixed weights), positions up to SEQ."""
     import transformers
-
     from hf_configs import tiny_llama
 
     torch.manual_seed(0)
@@ -76,9 +75,7 @@ def eager_reference(model: torch.nn.Module, global_batches, dp: int) -> tuple[An
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     losses = []
     for input, label in global_batches:
-        loss = sum(
-            hf_loss(model, _rows(input, i, dp), _rows(label, i, dp)) for i in range(dp)
-        ) / dp
+        loss = sum(hf_loss(model, _rows(input, i, dp), _rows(label, i, dp)) for i in range(dp)) / dp
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

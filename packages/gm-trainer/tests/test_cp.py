@@ -10,9 +10,8 @@ from __future__ import annotations
 import os
 import re
 
-import pytest
-
 import cp_bodies as bodies
+import pytest
 
 pytestmark = pytest.mark.distributed
 

@@ -178,9 +178,11 @@ def _cut_inputs(
             "sequence (set PassConfig.cp_dims to the leaves and dims that are)"
         )
     seq = next(iter(lengths.values()))
-    if seq % cp:
+    # A piece of one token would lose its dim to ops that squeeze size-1 dims.
+    if seq % cp or seq // cp < 2:
         raise ContextParallelError(
             f"sequence length {seq} ({', '.join(lengths)}) is not divisible by "
-            f"PassConfig.cp_degree={cp}; pad the sequence to a multiple of {cp}"
+            f"PassConfig.cp_degree={cp} into pieces of two tokens or more; pad the sequence to a "
+            f"multiple of {cp} (at least {2 * cp})"
         )
     return cut, seq

@@ -59,7 +59,6 @@ def _attention_operands(rw, node, query, key, value, mask, is_causal, dropout):
         mask_new = _causal_mask(rw, query.meta["val"].dtype)
     else:
         mask_new = None
-    rw.attention.append(f"{node.target} in {module_of(node)}")
     return rw.to(query, q_seq), rw.to(key, R), rw.to(value, R), mask_new
 
 
@@ -73,6 +72,7 @@ def _flash_cpu(rw, node):
     if operands is None:
         return None
     q, k, v, mask = operands
+    rw.attention.append(f"{node.target} in {module_of(node)}")
     kwargs = {"attn_mask": mask, "scale": node.kwargs.get("scale")}
     out = rw.emit(node.target, (q, k, v, 0.0, False), kwargs)
     return out, (Seq(2, 1), Seq(2, 1))

@@ -230,7 +230,6 @@ class ResolvedMesh:
             )
         return filled
 
-
     def _checked_cp(self, config: PassConfig, pp: int) -> dict[str, Any]:
         """Context parallelism (issue 29): ``cp_degree`` 1 takes the mesh's ``cp`` dim."""
         if config.cp_degree not in (1, self.cp_size):
