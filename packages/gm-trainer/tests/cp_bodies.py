@@ -63,9 +63,9 @@ def batches(rows: int, padded: bool, seq: int = SEQ, steps: int = STEPS) -> list
     return out
 
 
-def _rows(batch: Any, index: int, count: int) -> Any:
-    per = ROWS
-    return torch.utils._pytree.tree_map(lambda t: t[index * per : (index + 1) * per], batch)
+def _rows(batch: Any, index: int) -> Any:
+    """Data-parallel slice ``index`` (ROWS rows) of a global batch."""
+    return torch.utils._pytree.tree_map(lambda t: t[index * ROWS : (index + 1) * ROWS], batch)
 
 
 def eager_reference(model: torch.nn.Module, global_batches, dp: int) -> tuple[Any, list[float]]:
@@ -75,7 +75,7 @@ def eager_reference(model: torch.nn.Module, global_batches, dp: int) -> tuple[An
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     losses = []
     for input, label in global_batches:
-        loss = sum(hf_loss(model, _rows(input, i, dp), _rows(label, i, dp)) for i in range(dp)) / dp
+        loss = sum(hf_loss(model, _rows(input, i), _rows(label, i)) for i in range(dp)) / dp
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -106,7 +106,7 @@ def parity(rank: int, world: int, arch: str, padded: bool, fsdp: bool) -> dict[s
     trainer, dp_index = _trainer(model, world, fsdp)
     losses = []
     for input, label in data:
-        losses.append(_world_mean(trainer.train_step(*_rows((input, label), dp_index, dp))))
+        losses.append(_world_mean(trainer.train_step(*_rows((input, label), dp_index))))
         trainer.optimizer_step()
     torch.testing.assert_close(losses, ref_losses, rtol=RTOL, atol=0)
     worst = assert_full_params_close(trainer.model, reference, trainer.sharding, steps=STEPS)
@@ -130,7 +130,7 @@ def checkpoint_round_trip(rank: int, world: int) -> dict[str, Any]:
     data = batches(ROWS * dp, padded=True, steps=4)
     cp_run, dp_index = _trainer(build("llama"), world, fsdp=True)
     for batch in data[:2]:
-        cp_run.train_step(*_rows(batch, dp_index, dp))
+        cp_run.train_step(*_rows(batch, dp_index))
         cp_run.optimizer_step()
     folder = [tempfile.mkdtemp() if rank == 0 else None]
     dist.broadcast_object_list(folder)
@@ -152,10 +152,10 @@ def checkpoint_round_trip(rank: int, world: int) -> dict[str, Any]:
     saved_plain = _full(plain)
 
     back, dp_index = _trainer(build("llama"), world, fsdp=True)
-    back.compile(*_rows(data[3], dp_index, dp))
+    back.compile(*_rows(data[3], dp_index))
     load_checkpoint(back, folder[0] + "/plain")
     back_same = all(torch.equal(saved_plain[k], v) for k, v in _full(back).items())
-    back_loss = back.train_step(*_rows(data[3], dp_index, dp))
+    back_loss = back.train_step(*_rows(data[3], dp_index))
     back.optimizer_step()
     return {
         "cp_to_plain": same,
@@ -235,3 +235,38 @@ def errors(rank: int, world: int) -> dict[str, str]:
     except ConfigError as error:
         messages["custom"] = str(error)
     return messages
+
+
+def tp_parity(rank: int, world: int) -> dict[str, Any]:
+    """DTensor TP 2 x cp 2 on 4 ranks (FSDP over the cp ranks): dtensor_bodies' HF Llama and
+    plan, 5 clipped Adam steps == one eager process on the whole sequence."""
+    import dtensor_bodies as tp
+    import mesh_bodies
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from gm_trace.testing.parity import parity_tolerance
+
+    model = tp.llama()
+    expected, reference = tp._eager(copy.deepcopy(model), tp.llama_loss, tp.llama_batch, STEPS)
+    mesh = MeshContext.build(tp=2, cp=2)
+    parallelize_module(model, mesh.device_mesh["tp"], tp.llama_plan(2, False))
+    trainer = GraphTrainer(
+        model,
+        tp.llama_loss,
+        PassConfig(cp_degree=2),
+        optimizer_config=tp.OPTIMIZER,
+        mesh_context=mesh,
+    )
+    losses = []
+    for step in range(STEPS):
+        losses.append(_world_mean(trainer.train_step(*tp.llama_batch(step))))
+        trainer.optimizer_step()
+    torch.testing.assert_close(losses, expected, rtol=RTOL, atol=0)
+    tp_group = mesh.device_mesh["tp"].get_group()
+    worst = 0.0
+    for fqn, want in reference.named_parameters():
+        actual = mesh_bodies.whole_parameter(trainer, fqn, tp_group)
+        torch.testing.assert_close(actual, want.detach(), **parity_tolerance(STEPS), msg=fqn)
+        worst = max(worst, (actual - want).abs().max().item())
+    cp_stats = next(r.stats for r in trainer.pipelines[0].records if r.name == "cp")
+    return {"losses": losses, "reference": expected, "worst_param": worst, "cp": cp_stats}

@@ -2,7 +2,7 @@
 
 The default suite trains HF Llama at sequence 256 with cp 2 on 2 gloo ranks (padded batches,
 FSDP over the cp ranks); ``GM_CP=all`` (``nox -s cp``) adds Qwen3, causal batches, cp 2
-without FSDP, cp 2 x FSDP 2 on 4 ranks and the checkpoint round trip.
+without FSDP, cp 2 x FSDP 2 on 4 ranks, DTensor TP 2 x cp 2 and the checkpoint round trip.
 """
 
 from __future__ import annotations
@@ -66,3 +66,11 @@ def test_cp_errors_name_the_length_and_the_op(dist_pool):
         assert re.search(
             r"cannot split gm_cp_test.attention.default in mixer \(Mixer\)", messages["custom"]
         )
+
+
+@opt_in
+def test_dtensor_tp2_x_cp2_on_four_ranks(dist_pool):
+    for result in dist_pool(4).run(bodies.tp_parity, timeout=900):
+        # The helper asserted losses (rtol 1e-5) and parameters (parity_tolerance) already.
+        assert result["losses"] == pytest.approx(result["reference"], rel=1e-5)
+        assert result["cp"]["attention"] == 2 and result["cp"]["whole_ops"] == []

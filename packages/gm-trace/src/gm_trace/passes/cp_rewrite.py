@@ -313,8 +313,10 @@ class Rewriter:
         if not inputs:  # every operand whole: the op as it was
             return self._copy(node), self._placement_of_whole_result(node)
         namespace = getattr(target, "namespace", None)
-        if namespace in _COLLECTIVE_NAMESPACES:
-            return self._replicated(node)
+        if namespace in _COLLECTIVE_NAMESPACES:  # another group's (TP's): see cp_rules
+            rule = self.rules.get(f"{namespace}::{name}")
+            result = rule(self, node) if rule is not None else None
+            return self._replicated(node) if result is None else result
         unknown_attention = "attention" in name and name not in _SUPPORTED_ATTENTION
         if unknown_attention or namespace not in ("aten", "prims"):
             raise ContextParallelError(

@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from gm_trace.passes.cp_attention import ATTENTION_RULES
+from gm_trace.passes.cp_other_groups import OTHER_GROUP_RULES
 from gm_trace.passes.cp_rewrite import (
     P,
     R,
@@ -469,4 +470,5 @@ RULES: dict[str, Callable[[Rewriter, fx.Node], Any]] = {
     "nll_loss_forward": _nll_forward,
     "nll_loss_backward": _nll_backward,
     **ATTENTION_RULES,
+    **OTHER_GROUP_RULES,
 }
