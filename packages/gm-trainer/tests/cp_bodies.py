@@ -270,3 +270,26 @@ def tp_parity(rank: int, world: int) -> dict[str, Any]:
         worst = max(worst, (actual - want).abs().max().item())
     cp_stats = next(r.stats for r in trainer.pipelines[0].records if r.name == "cp")
     return {"losses": losses, "reference": expected, "worst_param": worst, "cp": cp_stats}
+
+
+def accumulation(rank: int, world: int) -> dict[str, Any]:
+    """cp 2 (FSDP over the cp ranks) with 2 accumulated micro-batches per optimizer step ==
+    one eager process stepping on the mean of each window's two losses."""
+    steps, window = 3, 2
+    data = batches(ROWS, padded=True, steps=steps * window)
+    model = build("llama")
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.Adam(reference.parameters(), lr=LR)
+    expected = []
+    for start in range(0, len(data), window):
+        loss = sum(hf_loss(reference, *batch) for batch in data[start : start + window]) / window
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(loss.item())
+    trainer, _ = _trainer(model, world, fsdp=True)
+    records = trainer.train(data, accumulation_steps=window)
+    losses = [r["loss"] for r in records]
+    torch.testing.assert_close(losses, expected, rtol=RTOL, atol=0)
+    worst = assert_full_params_close(trainer.model, reference, trainer.sharding, steps=steps)
+    return {"losses": losses, "reference": expected, "worst_param": worst}

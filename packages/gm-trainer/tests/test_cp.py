@@ -74,3 +74,9 @@ def test_dtensor_tp2_x_cp2_on_four_ranks(dist_pool):
         # The helper asserted losses (rtol 1e-5) and parameters (parity_tolerance) already.
         assert result["losses"] == pytest.approx(result["reference"], rel=1e-5)
         assert result["cp"]["attention"] == 2 and result["cp"]["whole_ops"] == []
+
+
+@opt_in
+def test_cp2_with_accumulation(dist_pool):
+    for result in dist_pool(2).run(bodies.accumulation, timeout=600):
+        assert result["losses"] == pytest.approx(result["reference"], rel=1e-5)
