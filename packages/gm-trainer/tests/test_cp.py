@@ -2,7 +2,8 @@
 
 The default suite trains HF Llama at sequence 256 with cp 2 on 2 gloo ranks (padded batches,
 FSDP over the cp ranks); ``GM_CP=all`` (``nox -s cp``) adds Qwen3, causal batches, cp 2
-without FSDP, cp 2 x FSDP 2 on 4 ranks, DTensor TP 2 x cp 2 and the checkpoint round trip.
+without FSDP, cp 2 x FSDP 2 on 4 ranks, DTensor TP 2 x cp 2, accumulation and the
+checkpoint round trip.
 """
 
 from __future__ import annotations
