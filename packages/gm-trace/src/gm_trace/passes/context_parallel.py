@@ -129,8 +129,8 @@ class ContextParallelPass(GraphPass):
                 "the cp pass needs the traced JointGraph: run it through joint_graph.through"
             )
         cut, seq = _cut_inputs(graph_module, ctx.graph_info, ctx.config.cp_dims, cp)
-        rewriter = Rewriter(graph_module, cp, dist.get_rank(group), group_name, seq, RULES)
-        rewriter.scale_partial_grads = _fsdp_covers(ctx, group)
+        scale = _fsdp_covers(ctx, group)
+        rewriter = Rewriter(graph_module, cp, dist.get_rank(group), group_name, seq, RULES, scale)
         graph_module.graph = rewriter.run(cut)
         ctx.record(
             self.name,

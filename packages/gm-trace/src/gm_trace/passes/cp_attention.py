@@ -25,9 +25,10 @@ aten = torch.ops.aten
 def _causal_mask(rw: Rewriter, dtype: torch.dtype) -> fx.Node:
     """``[1, 1, S/cp, S]``: 0 where this rank's query (at its global position) may see the key,
     -inf elsewhere; built anew in backward (a few small ops) rather than held."""
-    key = ("causal", dtype, rw._phase())
-    if key in rw._cache:
-        return rw._cache[key]
+    return rw.once(("causal", dtype, rw.phase()), lambda: _build_causal_mask(rw, dtype))
+
+
+def _build_causal_mask(rw: Rewriter, dtype: torch.dtype) -> fx.Node:
     start = rw.rank * rw.local
     queries = rw.emit(aten.arange.start, (start, start + rw.local), {"dtype": torch.int64})
     keys = rw.emit(aten.arange.default, (rw.seq,), {"dtype": torch.int64})
@@ -38,9 +39,7 @@ def _causal_mask(rw: Rewriter, dtype: torch.dtype) -> fx.Node:
     zero = rw.emit(aten.scalar_tensor.default, (0.0,), {"dtype": dtype})
     minus_inf = rw.emit(aten.scalar_tensor.default, (float("-inf"),), {"dtype": dtype})
     mask = rw.emit(aten.where.self, (allowed, zero, minus_inf))
-    mask = rw.emit(aten.view.default, (mask, [1, 1, rw.local, rw.seq]))
-    rw._cache[key] = mask
-    return mask
+    return rw.emit(aten.view.default, (mask, [1, 1, rw.local, rw.seq]))
 
 
 def _attention_operands(rw, node, query, key, value, mask, is_causal, dropout):

@@ -17,7 +17,7 @@ __all__ = ["OTHER_GROUP_RULES"]
 
 
 def _wait(rw, node):
-    return rw._copy(node), rw.plc[node.args[0]]
+    return rw.copy_op(node), rw.plc[node.args[0]]
 
 
 def _other_group(rw, node, dim0: bool, op_index: int | None):
@@ -26,10 +26,10 @@ def _other_group(rw, node, dim0: bool, op_index: int | None):
     p = rw.plc[node.args[0]]
     if p == P:
         summing = op_index is None or node.args[op_index] == "sum"
-        return (rw._copy(node), P) if summing else None
+        return (rw.copy_op(node), P) if summing else None
     if dim0 and p.dim == 0:
         return None
-    return rw._copy(node), p
+    return rw.copy_op(node), p
 
 
 def _rules() -> dict[str, Callable[[Rewriter, fx.Node], Any]]:

@@ -101,8 +101,12 @@ class Rewriter:
         group_name: str,
         seq: int,
         rules: Mapping[str, Callable[[Rewriter, fx.Node], Any]],
+        scale_partial_grads: bool = False,
     ) -> None:
         self.rules = rules
+        #: Gradients leave as ``cp x`` their partial sum (fsdp then takes the mean over a
+        #: group holding the cp ranks) instead of all-reduced over cp.
+        self.scale_partial_grads = scale_partial_grads
         self.gm = graph_module
         self.old = graph_module.graph
         self.new = fx.Graph(owning_module=graph_module)
@@ -134,7 +138,14 @@ class Rewriter:
             node.meta["val"] = target(*fake_args, **fake_kwargs)
         return node
 
-    def _phase(self) -> str:
+    def once(self, key: tuple[Any, ...], build: Callable[[], fx.Node]) -> fx.Node:
+        """The node ``build()`` emitted the first time ``key`` was asked for."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def phase(self) -> str:
+        """The phase (``forward`` / ``backward``) of the node being rewritten."""
         return (self.current.meta.get("gm_phase") if self.current is not None else None) or ""
 
     # --- placements -------------------------------------------------------------------------
@@ -152,7 +163,7 @@ class Rewriter:
         # A cut of a whole value is kept for every later reader (a smaller value held instead
         # of the whole one); a gather is issued again in backward, so that the gathered copy
         # of forward is not held until then.
-        phase = "" if want != R else self._phase()
+        phase = "" if want != R else self.phase()
         key = (value, have, want, phase)
         if key in self._cache:
             return self._cache[key]
@@ -161,7 +172,7 @@ class Rewriter:
         elif isinstance(have, Seq) and want == R:
             out = self._gather(value, have)
         elif have == P and want == R:
-            out = self._all_reduce(value)
+            out = self.all_reduce(value)
         elif have == P and isinstance(want, Seq):
             out = self._reduce_scatter(value, want)
         elif isinstance(have, Seq) and isinstance(want, Seq):
@@ -226,7 +237,8 @@ class Rewriter:
             gathered = self.emit(aten.view.default, (swapped, [self.cp * have.outer * rows, *rest]))
         return self._from_front(gathered, perm)
 
-    def _all_reduce(self, value: fx.Node) -> fx.Node:
+    def all_reduce(self, value: fx.Node) -> fx.Node:
+        """The sum of ``value`` over the cp group."""
         self.stats["all_reduces"] += 1
         reduced = self.emit(c10d.all_reduce.default, (value, "sum", self.group_name))
         return self.emit(c10d.wait_tensor.default, (reduced,))
@@ -296,8 +308,6 @@ class Rewriter:
         self.current = node
         self.new.output(tuple(new_outs))
 
-    scale_partial_grads = False
-
     def _call(self, node: fx.Node) -> tuple[Any, Placement]:
         target = node.target
         if target is operator.getitem:
@@ -311,7 +321,7 @@ class Rewriter:
         name = op_name(target)
         inputs = [a for a in node.all_input_nodes if self.plc.get(a) not in (None, R)]
         if not inputs:  # every operand whole: the op as it was
-            return self._copy(node), self._placement_of_whole_result(node)
+            return self.copy_op(node), self._placement_of_whole_result(node)
         namespace = getattr(target, "namespace", None)
         if namespace in _COLLECTIVE_NAMESPACES:  # another group's (TP's): see cp_rules
             rule = self.rules.get(f"{namespace}::{name}")
@@ -338,7 +348,8 @@ class Rewriter:
             return tuple(R if isinstance(v, torch.Tensor) else None for v in val)
         return R if isinstance(val, torch.Tensor) else None
 
-    def _copy(self, node: fx.Node, args: tuple | None = None, kwargs: dict | None = None):
+    def copy_op(self, node: fx.Node, args: tuple | None = None, kwargs: dict | None = None):
+        """``node``'s op in the new graph, on ``args`` (default: its own, mapped)."""
         if args is None:
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: self.env[n])
         return self.emit(node.target, tuple(args), dict(kwargs or {}))
@@ -350,7 +361,7 @@ class Rewriter:
             (node.args, node.kwargs),
             lambda n: self.to(n, R) if self.plc.get(n) is not None else self.env[n],
         )
-        return self._copy(node, args, kwargs), self._placement_of_whole_result(node)
+        return self.copy_op(node, args, kwargs), self._placement_of_whole_result(node)
 
     # --- rules helpers ----------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from gm_trace.passes.cp_rewrite import (
     is_tensor_node,
     op_name,
 )
+from gm_trace.passes.cp_views import VIEW_RULES, norm_dim
 
 __all__ = ["RULES"]
 
@@ -77,7 +78,7 @@ def _pointwise(rw: Rewriter, node: fx.Node):
         if not linear:
             # A whole-sequence operand alongside: reduce-scatter to it rather than all-reduce.
             return None
-        return rw._copy(node), P
+        return rw.copy_op(node), P
 
     def operand(a):
         if not is_tensor_node(a):
@@ -94,7 +95,7 @@ def _pointwise(rw: Rewriter, node: fx.Node):
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a)
     args = _map_tensors(args, operand)
     kwargs = _map_tensors(kwargs, operand)
-    return rw._copy(node, args, kwargs), lead
+    return rw.copy_op(node, args, kwargs), lead
 
 
 def _flat_args(node: fx.Node) -> list[Any]:
@@ -111,164 +112,6 @@ def _map_tensors(tree: Any, fn: Callable[[Any], Any]) -> Any:
     if isinstance(tree, dict):
         return {k: _map_tensors(v, fn) for k, v in tree.items()}
     return tree
-
-
-def _prod(values) -> int:
-    out = 1
-    for v in values:
-        out *= int(v)
-    return out
-
-
-def _view(rw: Rewriter, node: fx.Node):
-    source = node.args[0]
-    p = rw.plc[source]
-    out_shape = rw.shape(node)
-    if p == P:
-        return rw._copy(node, (rw.env[source], out_shape)), P
-    in_shape = rw.shape(source)
-    before = p.outer * _prod(in_shape[: p.dim])
-    after = (in_shape[p.dim] // (p.outer * rw.seq)) * _prod(in_shape[p.dim + 1 :])
-    for k in range(len(out_shape)):
-        pre, rest = _prod(out_shape[:k]), _prod(out_shape[k + 1 :])
-        if before % pre or after % rest:
-            continue
-        outer, inner = before // pre, after // rest
-        if out_shape[k] == outer * rw.seq * inner:
-            placement = Seq(k, outer)
-            local = rw.local_shape(out_shape, placement)
-            return rw._copy(node, (rw.env[source], local)), placement
-    return None
-
-
-def _expand(rw: Rewriter, node: fx.Node):
-    source, sizes = node.args[0], list(node.args[1])
-    p = rw.plc[source]
-    if p == P:
-        return rw._copy(node), P
-    dim = p.dim + len(sizes) - source.meta["val"].dim()
-    sizes[dim] = -1
-    return rw._copy(node, (rw.env[source], sizes)), Seq(dim, p.outer)
-
-
-def _dims_moved(rw: Rewriter, node: fx.Node, new_dim: Callable[[int], int | None]):
-    source = node.args[0]
-    p = rw.plc[source]
-    if p == P:
-        return rw._copy(node), P
-    dim = new_dim(p.dim)
-    if dim is None:
-        return None
-    return rw._copy(node), Seq(dim, p.outer)
-
-
-def _norm(dim: int, ndim: int) -> int:
-    return dim + ndim if dim < 0 else dim
-
-
-def _unsqueeze(rw, node):
-    ndim = node.meta["val"].dim()
-    at = _norm(node.args[1], ndim)
-    return _dims_moved(rw, node, lambda d: d + 1 if at <= d else d)
-
-
-def _squeeze(rw, node):
-    in_shape = rw.shape(node.args[0])
-    ndim = len(in_shape)
-    if len(node.args) > 1:
-        dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
-        dims = {_norm(d, ndim) for d in dims if in_shape[_norm(d, ndim)] == 1}
-    else:
-        dims = {d for d, s in enumerate(in_shape) if s == 1}
-    return _dims_moved(rw, node, lambda d: None if d in dims else d - sum(1 for x in dims if x < d))
-
-
-def _transpose(rw, node):
-    ndim = rw.shape(node.args[0]).__len__()
-    if node.target is aten.t.default:
-        a, b = 0, ndim - 1
-    else:
-        a, b = _norm(node.args[1], ndim), _norm(node.args[2], ndim)
-    return _dims_moved(rw, node, lambda d: b if d == a else a if d == b else d)
-
-
-def _permute(rw, node):
-    ndim = len(node.args[1])
-    dims = [_norm(d, ndim) for d in node.args[1]]
-    return _dims_moved(rw, node, lambda d: dims.index(d))
-
-
-def _slice(rw, node):
-    source = node.args[0]
-    p = rw.plc[source]
-    shape = rw.shape(source)
-    dim = _norm(node.args[1] if len(node.args) > 1 else 0, len(shape))
-    start = node.args[2] if len(node.args) > 2 else None
-    end = node.args[3] if len(node.args) > 3 else None
-    step = node.args[4] if len(node.args) > 4 else 1
-    whole = (start in (None, 0)) and (end is None or end >= shape[dim]) and step == 1
-    if p == P or (isinstance(p, Seq) and dim != p.dim):
-        return rw._copy(node), p
-    if whole:
-        return rw.env[source], p
-    return None
-
-
-def _select(rw, node):
-    source = node.args[0]
-    p = rw.plc[source]
-    ndim = len(rw.shape(source))
-    dim = _norm(node.args[1], ndim)
-    if p == P:
-        return rw._copy(node), P
-    if dim == p.dim:
-        return None
-    return rw._copy(node), Seq(p.dim - (1 if dim < p.dim else 0), p.outer)
-
-
-def _slice_backward(rw, node):
-    grad, sizes, dim, start, end, step = node.args
-    p = rw.plc[grad]
-    dim = _norm(dim, len(sizes))
-    if p == P:
-        return rw._copy(node), P
-    whole = start == 0 and end >= sizes[dim] and step == 1
-    if dim == p.dim and not whole:
-        return None
-    if dim == p.dim:
-        return rw.env[grad], p
-    local = rw.local_shape(list(sizes), p)
-    return rw._copy(node, (rw.env[grad], local, dim, start, end, step)), p
-
-
-def _split(rw, node):
-    """split / split_with_sizes / chunk along a dim that is not the sequence."""
-    source = node.args[0]
-    p = rw.plc[source]
-    ndim = len(rw.shape(source))
-    dim = _norm(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), ndim)
-    if p != P and dim == p.dim:
-        return None
-    return rw._copy(node), tuple(p for _ in node.meta["val"])
-
-
-def _cat(rw, node):
-    tensors = [t for t in node.args[0] if t.meta["val"].dim() != 1 or t.meta["val"].numel() > 0]
-    dim = node.args[1] if len(node.args) > 1 else 0
-    if len(tensors) == 1:  # torch.cat skips legacy empty 1-d tensors
-        return rw.to(tensors[0], rw.plc[tensors[0]]), rw.plc[tensors[0]]
-    placements = {rw.plc[t] for t in tensors}
-    if placements == {P}:
-        return rw._copy(node), P
-    seqs = [p for p in placements if isinstance(p, Seq)]
-    if not seqs:
-        return None
-    lead = seqs[0]
-    ndim = tensors[0].meta["val"].dim()
-    if _norm(dim, ndim) == lead.dim:
-        return None
-    new = [rw.to(t, lead) for t in tensors]
-    return rw._copy(node, (new, dim)), lead
 
 
 def _mm_plan(rw, a: fx.Node, b: fx.Node, batch: int):
@@ -315,12 +158,12 @@ def _mm_plan(rw, a: fx.Node, b: fx.Node, batch: int):
 
 def _mm(rw, node):
     plan = _mm_plan(rw, node.args[0], node.args[1], 0)
-    return None if plan is None else (rw._copy(node, (plan[0], plan[1])), plan[2])
+    return None if plan is None else (rw.copy_op(node, (plan[0], plan[1])), plan[2])
 
 
 def _bmm(rw, node):
     plan = _mm_plan(rw, node.args[0], node.args[1], 1)
-    return None if plan is None else (rw._copy(node, (plan[0], plan[1])), plan[2])
+    return None if plan is None else (rw.copy_op(node, (plan[0], plan[1])), plan[2])
 
 
 def _addmm(rw, node):
@@ -338,7 +181,7 @@ def _addmm(rw, node):
             bias_new = rw.env[bias]
     else:
         bias_new = rw.env[bias] if isinstance(bias, fx.Node) else bias
-    return rw._copy(node, (bias_new, plan[0], plan[1], *node.args[3:])), out
+    return rw.copy_op(node, (bias_new, plan[0], plan[1], *node.args[3:])), out
 
 
 def _reduce(rw, node, mean: bool):
@@ -348,19 +191,19 @@ def _reduce(rw, node, mean: bool):
     ndim = len(shape)
     if len(node.args) > 1 and node.args[1] is not None:
         dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
-        dims = sorted({_norm(d, ndim) for d in dims}) or list(range(ndim))
+        dims = sorted({norm_dim(d, ndim) for d in dims}) or list(range(ndim))
     else:
         dims = list(range(ndim))
     keepdim = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim"))
     if p == P:
-        return rw._copy(node), P
+        return rw.copy_op(node), P
     if p.dim in dims:
-        out = rw._copy(node)
+        out = rw.copy_op(node)
         if mean:  # a local mean over S/cp tokens is cp times its share of the global one
             out = rw.emit(aten.div.Tensor, (out, float(rw.cp)))
         return out, P
     dim = p.dim if keepdim else p.dim - sum(1 for d in dims if d < p.dim)
-    return rw._copy(node), Seq(dim, p.outer)
+    return rw.copy_op(node), Seq(dim, p.outer)
 
 
 def _sum(rw, node):
@@ -376,11 +219,11 @@ def _softmax(rw, node):
     tensors = [a for a in node.args if is_tensor_node(a)]
     lead = rw.plc[tensors[0]]
     ndim = tensors[0].meta["val"].dim()
-    dim = _norm(node.args[len(tensors)], ndim)
+    dim = norm_dim(node.args[len(tensors)], ndim)
     if not isinstance(lead, Seq) or dim == lead.dim:
         return None
     args = [rw.to(a, lead) if is_tensor_node(a) else a for a in node.args]
-    return rw._copy(node, tuple(args)), lead
+    return rw.copy_op(node, tuple(args)), lead
 
 
 def _embedding(rw, node):
@@ -388,7 +231,7 @@ def _embedding(rw, node):
     p = rw.plc[indices]
     if not isinstance(p, Seq) or rw.plc[weight] != R:
         return None
-    return rw._copy(node), p
+    return rw.copy_op(node), p
 
 
 def _embedding_backward(rw, node):
@@ -397,7 +240,7 @@ def _embedding_backward(rw, node):
     if not isinstance(p, Seq):
         return None
     args = (rw.to(grad, Seq(p.dim, p.outer)), rw.env[indices], *node.args[2:])
-    return rw._copy(node, args), P
+    return rw.copy_op(node, args), P
 
 
 def _nll_forward(rw, node):
@@ -408,13 +251,13 @@ def _nll_forward(rw, node):
     target_l = rw.to(target, p)
     weight_n = rw.to(weight, R) if isinstance(weight, fx.Node) else weight
     if reduction == 0:  # one loss per token: stays split
-        return rw._copy(node, (rw.env[inp], target_l, weight_n, 0, ignore)), (p, R)
+        return rw.copy_op(node, (rw.env[inp], target_l, weight_n, 0, ignore)), (p, R)
     local = rw.emit(aten.nll_loss_forward.default, (rw.env[inp], target_l, weight_n, 2, ignore))
     total = rw.emit(
         aten.stack.default,
         ([rw.emit(operator.getitem, (local, 0)), rw.emit(operator.getitem, (local, 1))],),
     )
-    total = rw._all_reduce(total)
+    total = rw.all_reduce(total)
     loss_sum = rw.emit(aten.select.int, (total, 0, 0))
     weight_sum = rw.emit(aten.select.int, (total, 0, 1))
     loss = loss_sum if reduction == 2 else rw.emit(aten.div.Tensor, (loss_sum, weight_sum))
@@ -435,27 +278,12 @@ def _nll_backward(rw, node):
         ignore,
         rw.to(total_weight, R),
     )
-    return rw._copy(node, args), p
+    return rw.copy_op(node, args), p
 
 
 RULES: dict[str, Callable[[Rewriter, fx.Node], Any]] = {
     **{name: _pointwise for name in _POINTWISE},
-    "view": _view,
-    "_unsafe_view": _view,
-    "reshape": _view,
-    "expand": _expand,
-    "unsqueeze": _unsqueeze,
-    "squeeze": _squeeze,
-    "transpose": _transpose,
-    "t": _transpose,
-    "permute": _permute,
-    "slice": _slice,
-    "select": _select,
-    "slice_backward": _slice_backward,
-    "cat": _cat,
-    "split": _split,
-    "split_with_sizes": _split,
-    "chunk": _split,
+    **VIEW_RULES,
     "mm": _mm,
     "bmm": _bmm,
     "addmm": _addmm,
