@@ -286,10 +286,14 @@ class GraphTrainer:
         reduces nothing: :mod:`gm_trainer.step.deferred`); without FSDP, the plain graph.
         ``last`` (with ``accumulate``): the window's last micro-batch, whose graph takes the
         update when it is in the graph (:mod:`gm_trace.passes.last_micro_batch`)."""
-        executor = self.executor
-        executor.resolve()
-        input, label = executor.pad(self._to_device(sample_input), self._to_device(sample_label))
-        return executor.compile(input, label, self.compiler.variant_for(accumulate, last))
+        self.executor.resolve()
+        input, label = self.device_batch(sample_input, sample_label)
+        return self.executor.compile(input, label, self.compiler.variant_for(accumulate, last))
+
+    def device_batch(self, input: Any, label: Any) -> tuple[Any, Any]:
+        """``(input, label)`` as the graphs see them: on the trainer's device, padded as
+        ``PassConfig.pad_to_multiple`` asks."""
+        return self.executor.pad(self._to_device(input), self._to_device(label))
 
     @property
     def compile_count(self) -> int:
