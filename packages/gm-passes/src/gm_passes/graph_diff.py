@@ -93,7 +93,7 @@ class GraphChange:
             return "what changed: nothing"
         parts = [f"{count:+d} {kind}" for kind, count in self.added.items()]
         if self.nodes:
-            parts.append(f"{self.nodes:+d} nodes")
+            parts.append(f"{self.nodes:+d} node{'s' if abs(self.nodes) != 1 else ''}")
         for kind in sorted(self.moved, key=lambda k: (k == "node", k)):
             count = self.moved[kind]
             other = "other " if kind == "node" else ""

@@ -40,6 +40,9 @@ from gm_trainer.parallel.mesh import MeshContext
 if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer
 
+#: ``gm-train --compare-passes`` writes every rank's report here, in the run folder.
+COMPARE_PASSES_FILE = "compare_passes.txt"
+
 #: The settings that decide which windows step ``i`` trains on: a resumed run that changes
 #: one of them continues on another data stream than the saved run would have seen.
 DATA_STREAM_KEYS = (
@@ -51,12 +54,15 @@ DATA_STREAM_KEYS = (
 
 
 @record  # the elastic launcher then reports this rank's traceback
-def run_rank(config_dict: dict[str, Any], resume: str | None = None) -> dict[str, Any] | None:
+def run_rank(
+    config_dict: dict[str, Any], resume: str | None = None, compare_passes: bool = False
+) -> dict[str, Any] | None:
     """Entry point of each rank (plain data in: it crosses a process boundary).
 
     Joins the process group when launched (``RANK``/``WORLD_SIZE`` set), runs the job (from
-    the checkpoint folder ``resume`` when given) and returns the summary on rank 0 (``None``
-    elsewhere).
+    the checkpoint folder ``resume`` when given; ``compare_passes``: only the passes compared
+    on the first batch, ``gm-train --compare-passes``) and returns the summary on rank 0
+    (``None`` elsewhere).
     """
     config = JobConfig.from_dict(config_dict)
     rank, world_size = init_distributed(timeout_s=config.dist.timeout_s)
@@ -68,14 +74,19 @@ def run_rank(config_dict: dict[str, Any], resume: str | None = None) -> dict[str
             shared = [config.logging.run_dir, resume]
             dist.broadcast_object_list(shared, src=0)
             config.logging.run_dir, resume = shared
-        return run_job(config, rank, world_size, resume=resume)
+        return run_job(config, rank, world_size, resume=resume, compare_passes=compare_passes)
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 
 
 def run_job(
-    config: JobConfig, rank: int, world_size: int, *, resume: str | Path | None = None
+    config: JobConfig,
+    rank: int,
+    world_size: int,
+    *,
+    resume: str | Path | None = None,
+    compare_passes: bool = False,
 ) -> dict[str, Any] | None:
     """Train the job on this rank; rank 0 prints progress and writes the run folder.
 
@@ -89,7 +100,7 @@ def run_job(
     if rank == 0:
         folder = RunFolder(config.logging.run_dir, lock=True, defer=resume is not None)
     try:
-        return _train(config, rank, world_size, resume, folder)
+        return _train(config, rank, world_size, resume, folder, compare_passes)
     finally:
         if folder is not None:
             folder.close()
@@ -101,6 +112,7 @@ def _train(
     world_size: int,
     resume: str | Path | None,
     folder: RunFolder | None,
+    compare_passes: bool = False,
 ) -> dict[str, Any] | None:
     from gm_trainer.trainer import GraphTrainer  # heavy: only on the ranks
 
@@ -195,6 +207,8 @@ def _train(
             f"the checkpoint has consumed {position} micro-batches, but this run's stream "
             f"holds {t.steps * t.accumulation}: {e}"
         ) from None
+    if compare_passes:
+        return _compare_passes(trainer, next(iter(batches)), folder, progress)
     if folder is not None and resume is not None:
         # Loaded and checked: only now does the resume touch the run folder. Its history is
         # the records up to the checkpoint's step, from the run folder that holds it (those
@@ -316,6 +330,38 @@ def _train(
         f"{folder.path}"
     )
     return summary
+
+
+def _compare_passes(
+    trainer: GraphTrainer,
+    batch: tuple[Any, Any],
+    folder: RunFolder | None,
+    progress: Progress | None,
+) -> dict[str, Any] | None:
+    """``gm-train --compare-passes``: every rank compares the passes on its first batch;
+    rank 0 prints every rank's report, writes them to ``compare_passes.txt`` and returns
+    the verdict as the summary."""
+    from gm_trainer.debug import compare_passes
+
+    result = compare_passes(trainer, batch)
+    reports = [result]
+    if trainer.world_size > 1:
+        reports = [None] * trainer.world_size
+        dist.all_gather_object(reports, result)
+    if folder is None or progress is None:
+        return None
+    text = "\n\n".join(r.describe() for r in reports) + "\n"
+    folder.write_text(COMPARE_PASSES_FILE, text)
+    progress.write(text.rstrip("\n"))
+    progress.close()
+    node = result.first_node
+    return {
+        "compare_passes": {
+            "culprit": result.culprit,
+            "ranks": list(result.ranks_changed),
+            "first_node": node.name if node is not None else None,
+        }
+    }
 
 
 def _reconcile(trainer: GraphTrainer, config: JobConfig, saved: Any) -> list[str]:
