@@ -85,3 +85,24 @@ def compare_on_ranks(rank: int, world: int) -> dict[str, Any]:
     wrong_pass = ScaleOneGradient()
     wrong = compare_passes(llama_trainer([wrong_pass]), batch)
     return {"clean": summary(clean), "wrong": summary(wrong), "added": wrong_pass.added}
+
+
+def plot_on_ranks(rank: int, world: int, path: str) -> dict[str, Any]:
+    """``plot_step`` of one TinyGPT step on every rank: the timelines, the planned schedule
+    of the overlap pass, and whether the step changed the model."""
+    from gm_trace.testing import TinyGPT, lm_loss, make_lm_batch
+
+    torch.manual_seed(0)
+    trainer = GraphTrainer(TinyGPT(n_layers=2), lm_loss, PassConfig())
+    batch = local(make_lm_batch(4, 16), rank, world)
+    trainer.compile(*batch)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    timelines = trainer.plot_step(path if rank == 0 else None, batch)
+    after = trainer.model.state_dict()
+    schedule = trainer.pipelines[0].context.stats["overlap"]["schedule"]
+    return {
+        "timelines": [t.to_dict() for t in timelines],
+        "planned": [(row["collective"], row["wait"], row["bytes"]) for row in schedule],
+        "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+        "grads": [p.grad is None for p in trainer.model.parameters()],
+    }

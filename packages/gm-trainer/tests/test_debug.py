@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import debug_bodies as bodies
 import torch
-from extras import HF
+from extras import HF, PLOT
 
 from gm_trace.testing import DropoutMLP, ce_loss, make_classification_batch
 from gm_trainer import GraphTrainer
@@ -127,3 +127,26 @@ def test_on_two_gloo_ranks(dist_pool):
         name, op, module, _ = wrong["node"]
         assert name == result["added"] and op == "call_function aten.mul.Tensor"
         assert module.startswith("lm_head")
+
+
+@PLOT
+def test_plot_step_draws_both_ranks_planned_and_measured_one_to_one(dist_pool, tmp_path):
+    png = tmp_path / "schedule.png"
+    results = dist_pool(2).run(bodies.plot_on_ranks, str(png))
+    for rank, result in enumerate(results):
+        assert result["unchanged"] and all(result["grads"])  # nothing trained, no .grad
+        timelines = result["timelines"]
+        assert [t["rank"] for t in timelines] == [0, 1]  # every rank gets every rank's
+        mine = timelines[rank]
+        planned = result["planned"]
+        assert planned, "the FSDP step has collectives"
+        measured = [(c["collective"], c["wait"], c["bytes"]) for c in mine["collectives"]]
+        assert measured == planned  # one to one, in issue order, with the planned bytes
+        for c in mine["collectives"]:
+            assert 0 <= c["start_ms"] < c["end_ms"] <= mine["step_ms"]
+            assert c["planned_start"] <= c["planned_end"] <= mine["compute_nodes"]
+            assert c["overlap_ms"] >= 0 and c["exposed_ms"] >= 0
+        kinds = {c["kind"] for c in mine["collectives"]}
+        assert {"all_gather_into_tensor", "reduce_scatter_tensor"} <= kinds
+    data = png.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000

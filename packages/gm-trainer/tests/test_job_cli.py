@@ -246,6 +246,26 @@ def test_the_graphs_folder_says_what_each_pass_changed(
 
 @PLOT
 @pytest.mark.distributed
+def test_the_run_folder_holds_the_step_schedule_of_both_ranks(
+    two_rank_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    run = two_rank_run[1]
+    png = (run / "schedule.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+    ranks = json.loads((run / "schedule.json").read_text())
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for rank in ranks:  # every collective of the step, the same on both ranks
+        names = [c["collective"] for c in rank["collectives"]]
+        assert names == [c["collective"] for c in ranks[0]["collectives"]]
+        kinds = [c["kind"] for c in rank["collectives"]]
+        assert kinds.count("all_gather_into_tensor") == kinds.count("reduce_scatter_tensor") == 4
+        assert all(c["start_ms"] < c["end_ms"] for c in rank["collectives"])
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["schedule_collectives"] == [8, 8]
+
+
+@PLOT
+@pytest.mark.distributed
 def test_the_run_folder_holds_the_loss_curve(
     two_rank_run: tuple[subprocess.CompletedProcess[str], Path],
 ) -> None:

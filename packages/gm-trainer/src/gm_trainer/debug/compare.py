@@ -22,7 +22,7 @@ import copy
 import math
 import os
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +37,7 @@ from gm_trace.graph.joint_graph import COMPILED_STEP, SHARDING_LAYOUT, JointGrap
 from gm_trace.graph.sharding_layout import ShardingLayout, full_parameter
 from gm_trace.runtime.node_values import run_node_by_node
 from gm_trace.runtime.run_graph import graph_args, run_traced_graph
+from gm_trainer.timeline.snapshot import ModelSnapshot
 
 if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer
@@ -185,7 +186,7 @@ def compare_passes(
     trainer.compile(*batch)  # the run resolved, the model sharded, as the first step does
     _check_supported(trainer)
     model = trainer.model
-    saved = _State.of(model, trainer.device)
+    saved = ModelSnapshot.of(model, trainer.device)
     try:
         return _Comparison(trainer, input, label, saved, rtol, atol).run()
     finally:
@@ -212,7 +213,7 @@ class _Comparison:
         trainer: GraphTrainer,
         input: Any,
         label: Any,
-        saved: _State,
+        saved: ModelSnapshot,
         rtol: float | None,
         atol: float | None,
     ) -> None:
@@ -245,7 +246,7 @@ class _Comparison:
         self.layout = final.sharding
         self.joint = traced
         self.full_model = self._full_model()
-        self.full_saved = _State.of(self.full_model, self.trainer.device)
+        self.full_saved = ModelSnapshot.of(self.full_model, self.trainer.device)
 
         eager = self._eager()
         results = [self._held(self._run(stage), stage) for stage in stages]
@@ -296,7 +297,7 @@ class _Comparison:
                 full.get_parameter(fqn).data = full_parameter(model, fqn, self.layout, self.group)
         return full
 
-    def _model_for(self, stage: _Stage) -> tuple[torch.nn.Module, _State]:
+    def _model_for(self, stage: _Stage) -> tuple[torch.nn.Module, ModelSnapshot]:
         if stage.sharding is not None:
             return self.trainer.model, self.saved
         return self.full_model, self.full_saved
@@ -544,46 +545,7 @@ def _source_of(node: fx.Node) -> str | None:
     return f"{file.rsplit('/', 1)[-1]}:{line}  {code.strip()}"
 
 
-# --------------------------------------------------------------------------- state
-
-
-@dataclass(frozen=True)
-class _State:
-    """Parameters, buffers and RNG streams, to put back bitwise."""
-
-    tensors: dict[str, Tensor]
-    cpu_rng: Tensor
-    device_rng: Tensor | None
-    device: torch.device
-
-    @classmethod
-    def of(cls, model: torch.nn.Module, device: torch.device) -> _State:
-        tensors = {name: t.detach().clone() for name, t in _state_tensors(model)}
-        module = _device_module(device)
-        device_rng = module.get_rng_state(device) if module is not None else None
-        return cls(tensors, torch.get_rng_state(), device_rng, device)
-
-    def restore(self, model: torch.nn.Module) -> None:
-        with torch.no_grad():
-            for name, t in _state_tensors(model):
-                t.copy_(self.tensors[name])
-        torch.set_rng_state(self.cpu_rng)
-        module = _device_module(self.device)
-        if module is not None and self.device_rng is not None:
-            module.set_rng_state(self.device_rng, self.device)
-
-
-def _state_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    yield from model.named_parameters()
-    yield from model.named_buffers()
-
-
-def _device_module(device: torch.device) -> Any:
-    """``torch.cuda`` (or the accelerator's module) for an accelerator device, else ``None``."""
-    if device.type == "cpu":
-        return None
-    module = getattr(torch, device.type, None)
-    return module if module is not None and hasattr(module, "get_rng_state") else None
+# --------------------------------------------------------------------------- checks
 
 
 def _check_supported(trainer: GraphTrainer) -> None:

@@ -3,6 +3,7 @@ checkpoints and, when resuming, load one first."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,8 +26,10 @@ from gm_trainer.job.evaluate import Evaluator
 from gm_trainer.job.progress import Progress
 from gm_trainer.job.resume import check_same_data, check_same_model
 from gm_trainer.job.run_folder import (
+    PLOT_INSTALL,
     RunFolder,
     checkpoint_dir,
+    plot_unavailable,
     prune_checkpoints,
     read_metrics,
     run_folder_of,
@@ -39,6 +42,10 @@ from gm_trainer.parallel.mesh import MeshContext
 
 if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer
+
+#: One step, planned and measured, per rank (``GraphTrainer.plot_step``), and its data.
+SCHEDULE_PNG = "schedule.png"
+SCHEDULE_JSON = "schedule.json"
 
 #: ``gm-train --compare-passes`` writes every rank's report here, in the run folder.
 COMPARE_PASSES_FILE = "compare_passes.txt"
@@ -292,6 +299,7 @@ def _train(
             progress.advance(trainer.step)
             progress.close()
     wall = time.perf_counter() - start
+    schedule = _plot_schedule(trainer, next(iter(batches_from(0))), config, folder)
     if folder is None or progress is None:
         return None
     if c.export_full and last_checkpoint is not None and trainer.step == t.steps:
@@ -319,6 +327,7 @@ def _train(
         last_checkpoint=str(last_checkpoint) if last_checkpoint is not None else None,
         resumed_from=str(resume) if resume is not None else None,
         resumed_from_step=start_step if resume is not None else None,
+        **schedule,
     )
     steps = (
         f"steps {start_step + 1}..{trainer.step}" if resume is not None else f"{trainer.step} steps"
@@ -330,6 +339,26 @@ def _train(
         f"{folder.path}"
     )
     return summary
+
+
+def _plot_schedule(
+    trainer: GraphTrainer, batch: tuple[Any, Any], config: JobConfig, folder: RunFolder | None
+) -> dict[str, Any]:
+    """``schedule.png`` and ``schedule.json``: one step of the first batch, planned and
+    measured, on every rank (every rank runs it: the graph holds collectives; rank 0 writes).
+    Returns what the summary records: the collectives per rank, or why there is no plot."""
+    if config.parallel.pp_degree > 1 or trainer.optimizer_in_graph:
+        return {"schedule_plot_skipped": "pipeline stages or the update in the graph"}
+    missing = plot_unavailable()
+    path = folder.path / SCHEDULE_PNG if folder is not None and missing is None else None
+    timelines = trainer.plot_step(path, batch)
+    if folder is not None:
+        data = [t.to_dict() for t in timelines]
+        folder.write_text(SCHEDULE_JSON, json.dumps(data, indent=1) + "\n")
+    found: dict[str, Any] = {"schedule_collectives": [len(t.collectives) for t in timelines]}
+    if missing is not None:
+        found["schedule_plot_skipped"] = f"{missing}; to draw it: {PLOT_INSTALL}"
+    return found
 
 
 def _compare_passes(
