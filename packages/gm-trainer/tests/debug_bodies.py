@@ -56,7 +56,7 @@ def local(batch: tuple[torch.Tensor, torch.Tensor], rank: int, world: int):
 
 def llama_trainer(passes=(), **config: Any) -> GraphTrainer:
     return GraphTrainer(
-        tiny_llama_model(vocab_size=VOCAB),
+        tiny_llama_model(vocab_size=VOCAB, num_hidden_layers=1),
         llama_loss,
         PassConfig(**config),
         optimizer_config={"lr": 1e-2},
