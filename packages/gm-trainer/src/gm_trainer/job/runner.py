@@ -347,8 +347,13 @@ def _plot_schedule(
     """``schedule.png`` and ``schedule.json``: one step of the first batch, planned and
     measured, on every rank (every rank runs it: the graph holds collectives; rank 0 writes).
     Returns what the summary records: the collectives per rank, or why there is no plot."""
-    if config.parallel.pp_degree > 1 or trainer.optimizer_in_graph:
-        return {"schedule_plot_skipped": "pipeline stages or the update in the graph"}
+    # The picture is of the plain step's graph: a run that never compiles one (accumulation,
+    # pipeline stages, the update in the graph) would compile it only for this.
+    if config.parallel.pp_degree > 1 or config.train.accumulation > 1 or trainer.optimizer_in_graph:
+        return {
+            "schedule_plot_skipped": "the job runs no plain step's graph (pipeline stages, "
+            "accumulation or the update in the graph)"
+        }
     missing = plot_unavailable()
     path = folder.path / SCHEDULE_PNG if folder is not None and missing is None else None
     timelines = trainer.plot_step(path, batch)
