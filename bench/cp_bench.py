@@ -28,7 +28,7 @@ import torch.fx as fx
 from gm_config import PassConfig
 from gm_trace.graph import node_meta
 from gm_trace.graph.groups import register_process_group
-from gm_trace.runtime.run_graph import run_traced_graph
+from gm_trace.runtime.run_graph import graph_args, run_traced_graph
 from gm_trace.testing.compile import compile_joint
 from gm_trace.testing.distributed import DistributedPool
 
@@ -72,12 +72,6 @@ class _HeldAtBackward(fx.Interpreter):
         return super().run_node(n)
 
 
-def _graph_args(joint, model, input, label) -> list[torch.Tensor]:
-    named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    leaves = torch.utils._pytree.tree_leaves((input, label))
-    return [named[f] for f in joint.state_fqns] + [t for t in leaves if torch.is_tensor(t)]
-
-
 def _rank(rank: int, world: int, seqs: list[int], rows: int, steps: int) -> dict:
     register_process_group("cp", torch.distributed.group.WORLD)
     out = {}
@@ -91,7 +85,7 @@ def _rank(rank: int, world: int, seqs: list[int], rows: int, steps: int) -> dict
             joint, _ = compile_joint(model, _loss, batch, config)
             interpreter = _HeldAtBackward(joint.graph_module)
             with torch.no_grad():
-                interpreter.run(*_graph_args(joint, model, *batch))
+                interpreter.run(*graph_args(joint, model, *batch))
             runs[cp] = {"joint": joint, "model": model, "held": interpreter.held, "ms": []}
         for step in range(steps + 1):  # alternate: the same noise for both
             for run in runs.values():
