@@ -117,11 +117,19 @@ def _train(
     job_data = load_job_data(d, m.seq_len, run_dir)  # the CLI has tokenised it: a cache hit
     fingerprint = job_data.train.fingerprint()  # saved with each checkpoint, compared on resume
     micro = t.global_batch_size // t.accumulation
-    pp = config.parallel.pp_degree
-    dp = world_size // pp  # ranks that read different rows: one pipeline's ranks read the same
+    pp, tp = config.parallel.pp_degree, config.parallel.tp_size
+    # Ranks that read different rows: the ranks of one pipeline and of one TP group read the same.
+    dp = world_size // (pp * tp)
     evaluator = None
     if t.eval_interval is not None and job_data.eval is not None:
+        # before the TP split: the evaluator keeps a whole copy of the model
         evaluator = Evaluator(model, built.loss, job_data.eval, micro // world_size)
+    mesh = _job_mesh(config)
+    dp_index = mesh.dp_rank if mesh is not None else rank % dp  # rank = stage * dp + index
+    if built.tp_plan is not None and mesh is not None:
+        from gm_trainer.parallel.tp_plan import apply_tp_plan
+
+        apply_tp_plan(model, mesh.device_mesh["tp"], built.tp_plan)
     every = t.eval_interval or t.steps
     eval_steps = {s for s in [*range(every, t.steps, every), t.steps] if s > start_step}
     if evaluator is None:
@@ -132,7 +140,7 @@ def _train(
             job_data.train,
             batch_size=micro,
             num_batches=t.steps * t.accumulation,
-            rank=rank % dp,  # rank = stage * dp + data-parallel index
+            rank=dp_index,
             world_size=dp,
             seed=d.seed,
             start=position,
@@ -146,17 +154,19 @@ def _train(
         optimizer_config=t.optimizer_config(),
         lr_scheduler=t.lr_scheduler_factory(),
         graph_dump_dir=folder.graphs_dir if folder is not None else None,
-        mesh_context=_hsdp_mesh(config.dist.dp_replicate),
+        mesh_context=mesh,
     )
     progress = Progress(t.steps, start_step=start_step) if folder is not None else None
     if progress is not None:
         progress.write(
-            f"gm-train: {world_size} rank(s){_pipeline_note(pp, dp)} on {trainer.device} | "
+            f"gm-train: {world_size} rank(s){_layout_note(pp, tp, dp)} on {trainer.device} | "
             f"{built.name} {n_params / 1e6:.2f}M params | corpus "
             f"{job_data.train.tokens.numel() / 1e6:.2f}M tokens, {job_data.train.count} windows "
             f"({job_data.documents_from}) | {t.global_batch_size} x {m.seq_len} tokens per step | "
             f"run folder {config.logging.run_dir}"
         )
+        for note in built.tp_plan.kept_whole if built.tp_plan is not None else ():
+            progress.write(f"tensor parallelism: {note}")
 
     start = time.perf_counter()  # the wall time includes graph capture, and loading
     position = 0
@@ -297,6 +307,7 @@ def _train(
         [*folder.history, *records],
         world_size=world_size,
         pp_degree=pp,
+        tp_size=tp,
         device=str(trainer.device),
         parameters=n_params,
         tokens_per_step=t.global_batch_size * m.seq_len,
@@ -356,13 +367,29 @@ def _reconcile(trainer: GraphTrainer, config: JobConfig, saved: Any) -> list[str
     return notes
 
 
-def _hsdp_mesh(replicas: int) -> MeshContext | None:
-    """HSDP over ``replicas`` groups of ranks when asked for; ``None``: FSDP over every rank."""
-    return MeshContext.build(dp_replicate=replicas) if replicas > 1 else None
+def _job_mesh(config: JobConfig) -> MeshContext | None:
+    """The device mesh of a job with tensor parallelism or HSDP replicas; ``None``: the
+    trainer's own layout (FSDP over every rank of a stage). Every rank must call it."""
+    p, replicas = config.parallel, config.dist.dp_replicate
+    # Further mesh dims (ep, cp) join here: MeshContext.build(..., ep=..., cp=...).
+    if p.tp_size == 1 and replicas == 1:
+        return None
+    return MeshContext.build(
+        pp=p.pp_degree,
+        dp_replicate=replicas,
+        tp=p.tp_size,
+        sequence_parallel=p.sequence_parallel,
+        loss_parallel=p.loss_parallel,
+    )
 
 
-def _pipeline_note(pp: int, dp: int) -> str:
-    return f" (pipeline: {pp} stages x {dp} data-parallel)" if pp > 1 else ""
+def _layout_note(pp: int, tp: int, dp: int) -> str:
+    parts = [f"{pp} stages"] if pp > 1 else []
+    parts += [f"tensor-parallel {tp}"] if tp > 1 else []
+    if not parts:
+        return ""
+    kind = "pipeline: " if pp > 1 else ""
+    return f" ({kind}{' x '.join(parts)} x {dp} data-parallel)"
 
 
 def _graph_batch(batch: tuple[Any, Any], parallel: PassConfig) -> tuple[Any, Any]:

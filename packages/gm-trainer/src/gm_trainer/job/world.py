@@ -15,12 +15,14 @@ def check_world_size(job: Any, world_size: int) -> None:
     and reads its ``train``, ``parallel`` and ``dist`` sections only).
 
     gm-train runs ``parallel.pp_degree`` pipeline stages, each on ``world_size /
-    pp_degree`` data-parallel ranks (the ranks of one pipeline read the same rows), and
-    shards over the data-parallel ranks of one replica (``dist.dp_replicate``; no TP).
+    pp_degree`` ranks, which form groups of ``parallel.tp_size`` tensor-parallel ranks; the
+    ``world_size / (pp_degree * tp_size)`` data-parallel ranks read different rows (the ranks
+    of one pipeline and of one TP group the same ones), and FSDP shards over the
+    data-parallel ranks of one replica (``dist.dp_replicate``).
     Only the fsdp pass synchronises gradients, so several data-parallel ranks need it on.
     """
     t, p, replicas = job.train, job.parallel, job.dist.dp_replicate
-    pp = p.pp_degree
+    pp, tp = p.pp_degree, p.tp_size
     if world_size % pp:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ConfigError(
@@ -28,18 +30,26 @@ def check_world_size(job: Any, world_size: int) -> None:
             f"stage runs on world_size / pp_degree ranks; use one of {divisors} (or "
             f"--nproc a multiple of {pp})"
         )
-    dp = world_size // pp  # ranks that read different rows
+    if (world_size // pp) % tp:
+        raise ConfigError(
+            f"parallel.tp_size={tp} must divide the {world_size // pp} rank(s) of each pipeline "
+            f"stage ({world_size} / parallel.pp_degree={pp}): the ranks of a stage form groups "
+            f"of tp_size; use --nproc a multiple of {pp * tp}"
+        )
+    dp = world_size // (pp * tp)  # ranks that read different rows
     if pp > 1 and replicas > 1:
         raise ConfigError(
             f"dist.dp_replicate={replicas} does not combine with parallel.pp_degree={pp} "
             "yet (a pipeline stage shards over all its data-parallel ranks); use 1"
         )
     if t.global_batch_size % (dp * t.accumulation):
-        ranks = "(world_size / parallel.pp_degree)" if pp > 1 else "world_size"
+        ranks = "world_size"
+        if pp > 1 or tp > 1:
+            ranks = "(world_size / parallel.pp_degree / parallel.tp_size)"
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} must be divisible by "
             f"{ranks} * train.accumulation = {dp} * {t.accumulation}"
-            + (": the ranks of one pipeline read the same rows" if pp > 1 else "")
+            + (": the ranks of one pipeline or TP group read the same rows" if pp * tp > 1 else "")
         )
     rows = t.global_batch_size // (dp * t.accumulation)
     if pp > 1 and rows % p.pp_microbatches:
@@ -49,15 +59,19 @@ def check_world_size(job: Any, world_size: int) -> None:
             f"train.accumulation / {dp} data-parallel rank(s)); use a divisor of {rows} "
             "or another train.global_batch_size"
         )
-    if world_size % replicas:
+    if dp % replicas:
+        ranks = f"{dp} data-parallel rank(s)" if tp > 1 else f"{world_size} rank(s)"
         raise ConfigError(
-            f"dist.dp_replicate={replicas} does not divide the {world_size} rank(s); use a "
-            f"divisor of {world_size} (1: plain FSDP over every rank)"
+            f"dist.dp_replicate={replicas} does not divide the {ranks}; use a "
+            f"divisor of {dp} (1: plain FSDP over every rank)"
         )
     shard = dp // replicas
     if p.fsdp_degree is not None and p.fsdp_degree != shard:
-        if pp > 1:
-            over = f"the {shard} rank(s) of each pipeline stage ({world_size} / pp_degree {pp})"
+        if pp > 1 or tp > 1:
+            over = (
+                f"the {shard} data-parallel rank(s) of each pipeline stage and TP group "
+                f"({world_size} / pp_degree {pp} / tp_size {tp} / dp_replicate {replicas})"
+            )
         elif replicas > 1:
             over = f"{shard} rank(s) ({world_size} / dist.dp_replicate={replicas})"
         else:
@@ -66,14 +80,10 @@ def check_world_size(job: Any, world_size: int) -> None:
             f"parallel.fsdp_degree={p.fsdp_degree}: gm-train shards over {over}; use null "
             f"or {shard}"
         )
-    if p.tp_size != 1:
-        raise ConfigError(
-            f"parallel.tp_size={p.tp_size}: gm-train's model has no tensor parallelism; use 1"
-        )
     plan = job.pass_plan()
     if dp > 1 and not fsdp_requested(p, plan):
         raise ConfigError(
             "parallel.fsdp_enabled / sharding.fsdp.enabled is off, but with "
             f"{dp} data-parallel ranks only the fsdp pass keeps them in sync; turn it on "
-            f"or use --nproc {pp}"
+            f"or use --nproc {pp * tp}"
         )
