@@ -3,6 +3,7 @@ checkpoints and, when resuming, load one first."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -11,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from gm_config import ConfigError, PassConfig
+from gm_config import ConfigError
 from gm_trainer.checkpoint import (
     checkpoint_info,
     export_full_state_dict,
@@ -22,6 +23,8 @@ from gm_trainer.checkpoint.durable import replacing
 from gm_trainer.job.config import JobConfig
 from gm_trainer.job.dataset import PackedBatches, load_job_data, position_of
 from gm_trainer.job.evaluate import Evaluator
+from gm_trainer.job.layout import graph_batch, lay_out_rank
+from gm_trainer.job.plan import MemoryProbe
 from gm_trainer.job.progress import Progress
 from gm_trainer.job.resume import check_same_data, check_same_model
 from gm_trainer.job.run_folder import (
@@ -35,7 +38,6 @@ from gm_trainer.job.sources import build_model
 from gm_trainer.job.telemetry import StepProfiler, Telemetry, job_flops_per_token
 from gm_trainer.optim.lr_schedule import restore_scheduler, scheduler_extra, set_base_lrs
 from gm_trainer.parallel.device import init_distributed
-from gm_trainer.parallel.mesh import MeshContext
 
 if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer
@@ -102,8 +104,6 @@ def _train(
     resume: str | Path | None,
     folder: RunFolder | None,
 ) -> dict[str, Any] | None:
-    from gm_trainer.trainer import GraphTrainer  # heavy: only on the ranks
-
     m, t, d, c = config.model, config.train, config.data, config.checkpoint
     run_dir = Path(config.logging.run_dir)
     start_step = int(checkpoint_info(resume)["step"]) if resume is not None else 0
@@ -124,12 +124,14 @@ def _train(
     if t.eval_interval is not None and job_data.eval is not None:
         # before the TP split: the evaluator keeps a whole copy of the model
         evaluator = Evaluator(model, built.loss, job_data.eval, micro // world_size)
-    mesh = _job_mesh(config)
-    dp_index = mesh.dp_rank if mesh is not None else rank % dp  # rank = stage * dp + index
-    if built.tp_plan is not None and mesh is not None:
-        from gm_trainer.parallel.tp_plan import apply_tp_plan
-
-        apply_tp_plan(model, mesh.device_mesh["tp"], built.tp_plan)
+    layout = lay_out_rank(
+        config,
+        built,
+        rank,
+        world_size,
+        graph_dump_dir=folder.graphs_dir if folder is not None else None,
+    )
+    trainer, dp_index = layout.trainer, layout.dp_index
     every = t.eval_interval or t.steps
     eval_steps = {s for s in [*range(every, t.steps, every), t.steps] if s > start_step}
     if evaluator is None:
@@ -146,16 +148,6 @@ def _train(
             start=position,
         )
 
-    trainer = GraphTrainer(
-        model,
-        built.loss,
-        config.parallel,
-        built.pass_plan(),
-        optimizer_config=t.optimizer_config(),
-        lr_scheduler=t.lr_scheduler_factory(),
-        graph_dump_dir=folder.graphs_dir if folder is not None else None,
-        mesh_context=mesh,
-    )
     progress = Progress(t.steps, start_step=start_step) if folder is not None else None
     if progress is not None:
         progress.write(
@@ -172,7 +164,7 @@ def _train(
     position = 0
     if resume is not None:
         # Compile first (FSDP shards the model, the optimizer is built), then load.
-        trainer.compile(*_graph_batch(next(iter(batches_from(0))), config.parallel))
+        trainer.compile(*graph_batch(next(iter(batches_from(0))), config))
         saved = load_checkpoint(trainer, resume)
         # the curve goes on where the checkpoint stopped
         restore_scheduler(trainer.lr_scheduler, trainer.optimizer, trainer.step, saved)
@@ -237,16 +229,26 @@ def _train(
     checkpoint_time = 0.0
     data = iter(progress.track(batches, t.accumulation) if progress is not None else batches)
     data = profiler.wrap(data, t.accumulation)
+    # The step whose peak memory is measured (beside plan.json's estimate): after the first,
+    # which also traces.
+    probe = MemoryProbe(min(start_step + 2, t.steps))
     try:
         while trainer.step < t.steps:
-            target = next((s for s in sorted({*saves, *eval_steps}) if s > trainer.step), t.steps)
-            records += trainer.train(
-                data,
-                max_steps=target - trainer.step,
-                log_interval=config.logging.interval,
-                log_fn=log_fn,
-                accumulation_steps=t.accumulation,
-            )
+            stops = {*saves, *eval_steps, probe.step - 1, probe.step}
+            target = next((s for s in sorted(stops) if s > trainer.step), t.steps)
+
+            def train_to(target: int = target) -> None:
+                records.extend(
+                    trainer.train(
+                        data,
+                        max_steps=target - trainer.step,
+                        log_interval=config.logging.interval,
+                        log_fn=log_fn,
+                        accumulation_steps=t.accumulation,
+                    )
+                )
+
+            probe.run(trainer, train_to, measure=target == probe.step)
             if trainer.step < target:  # pragma: no cover - the stream holds exactly train.steps
                 break
             if trainer.step in eval_steps and evaluator is not None:
@@ -288,8 +290,12 @@ def _train(
             progress.advance(trainer.step)
             progress.close()
     wall = time.perf_counter() - start
+    memory = probe.report(trainer, config, world_size)  # every rank: it gathers
     if folder is None or progress is None:
         return None
+    if memory is not None:
+        plan, measured = memory
+        folder.write_text("plan.json", json.dumps(plan, indent=2) + "\n")
     if c.export_full and last_checkpoint is not None and trainer.step == t.steps:
         with replacing(folder.path / "model.pt") as tmp:
             export_full_state_dict(last_checkpoint, tmp)
@@ -316,6 +322,7 @@ def _train(
         last_checkpoint=str(last_checkpoint) if last_checkpoint is not None else None,
         resumed_from=str(resume) if resume is not None else None,
         resumed_from_step=start_step if resume is not None else None,
+        memory=measured if memory is not None else None,
     )
     steps = (
         f"steps {start_step + 1}..{trainer.step}" if resume is not None else f"{trainer.step} steps"
@@ -367,22 +374,6 @@ def _reconcile(trainer: GraphTrainer, config: JobConfig, saved: Any) -> list[str
     return notes
 
 
-def _job_mesh(config: JobConfig) -> MeshContext | None:
-    """The device mesh of a job with tensor parallelism or HSDP replicas; ``None``: the
-    trainer's own layout (FSDP over every rank of a stage). Every rank must call it."""
-    p, replicas = config.parallel, config.dist.dp_replicate
-    # Further mesh dims (ep, cp) join here: MeshContext.build(..., ep=..., cp=...).
-    if p.tp_size == 1 and replicas == 1:
-        return None
-    return MeshContext.build(
-        pp=p.pp_degree,
-        dp_replicate=replicas,
-        tp=p.tp_size,
-        sequence_parallel=p.sequence_parallel,
-        loss_parallel=p.loss_parallel,
-    )
-
-
 def _layout_note(pp: int, tp: int, dp: int) -> str:
     parts = [f"{pp} stages"] if pp > 1 else []
     parts += [f"tensor-parallel {tp}"] if tp > 1 else []
@@ -390,13 +381,3 @@ def _layout_note(pp: int, tp: int, dp: int) -> str:
         return ""
     kind = "pipeline: " if pp > 1 else ""
     return f" ({kind}{' x '.join(parts)} x {dp} data-parallel)"
-
-
-def _graph_batch(batch: tuple[Any, Any], parallel: PassConfig) -> tuple[Any, Any]:
-    """What the trainer traces for ``batch``: under pipeline parallelism its first
-    micro-batch, as ``train_step`` will."""
-    if parallel.pp_degree == 1:
-        return batch
-    from gm_trainer.pipeline.runtime import split_microbatches
-
-    return split_microbatches(*batch, parallel.pp_microbatches)[0]
