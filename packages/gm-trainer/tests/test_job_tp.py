@@ -19,6 +19,7 @@ from extras import HF, JOBS, TOKENIZERS
 from hf_configs import tiny_llama
 from test_job_cli import TINY, gm_train, metrics
 from test_job_data import make_jsonl, make_tokenizer, sentences
+from test_job_plan import assert_peak_estimated
 
 from gm_config import ConfigError
 from gm_trace.testing.parity import parity_tolerance
@@ -101,10 +102,11 @@ def test_tp2_job_trains_like_eager_and_exports_whole(
     monkeypatch.chdir(root)  # the run's config.yaml holds the paths it was given
     expected, reference = _eager(root, tp2)
     got = _losses(tp2)
-    print(f"tp2 vs eager, relative loss differences: {[abs(a - b) / b for a, b in zip(got, expected)]}")
+    print(f"tp2 vs eager, relative differences: {[abs(a - b) / b for a, b in zip(got, expected)]}")
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
     summary = json.loads((tp2 / "summary.json").read_text())
     assert (summary["tp_size"], summary["world_size"]) == (2, 2)
+    assert_peak_estimated(tp2)  # the plan's estimate within 25% of the measured peak
     # The export is the whole model: from_pretrained loads it (strictly: every key, full
     # shapes) and computes the final checkpoint's logits; its weights are eager's.
     exported = transformers.AutoModelForCausalLM.from_pretrained(tp2 / "hf")

@@ -189,6 +189,8 @@ def _plan_rank(config_dict: dict[str, Any], rank: int, world_size: int) -> dict[
         rows = t.global_batch_size // t.accumulation // layout.dp
         tokens = torch.zeros(rows, config.model.seq_len, dtype=torch.long)
         joint = trainer.compile(*graph_batch((tokens, tokens), config))
+        if config.parallel.pp_degree > 1:  # as the first step: other stages' parameters go
+            trainer.pipeline.adopt(joint)
         for p in trainer.model.parameters():  # one update of zero gradients: the state exists
             if p.requires_grad and p.numel():
                 p.grad = torch.zeros_like(p)
@@ -267,8 +269,7 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"{lay['dp']} (fsdp {lay['fsdp']} x replicas {lay['dp_replicate']})",
         f"pipeline bubble implied by the schedule: {plan['bubble']:.1%}"
         + (f" ({plan['schedule']})" if plan["schedule"] else ""),
-        f"device memory per rank: {_mib(plan['device_memory_bytes'])} "
-        f"({plan['device_memory']})",
+        f"device memory per rank: {_mib(plan['device_memory_bytes'])} ({plan['device_memory']})",
     ]
     for kind in plan["rank_kinds"]:
         ranks = kind["ranks"]

@@ -77,7 +77,12 @@ def job_model(job: Any, *, meta: bool = False) -> nn.Module:
     no weights (what the checks before any rank look at)."""
     m = job.model
     if m.source == "hf":
-        from gm_trainer.job.hf_model import build_hf_model, config_source, load_hf_config, meta_model
+        from gm_trainer.job.hf_model import (
+            build_hf_model,
+            config_source,
+            load_hf_config,
+            meta_model,
+        )
 
         hf_config = load_hf_config(m.config)
         if meta:

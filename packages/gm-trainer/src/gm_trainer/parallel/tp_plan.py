@@ -4,20 +4,17 @@ A plan maps module-name patterns (``*`` stands for one name segment: ``model.lay
 to a style name, the vocabulary Hugging Face ``transformers`` models carry in their own plan
 (``model.tp_plan``, from ``config.base_model_tp_plan`` and the head's ``_tp_plan``):
 
-=========================================  ============================================================
-style                                      torch ``ParallelStyle``
-=========================================  ============================================================
-``colwise``                                ``ColwiseParallel()``: output features split, output local
-``colwise_rep``, ``colwise_gather_output`` ``ColwiseParallel(output_layouts=Replicate())``: gathered
-``rowwise``                                ``RowwiseParallel()``: input features split, output summed
-``rowwise_rep``, ``rowwise_split_input``   ``RowwiseParallel(input_layouts=Replicate())``
-``embedding_rowwise``                      ``RowwiseParallel(input_layouts=Replicate())`` on an
-                                           embedding: vocabulary rows split, the output summed
-``embedding_colwise``                      ``ColwiseParallel(output_layouts=Replicate())`` on an
-                                           embedding: its width split, the output gathered
-``sequence_parallel``                      ``SequenceParallel()``
-``replicate``                              nothing: the module stays whole on every TP rank
-=========================================  ============================================================
+- ``colwise``: ``ColwiseParallel()``, the output features split, the output left split;
+- ``colwise_rep``, ``colwise_gather_output``: ``ColwiseParallel(output_layouts=Replicate())``,
+  the output gathered;
+- ``rowwise``: ``RowwiseParallel()``, the input features split, the outputs summed;
+- ``rowwise_rep``, ``rowwise_split_input``: ``RowwiseParallel(input_layouts=Replicate())``;
+- ``embedding_rowwise``: ``RowwiseParallel(input_layouts=Replicate())`` on an embedding, its
+  vocabulary rows split, the outputs summed;
+- ``embedding_colwise``: ``ColwiseParallel(output_layouts=Replicate())`` on an embedding, its
+  width split, the output gathered;
+- ``sequence_parallel``: ``SequenceParallel()``;
+- ``replicate``: nothing, the module stays whole on every TP rank.
 
 :func:`resolve_tp_plan` expands the patterns against a model and checks every entry (a style it
 does not know, a pattern that matches nothing, a module whose split dim the TP degree does not
@@ -62,9 +59,7 @@ class TPEntry:
 def _matches(pattern: str, name: str) -> bool:
     """``*`` matches one dotted segment (as in transformers' and torch's plans)."""
     parts, names = pattern.split("."), name.split(".")
-    return len(parts) == len(names) and all(
-        fnmatch.fnmatchcase(n, p) for p, n in zip(parts, names)
-    )
+    return len(parts) == len(names) and all(fnmatch.fnmatchcase(n, p) for p, n in zip(parts, names))
 
 
 @dataclass(frozen=True)
