@@ -93,6 +93,12 @@ class TrainConfig(Section):
     """Evaluate on the held-out split (``data.eval_fraction`` / ``data.eval_files``) every
     this many steps and after the last; ``null``: never."""
 
+    # -- fast restarts (issue #30)
+    compile_cache: bool = True
+    """``parallel.backend: inductor``: keep Inductor's compiled artifacts in
+    ``<data cache dir>/compiled``, one verified entry per graph fingerprint, so that a restart
+    with the same configuration skips the compile (:mod:`gm_trace.passes.compile_cache`)."""
+
     def validate(self) -> None:
         self._positive("steps", "global_batch_size", "accumulation", "lr", "eps", "grad_clip")
         if self.weight_decay < 0:

@@ -44,12 +44,18 @@ def check_world_size(job: Any, world_size: int) -> None:
         )
     if t.global_batch_size % (dp * t.accumulation):
         ranks = "world_size"
-        if pp > 1 or tp > 1:
-            ranks = "(world_size / parallel.pp_degree / parallel.tp_size)"
+        if pp > 1:
+            ranks = "(world_size / parallel.pp_degree)"
+        if tp > 1:
+            ranks = ranks.strip("()") + " / parallel.tp_size"
+            ranks = f"({ranks})"
+        groups = {(True, False): "pipeline", (False, True): "TP group"}.get(
+            (pp > 1, tp > 1), "pipeline or TP group"
+        )
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} must be divisible by "
             f"{ranks} * train.accumulation = {dp} * {t.accumulation}"
-            + (": the ranks of one pipeline or TP group read the same rows" if pp * tp > 1 else "")
+            + (f": the ranks of one {groups} read the same rows" if pp * tp > 1 else "")
         )
     rows = t.global_batch_size // (dp * t.accumulation)
     if pp > 1 and rows % p.pp_microbatches:
@@ -67,7 +73,9 @@ def check_world_size(job: Any, world_size: int) -> None:
         )
     shard = dp // replicas
     if p.fsdp_degree is not None and p.fsdp_degree != shard:
-        if pp > 1 or tp > 1:
+        if pp > 1 and tp == 1:
+            over = f"the {shard} rank(s) of each pipeline stage ({world_size} / pp_degree {pp})"
+        elif tp > 1:
             over = (
                 f"the {shard} data-parallel rank(s) of each pipeline stage and TP group "
                 f"({world_size} / pp_degree {pp} / tp_size {tp} / dp_replicate {replicas})"
