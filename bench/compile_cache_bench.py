@@ -1,0 +1,90 @@
+"""Restarts with the compile cache: the compile of a ``backend="inductor"`` step, cold (an
+empty cache) and on a restart (a fresh interpreter on the same cache), alternating.
+
+Run: ``python bench/compile_cache_bench.py [--rounds 2] [--layers 2]``.
+
+Each measurement is a new Python process, as a restart after a node failure is: it builds a
+TinyGPT of ``--layers`` blocks, ``GraphTrainer(PassConfig(backend="inductor"))`` and times
+``trainer.compile(batch)`` (trace, passes, Inductor) under a
+``gm_trace.passes.compile_cache.CompileCache``. Cold runs use a new cache folder each; warm
+runs the folder the cold run before them filled. Prints each run, the medians and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def child(root: str, layers: int) -> None:
+    import torch
+
+    from gm_config import PassConfig
+    from gm_trace.passes.compile_cache import CompileCache, use_compile_cache
+    from gm_trace.testing import TinyGPT, lm_loss
+    from gm_trainer import GraphTrainer
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab_size=256, dim=64, n_layers=layers, n_heads=4, max_seq_len=32)
+    trainer = GraphTrainer(model, lm_loss, PassConfig(backend="inductor"))
+    tokens = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(0))
+    cache = CompileCache(root, {"slot": "bench"}, log=lambda _: None)
+    start = time.perf_counter()
+    with use_compile_cache(cache):
+        trainer.compile(tokens[:, :-1], tokens[:, 1:])
+    seconds = time.perf_counter() - start
+    loss = trainer.train_step(tokens[:, :-1], tokens[:, 1:]).item()
+    print(json.dumps({"seconds": seconds, "events": [s for s, _ in cache.events], "loss": loss}))
+
+
+def _measure(root: str, layers: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", root, "--layers", str(layers)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child is not None:
+        child(args.child, args.layers)
+        return
+    cold, warm = [], []
+    with tempfile.TemporaryDirectory() as scratch:
+        for round in range(args.rounds):
+            root = os.path.join(scratch, f"cache{round}")
+            first = _measure(root, args.layers)
+            second = _measure(root, args.layers)
+            assert first["events"] and set(first["events"]) == {"miss"}, first
+            assert set(second["events"]) == {"hit"}, second
+            assert first["loss"] == second["loss"], (first, second)  # the same compiled step
+            cold.append(first["seconds"])
+            warm.append(second["seconds"])
+            print(
+                f"round {round}: cold {first['seconds']:.1f} s ({len(first['events'])} graph(s) "
+                f"compiled), restart {second['seconds']:.1f} s (cache hit)"
+            )
+    c, w = statistics.median(cold), statistics.median(warm)
+    print(
+        f"TinyGPT {args.layers} layers d=64, backend inductor on CPU: compile cold {c:.1f} s, "
+        f"restart {w:.1f} s: {c / w:.1f}x faster"
+    )
+
+
+if __name__ == "__main__":
+    main()
