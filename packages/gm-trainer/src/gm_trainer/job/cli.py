@@ -113,9 +113,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _plan(config: JobConfig, world_size: int, device_memory_gib: float | None) -> int:
     """``--plan``: print the plan of ``config`` on ``world_size`` ranks; the exit status."""
+    from gm_config import GraphModeError
     from gm_trainer.job.plan import format_plan, plan_job
 
-    print(format_plan(plan_job(config, world_size, device_memory_gib=device_memory_gib)))
+    try:
+        plan = plan_job(config, world_size, device_memory_gib=device_memory_gib)
+    except ConfigError:
+        raise  # reported as every configuration error is
+    except GraphModeError as e:  # the representative rank failed to trace or compile
+        print(f"gm-train: error: {e}", file=sys.stderr)
+        return 1
+    print(format_plan(plan))
     return 0
 
 

@@ -23,12 +23,14 @@ folder, and its measured peak beside the estimate in ``summary.json``.
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from gm_trainer.errors import TrainingError
 
 if TYPE_CHECKING:
     from gm_trainer.job.config import JobConfig
@@ -226,12 +228,17 @@ def plan_job(
     layout = layout_of(config, world_size)
     stages = range(config.parallel.pp_degree)
     representatives = [ranks_of_stage(config, world_size, s)[0] for s in stages]
-    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    os.environ.update(env)
     results = []
-    for rank in representatives:  # a fresh process each: one fake world per process
+    for stage, rank in enumerate(representatives):  # a fresh process each: one fake world
         with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
-            results.append(pool.submit(_plan_rank, config.to_dict(), rank, world_size).result())
+            try:
+                result = pool.submit(_plan_rank, config.to_dict(), rank, world_size).result()
+            except BrokenProcessPool as e:
+                raise TrainingError(
+                    f"--plan: the process that traces stage {stage} (rank {rank}) died ({e}); "
+                    "run that layout's first step to see the error"
+                ) from None
+        results.append(result)
     return report(config, layout, results, device_memory_gib)
 
 
