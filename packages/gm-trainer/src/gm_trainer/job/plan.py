@@ -253,7 +253,8 @@ def report(
     memory, source = device_memory(device_memory_gib)
     kinds = []
     for stage, estimate in enumerate(estimates):
-        entry = {"kind": f"stage {stage}", "ranks": ranks_of_stage(config, world_size, stage)}
+        kind = f"stage {stage}" if layout["pp"] > 1 else "every rank"
+        entry = {"kind": kind, "ranks": ranks_of_stage(config, world_size, stage)}
         entry.update(estimate)
         if memory is not None:
             entry["fits"] = estimate["peak_bytes"] <= memory
@@ -276,7 +277,12 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"{lay['dp']} (fsdp {lay['fsdp']} x replicas {lay['dp_replicate']})",
         f"pipeline bubble implied by the schedule: {plan['bubble']:.1%}"
         + (f" ({plan['schedule']})" if plan["schedule"] else ""),
-        f"device memory per rank: {_mib(plan['device_memory_bytes'])} ({plan['device_memory']})",
+        "device memory per rank: "
+        + (
+            f"{_mib(plan['device_memory_bytes'])} ({plan['device_memory']})"
+            if plan["device_memory_bytes"] is not None
+            else plan["device_memory"]
+        ),
     ]
     for kind in plan["rank_kinds"]:
         ranks = kind["ranks"]
