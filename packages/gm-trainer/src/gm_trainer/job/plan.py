@@ -318,6 +318,7 @@ class MemoryProbe:
 
     def __init__(self, step: int) -> None:
         self.step = step
+        """The step measured (``0``: none)."""
         self.measured: int | None = None
 
     def run(self, trainer: GraphTrainer, train: Any, *, measure: bool) -> None:

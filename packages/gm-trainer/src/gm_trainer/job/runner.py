@@ -234,7 +234,8 @@ def _train(
     data = profiler.wrap(data, t.accumulation)
     # The step whose peak memory is measured (beside plan.json's estimate): after the first,
     # which also traces.
-    probe = MemoryProbe(min(start_step + 2, t.steps))
+    # Not while profiling: on CPU both would run torch's profiler.
+    probe = MemoryProbe(min(start_step + 2, t.steps) if config.profile.start_step is None else 0)
     try:
         while trainer.step < t.steps:
             stops = {*saves, *eval_steps, probe.step - 1, probe.step}
