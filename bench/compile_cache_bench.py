@@ -27,11 +27,6 @@ import time
 def child(root: str, layers: int) -> None:
     import torch
 
-    from gm_config import PassConfig
-    from gm_trace.passes.compile_cache import CompileCache, use_compile_cache
-    from gm_trace.testing import TinyGPT, lm_loss
-    from gm_trainer import GraphTrainer
-
     # Imported before the clock starts: where bytecode is not cached (PYTHONDONTWRITEBYTECODE)
     # a process compiles Inductor's Python sources on import, cold or warm alike.
     import torch._functorch.aot_autograd
@@ -42,7 +37,12 @@ def child(root: str, layers: int) -> None:
     import torch._inductor.fx_passes.post_grad
     import torch._inductor.graph
     import torch._inductor.lowering
-    import torch._inductor.scheduler  # noqa: F401
+    import torch._inductor.scheduler
+
+    from gm_config import PassConfig
+    from gm_trace.passes.compile_cache import CompileCache, use_compile_cache
+    from gm_trace.testing import TinyGPT, lm_loss
+    from gm_trainer import GraphTrainer
 
     torch.manual_seed(0)
     model = TinyGPT(vocab_size=256, dim=64, n_layers=layers, n_heads=4, max_seq_len=32)
