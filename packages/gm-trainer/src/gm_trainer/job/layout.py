@@ -25,14 +25,16 @@ class RankLayout:
     dp_index: int
     """Which slice of each global batch this rank reads."""
     dp: int
-    """Ranks that read different rows (one pipeline's and one TP group's ranks read the same)."""
+    """Ranks that read different rows (the ranks of one pipeline, TP group or cp group read the
+    same)."""
 
 
 def job_mesh(config: JobConfig) -> MeshContext | None:
     """The device mesh of a job with tensor parallelism or HSDP replicas; ``None``: the
     trainer's own layout (FSDP over every rank of a stage). Every rank must call it."""
     p, replicas = config.parallel, config.dist.dp_replicate
-    # Further mesh dims (ep, cp) join here: MeshContext.build(..., ep=..., cp=...).
+    # Further mesh dims (ep) join here: MeshContext.build(..., ep=...). Context parallelism
+    # (parallel.cp_degree) is the trainer's own layout; gm-train refuses it with TP or HSDP.
     if p.tp_size == 1 and replicas == 1:
         return None
     return MeshContext.build(
@@ -56,9 +58,12 @@ def lay_out_rank(
     from gm_trainer.trainer import GraphTrainer  # heavy: only on the ranks
 
     t = config.train
-    dp = world_size // (config.parallel.pp_degree * config.parallel.tp_size)
+    p = config.parallel
+    cp = p.cp_degree
+    dp = world_size // (p.pp_degree * p.tp_size * cp)
     mesh = job_mesh(config)
-    dp_index = mesh.dp_rank if mesh is not None else rank % dp  # rank = stage * dp + index
+    # Without a mesh: rank = (stage * dp + data-parallel index) * cp + c.
+    dp_index = mesh.dp_rank if mesh is not None else (rank // cp) % dp
     if built.tp_plan is not None and mesh is not None:
         from gm_trainer.parallel.tp_plan import apply_tp_plan
 

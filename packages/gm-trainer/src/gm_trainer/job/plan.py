@@ -154,14 +154,15 @@ def estimate_rank(trainer: GraphTrainer, config: JobConfig, joint: Any) -> dict[
 def layout_of(config: JobConfig, world_size: int) -> dict[str, int]:
     """The job's parallel sizes on ``world_size`` ranks."""
     p = config.parallel
-    dp = world_size // (p.pp_degree * p.tp_size)
+    dp = world_size // (p.pp_degree * p.tp_size * p.cp_degree)
     return {
         "world_size": world_size,
         "pp": p.pp_degree,
         "tp": p.tp_size,
+        "cp": p.cp_degree,
         "dp": dp,
         "dp_replicate": config.dist.dp_replicate,
-        "fsdp": dp // config.dist.dp_replicate,
+        "fsdp": dp * p.cp_degree // config.dist.dp_replicate,
     }
 
 
@@ -274,7 +275,9 @@ def format_plan(plan: dict[str, Any]) -> str:
     lay = plan["layout"]
     lines = [
         f"gm-train plan: {lay['world_size']} rank(s) = pp {lay['pp']} x tp {lay['tp']} x dp "
-        f"{lay['dp']} (fsdp {lay['fsdp']} x replicas {lay['dp_replicate']})",
+        f"{lay['dp']}"
+        + (f" x cp {lay['cp']}" if lay["cp"] > 1 else "")
+        + f" (fsdp {lay['fsdp']} x replicas {lay['dp_replicate']})",
         f"pipeline bubble implied by the schedule: {plan['bubble']:.1%}"
         + (f" ({plan['schedule']})" if plan["schedule"] else ""),
         "device memory per rank: "

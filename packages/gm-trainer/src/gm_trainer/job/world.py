@@ -12,7 +12,7 @@ def check_world_size(job: Any, world_size: int) -> None:
     """Raise :class:`ConfigError` unless the job can run on ``world_size`` ranks.
 
     ``job``: the :class:`~gm_trainer.job.config.JobConfig` (not imported: it calls this,
-    and reads its ``train``, ``parallel`` and ``dist`` sections only).
+    and reads its ``train``, ``parallel``, ``dist`` and ``model`` sections only).
 
     gm-train runs ``parallel.pp_degree`` pipeline stages, each on ``world_size /
     pp_degree`` ranks, which form groups of ``parallel.tp_size`` tensor-parallel ranks; the
@@ -36,7 +36,15 @@ def check_world_size(job: Any, world_size: int) -> None:
             f"stage ({world_size} / parallel.pp_degree={pp}): the ranks of a stage form groups "
             f"of tp_size; use --nproc a multiple of {pp * tp}"
         )
-    dp = world_size // (pp * tp)  # ranks that read different rows
+    _check_cp(job, world_size)
+    cp = p.cp_degree
+    if tp > 1 and cp > 1:
+        raise ConfigError(
+            f"parallel.tp_size={tp} does not combine with parallel.cp_degree={cp} in gm-train "
+            "yet; use 1 for one of them"
+        )
+    # Ranks that read different rows (a pipeline, a TP group and a cp group read the same).
+    dp = world_size // (pp * tp * cp)
     if pp > 1 and replicas > 1:
         raise ConfigError(
             f"dist.dp_replicate={replicas} does not combine with parallel.pp_degree={pp} "
@@ -71,7 +79,7 @@ def check_world_size(job: Any, world_size: int) -> None:
             f"dist.dp_replicate={replicas} does not divide the {ranks}; use a "
             f"divisor of {dp} (1: plain FSDP over every rank)"
         )
-    shard = dp // replicas
+    shard = dp * cp // replicas  # FSDP shards over dp x cp, like torchtitan's dp_shard_cp
     if p.fsdp_degree is not None and p.fsdp_degree != shard:
         if pp > 1 and tp == 1:
             over = f"the {shard} rank(s) of each pipeline stage ({world_size} / pp_degree {pp})"
@@ -93,5 +101,28 @@ def check_world_size(job: Any, world_size: int) -> None:
         raise ConfigError(
             "parallel.fsdp_enabled / sharding.fsdp.enabled is off, but with "
             f"{dp} data-parallel ranks only the fsdp pass keeps them in sync; turn it on "
-            f"or use --nproc {pp * tp}"
+            f"or use --nproc {pp * tp * cp}"
+        )
+
+
+def _check_cp(job: Any, world_size: int) -> None:
+    """Context parallelism (issue 29): ``parallel.cp_degree`` ranks split each sequence."""
+    p, cp = job.parallel, job.parallel.cp_degree
+    if cp == 1:
+        return
+    if world_size % cp:
+        raise ConfigError(
+            f"parallel.cp_degree={cp} must divide the {world_size} rank(s): each sequence is "
+            f"split over cp_degree ranks (use --nproc a multiple of {cp})"
+        )
+    if p.pp_degree > 1 or job.dist.dp_replicate > 1:
+        raise ConfigError(
+            f"parallel.cp_degree={cp} does not combine with parallel.pp_degree / "
+            "dist.dp_replicate yet; use 1 for those"
+        )
+    seq = job.model.seq_len
+    if seq % cp:
+        raise ConfigError(
+            f"model.seq_len={seq} must be divisible by parallel.cp_degree={cp}: each rank "
+            f"holds seq_len / cp_degree tokens of every sequence"
         )
