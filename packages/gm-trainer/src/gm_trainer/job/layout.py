@@ -4,6 +4,7 @@ HSDP replicas, pipeline stages), the TP split, and the ``GraphTrainer`` over the
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from gm_trainer.parallel.mesh import MeshContext
 
 if TYPE_CHECKING:
+    from gm_trace.passes.compile_cache import CompileCache
     from gm_trainer.job.config import JobConfig
     from gm_trainer.job.sources import BuiltModel
     from gm_trainer.trainer import GraphTrainer
@@ -81,6 +83,21 @@ def lay_out_rank(
     return RankLayout(trainer, mesh, dp_index, dp)
 
 
+def layout_of(config: JobConfig, world_size: int) -> dict[str, int]:
+    """The job's parallel sizes on ``world_size`` ranks."""
+    p = config.parallel
+    dp = world_size // (p.pp_degree * p.tp_size * p.cp_degree)
+    return {
+        "world_size": world_size,
+        "pp": p.pp_degree,
+        "tp": p.tp_size,
+        "cp": p.cp_degree,
+        "dp": dp,
+        "dp_replicate": config.dist.dp_replicate,
+        "fsdp": dp * p.cp_degree // config.dist.dp_replicate,
+    }
+
+
 def graph_batch(batch: tuple[Any, Any], config: JobConfig) -> tuple[Any, Any]:
     """What the trainer traces for ``batch``: under pipeline parallelism its first
     micro-batch, as ``train_step`` will."""
@@ -90,3 +107,33 @@ def graph_batch(batch: tuple[Any, Any], config: JobConfig) -> tuple[Any, Any]:
     from gm_trainer.pipeline.runtime import split_microbatches
 
     return split_microbatches(*batch, parallel.pp_microbatches)[0]
+
+
+def job_compile_cache(config: JobConfig, rank: int, world_size: int) -> CompileCache | None:
+    """The on-disk cache of Inductor's artifacts (``train.compile_cache``), keyed also by
+    what the graph's code does not show: the pass configuration and this rank's place."""
+    if not config.train.compile_cache or config.parallel.backend != "inductor":
+        return None
+    from gm_trace.passes.compile_cache import CompileCache
+    from gm_trainer.job.dataset import cache_dir_of
+
+    root = cache_dir_of(config.data.cache_dir, config.logging.run_dir) / "compiled"
+    context = {
+        "pass configuration": config.parallel.to_dict(),
+        "world layout": layout_of(config, world_size),
+        "rank": rank,
+        "slot": f"rank{rank}",
+    }
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if rank == 0 else (lambda _: None)
+    return CompileCache(root, context, log)
+
+
+def layout_note(pp: int, tp: int, dp: int) -> str:
+    """How the progress header names the layout: `` (pipeline: 2 stages x tensor-parallel 2 x
+    1 data-parallel)``; empty for plain data parallelism."""
+    parts = [f"{pp} stages"] if pp > 1 else []
+    parts += [f"tensor-parallel {tp}"] if tp > 1 else []
+    if not parts:
+        return ""
+    kind = "pipeline: " if pp > 1 else ""
+    return f" ({kind}{' x '.join(parts)} x {dp} data-parallel)"

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gm_trainer.errors import TrainingError
+from gm_trainer.job.layout import graph_batch, lay_out_rank, layout_of
 
 if TYPE_CHECKING:
     from gm_trainer.job.config import JobConfig
@@ -151,21 +152,6 @@ def estimate_rank(trainer: GraphTrainer, config: JobConfig, joint: Any) -> dict[
     }
 
 
-def layout_of(config: JobConfig, world_size: int) -> dict[str, int]:
-    """The job's parallel sizes on ``world_size`` ranks."""
-    p = config.parallel
-    dp = world_size // (p.pp_degree * p.tp_size * p.cp_degree)
-    return {
-        "world_size": world_size,
-        "pp": p.pp_degree,
-        "tp": p.tp_size,
-        "cp": p.cp_degree,
-        "dp": dp,
-        "dp_replicate": config.dist.dp_replicate,
-        "fsdp": dp * p.cp_degree // config.dist.dp_replicate,
-    }
-
-
 def ranks_of_stage(config: JobConfig, world_size: int, stage: int) -> list[int]:
     """The ranks of pipeline stage ``stage`` (the mesh lays stages out first)."""
     per = world_size // config.parallel.pp_degree
@@ -177,7 +163,6 @@ def _plan_rank(config_dict: dict[str, Any], rank: int, world_size: int) -> dict[
     import torch.distributed as dist
 
     from gm_trainer.job.config import JobConfig
-    from gm_trainer.job.layout import graph_batch, lay_out_rank
     from gm_trainer.job.sources import build_model
 
     torch.set_num_threads(1)

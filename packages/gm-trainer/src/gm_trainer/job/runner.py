@@ -4,7 +4,6 @@ checkpoints and, when resuming, load one first."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from gm_config import ConfigError
-from gm_trace.passes.compile_cache import CompileCache, use_compile_cache
+from gm_trace.passes.compile_cache import use_compile_cache
 from gm_trainer.checkpoint import (
     checkpoint_info,
     export_full_state_dict,
@@ -23,10 +22,10 @@ from gm_trainer.checkpoint import (
 )
 from gm_trainer.checkpoint.durable import replacing
 from gm_trainer.job.config import JobConfig
-from gm_trainer.job.dataset import PackedBatches, cache_dir_of, load_job_data, position_of
+from gm_trainer.job.dataset import PackedBatches, load_job_data, position_of
 from gm_trainer.job.evaluate import Evaluator
-from gm_trainer.job.layout import graph_batch, lay_out_rank
-from gm_trainer.job.plan import MemoryProbe, layout_of
+from gm_trainer.job.layout import graph_batch, job_compile_cache, lay_out_rank, layout_note
+from gm_trainer.job.plan import MemoryProbe
 from gm_trainer.job.progress import Progress
 from gm_trainer.job.resume import check_same_data, check_same_model
 from gm_trainer.job.run_folder import (
@@ -110,7 +109,7 @@ def run_job(
     if rank == 0:
         folder = RunFolder(config.logging.run_dir, lock=True, defer=resume is not None)
     try:
-        with use_compile_cache(_compile_cache(config, rank, world_size)):
+        with use_compile_cache(job_compile_cache(config, rank, world_size)):
             return _train(config, rank, world_size, resume, folder, compare_passes)
     finally:
         if folder is not None:
@@ -174,7 +173,7 @@ def _train(
     progress = Progress(t.steps, start_step=start_step) if folder is not None else None
     if progress is not None:
         progress.write(
-            f"gm-train: {world_size} rank(s){_layout_note(pp, tp, dp)} on {trainer.device} | "
+            f"gm-train: {world_size} rank(s){layout_note(pp, tp, dp)} on {trainer.device} | "
             f"{built.name} {n_params / 1e6:.2f}M params | corpus "
             f"{job_data.train.tokens.numel() / 1e6:.2f}M tokens, {job_data.train.count} windows "
             f"({job_data.documents_from}) | {t.global_batch_size} x {m.seq_len} tokens per step | "
@@ -457,28 +456,3 @@ def _reconcile(trainer: GraphTrainer, config: JobConfig, saved: Any) -> list[str
                 "on another data stream than the uninterrupted run would have seen"
             )
     return notes
-
-
-def _compile_cache(config: JobConfig, rank: int, world_size: int) -> CompileCache | None:
-    """The on-disk cache of Inductor's artifacts (``train.compile_cache``), keyed also by
-    what the graph's code does not show: the pass configuration and this rank's place."""
-    if not config.train.compile_cache or config.parallel.backend != "inductor":
-        return None
-    root = cache_dir_of(config.data.cache_dir, config.logging.run_dir) / "compiled"
-    context = {
-        "pass configuration": config.parallel.to_dict(),
-        "world layout": layout_of(config, world_size),
-        "rank": rank,
-        "slot": f"rank{rank}",
-    }
-    log = (lambda line: print(line, file=sys.stderr, flush=True)) if rank == 0 else (lambda _: None)
-    return CompileCache(root, context, log)
-
-
-def _layout_note(pp: int, tp: int, dp: int) -> str:
-    parts = [f"{pp} stages"] if pp > 1 else []
-    parts += [f"tensor-parallel {tp}"] if tp > 1 else []
-    if not parts:
-        return ""
-    kind = "pipeline: " if pp > 1 else ""
-    return f" ({kind}{' x '.join(parts)} x {dp} data-parallel)"
