@@ -32,6 +32,7 @@ from gm_trace.graph.aliasing import storage_of, written_storages
 from gm_trace.graph.compiled_step import BackendError
 from gm_trace.graph.dynamic_shapes import is_symbolic
 from gm_trace.graph.fake_kernels import extra_fake_kernels
+from gm_trace.passes.compile_cache import active_compile_cache
 
 # --------------------------------------------------------------------------- inductor
 
@@ -92,7 +93,10 @@ def compile_with_inductor(
         settings.update({k: v for k, v in _SYMBOLIC_NO_CACHE.items() if k in known})
         example_inputs, where = _with_size_inputs(graph_module, example_inputs)
     _views_as_reshapes(graph_module)
+    cache = active_compile_cache() if not where else None  # a symbolic graph: caches are off
+    entry = cache.entry(graph_module, example_inputs) if cache else contextlib.nullcontext()
     with (
+        entry,
         inductor_config.patch(settings),
         _no_autograd_cache(settings),
         extra_fake_kernels(),  # Inductor traces the graph on fake tensors again
