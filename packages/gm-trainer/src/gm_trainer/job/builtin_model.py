@@ -22,6 +22,13 @@ from torch import Tensor, nn
 __all__ = ["GPT", "lm_loss"]
 
 
+# The row order of the fused ``qkv`` weight, recorded in gm-train's checkpoints: before gm-train
+# had tensor parallelism the rows were grouped by kind (all queries, then keys, then values). An
+# older checkpoint loads without a shape error but computes other attention, so resume
+# refuses a checkpoint that does not record this layout.
+QKV_LAYOUT = "head-major"
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head attention of each position over itself and the positions before it."""
 

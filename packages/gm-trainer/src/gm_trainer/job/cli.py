@@ -27,6 +27,7 @@ from gm_trainer.job.launch import AUTO, auto_resume_key, auto_resume_point, map_
 from gm_trainer.job.resume import (
     Damaged,
     ResumePoint,
+    check_model_layout,
     check_same_data,
     check_same_model,
     config_of_checkpoint,
@@ -213,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config.check_world_size(world_size)
         if resume is not None:  # before the ranks build, compile and load anything
             check_same_model(config, extra.get("config"), resume.checkpoint)
+            check_model_layout(config, extra, resume.checkpoint)
         # Resolved once, before the ranks start, so that they agree on it (only rank 0 writes:
         # it alone creates a {timestamp} folder and checks that the folder is free).
         new_folder = not auto and any(

@@ -21,13 +21,14 @@ from gm_trainer.checkpoint import (
     save_checkpoint,
 )
 from gm_trainer.checkpoint.durable import replacing
+from gm_trainer.job.builtin_model import QKV_LAYOUT
 from gm_trainer.job.config import JobConfig
 from gm_trainer.job.dataset import PackedBatches, load_job_data, position_of
 from gm_trainer.job.evaluate import Evaluator
 from gm_trainer.job.layout import graph_batch, job_compile_cache, lay_out_rank, layout_note
 from gm_trainer.job.plan import MemoryProbe
 from gm_trainer.job.progress import Progress
-from gm_trainer.job.resume import check_same_data, check_same_model
+from gm_trainer.job.resume import check_model_layout, check_same_data, check_same_model
 from gm_trainer.job.run_folder import (
     PLOT_INSTALL,
     RunFolder,
@@ -191,6 +192,7 @@ def _train(
         # the curve goes on where the checkpoint stopped
         restore_scheduler(trainer.lr_scheduler, trainer.optimizer, trainer.step, saved)
         check_same_model(config, saved.get("config"), resume)
+        check_model_layout(config, saved, resume)
         position = trainer.data_position
         notes = _reconcile(trainer, config, saved.get("config"))
         notes += check_same_data(config, fingerprint, saved, resume)
@@ -248,6 +250,8 @@ def _train(
 
     saves = [s for s in c.save_steps(t.steps) if s > start_step]
     extra = {"config": config.to_dict()}  # rank 0's is saved; compared on resume (_reconcile)
+    if config.model.source == "builtin":
+        extra["builtin_qkv_layout"] = QKV_LAYOUT  # checked on resume (check_model_layout)
     records: list[dict[str, Any]] = []
     last_checkpoint: Path | None = None
     checkpoint_time = 0.0
