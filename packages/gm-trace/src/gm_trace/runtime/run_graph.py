@@ -34,6 +34,28 @@ class GraphOutputs:
     """The global gradient norm the graph computed (optimizer in the graph), else ``None``."""
 
 
+def graph_arguments(
+    joint: JointGraph,
+    model: nn.Module,
+    input: Any,
+    label: Any,
+    extra_args: Sequence[Tensor] = (),
+    *,
+    leaves: Sequence[Any] | None = None,
+) -> list[Tensor]:
+    """The graph module's positional arguments for one run (what :func:`run_traced_graph`
+    calls it with): the live state, the batch's tensor leaves, the captured tensors and
+    ``extra_args``. Raises what :func:`run_traced_graph` raises for a mismatched batch."""
+    guards = joint.shape_guards
+    if leaves is None:
+        leaves = _checked_leaves(joint, input, label)
+    if guards is not None:
+        leaves = guards.contiguous_leaves(leaves)
+    live = _live_state(model, joint.state_fqns)
+    captured = joint.captured.values() if joint.captured is not None else ()
+    return [*live, *(leaf for leaf in leaves if isinstance(leaf, Tensor)), *captured, *extra_args]
+
+
 def run_traced_graph(
     joint: JointGraph,
     model: nn.Module,
@@ -66,15 +88,8 @@ def run_traced_graph(
         CapturedTensorError: (a ``GraphSignatureError``) a captured tensor is gone or no
             longer has its traced shape, stride, dtype or device.
     """
-    guards = joint.shape_guards
-    if leaves is None:
-        leaves = _checked_leaves(joint, input, label)
-    if guards is not None:
-        leaves = guards.contiguous_leaves(leaves)
-
-    live = _live_state(model, joint.state_fqns)
-    captured = joint.captured.values() if joint.captured is not None else ()
-    args = [*live, *(leaf for leaf in leaves if isinstance(leaf, Tensor)), *captured, *extra_args]
+    args = graph_arguments(joint, model, input, label, extra_args, leaves=leaves)
+    live = args[: len(joint.state_fqns)]
     gm, compiled = joint.graph_module, joint.compiled_step
     with torch.no_grad():
         outputs = gm(*args) if compiled is None else compiled.run(gm, args)
