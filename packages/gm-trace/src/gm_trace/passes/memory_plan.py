@@ -188,11 +188,18 @@ class _Graph:
         self.nodes = list(graph.nodes)
         self.order = {node: i for i, node in enumerate(self.nodes)}
         self.on_batch = batch_dependent(graph)
+        # A view of an input (the labels reshaped) holds nothing the step does not hold anyway.
+        inputs = {storage_of(n) for n in self.nodes if n.op == "placeholder"} - {None}
         self.saved = [
             n
             for n in self.nodes
-            if _phase(n) == "forward" and n in self.on_batch and self.backward_readers(n)
+            if _phase(n) == "forward"
+            and n in self.on_batch
+            and self.backward_readers(n)
+            and storage_of(n) not in inputs
         ]
+        # What the graph returns (the loss) lives to the end: recomputing it frees nothing.
+        self.returned = {storage_of(n) for n in graph.output_node().all_input_nodes} - {None}
         self.written = written_between(self.nodes)
         self.last = self.nodes[-1]
 
@@ -207,6 +214,8 @@ class _Graph:
         or None when one cannot be recomputed or its inputs are written later in place."""
         found: set[fx.Node] = set()
         stack = list(values)
+        if any(storage_of(n) in self.returned for n in stack):
+            return None
         while stack:
             node = stack.pop()
             if node in found or node in stops or node.op != "call_function":
