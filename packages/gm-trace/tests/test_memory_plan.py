@@ -69,7 +69,7 @@ def test_a_budget_is_bitwise_and_its_measured_activations_fit(gpt, budget):
 
 
 def test_lower_budgets_hold_less_and_add_more_flops(gpt):
-    model, batch, joint = gpt
+    model, _, joint = gpt
     plans = [planned(joint, model, activation_memory_budget=b)[1] for b in BUDGETS]
     kept = [p.kept_bytes for p in plans]
     flops = [p.added_flops for p in plans]
@@ -117,7 +117,7 @@ def test_random_ops_are_never_recomputed():
     factory, train_fn, make_batch = REFERENCE_MODELS["dropout_mlp"]
     model, batch = factory(), make_batch()
     joint = trace_model_graph(model, train_fn, *batch)
-    graph, plan = planned(joint, model, activation_memory_budget=0.0)
+    graph, _ = planned(joint, model, activation_memory_budget=0.0)
     copies = [n for n in graph.graph_module.graph.nodes if n.meta.get("gm_recomputed")]
     assert not any("dropout" in str(n.target) for n in copies)
     torch.manual_seed(1)
