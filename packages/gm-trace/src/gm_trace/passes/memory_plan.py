@@ -161,6 +161,8 @@ class MemoryPlan:
     whole graph, parameters and gradients included, before and after the pass."""
     recomputed: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)
+    stages: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Under pipeline parallelism, per stage: (save-everything bytes, kept bytes)."""
 
     def describe(self) -> str:
         """A few lines for ``pass_summary()`` / ``passes.txt``."""
@@ -174,6 +176,9 @@ class MemoryPlan:
             f"  added {self.added_flops / 1e6:,.1f} MFLOP in backward "
             f"({self.added_flops / flops:.0%} of forward); estimated peak "
             f"{_mib(self.peak_bytes_before)} -> {_mib(self.peak_bytes_after)}"
+        ) + "".join(
+            f"\n  stage {stage}: kept {_mib(kept)} of {_mib(every)}"
+            for stage, (every, kept) in sorted(self.stages.items())
         )
 
 
@@ -198,6 +203,13 @@ class _Graph:
             and self.backward_readers(n)
             and storage_of(n) not in inputs
         ]
+        # Values backward reads anyway that are not activations (a gathered weight) are kept
+        # as they are and recomputing may read them.
+        self.state_kept = {
+            n
+            for n in self.nodes
+            if _phase(n) == "forward" and n not in self.on_batch and self.backward_readers(n)
+        }
         # What the graph returns (the loss) lives to the end: recomputing it frees nothing.
         self.returned = {storage_of(n) for n in graph.output_node().all_input_nodes} - {None}
         self.written = written_between(self.nodes)
@@ -225,11 +237,32 @@ class _Graph:
             found.add(node)
             stack.extend(node.all_input_nodes)
         chain = sorted(found, key=self.order.__getitem__)
+        if not self._one_stage(values, chain):
+            return None
         if chain:
             reads = {n for node in chain for n in (node, *node.all_input_nodes)}
             if {storage_of(n) for n in reads} - {None} & self.written(chain[0], self.last):
                 return None
         return chain
+
+    def _one_stage(self, values: Iterable[fx.Node], chain: list[fx.Node]) -> bool:
+        """Under pipeline parallelism a stage recomputes only from what it has: its own
+        nodes, unstaged ones (the batch), and values of other stages it already reads."""
+        stages = {r.meta.get(node_meta.STAGE) for v in values for r in self.backward_readers(v)}
+        stages.discard(None)
+        if len(stages) > 1:
+            return False
+        stage = next(iter(stages), None)
+        inside = set(chain)
+        for node in chain:
+            if node.meta.get(node_meta.STAGE) not in (None, stage):
+                return False
+            for arg in node.all_input_nodes:
+                theirs = arg.meta.get(node_meta.STAGE)
+                if arg not in inside and theirs not in (None, stage):
+                    if not any(u.meta.get(node_meta.STAGE) == stage for u in arg.users):
+                        return False
+        return True
 
 
 def _units(saved: Sequence[fx.Node]) -> dict[Any, list[fx.Node]]:
@@ -252,27 +285,44 @@ def _held_bytes(info: _Graph) -> int:
     return sum(_unit_bytes(nodes) for nodes in _units(info.saved).values())
 
 
+def _held_by_stage(info: _Graph) -> dict[Any, int]:
+    held: dict[Any, int] = {}
+    for nodes in _units(info.saved).values():
+        stage = _stage_of(info, nodes)
+        held[stage] = held.get(stage, 0) + _unit_bytes(nodes)
+    return held
+
+
 def _plan_budget(info: _Graph, budget: float) -> tuple[set[fx.Node], set[fx.Node]]:
-    """(dropped saved values, extra stops) for a fraction of the save-everything bytes."""
-    units = _units(info.saved)
-    every = set(info.saved)
-    target = budget * sum(_unit_bytes(nodes) for nodes in units.values())
-    priced = []
-    for nodes in units.values():
-        chain = info.chain(nodes, every - set(nodes))
-        if chain is None:
-            continue
-        cost = sum(node_flops(n) for n in chain)
+    """(dropped saved values, extra stops) for a fraction of the save-everything bytes, of
+    each pipeline stage on its own (of the whole graph without stages)."""
+    every = set(info.saved) | info.state_kept
+    stages: dict[Any, list[tuple[float, int, int, list[fx.Node]]]] = {}
+    held: dict[Any, int] = {}
+    for nodes in _units(info.saved).values():
         nbytes = _unit_bytes(nodes)
-        priced.append((-nbytes / max(cost, 1), -nbytes, info.order[nodes[0]], nodes))
-    held = sum(_unit_bytes(nodes) for nodes in units.values())
+        stage = _stage_of(info, nodes)
+        held[stage] = held.get(stage, 0) + nbytes
+        chain = info.chain(nodes, every - set(nodes))
+        if chain is not None:
+            cost = sum(node_flops(n) for n in chain)
+            # Most bytes freed per FLOP first; ties: the larger, then the earlier.
+            priced = (-nbytes / max(cost, 1), -nbytes, info.order[nodes[0]], nodes)
+            stages.setdefault(stage, []).append(priced)
     dropped: set[fx.Node] = set()
-    for _, minus_bytes, _, nodes in sorted(priced, key=lambda p: p[:3]):
-        if held <= target:
-            break
-        dropped.update(nodes)
-        held += minus_bytes
+    for stage, priced in stages.items():
+        target, left = budget * held[stage], held[stage]
+        for _, minus_bytes, _, nodes in sorted(priced, key=lambda p: p[:3]):
+            if left <= target:
+                break
+            dropped.update(nodes)
+            left += minus_bytes
     return dropped, set()
+
+
+def _stage_of(info: _Graph, nodes: list[fx.Node]) -> Any:
+    stages = {r.meta.get(node_meta.STAGE) for n in nodes for r in info.backward_readers(n)}
+    return min(stages, key=str) if stages else None
 
 
 def _plan_presets(
@@ -305,7 +355,8 @@ def _plan_presets(
     for nodes in _units(to_drop).values():
         if storage_of(nodes[0]) in kept_storages - {None}:
             continue  # a view of a kept storage frees nothing
-        if info.chain(nodes, (set(info.saved) - set(nodes)) | stops) is not None:
+        others = (set(info.saved) - set(nodes)) | stops | info.state_kept
+        if info.chain(nodes, others) is not None:
             dropped.update(nodes)
     return dropped, stops - dropped
 
@@ -315,7 +366,7 @@ def _materialize(
 ) -> list[fx.Node]:
     """Copy what backward needs of ``dropped`` before it and point its readers at the copies.
     Returns the copies in the order they run."""
-    stops = (set(info.saved) - dropped) | extra_stops
+    stops = (set(info.saved) - dropped) | extra_stops | info.state_kept
 
     def key_of(node: fx.Node, region: str) -> tuple[str, fx.Node] | None:
         if node in stops or node.op != "call_function" or _phase(node) != "forward":
@@ -404,7 +455,7 @@ class MemoryPlanPass(GraphPass):
         graph = graph_module.graph
         info = _Graph(graph)
         config = ctx.config
-        before = _held_bytes(info)
+        before, every = _held_bytes(info), _held_by_stage(info)
         peak_before = estimate_peak_memory(graph_module)
         if config.activation_memory_budget is not None:
             dropped, stops = _plan_budget(info, config.activation_memory_budget)
@@ -429,6 +480,9 @@ class MemoryPlanPass(GraphPass):
             recomputed=[n.name for n in sorted(dropped, key=info.order.__getitem__)],
             kept=[n.name for n in after.saved],
         )
+        kept = _held_by_stage(after)
+        if set(every) - {None}:
+            plan.stages = {s: (every[s], kept.get(s, 0)) for s in every if s is not None}
         ctx.record(self.name, plan=plan)
         ctx.publish(self.name, plan)
         return PassResult(graph_module, bool(copies))
