@@ -259,9 +259,9 @@ class _Graph:
                 return False
             for arg in node.all_input_nodes:
                 theirs = arg.meta.get(node_meta.STAGE)
-                if arg not in inside and theirs not in (None, stage):
-                    if not any(u.meta.get(node_meta.STAGE) == stage for u in arg.users):
-                        return False
+                foreign = arg not in inside and theirs not in (None, stage)
+                if foreign and not any(u.meta.get(node_meta.STAGE) == stage for u in arg.users):
+                    return False
         return True
 
 
