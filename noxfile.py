@@ -197,15 +197,34 @@ def composability(session: nox.Session) -> None:
     session.run("python", str(tests / "composability_report.py"), *args)
 
 
+@nox.session(tags=["memory"], default=False)
+def memory(session: nox.Session) -> None:
+    """The activation-memory acceptance (issue 28): the own 4-layer GPT and the zoo's Llama
+    at sequence 512, budgets 1 / 0.5 / 0.25 / 0 and the presets, one process, FSDP on 2
+    gloo ranks, PP and dynamic dims."""
+    _install_layer(session, "gm-trainer", torch=True)
+    session.run(
+        "pytest",
+        str(ROOT / "packages" / "gm-trainer" / "tests" / "test_memory_budget.py"),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        *session.posargs,
+        env={"GM_MEMORY": "full"},
+    )
+
+
 @nox.session(tags=["bench"], default=False)
 def bench(session: nox.Session) -> None:
     """Benchmarks (not run by CI): graph mode vs eager and FSDP2, trace time, the symbolic
-    graph vs the static one, and the pipeline schedules."""
+    graph vs the static one, the pipeline schedules, and activation memory budgets."""
     _install_layer(session, "gm-trainer", torch=True)
     session.run("python", str(ROOT / "bench" / "fsdp_bench.py"), *session.posargs)
     session.run("python", str(ROOT / "bench" / "trace_time.py"))
     session.run("python", str(ROOT / "bench" / "dynamic_bench.py"), "--backend", "none")
     session.run("python", str(ROOT / "bench" / "pipeline_bench.py"))
+    session.run("python", str(ROOT / "bench" / "memory_bench.py"))
+    session.run("python", str(ROOT / "bench" / "memory_bench.py"), "--model", "llama")
 
 
 @nox.session(tags=["train"], default=False)
