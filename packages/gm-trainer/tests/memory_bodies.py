@@ -21,7 +21,7 @@ PRESETS = ({"selective_recompute": True}, {"full_recompute_modules": ["layers.*"
 FULL = os.environ.get("GM_MEMORY") == "full"
 #: The default suite trains the two ends on one process and one budget between on FSDP.
 ONE_PROCESS = BUDGETS if FULL else (1.0, 0.0)
-ON_FSDP = BUDGETS if FULL else (1.0, 0.25)
+ON_FSDP = BUDGETS if FULL else (1.0, 0.0)
 SEQ = 512 if FULL else 32
 VOCAB = 61
 

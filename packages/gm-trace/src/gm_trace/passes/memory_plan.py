@@ -210,6 +210,17 @@ class _Graph:
             for n in self.nodes
             if _phase(n) == "forward" and n not in self.on_batch and self.backward_readers(n)
         }
+        # An all-gathered weight the reshard pass does not gather again may be read in
+        # backward too (without reshard_after_forward FSDP keeps most of them until then).
+        regathered = {
+            n.meta[node_meta.FULL_PARAM] for n in self.nodes if n.meta.get(node_meta.REGATHER)
+        }
+        self.state_kept |= {
+            n
+            for n in self.nodes
+            if n.meta.get(node_meta.FULL_PARAM) not in (None, *regathered)
+            and not n.meta.get(node_meta.REGATHER)
+        }
         # What the graph returns (the loss) lives to the end: recomputing it frees nothing.
         self.returned = {storage_of(n) for n in graph.output_node().all_input_nodes} - {None}
         self.written = written_between(self.nodes)
