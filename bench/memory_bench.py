@@ -1,5 +1,8 @@
 """Activation memory budgets: held activations, step time and added FLOPs, in one run.
 
+Models: the project's TinyGPT (4 blocks, d=128) or the model zoo's HF Llama (2 blocks, d=32,
+GQA), batch 2.
+
 Run: ``python bench/memory_bench.py [--model gpt|llama] [--seq 512] [--steps 4]
 [--no-compile]``.
 
@@ -17,7 +20,8 @@ graph mode by running its graph node by node (``GraphTrainer.measure_activations
 activations alive when backward starts); eager and compiled rows by the profiler's
 allocation events while forward runs (what forward allocated and had not freed when it
 returned). "Peak in backward" (graph mode only) adds the recompute copies alive at once.
-Step time is the median of ``--steps`` steps after a first one (trace / compile) left out.
+Step time is the median of ``--steps`` steps after a first one (trace / compile) left out;
+the rows take their steps in turn, so machine noise hits them alike.
 """
 
 from __future__ import annotations
@@ -49,11 +53,11 @@ def build(name: str, seq: int) -> tuple[torch.nn.Module, Callable, str]:
         return model, lm_loss, "layers.*"
     import transformers
 
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        num_hidden_layers=4,
-        intermediate_size=344,
+    config = transformers.LlamaConfig(  # the model zoo's Llama, positions up to ``seq``
+        vocab_size=61,
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=48,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=seq,
@@ -69,7 +73,7 @@ def llama_loss(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tens
 
 def batch(step: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
-    stream = torch.randint(0, VOCAB, (2, seq + 1), generator=g)
+    stream = torch.randint(0, 61, (2, seq + 1), generator=g)  # within both vocabularies
     return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
 
 
@@ -86,7 +90,20 @@ def held_after_forward(forward: Callable[[], Any]) -> tuple[int, Any]:
     return net, out
 
 
-def eager_row(name: str, seq: int, steps: int, mode: str) -> dict:
+class Run:
+    """One row: a model with its own optimizer, stepped in turn with the others."""
+
+    def __init__(self, step: Callable[[int], None], measure: Callable[[], dict]) -> None:
+        self.step, self.measure, self.times = step, measure, []
+        self.result: dict = {}
+
+    def timed(self, index: int) -> None:
+        start = time.perf_counter()
+        self.step(index)
+        self.times.append(time.perf_counter() - start)
+
+
+def eager_run(name: str, seq: int, mode: str) -> Run:
     model, train_fn, _ = build(name, seq)
     if mode == "checkpoint":
         if hasattr(model, "gradient_checkpointing_enable"):
@@ -98,54 +115,53 @@ def eager_row(name: str, seq: int, steps: int, mode: str) -> dict:
                 )
     step_fn: Callable = train_fn
     if mode == "compile":
-        import torch._functorch.config as functorch_config
-
-        functorch_config.activation_memory_budget = 0.5
         step_fn = torch.compile(train_fn)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     model.train()
-    times = []
-    held = 0
-    for step in range(steps + 1):
-        x, y = batch(step, seq)
-        start = time.perf_counter()
-        if step == 1:  # measured once, outside the timed steps
-            held, loss = held_after_forward(lambda x=x, y=y: step_fn(model, x, y))
-            start = time.perf_counter()
-        else:
-            loss = step_fn(model, x, y)
+
+    def step(index: int) -> None:
+        loss = step_fn(model, *batch(index, seq))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        if step:
-            times.append(time.perf_counter() - start)
-    if mode == "compile":
+
+    def measure() -> dict:
+        held, loss = held_after_forward(lambda: step_fn(model, *batch(0, seq)))
+        loss.backward()
+        optimizer.zero_grad()
+        return {"held": held, "added_flops": None}
+
+    if mode == "compile":  # compiled now, with functorch's budget; later runs do not recompile
         import torch._functorch.config as functorch_config
 
-        functorch_config.activation_memory_budget = 1.0
-    return {"held": held, "step_s": statistics.median(times), "added_flops": None}
+        functorch_config.activation_memory_budget = 0.5
+        try:
+            step(0)
+        finally:
+            functorch_config.activation_memory_budget = 1.0
+    return Run(step, measure)
 
 
-def graph_row(name: str, seq: int, steps: int, settings: dict) -> dict:
+def graph_run(name: str, seq: int, settings: dict) -> Run:
     model, train_fn, _ = build(name, seq)
     trainer = GraphTrainer(model, train_fn, PassConfig(**settings), optimizer_config={"lr": 1e-3})
-    times = []
-    for step in range(steps + 1):
-        start = time.perf_counter()
-        trainer.train_step(*batch(step, seq))
+
+    def step(index: int) -> None:
+        trainer.train_step(*batch(index, seq))
         trainer.optimizer_step()
-        if step:
-            times.append(time.perf_counter() - start)
-    profile_ = trainer.measure_activations(*batch(0, seq))
-    plan = trainer.pipelines[0].context.stats.get("memory_plan", {}).get("plan")
-    return {
-        "held": profile_.held_bytes,
-        "peak": profile_.peak_bytes,
-        "largest": profile_.largest_held,
-        "step_s": statistics.median(times),
-        "added_flops": plan.added_flops if plan is not None else 0,
-        "forward_flops": plan.forward_flops if plan is not None else 0,
-    }
+
+    def measure() -> dict:
+        profile_ = trainer.measure_activations(*batch(0, seq))
+        plan = trainer.pipelines[0].context.stats.get("memory_plan", {}).get("plan")
+        return {
+            "held": profile_.held_bytes,
+            "peak": profile_.peak_bytes,
+            "largest": profile_.largest_held,
+            "added_flops": plan.added_flops if plan is not None else 0,
+            "forward_flops": plan.forward_flops if plan is not None else 0,
+        }
+
+    return Run(step, measure)
 
 
 def main() -> None:
@@ -156,29 +172,38 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    _, _, blocks = build(args.model, args.seq)
-    rows: dict[str, dict] = {}
-    rows["eager"] = eager_row(args.model, args.seq, args.steps, "plain")
-    rows["eager + checkpoint every block"] = eager_row(
-        args.model, args.seq, args.steps, "checkpoint"
+    sample, _, blocks = build(args.model, args.seq)
+    layers = sum(
+        1
+        for name, _ in sample.named_modules()
+        if name.count(".") == blocks.count(".") and name.startswith(blocks[:-2] + ".")
     )
+    runs: dict[str, Run] = {}
+    runs["eager"] = eager_run(args.model, args.seq, "plain")
+    runs["eager + checkpoint every block"] = eager_run(args.model, args.seq, "checkpoint")
     for budget in BUDGETS:
-        rows[f"graph, budget {budget:g}"] = graph_row(
-            args.model, args.seq, args.steps, {"activation_memory_budget": budget}
-        )
-    rows["graph, selective_recompute"] = graph_row(
-        args.model, args.seq, args.steps, {"selective_recompute": True}
+        settings = {"activation_memory_budget": budget}
+        runs[f"graph, budget {budget:g}"] = graph_run(args.model, args.seq, settings)
+    runs["graph, selective_recompute"] = graph_run(
+        args.model, args.seq, {"selective_recompute": True}
     )
-    rows[f"graph, full_recompute_modules {blocks}"] = graph_row(
-        args.model, args.seq, args.steps, {"full_recompute_modules": [blocks]}
+    runs[f"graph, full_recompute_modules {blocks}"] = graph_run(
+        args.model, args.seq, {"full_recompute_modules": [blocks]}
     )
     if not args.no_compile:
-        rows["torch.compile, functorch budget 0.5"] = eager_row(
-            args.model, args.seq, args.steps, "compile"
-        )
+        runs["torch.compile, functorch budget 0.5"] = eager_run(args.model, args.seq, "compile")
+    for run in runs.values():
+        run.step(0)  # trace / compile, left out
+        run.result = run.measure()
+    for index in range(1, args.steps + 1):  # in turn: machine noise hits every row alike
+        for run in runs.values():
+            run.timed(index)
+    rows = {
+        label: {**run.result, "step_s": statistics.median(run.times)} for label, run in runs.items()
+    }
     base = rows["graph, budget 1"]
     eager = rows["eager"]
-    print(f"model {args.model}, 4 blocks, batch 2 x seq {args.seq}, one CPU thread\n")
+    print(f"model {args.model}, {layers} blocks, batch 2 x seq {args.seq}, one CPU thread\n")
     print(
         "| run | held activations (measured) | / save-everything | bound: budget x all + "
         "largest | peak in backward | step ms | / eager | added FLOPs (of forward) |"
