@@ -14,11 +14,11 @@ from gm_trace.graph.sharding_layout import full_parameter
 from gm_trace.testing import TinyGPT, lm_loss
 from gm_trainer import GraphTrainer
 
-STEPS = 5
 BUDGETS = (1.0, 0.5, 0.25, 0.0)
 PRESETS = ({"selective_recompute": True}, {"full_recompute_modules": ["layers.*"]})
 #: The acceptance size runs in the opt-in ``memory`` nox session (GM_MEMORY=full).
 FULL = os.environ.get("GM_MEMORY") == "full"
+STEPS = 5 if FULL else 3
 #: The default suite trains the two ends on one process and one budget between on FSDP.
 ONE_PROCESS = BUDGETS if FULL else (1.0, 0.0)
 ON_FSDP = BUDGETS if FULL else (1.0, 0.0)

@@ -1,4 +1,5 @@
-"""``PassConfig.activation_memory_budget`` through GraphTrainer: 5 Adam steps at every budget
+"""``PassConfig.activation_memory_budget`` through GraphTrainer: Adam steps (5 in the memory
+session, GM_MEMORY=full; 3 by default) at every budget
 (and with the presets) give bitwise the losses and parameters of budget 1.0, and the measured
 activations held for backward fit the budget: one process and FSDP on 2 gloo ranks."""
 
