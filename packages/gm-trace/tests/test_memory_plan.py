@@ -13,6 +13,7 @@ from gm_config import ConfigError, PassConfig
 from gm_passes import PassPipeline
 from gm_trace import run_traced_graph, trace_model_graph
 from gm_trace.graph.aliasing import storage_of
+from gm_trace.graph.memory import estimate_activation_bytes
 from gm_trace.passes.memory_plan import MATMUL_OPS, MemoryPlanPass, block_of
 from gm_trace.runtime.activation_meter import measure_activations
 from gm_trace.testing import REFERENCE_MODELS, TinyGPT, lm_loss, make_lm_batch
@@ -52,6 +53,15 @@ def kept_everything(gpt):
     model, batch, joint = gpt
     full, _ = planned(joint, model, activation_memory_budget=1.0)
     return measure_activations(full, model, *batch), run_traced_graph(full, model, *batch)
+
+
+def test_the_estimate_counts_what_is_measured_attention_outputs_included(gpt, kept_everything):
+    model, batch, joint = gpt
+    measured, _ = kept_everything
+    boundary = measured.phases.index("backward")
+    estimate = estimate_activation_bytes(joint.graph_module)
+    # Each output of the attention kernel (its result and log-sum-exp) is its own allocation.
+    assert estimate[boundary] == measured.held_bytes
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
