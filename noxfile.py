@@ -214,10 +214,24 @@ def memory(session: nox.Session) -> None:
     )
 
 
+@nox.session(tags=["cp"], default=False)
+def cp(session: nox.Session) -> None:
+    """Context parallelism's whole matrix (issue 29): HF Llama and Qwen3 at sequence 256, cp 2
+    on 2 gloo ranks and cp 2 x FSDP 2 on 4, causal and padded, and the checkpoint round trip,
+    against one eager process (the default suite runs one cell)."""
+    _install_layer(session, "gm-trainer", torch=True)
+    session.env["GM_CP"] = "all"
+    tests = ROOT / "packages" / "gm-trainer" / "tests"
+    session.run(
+        "pytest", str(tests / "test_cp.py"), "-q", "-p", "no:cacheprovider", *session.posargs
+    )
+
+
 @nox.session(tags=["bench"], default=False)
 def bench(session: nox.Session) -> None:
     """Benchmarks (not run by CI): graph mode vs eager and FSDP2, trace time, the symbolic
-    graph vs the static one, the pipeline schedules, and activation memory budgets."""
+    graph vs the static one, the pipeline schedules, context parallelism and activation
+    memory budgets."""
     _install_layer(session, "gm-trainer", torch=True)
     session.run("python", str(ROOT / "bench" / "fsdp_bench.py"), *session.posargs)
     session.run("python", str(ROOT / "bench" / "trace_time.py"))
@@ -225,6 +239,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", str(ROOT / "bench" / "pipeline_bench.py"))
     session.run("python", str(ROOT / "bench" / "memory_bench.py"))
     session.run("python", str(ROOT / "bench" / "memory_bench.py"), "--model", "llama")
+    session.run("python", str(ROOT / "bench" / "cp_bench.py"))
 
 
 @nox.session(tags=["train"], default=False)

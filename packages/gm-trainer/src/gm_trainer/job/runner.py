@@ -137,8 +137,9 @@ def _train(
     job_data = load_job_data(d, m.seq_len, run_dir)  # the CLI has tokenised it: a cache hit
     fingerprint = job_data.train.fingerprint()  # saved with each checkpoint, compared on resume
     micro = t.global_batch_size // t.accumulation
-    pp = config.parallel.pp_degree
-    dp = world_size // pp  # ranks that read different rows: one pipeline's ranks read the same
+    pp, cp = config.parallel.pp_degree, config.parallel.cp_degree
+    # Ranks that read different rows: one pipeline's ranks, and one cp group's, read the same.
+    dp = world_size // (pp * cp)
     evaluator = None
     if t.eval_interval is not None and job_data.eval is not None:
         evaluator = Evaluator(model, built.loss, job_data.eval, micro // world_size)
@@ -152,7 +153,7 @@ def _train(
             job_data.train,
             batch_size=micro,
             num_batches=t.steps * t.accumulation,
-            rank=rank % dp,  # rank = stage * dp + data-parallel index
+            rank=(rank // cp) % dp,  # rank = stage * dp + data-parallel index (x cp + c)
             world_size=dp,
             seed=d.seed,
             start=position,
