@@ -86,9 +86,15 @@ def train(case: str, settings: dict, rank: int = 0, world: int = 1, **trainer_op
 
 
 def fsdp_budgets(rank: int, world: int, case: str) -> dict:
-    """Every budget on FSDP ranks: the losses and parameters of each, the measured held
-    activations and their bound."""
-    return {b: train(case, {"activation_memory_budget": b}, rank, world) for b in ON_FSDP}
+    """Every budget on FSDP ranks, and one with ``reshard_after_forward``: the losses and
+    parameters of each, the measured held activations. Keyed by (budget, reshard)."""
+    runs = [(b, False) for b in ON_FSDP] + [(0.25, True)]
+    return {
+        (b, reshard): train(
+            case, {"activation_memory_budget": b, "reshard_after_forward": reshard}, rank, world
+        )
+        for b, reshard in runs
+    }
 
 
 def pipeline_budgets(rank: int, world: int) -> dict:

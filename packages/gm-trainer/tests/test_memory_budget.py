@@ -62,8 +62,9 @@ def test_the_presets_train_bitwise_like_keeping_everything(settings):
 @pytest.mark.parametrize("case", CASES)
 def test_under_fsdp_every_budget_trains_bitwise_like_keeping_everything(case, dist_pool):
     for results in dist_pool(2).run(fsdp_budgets, case, timeout=600):
-        everything = results[1.0]
-        for budget, result in results.items():
+        everything = results[1.0, False]
+        for (budget, _), result in results.items():
+            # Re-gathering a weight for backward computes nothing else: bitwise the same too.
             assert_same_training(result, everything)
             assert_fits(result, budget, everything)
 

@@ -28,10 +28,14 @@ a value whose inputs are written in place later in the graph.
 What counts: *activations* are the values that depend on the batch; parameters, buffers and
 what is computed from them alone (an all-gathered or cast weight) are not activations and are
 neither counted nor planned. The budget is planned at the traced size; for a graph with
-symbolic sizes (``dynamic_dims``) the same decisions serve every size. Under pipeline
-parallelism each stage's graph is planned on its own. Offloading saved values to host memory
-is not implemented: on CPU it would not save anything, and no accelerator was at hand to
-build and measure it; the summary reports ``offloaded 0 B``.
+symbolic sizes (``dynamic_dims``) the same decisions serve every size. Under FSDP a copy
+reads the all-gathered weight backward holds anyway; under ``reshard_after_forward`` the
+re-gathered one, or, for a copy that runs before the re-gather (budget 0 recomputes the
+blocks' inputs at the start of backward), the forward one, which then lives until that copy
+(``MemoryPlan.weights_held`` names them: parameter memory traded for activation memory).
+Under pipeline parallelism each stage's graph is planned on its own. Offloading saved values
+to host memory is not implemented: on CPU it would not save anything, and no accelerator was
+at hand to build and measure it; the summary reports ``offloaded 0.00 MiB``.
 
 Runs after ``fsdp``, ``reshard`` and ``recompute`` (which it replaces when a budget is set),
 before ``optimizer`` (whose in-place updates come after the copies) and ``overlap``.
@@ -163,22 +167,34 @@ class MemoryPlan:
     kept: list[str] = field(default_factory=list)
     stages: dict[int, tuple[int, int]] = field(default_factory=dict)
     """Under pipeline parallelism, per stage: (save-everything bytes, kept bytes)."""
+    weights_held: list[str] = field(default_factory=list)
+    """Under ``reshard_after_forward``: the parameters whose forward all-gather a recompute
+    copy reads because it runs before the re-gather (held until then: parameter memory)."""
 
     def describe(self) -> str:
         """A few lines for ``pass_summary()`` / ``passes.txt``."""
         base = max(self.save_everything_bytes, 1)
         flops = max(self.forward_flops, 1)
         return (
-            f"memory plan ({self.mode}): save-everything {_mib(self.save_everything_bytes)}; "
-            f"kept {_mib(self.kept_bytes)} ({self.kept_bytes / base:.0%}), recomputed "
-            f"{_mib(self.recomputed_bytes)} ({len(self.recomputed)} values), offloaded "
-            f"{_mib(self.offloaded_bytes)}\n"
-            f"  added {self.added_flops / 1e6:,.1f} MFLOP in backward "
-            f"({self.added_flops / flops:.0%} of forward); estimated peak "
-            f"{_mib(self.peak_bytes_before)} -> {_mib(self.peak_bytes_after)}"
-        ) + "".join(
-            f"\n  stage {stage}: kept {_mib(kept)} of {_mib(every)}"
-            for stage, (every, kept) in sorted(self.stages.items())
+            (
+                f"memory plan ({self.mode}): save-everything {_mib(self.save_everything_bytes)}; "
+                f"kept {_mib(self.kept_bytes)} ({self.kept_bytes / base:.0%}), recomputed "
+                f"{_mib(self.recomputed_bytes)} ({len(self.recomputed)} values), offloaded "
+                f"{_mib(self.offloaded_bytes)}\n"
+                f"  added {self.added_flops / 1e6:,.1f} MFLOP in backward "
+                f"({self.added_flops / flops:.0%} of forward); estimated peak "
+                f"{_mib(self.peak_bytes_before)} -> {_mib(self.peak_bytes_after)}"
+            )
+            + "".join(
+                f"\n  stage {stage}: kept {_mib(kept)} of {_mib(every)}"
+                for stage, (every, kept) in sorted(self.stages.items())
+            )
+            + (
+                f"\n  forward all-gathers held for recompute (before their re-gather): "
+                f"{', '.join(self.weights_held)}"
+                if self.weights_held
+                else ""
+            )
         )
 
 
@@ -210,16 +226,16 @@ class _Graph:
             for n in self.nodes
             if _phase(n) == "forward" and n not in self.on_batch and self.backward_readers(n)
         }
-        # An all-gathered weight the reshard pass does not gather again may be read in
-        # backward too (without reshard_after_forward FSDP keeps most of them until then).
-        regathered = {
-            n.meta[node_meta.FULL_PARAM] for n in self.nodes if n.meta.get(node_meta.REGATHER)
-        }
+        # An all-gathered weight may be read by a recompute copy: the reshard pass's gather
+        # for backward when it runs before the copy, else the forward one (kept until then).
+        self.regather: dict[str, fx.Node] = {}
+        for n in self.nodes:
+            if n.meta.get(node_meta.REGATHER) and node_meta.FULL_PARAM in n.meta:
+                self.regather.setdefault(n.meta[node_meta.FULL_PARAM], n)
         self.state_kept |= {
             n
             for n in self.nodes
-            if n.meta.get(node_meta.FULL_PARAM) not in (None, *regathered)
-            and not n.meta.get(node_meta.REGATHER)
+            if node_meta.FULL_PARAM in n.meta and not n.meta.get(node_meta.REGATHER)
         }
         # What the graph returns (the loss) lives to the end: recomputing it frees nothing.
         self.returned = {storage_of(n) for n in graph.output_node().all_input_nodes} - {None}
@@ -414,8 +430,15 @@ def _materialize(
     rank = {key: i for i, key in enumerate(created)}
     for key in sorted(created, key=lambda k: (need[k], rank[k])):
         node, sources = key[1], inputs[key]
+
+        def source(arg: fx.Node, sources: dict = sources, at: int = need[key]) -> fx.Node:
+            if arg in sources:
+                return copies[sources[arg]]
+            again = info.regather.get(arg.meta.get(node_meta.FULL_PARAM))
+            return again if again is not None and info.order[again] < at else arg
+
         with graph.inserting_before(info.nodes[need[key]]):
-            copy = graph.node_copy(node, lambda arg, s=sources: copies[s[arg]] if arg in s else arg)
+            copy = graph.node_copy(node, source)
         copy.meta.update({node_meta.PHASE: "backward", node_meta.RECOMPUTED: True})
         copies[key] = copy
     for reader, node, key in redirects:
@@ -492,6 +515,15 @@ class MemoryPlanPass(GraphPass):
             kept=[n.name for n in after.saved],
         )
         kept = _held_by_stage(after)
+        plan.weights_held = sorted(
+            {
+                n.meta[node_meta.FULL_PARAM]
+                for n in graph.nodes
+                if n.meta.get(node_meta.FULL_PARAM) in info.regather
+                and not n.meta.get(node_meta.REGATHER)
+                and any(u.meta.get(node_meta.RECOMPUTED) for u in n.users)
+            }
+        )
         if set(every) - {None}:
             plan.stages = {s: (every[s], kept.get(s, 0)) for s in every if s is not None}
         ctx.record(self.name, plan=plan)
