@@ -197,6 +197,23 @@ def composability(session: nox.Session) -> None:
     session.run("python", str(tests / "composability_report.py"), *args)
 
 
+@nox.session(tags=["memory"], default=False)
+def memory(session: nox.Session) -> None:
+    """The activation-memory acceptance (issue 28): the own 4-layer GPT and the zoo's Llama
+    at sequence 512, budgets 1 / 0.5 / 0.25 / 0 and the presets, one process, FSDP on 2
+    gloo ranks, PP and dynamic dims."""
+    _install_layer(session, "gm-trainer", torch=True)
+    session.run(
+        "pytest",
+        str(ROOT / "packages" / "gm-trainer" / "tests" / "test_memory_budget.py"),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        *session.posargs,
+        env={"GM_MEMORY": "full"},
+    )
+
+
 @nox.session(tags=["cp"], default=False)
 def cp(session: nox.Session) -> None:
     """Context parallelism's whole matrix (issue 29): HF Llama and Qwen3 at sequence 256, cp 2
@@ -213,12 +230,15 @@ def cp(session: nox.Session) -> None:
 @nox.session(tags=["bench"], default=False)
 def bench(session: nox.Session) -> None:
     """Benchmarks (not run by CI): graph mode vs eager and FSDP2, trace time, the symbolic
-    graph vs the static one, the pipeline schedules and context parallelism."""
+    graph vs the static one, the pipeline schedules, context parallelism and activation
+    memory budgets."""
     _install_layer(session, "gm-trainer", torch=True)
     session.run("python", str(ROOT / "bench" / "fsdp_bench.py"), *session.posargs)
     session.run("python", str(ROOT / "bench" / "trace_time.py"))
     session.run("python", str(ROOT / "bench" / "dynamic_bench.py"), "--backend", "none")
     session.run("python", str(ROOT / "bench" / "pipeline_bench.py"))
+    session.run("python", str(ROOT / "bench" / "memory_bench.py"))
+    session.run("python", str(ROOT / "bench" / "memory_bench.py"), "--model", "llama")
     session.run("python", str(ROOT / "bench" / "cp_bench.py"))
 
 

@@ -34,6 +34,10 @@ DEFAULTS = {
     "pp_microbatches": 1,
     "pp_schedule": "1f1b",
     "pp_virtual_stages": 1,
+    # activation memory (issue #28)
+    "activation_memory_budget": None,
+    "selective_recompute": False,
+    "full_recompute_modules": (),
     # context parallelism (issue 29)
     "cp_degree": 1,
     "cp_dims": None,
@@ -48,6 +52,7 @@ BOOL_FIELDS = [
     "reshard_after_forward",
     "recompute_pointwise",
     "automatic_dynamic",
+    "selective_recompute",
 ]
 
 
@@ -121,6 +126,9 @@ def test_valid_non_default_values_are_kept():
         "pp_microbatches": 4,
         "pp_schedule": "interleaved_1f1b",
         "pp_virtual_stages": 2,
+        "activation_memory_budget": None,
+        "selective_recompute": False,
+        "full_recompute_modules": [],
         "cp_degree": 2,
         "cp_dims": {"input": 1},
     }
@@ -316,6 +324,32 @@ def test_float_fields_must_be_finite(field, value):
         PassConfig(**{field: value})
     message = str(info.value)
     assert f"PassConfig.{field}" in message and "finite" in message and repr(value) in message
+
+
+@pytest.mark.parametrize(
+    "settings, words",
+    [
+        ({"activation_memory_budget": 1.5}, "fraction in [0, 1]"),
+        ({"activation_memory_budget": -0.1}, "fraction in [0, 1]"),
+        ({"activation_memory_budget": True}, "fraction in [0, 1]"),
+        ({"full_recompute_modules": "layers.*"}, "list of module FQN patterns"),
+        ({"full_recompute_modules": [""]}, "list of module FQN patterns"),
+        ({"activation_memory_budget": 0.5, "selective_recompute": True}, "one or the other"),
+    ],
+)
+def test_activation_memory_settings_are_checked(settings, words):
+    with pytest.raises(ConfigError, match="PassConfig") as info:
+        PassConfig(**settings)
+    assert words in str(info.value)
+
+
+def test_activation_memory_settings_switch_on_memory_plan():
+    assert PassConfig(full_recompute_modules=["layers.*"]).full_recompute_modules == ("layers.*",)
+    for settings in ({"activation_memory_budget": 0}, {"selective_recompute": True}):
+        config = PassConfig(**settings)
+        field = next(iter(settings))
+        meta = next(f for f in dataclasses.fields(config) if f.name == field).metadata
+        assert "memory_plan" in meta["passes"] and meta["when"](getattr(config, field))
 
 
 # --- context parallelism (issue 29) ----------------------------------------------------------

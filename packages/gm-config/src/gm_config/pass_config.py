@@ -165,6 +165,35 @@ class PassConfig:
     stages and rank ``r`` of a pipeline runs stages ``r, r + pp_degree, ...``. More than 1
     only with ``pp_schedule="interleaved_1f1b"``, which needs at least 2."""
 
+    # ----------------------------------------------------- activation memory (memory_plan)
+
+    activation_memory_budget: float | None = dataclasses.field(
+        default=None, metadata=_runs("memory_plan")
+    )
+    """Plan every tensor saved from forward to backward against a budget: a fraction in
+    [0, 1] of the activation bytes a save-everything step holds when backward begins (``1.0``:
+    keep all; ``0``: recompute all that can be). The ``memory_plan`` pass keeps the values
+    that are dearest to recompute per byte (matmuls, attention) and recomputes the rest in
+    backward, with the same ops in the same order: bitwise identical results. A fraction,
+    not bytes, because one setting then means the same for every model, batch and sequence
+    length, every pipeline stage and every traced size of a dynamic graph (planned at the
+    traced size); the plan's bytes are in ``pass_summary()``. ``None``: no plan (the
+    ``recompute`` pass alone, as before). Replaces ``recompute_pointwise`` when set."""
+
+    selective_recompute: bool = dataclasses.field(default=False, metadata=_runs("memory_plan"))
+    """The ``memory_plan`` pass's preset "save matmul outputs, recompute the rest" (as
+    torchtitan's selective activation checkpointing): outputs of matmuls, convolutions and
+    attention are kept for backward, every other saved activation is recomputed from them."""
+
+    full_recompute_modules: tuple[str, ...] = dataclasses.field(
+        default=(), metadata=_runs("memory_plan", when=bool)
+    )
+    """The ``memory_plan`` pass's preset "full recompute of these modules" (activation
+    checkpointing): fnmatch patterns over module FQNs, as in a ``PassPlan`` (``["layers.*"]``).
+    Each module they match keeps only its inputs for backward; everything it computes is
+    recomputed just before its backward. Combines with ``selective_recompute`` (which
+    then applies outside these modules); not with ``activation_memory_budget``."""
+
     # --- context parallelism (issue 29) ------------------------------------------------------
 
     cp_degree: int = dataclasses.field(default=1, metadata=_runs("cp", when=lambda v: v != 1))
@@ -259,6 +288,31 @@ class PassConfig:
             raise ConfigError(
                 "PassConfig.backend must be None (run the graph as it is) or a backend name such "
                 f"as 'inductor', got {self.backend!r}"
+            )
+        self._validate_memory_plan()
+
+    def _validate_memory_plan(self) -> None:
+        budget = self.activation_memory_budget
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1
+        ):
+            raise ConfigError(
+                "PassConfig.activation_memory_budget must be None (no plan) or a fraction in "
+                f"[0, 1] of the save-everything activation bytes, got {budget!r}"
+            )
+        value = self.full_recompute_modules
+        names = tuple(value) if isinstance(value, (list, tuple)) else None
+        if names is None or not all(isinstance(n, str) and n for n in names):
+            raise ConfigError(
+                "PassConfig.full_recompute_modules must be a list of module FQN patterns such "
+                f"as ['layers.*'], got {value!r}"
+            )
+        self.full_recompute_modules = names
+        if budget is not None and (self.selective_recompute or names):
+            raise ConfigError(
+                f"PassConfig.activation_memory_budget={budget!r} plans every saved tensor "
+                "itself; it cannot be combined with the presets selective_recompute / "
+                "full_recompute_modules: set one or the other"
             )
 
     def _validate_cp(self) -> None:

@@ -33,6 +33,7 @@ from gm_trace.capture.dtensor import DTensorSpec
 from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.graph.sharding import RowShard
 from gm_trace.graph.sharding_layout import ShardingLayout
+from gm_trace.runtime.activation_meter import ActivationProfile, measure_activations
 from gm_trainer.checkpoint.durable import replacing
 from gm_trainer.checkpoint.io import CheckpointError
 from gm_trainer.checkpoint.view import CheckpointView
@@ -296,6 +297,25 @@ class GraphTrainer:
         """``(input, label)`` as the graphs see them: on the trainer's device, padded as
         ``PassConfig.pad_to_multiple`` asks."""
         return self.executor.pad(self._to_device(input), self._to_device(label))
+
+    def measure_activations(self, input: Any, label: Any) -> ActivationProfile:
+        """Run this batch's compiled graph once, node by node, and return the activation bytes
+        it held (measured: :func:`gm_trace.runtime.activation_meter.measure_activations`),
+        without training: no gradient is kept, no weight changes. Every rank of an FSDP
+        group calls it with its batch, as for ``train_step``. Not for pipeline stages or a
+        graph that runs the optimizer update itself (``TrainingError``)."""
+        if self.pipeline is not None:
+            raise TrainingError(
+                "measure_activations() runs one whole-step graph; under pp_degree > 1 each "
+                "stage's graph runs in the pipeline schedule: read pass_summary() per stage"
+            )
+        joint = self.compile(input, label)
+        if joint.optimizer_in_graph:
+            raise TrainingError(
+                "measure_activations() cannot run a graph that updates the weights itself "
+                "(OptimizerConfig(in_graph=True)): it would train; measure without in_graph"
+            )
+        return measure_activations(joint, self.model, *self.device_batch(input, label))
 
     @property
     def compile_count(self) -> int:

@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from gm_passes.graph_ops import is_wait, mutates_an_input, op_name
+from gm_trace.graph import node_meta
 from gm_trace.graph.graph_build import tensor_bytes
 
 #: Ops whose result shares its input's storage.
@@ -57,7 +58,23 @@ def is_view(node: fx.Node) -> bool:
 
 
 def _aliases_input(node: fx.Node) -> bool:
+    if node.op == "call_function" and op_name(node).split(".")[-1] == "getitem":
+        # One output of a multi-output op (attention, layer norm) is its own allocation.
+        return not isinstance(node.all_input_nodes[0].meta.get("val"), (list, tuple))
     return is_view(node) or is_wait(node) or mutates_an_input(node)
+
+
+def batch_dependent(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes whose value depends on the batch (the ``"input"`` placeholders): the
+    activations, as opposed to parameters, buffers and what is computed from them alone."""
+    found: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if node.meta.get(node_meta.ROLE) == "input":
+                found.add(node)
+        elif any(arg in found for arg in node.all_input_nodes):
+            found.add(node)
+    return found
 
 
 def estimate_peak_memory(
@@ -68,6 +85,33 @@ def estimate_peak_memory(
     For a graph with symbolic sizes each tensor's bytes are a formula of the sizes; the
     estimate evaluates them at ``at`` (symbol -> size: ``joint.shape_guards.at({"seq":
     128})``), by default at the sizes the graph was traced with."""
+    return max(estimate_live_bytes(graph_module, at), default=0)
+
+
+def estimate_activation_bytes(
+    graph_module: fx.GraphModule, at: Mapping[sympy.Symbol, int] | None = None
+) -> list[int]:
+    """Per node, in graph order, the estimated bytes of live activations before it runs:
+    forward values that depend on the batch and the recompute copies of them in backward."""
+    on_batch = batch_dependent(graph_module.graph)
+    return estimate_live_bytes(graph_module, at, lambda n: is_activation(n, on_batch))
+
+
+def is_activation(node: fx.Node, on_batch: set[fx.Node]) -> bool:
+    """A forward value computed from the batch, or a recompute copy of one in backward
+    (``on_batch``: :func:`batch_dependent`); gradients and parameters are not."""
+    if node not in on_batch or node.op == "placeholder":
+        return False
+    return node.meta.get(node_meta.PHASE) == "forward" or bool(node.meta.get(node_meta.RECOMPUTED))
+
+
+def estimate_live_bytes(
+    graph_module: fx.GraphModule,
+    at: Mapping[sympy.Symbol, int] | None = None,
+    counts: Callable[[fx.Node], bool] | None = None,
+) -> list[int]:
+    """Per node, in graph order, the estimated live tensor bytes while it runs (of the
+    allocations ``counts`` selects; all by default)."""
     nodes = list(graph_module.graph.nodes)
     order = {node: i for i, node in enumerate(nodes)}
     owner: dict[fx.Node, fx.Node] = {}  # node -> the node whose allocation it reads
@@ -85,18 +129,18 @@ def estimate_peak_memory(
     # Sweep: +bytes at allocation, -bytes after last use.
     delta = [0] * (end + 2)
     for node in nodes:
-        if owner[node] is not node:
+        if owner[node] is not node or (counts is not None and not counts(node)):
             continue
         nbytes = tensor_bytes(node, at)
         start = 0 if node.op == "placeholder" else order[node]
         stop = end if node.op == "placeholder" else last_use[node]
         delta[start] += nbytes
         delta[stop + 1] -= nbytes
-    peak = live = 0
-    for change in delta:
+    curve, live = [], 0
+    for change in delta[:end]:
         live += change
-        peak = max(peak, live)
-    return peak
+        curve.append(live)
+    return curve
 
 
 def peak_allocated_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu") -> int:

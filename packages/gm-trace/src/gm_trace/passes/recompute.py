@@ -41,20 +41,42 @@ def _backward_readers(node: fx.Node) -> list[fx.Node]:
     return [user for user in node.users if _phase(user) == "backward"]
 
 
-def is_cheap(node: fx.Node) -> bool:
-    """A forward view or deterministic pointwise op that neither mutates nor communicates."""
+def _draws_random_numbers(node: fx.Node) -> bool:
+    """Tagged as seeded, unless it is attention whose ``dropout_p`` is 0 (the SDPA kernels
+    carry the tag for their dropout alone)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "dropout_p" not in names:
+        return True
+    index = names.index("dropout_p")
+    if "dropout_p" in node.kwargs:
+        value = node.kwargs["dropout_p"]
+    elif index < len(node.args):
+        value = node.args[index]
+    else:
+        value = schema.arguments[index].default_value
+    return value != 0
+
+
+def is_recomputable(node: fx.Node) -> bool:
+    """A forward op that computes the same value again from the same inputs: it neither draws
+    random numbers, nor writes a tensor in place, nor communicates."""
     if node.op != "call_function" or _phase(node) != "forward" or is_collective(node):
         return False
     if node.meta.get(node_meta.COMM_PROLOGUE) or node.meta.get(node_meta.COMM_EPILOGUE):
         return False  # the all-gather's epilogue: recomputing it would keep the gather alive
     if is_view(node):
         return True
-    tags = getattr(node.target, "tags", ())
-    return (
-        torch.Tag.pointwise in tags
-        and torch.Tag.nondeterministic_seeded not in tags
-        and not mutates_an_input(node)
-    )
+    return not (_draws_random_numbers(node) or mutates_an_input(node) or written_storages(node))
+
+
+def is_cheap(node: fx.Node) -> bool:
+    """A forward view or deterministic pointwise op that neither mutates nor communicates."""
+    if not is_recomputable(node):
+        return False
+    return is_view(node) or torch.Tag.pointwise in getattr(node.target, "tags", ())
 
 
 def _view_path(node: fx.Node) -> list[fx.Node]:
@@ -81,7 +103,7 @@ def _chain(node: fx.Node, kept: set[fx.Node]) -> list[fx.Node] | None:
     return chain
 
 
-def _written_between(nodes: list[fx.Node]) -> Callable[[fx.Node, fx.Node], set]:
+def written_between(nodes: list[fx.Node]) -> Callable[[fx.Node, fx.Node], set]:
     """``written(first, last)``: the storages the nodes strictly between two nodes write."""
     order = {node: i for i, node in enumerate(nodes)}
     writes = [(order[n], written_storages(n)) for n in nodes if mutates_an_input(n)]
@@ -103,7 +125,7 @@ def _recompute_chains(
     statistic) cannot be recomputed: the copy would read the written value.
     """
     order = {node: i for i, node in enumerate(nodes)}
-    written = _written_between(nodes)
+    written = written_between(nodes)
     chains = {}
     for value in candidates:
         chain = _chain(value, kept)
@@ -129,6 +151,8 @@ class RecomputePass(GraphPass):
 
     @classmethod
     def enabled_by(cls, config: PassConfig, plan: PassPlan | None) -> str | None:
+        if config.activation_memory_budget is not None:
+            return None  # the memory_plan pass decides every saved value then
         return "PassConfig.recompute_pointwise" if config.recompute_pointwise else None
 
     def run(self, graph_module: fx.GraphModule, ctx: PassContext) -> PassResult:

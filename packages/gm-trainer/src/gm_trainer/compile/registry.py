@@ -306,7 +306,11 @@ class GraphCache:
         for i, pipeline in enumerate(pipelines):
             text = f"signature {i}: {self.describe(i)}\n\n{pipeline.describe()}"
             text += f"\n\n{pipeline.summary()}"
-            overlap = pipeline.context.stats.get("overlap", {}) if pipeline.context else {}
+            stats = pipeline.context.stats if pipeline.context else {}
+            memory = stats.get("memory_plan", {}).get("plan")
+            if memory is not None:
+                text += "\n\n" + memory.describe()
+            overlap = stats.get("overlap", {})
             if overlap.get("schedule"):
                 text += "\n\ncollective schedule:\n" + format_schedule(overlap["schedule"])
             parts.append(text)

@@ -28,6 +28,7 @@ OWN_FILES = (
     "summary.json",
     "passes.txt",
     "loss.png",
+    "memory.png",
     "model.pt",
     "graphs",
     "graphs.resume",  # the graphs of a resume in progress (see RunFolder)

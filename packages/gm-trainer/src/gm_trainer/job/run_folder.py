@@ -4,7 +4,8 @@ config.yaml     the resolved configuration, every default filled in
 metrics.jsonl   one JSON record per logged step
 loss.png        the loss curve (needs matplotlib: ``pip install 'gm-trainer[plot]'``)
 summary.json    first/final loss, steps, time per step, world size, ...
-passes.txt      the wall time of each graph pass
+passes.txt      the wall time of each graph pass (and the memory plan, when one ran)
+memory.png      activation memory over the step: estimated, and measured with a memory plan
 graphs/         the graph after each pass (written by GraphTrainer), and changes.txt: what
                 each pass changed, one line per pass
 schedule.png    one step's compute and collectives per rank, planned and measured (needs
@@ -177,6 +178,21 @@ class RunFolder:
             )
         return summary
 
+    def write_memory_plot(
+        self,
+        phases: Sequence[str],
+        estimated: Sequence[int],
+        measured: Sequence[int] | None,
+        title: str,
+    ) -> bool:
+        """Write ``memory.png`` (:func:`plot_memory`); False without matplotlib."""
+        if plot_unavailable() is not None:
+            return False
+        self._refuse_link("memory.png")
+        with replacing(self.path / "memory.png") as tmp:
+            plot_memory(phases, estimated, measured, tmp, title)
+        return True
+
     def _refuse_link(self, name: str) -> None:
         # Replacing a link would silently undo what someone set up on purpose: say so instead.
         if (self.path / name).is_symlink():
@@ -237,6 +253,36 @@ def plot_loss(records: Sequence[Mapping[str, Any]], path: Path) -> None:
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, format="png")  # the name may be a temporary one
+
+
+def plot_memory(
+    phases: Sequence[str],
+    estimated: Sequence[int],
+    measured: Sequence[int] | None,
+    path: Path,
+    title: str,
+) -> None:
+    """Save activation memory over one step (MiB per graph node, forward then backward) as a
+    PNG: the graph's estimate and, when given, the measured bytes. Needs matplotlib."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 4.0), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    mib = 2.0**20
+    ax.plot([b / mib for b in estimated], label="estimated")
+    if measured is not None:
+        ax.plot([b / mib for b in measured], label="measured", linestyle="--")
+    if "backward" in phases:
+        ax.axvline(list(phases).index("backward"), color="grey", alpha=0.5, label="backward")
+    ax.legend()
+    ax.set_xlabel("graph node")
+    ax.set_ylabel("activations (MiB)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
 
 
 def read_metrics(path: str | Path, up_to_step: int | None = None) -> list[dict[str, Any]]:

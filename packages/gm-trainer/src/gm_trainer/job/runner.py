@@ -21,6 +21,7 @@ from gm_trainer.checkpoint import (
     save_checkpoint,
 )
 from gm_trainer.checkpoint.durable import replacing
+from gm_trainer.compile.registry import STEP
 from gm_trainer.job.builtin_model import QKV_LAYOUT
 from gm_trainer.job.config import JobConfig
 from gm_trainer.job.dataset import PackedBatches, load_job_data, position_of
@@ -321,11 +322,15 @@ def _train(
     wall = time.perf_counter() - start
     memory = probe.report(trainer, config, world_size)  # every rank: it gathers
     schedule = _plot_schedule(trainer, next(iter(batches_from(0))), config, folder)
+    # Every rank: measuring runs the graph once more, with its collectives.
+    activations = _activation_memory(trainer, config, batches_from)
     if folder is None or progress is None:
         return None
     if memory is not None:
         plan, measured = memory
         folder.write_text("plan.json", json.dumps(plan, indent=2) + "\n")
+    if activations is not None:
+        folder.write_memory_plot(*activations)
     if c.export_full and last_checkpoint is not None and trainer.step == t.steps:
         with replacing(folder.path / "model.pt") as tmp:
             export_full_state_dict(last_checkpoint, tmp)
@@ -460,3 +465,33 @@ def _reconcile(trainer: GraphTrainer, config: JobConfig, saved: Any) -> list[str
                 "on another data stream than the uninterrupted run would have seen"
             )
     return notes
+
+
+def _activation_memory(trainer: GraphTrainer, config: JobConfig, batches_from: Any) -> Any:
+    """``(phases, estimated, measured, title)`` for ``memory.png``: the step graph's
+    activation estimate per node and, when a memory plan ran (``parallel.
+    activation_memory_budget`` or a preset), the bytes measured on one more run of it (the
+    first batch; nothing trains). ``None`` under pipeline parallelism (stage graphs)."""
+    from gm_trace.graph.memory import estimate_activation_bytes
+
+    parallel = config.parallel
+    graphs = trainer.registry.graphs(STEP)
+    if parallel.pp_degree > 1 or not graphs:
+        return None
+    joint = graphs[0]
+    estimated = estimate_activation_bytes(joint.graph_module)
+    phases = [n.meta.get("gm_phase") or "" for n in joint.graph_module.graph.nodes]
+    planned = parallel.activation_memory_budget is not None or (
+        parallel.selective_recompute or parallel.full_recompute_modules
+    )
+    measured = None
+    if planned and not trainer.optimizer_in_graph:
+        profile = trainer.measure_activations(*next(iter(batches_from(0))))
+        if len(profile.kept) == len(estimated):
+            measured = [k + r for k, r in zip(profile.kept, profile.recomputed)]
+    plan = "no memory plan"
+    if parallel.activation_memory_budget is not None:
+        plan = f"budget {parallel.activation_memory_budget:g}"
+    elif planned:
+        plan = "recompute preset"
+    return phases, estimated, measured, f"activations over one step ({plan})"

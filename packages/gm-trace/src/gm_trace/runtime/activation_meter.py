@@ -1,0 +1,109 @@
+"""Measured, not estimated: the activation bytes a graph really holds over one step.
+
+:func:`measure_activations` runs a joint graph node by node (each value freed after its last
+reader, as the generated code does) and, before every node, sums the storages of the live
+real tensors that are activations (:func:`gm_trace.graph.memory.is_activation`: forward
+values computed from the batch, and their recompute copies in backward), each storage once,
+parameter and input storages never.
+The same on every device: it counts tensors, not allocator statistics (for those,
+:func:`gm_trace.graph.memory.peak_allocated_bytes`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch.fx as fx
+from torch import Tensor, nn
+
+from gm_trace.graph import node_meta
+from gm_trace.graph.joint_graph import JointGraph
+from gm_trace.graph.memory import batch_dependent, is_activation
+from gm_trace.runtime.node_values import run_node_by_node
+from gm_trace.runtime.run_graph import graph_args
+
+
+@dataclass
+class ActivationProfile:
+    """Activation bytes over one step, per graph node (before it runs), measured."""
+
+    phases: list[str]
+    """``"forward"``, ``"backward"`` or ``""`` per node."""
+    kept: list[int]
+    """Bytes of live forward activations (what forward computed and still holds)."""
+    recomputed: list[int]
+    """Bytes of live recompute copies (what backward computed again)."""
+    held_bytes: int
+    """Forward activation bytes held when backward starts: what is kept for backward."""
+    largest_held: int
+    """The largest single storage among those."""
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest total of kept and recomputed activation bytes at any node."""
+        return max((k + r for k, r in zip(self.kept, self.recomputed)), default=0)
+
+
+def _storages(value: Any, skip: set[int]) -> dict[int, int]:
+    found = {}
+    for tensor in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(tensor, Tensor) and tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in skip and storage.nbytes():
+                found[storage.data_ptr()] = storage.nbytes()
+    return found
+
+
+def measure_activations(
+    joint: JointGraph,
+    model: nn.Module,
+    input: Any,
+    label: Any,
+    extra_args: Sequence[Tensor] = (),
+) -> ActivationProfile:
+    """Run ``joint`` once on ``model``'s live state (as :func:`run_traced_graph` would, but
+    node by node: :func:`~gm_trace.runtime.node_values.run_node_by_node`; buffers the step
+    mutates are not written back) and return the activation bytes it held. The graph's own
+    module runs, never a compiled backend."""
+    args = graph_args(joint, model, input, label, extra_args)
+    skip = {a.untyped_storage().data_ptr() for a in args if isinstance(a, Tensor)}
+    graph = joint.graph_module.graph
+    nodes = list(graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
+    on_batch = batch_dependent(graph)
+    kinds = {
+        n: ("recomputed" if n.meta.get(node_meta.RECOMPUTED) else "kept")
+        for n in nodes
+        if is_activation(n, on_batch)
+    }
+    # As the generated code does: a value is freed after its last reader, at once if none.
+    freed_after: dict[int, list[fx.Node]] = {}
+    for node in kinds:
+        last = max((order[u] for u in node.users), default=order[node])
+        freed_after.setdefault(last, []).append(node)
+    phases = [n.meta.get(node_meta.PHASE) or "" for n in nodes]
+    boundary = phases.index("backward") if "backward" in phases else len(nodes)
+    live: dict[fx.Node, dict[int, int]] = {}
+    kept, recomputed = [0] * len(nodes), [0] * len(nodes)
+    held = {"bytes": 0, "largest": 0}
+
+    def on_node(node: fx.Node, value: Any) -> None:
+        index = order[node]
+        if node in kinds:
+            live[node] = _storages(value, skip)
+        for gone in freed_after.get(index, ()):
+            live.pop(gone, None)
+        by_kind: dict[str, dict[int, int]] = {"kept": {}, "recomputed": {}}
+        for alive, storages in live.items():
+            by_kind[kinds[alive]].update(storages)
+        if index + 1 < len(nodes):  # what is alive before the next node runs
+            kept[index + 1] = sum(by_kind["kept"].values())
+            recomputed[index + 1] = sum(by_kind["recomputed"].values())
+        if index + 1 == boundary:
+            held["bytes"] = kept[index + 1]
+            held["largest"] = max(by_kind["kept"].values(), default=0)
+
+    run_node_by_node(joint.graph_module, args, on_node)
+    return ActivationProfile(phases, kept, recomputed, held["bytes"], held["largest"])
