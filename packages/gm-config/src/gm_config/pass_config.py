@@ -165,6 +165,15 @@ class PassConfig:
     stages and rank ``r`` of a pipeline runs stages ``r, r + pp_degree, ...``. More than 1
     only with ``pp_schedule="interleaved_1f1b"``, which needs at least 2."""
 
+    # --- expert parallelism (issue 27) ---
+    ep_degree: int = 1
+    """Expert parallelism: the routed experts of each mixture-of-experts layer are split over
+    groups of this many data-parallel ranks (a rank holds ``num_experts / ep_degree`` of them)
+    and tokens travel to their experts by all-to-all (``gm_trace.capture.expert_parallel``).
+    It must divide every MoE layer's expert count and the data-parallel size. Which modules
+    are experts: ``PassPlan.ep_experts`` (the sharding YAML's ``ep: {experts: [...]}``), else
+    transformers' MoE experts modules, found automatically. ``1``: experts are replicated."""
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -241,6 +250,8 @@ class PassConfig:
                 f"{self.pp_schedule!r}: interleaved_1f1b runs 2 or more stages per rank, the "
                 "other schedules one; set both together"
             )
+        if not _is_int(self.ep_degree) or self.ep_degree < 1:
+            raise ConfigError(f"PassConfig.ep_degree must be an int >= 1, got {self.ep_degree!r}")
         if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
             raise ConfigError(
                 "PassConfig.backend must be None (run the graph as it is) or a backend name such "

@@ -1,0 +1,209 @@
+"""Per-rank bodies of the expert-parallelism tests (``test_moe.py``): tiny transformers MoE
+models trained with ``PassConfig.ep_degree`` on real gloo ranks, against one eager process on
+the global batch."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from eager_reference import eager_adam
+
+from gm_trace.graph.experts import expert_param_fqns
+from gm_trace.testing.parity import parity_tolerance
+from gm_trainer import GraphTrainer, MeshContext, PassConfig
+
+VOCAB = 61
+SEQ = 8
+ROWS = 2  # per data-parallel rank
+LR = 1e-2
+
+
+def tiny_moe(arch: str, **overrides: Any) -> Any:
+    """Hidden 64, 2 layers, top-2 over 4 experts (8 for DeepSeek-V3), batched_mm experts."""
+    import transformers
+
+    common = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "num_experts_per_tok": 2,
+        "experts_implementation": "batched_mm",
+    }
+    if arch == "qwen3-moe":
+        fields = {**common, "num_experts": 4, "moe_intermediate_size": 32, "head_dim": 16}
+        config = transformers.Qwen3MoeConfig
+    elif arch == "mixtral":
+        fields = {**common, "num_local_experts": 4, "intermediate_size": 32}
+        config = transformers.MixtralConfig
+    elif arch == "deepseek-v3":
+        fields = {
+            **common,
+            "n_routed_experts": 8,
+            "moe_intermediate_size": 32,
+            "intermediate_size": 64,
+            "n_shared_experts": 1,
+            "n_group": 2,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "q_lora_rank": 16,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 16,
+        }
+        config = transformers.DeepseekV3Config
+    else:
+        raise ValueError(arch)
+    return config(**{**fields, **overrides})
+
+
+def build(arch: str, seed: int = 0, routing: str = "learned", **overrides: Any) -> Any:
+    """The tiny model with random weights from ``seed``; ``routing`` pins the router:
+    ``"first"`` (every token to the first experts: the other ranks' experts get none) or
+    ``"last"`` (every token to the last expert and one more)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_moe(arch, **overrides))
+    model.train()
+    for name, module in model.named_modules():
+        if not name.endswith("mlp.gate"):
+            continue
+        if routing == "first":  # equal logits: top-k takes the lowest indices
+            module.weight.data.zero_()
+            module.weight.requires_grad_(False)
+        elif routing == "last":
+            bias = getattr(module, "e_score_correction_bias", None)
+            if bias is not None:  # DeepSeek-V3: selection by score + bias
+                bias.data[-1] = 100.0
+            else:
+                module.weight.data.zero_()
+                module.weight.data[-1] = 0.0
+                module.weight.requires_grad_(False)
+    return model
+
+
+def hf_loss(model: torch.nn.Module, input: Any, label: torch.Tensor) -> torch.Tensor:
+    return model(**input, labels=label).loss
+
+
+def batch(step: int, rows: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, VOCAB, (rows, SEQ), generator=generator)
+    return {"input_ids": ids}, ids.clone()
+
+
+def _local(step: int, rank: int, world: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    input, label = batch(step, ROWS * world)
+    rows = slice(rank * ROWS, (rank + 1) * ROWS)
+    return {"input_ids": input["input_ids"][rows]}, label[rows]
+
+
+def _eager_losses(model: torch.nn.Module, steps: int, world: int) -> tuple[list[float], Any]:
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    losses = []
+    for step in range(steps):
+        loss = hf_loss(model, *batch(step, ROWS * world))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, model
+
+
+def full_expert_param(trainer: GraphTrainer, fqn: str) -> torch.Tensor:
+    """An expert-parallel parameter gathered whole over the ep group (a collective)."""
+    local = trainer.model.get_parameter(fqn).detach()
+    group = trainer.topology.ep_group
+    pieces = [torch.empty_like(local) for _ in range(group.size())]
+    dist.all_gather(pieces, local.contiguous(), group=group)
+    return torch.cat(pieces)
+
+
+def train_and_compare(
+    rank: int,
+    world: int,
+    arch: str,
+    ep: int,
+    *,
+    steps: int = 5,
+    routing: str = "learned",
+    mesh: bool = False,
+    accumulation: int = 1,
+    in_graph: bool = False,
+) -> dict[str, Any]:
+    """Train ``steps`` Adam steps with ``ep_degree=ep`` and FSDP over the world; compare the
+    losses (rtol 1e-5) and every parameter (``parity_tolerance``) with one eager process on
+    the global batch. Returns the figures."""
+    model = build(arch, routing=routing)
+    eager_losses, reference = _eager_losses(model, steps, world)
+    total = {n: p.numel() for n, p in model.named_parameters()}
+    config = PassConfig(ep_degree=1 if mesh else ep)
+    context = MeshContext.build(ep=ep) if mesh else None
+    trainer = GraphTrainer(
+        model,
+        hf_loss,
+        config,
+        optimizer_config={"lr": LR, "in_graph": in_graph},
+        device="cpu",
+        mesh_context=context,
+    )
+    losses = []
+    for step in range(steps):
+        input, label = _local(step, rank, world)
+        if accumulation == 1:
+            loss = trainer.train_step(input, label)
+        else:
+            half = ROWS // accumulation
+            loss = (
+                sum(
+                    trainer.train_step(
+                        {"input_ids": input["input_ids"][m * half : (m + 1) * half]},
+                        label[m * half : (m + 1) * half],
+                    )
+                    for m in range(accumulation)
+                )
+                / accumulation
+            )
+        trainer.optimizer_step()
+        mean = loss.detach().reshape(1).clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=0)
+
+    experts = expert_param_fqns(trainer.model)
+    assert experts, "no experts module was split"
+    local = sum(trainer.model.get_parameter(f).numel() for f in experts)
+    assert local * ep == sum(total[f] for f in experts), (local, ep)
+    from gm_trace.graph.sharding_layout import full_parameter
+
+    worst = 0.0
+    for fqn, expected in reference.named_parameters():
+        if fqn in experts:
+            actual = full_expert_param(trainer, fqn)
+        else:
+            actual = full_parameter(trainer.model, fqn, trainer.sharding)
+        torch.testing.assert_close(
+            actual, expected.detach(), **parity_tolerance(steps), msg=lambda m, f=fqn: f"{f}: {m}"
+        )
+        worst = max(worst, (actual - expected).abs().max().item())
+    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, eager_losses))
+    return {
+        "losses": losses,
+        "eager": eager_losses,
+        "max_loss_rel": loss_diff,
+        "max_param_abs": worst,
+        "expert_elements_local": local,
+        "expert_elements_total": sum(total[f] for f in experts),
+        "summary": trainer.pass_summary() if rank == 0 else "",
+    }
+
+
+__all__ = ["build", "eager_adam", "train_and_compare"]
