@@ -155,11 +155,14 @@ def train_and_compare(
         device="cpu",
         mesh_context=context,
     )
+    first_load: dict[str, list[int]] = {}
     if accumulation == 1:
         losses = []
         for step in range(steps):
             loss = trainer.train_step(*_local(step, rank, world))
             trainer.optimizer_step()
+            load = trainer.expert_load()
+            first_load = first_load or load
             mean = loss.detach().reshape(1).clone()
             dist.all_reduce(mean)
             losses.append(mean.item() / world)
@@ -204,7 +207,112 @@ def train_and_compare(
         "expert_elements_local": local,
         "expert_elements_total": sum(total[f] for f in experts),
         "summary": trainer.pass_summary() if rank == 0 else "",
+        **_first_layer(first_load),
     }
 
 
-__all__ = ["build", "eager_adam", "train_and_compare"]
+def _first_layer(load: dict[str, list[int]]) -> dict[str, Any]:
+    if not load:
+        return {}
+    counts = load[min(n for n in load if n != "all_to_all_bytes")]
+    return {
+        "tokens_per_expert_first_step": counts,
+        "routed_pairs_first_step": sum(counts),
+        "all_to_all_bytes_first_step": load["all_to_all_bytes"][0],
+    }
+
+
+def _trainer(model: torch.nn.Module, ep: int) -> GraphTrainer:
+    return GraphTrainer(
+        model, hf_loss, PassConfig(ep_degree=ep), optimizer_config={"lr": LR}, device="cpu"
+    )
+
+
+def _full_params(trainer: GraphTrainer) -> dict[str, torch.Tensor]:
+    from gm_trace.graph.sharding_layout import full_parameter
+
+    experts = expert_param_fqns(trainer.model)
+    return {
+        fqn: full_expert_param(trainer, fqn)
+        if fqn in experts
+        else full_parameter(trainer.model, fqn, trainer.sharding)
+        for fqn, _ in trainer.model.named_parameters()
+    }
+
+
+def _steps(trainer: GraphTrainer, rank: int, world: int, steps: range) -> None:
+    for step in steps:
+        trainer.train_step(*_local(step, rank, world))
+        trainer.optimizer_step()
+
+
+def checkpoint_round_trip(rank: int, world: int, root: str) -> None:
+    """Train 2 steps at EP 2 and save; load without EP (same FQNs, whole shapes), train a step,
+    save; load at EP 2 again: every parameter equals the one it was saved from, and a step
+    after each load equals the step without the save."""
+    from pathlib import Path
+
+    from gm_trainer.checkpoint import load_checkpoint, save_checkpoint
+
+    ep_trainer = _trainer(build("qwen3-moe"), 2)
+    _steps(ep_trainer, rank, world, range(2))
+    saved = _full_params(ep_trainer)
+    save_checkpoint(ep_trainer, Path(root) / "ep2")
+    keys = set(ep_trainer.state_dict()["model"])
+
+    plain = _trainer(build("qwen3-moe", seed=1), 1)
+    plain.compile(*_local(0, rank, world))
+    load_checkpoint(plain, Path(root) / "ep2")
+    assert set(plain.state_dict()["model"]) == keys
+    for fqn, value in _full_params(plain).items():
+        torch.testing.assert_close(value, saved[fqn], rtol=0, atol=0, msg=fqn)
+    _steps(plain, rank, world, range(2, 3))
+    _steps(ep_trainer, rank, world, range(2, 3))
+    after_plain, after_ep = _full_params(plain), _full_params(ep_trainer)
+    for fqn, value in after_plain.items():
+        torch.testing.assert_close(value, after_ep[fqn], **parity_tolerance(1), msg=fqn)
+    save_checkpoint(plain, Path(root) / "plain")
+
+    back = _trainer(build("qwen3-moe", seed=2), 2)
+    back.compile(*_local(0, rank, world))
+    load_checkpoint(back, Path(root) / "plain")
+    for fqn, value in _full_params(back).items():
+        torch.testing.assert_close(value, after_plain[fqn], rtol=0, atol=0, msg=fqn)
+
+
+def config_errors() -> None:
+    """``ep_degree`` not dividing the experts: a ConfigError naming both numbers, raised by
+    the transformation before any collective."""
+    import pytest
+
+    from gm_config import ConfigError
+    from gm_trace.capture.expert_parallel import apply_expert_parallel
+
+    with pytest.raises(ConfigError, match=r"ep_degree=3 does not divide the 4 experts"):
+        apply_expert_parallel(build("qwen3-moe"), 3, 0)
+    with pytest.raises(ConfigError, match=r"ep_degree must be an int >= 1"):
+        PassConfig(ep_degree=0)
+    with pytest.raises(ConfigError, match="has no experts module"):
+        apply_expert_parallel(torch.nn.Linear(2, 2), 2, 0)
+
+
+def bad_ep_world(rank: int, world: int) -> str:
+    """``ep_degree=3`` on 2 ranks: the run's resolution refuses it before any trace."""
+    from gm_config import ConfigError
+
+    trainer = _trainer(build("qwen3-moe"), 3)
+    try:
+        trainer.compile(*_local(0, rank, world))
+    except ConfigError as exc:
+        return str(exc)
+    raise AssertionError("ep_degree=3 on 2 ranks was accepted")
+
+
+__all__ = [
+    "bad_ep_world",
+    "build",
+    "checkpoint_round_trip",
+    "config_errors",
+    "eager_adam",
+    "train_and_compare",
+]

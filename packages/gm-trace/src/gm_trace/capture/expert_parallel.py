@@ -36,7 +36,8 @@ dispatch / compute / combine built from functional collectives, and the tracer r
 (:mod:`gm_trace.passes.expert_parallel`) then checks and reports the all-to-alls.
 
 Each rank's tokens per expert are added into a non-persistent buffer of the module
-(``tokens_per_expert``; :func:`take_tokens_per_expert` reads and zeroes it): the trainer's
+(``tokens_per_expert``, and the bytes sent in ``all_to_all_bytes``;
+:func:`take_expert_load` reads and zeroes them): the trainer's
 ``moe`` metrics.
 """
 
@@ -56,14 +57,18 @@ __all__ = [
     "ExpertParallelError",
     "apply_expert_parallel",
     "find_experts_modules",
-    "take_tokens_per_expert",
+    "take_expert_load",
 ]
 
 _c10d = torch.ops._c10d_functional
 
 #: Buffer of an EP experts module: this rank's routed (token, choice) pairs per expert, summed
-#: since the last :func:`take_tokens_per_expert`.
+#: since the last :func:`take_expert_load`.
 TOKENS_BUFFER = "tokens_per_expert"
+
+#: Buffer of an EP experts module: the bytes this rank's all-to-alls sent to other ranks
+#: (forward and backward) since the last :func:`take_expert_load`.
+BYTES_BUFFER = "all_to_all_bytes"
 
 
 class ExpertParallelError(ConfigError):
@@ -111,6 +116,10 @@ class ExpertParallelMixin:
         per_expert = per_expert.scatter_add(0, expert_ids, torch.ones_like(expert_ids))
         with torch.no_grad():
             getattr(self, TOKENS_BUFFER).add_(per_expert)
+            # Rows that leave this rank, four times (dispatch and combine, forward and backward).
+            mine = per_expert[shard.first_expert : shard.first_expert + local].sum()
+            row_bytes = 4 * hidden * hidden_states.element_size()
+            getattr(self, BYTES_BUFFER).add_((per_expert.sum() - mine) * row_bytes)
         # received[s * local + l]: rows rank s sends to this rank's local expert l.
         received = _all_to_all(per_expert, [local] * ep, [local] * ep, EP_GROUP_NAME)
         send = _sizes(per_expert.view(ep, local).sum(1))
@@ -225,6 +234,7 @@ def apply_expert_parallel(
         module.register_buffer(
             TOKENS_BUFFER, torch.zeros(shard.num_experts, dtype=torch.int64, device=device), False
         )
+        module.register_buffer(BYTES_BUFFER, torch.zeros((), dtype=torch.int64, device=device), False)
         module.num_experts = local  # what the module's own kernel computes with
         setattr(module, EP_SHARD_ATTR, shard)
         module.__class__ = _ep_class(type(module))
@@ -243,12 +253,15 @@ def check_ep_divides(num_experts: int, ep_size: int, where: str) -> None:
         )
 
 
-def take_tokens_per_expert(model: nn.Module) -> dict[str, Tensor]:
-    """Module FQN -> this rank's routed (token, choice) pairs per expert (``[num_experts]``,
-    int64) since the last call, which zeroes them."""
+def take_expert_load(model: nn.Module) -> dict[str, tuple[Tensor, Tensor]]:
+    """Module FQN -> (this rank's routed (token, choice) pairs per expert, ``[num_experts]``;
+    the bytes its all-to-alls sent to other ranks, 0-d), both int64, summed since the last
+    call, which zeroes them."""
     taken = {}
     for name in expert_shards(model):
-        buffer = getattr(model.get_submodule(name), TOKENS_BUFFER)
-        taken[name] = buffer.clone()
-        buffer.zero_()
+        module = model.get_submodule(name)
+        tokens, sent = getattr(module, TOKENS_BUFFER), getattr(module, BYTES_BUFFER)
+        taken[name] = (tokens.clone(), sent.clone())
+        tokens.zero_()
+        sent.zero_()
     return taken

@@ -143,6 +143,11 @@ def resolve_run(
     elif config.ep_degree > 1:
         ep_groups = _expert_parallel_groups(config.ep_degree, place.world_size, mesh)
     if ep_groups is not None:
+        if config.pp_degree > 1:
+            raise MeshError(
+                f"PassConfig.ep_degree={config.ep_degree} with pp_degree={config.pp_degree}: "
+                "expert parallelism inside pipeline stages is not supported yet"
+            )
         if not fsdp_wanted:
             raise MeshError(
                 f"PassConfig.ep_degree={config.ep_degree} needs the fsdp pass (it reduces the "

@@ -1,0 +1,98 @@
+"""Expert parallelism (``PassConfig.ep_degree``) on real gloo ranks against one eager process on
+the global batch: tiny Qwen3-MoE, Mixtral and DeepSeek-V3.
+
+The default suite runs one architecture at EP 2 on 2 ranks, and the routing edge cases; the
+rest (every architecture, EP 2 x FSDP 2 on 4 ranks, accumulation, ``in_graph``, the mesh
+context) runs with ``GM_MOE=all`` (``nox -s moe``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+from moe_bodies import (
+    bad_ep_world,
+    checkpoint_round_trip,
+    config_errors,
+    train_and_compare,
+)
+
+from gm_trace.testing.distributed import run_distributed
+
+pytest.importorskip("transformers")
+
+FULL = os.environ.get("GM_MOE") == "all"
+full_only = pytest.mark.skipif(not FULL, reason="GM_MOE=all (nox -s moe)")
+
+
+def _run(world: int, arch: str, ep: int, **options):
+    body = functools.partial(train_and_compare, **options)
+    results = run_distributed(body, world, (arch, ep), timeout=600)
+    for result in results:
+        print(arch, world, ep, options, {k: v for k, v in result.items() if k != "summary"})
+    return results
+
+
+def test_qwen3_moe_ep2_matches_eager() -> None:
+    (first, _) = _run(2, "qwen3-moe", 2)
+    assert first["expert_elements_local"] * 2 == first["expert_elements_total"]
+    assert "ep" in first["summary"] and "all_to_all" in first["summary"]
+
+
+@pytest.mark.parametrize(
+    "arch,routing",
+    [
+        # Equal router logits: every token to experts 0 and 1, none to rank 1's experts.
+        pytest.param("qwen3-moe", "first", id="no-token-to-rank-1"),
+        # A large correction bias: every token to the last expert (and one more).
+        pytest.param("deepseek-v3", "last", id="every-token-to-one-expert"),
+    ],
+)
+def test_degenerate_routing_trains_like_eager(arch: str, routing: str) -> None:
+    results = _run(2, arch, 2, routing=routing, steps=2)
+    counts = results[0]["tokens_per_expert_first_step"]
+    if routing == "first":
+        assert sum(counts[len(counts) // 2 :]) == 0, counts
+    else:
+        assert counts[-1] == results[0]["routed_pairs_first_step"] // 2, counts
+
+
+def test_checkpoint_moves_between_ep_and_no_ep(tmp_path) -> None:
+    """Saved at EP 2 (2 ranks), loaded without EP and back: same FQNs, full shapes, values."""
+    run_distributed(checkpoint_round_trip, 2, (str(tmp_path),), timeout=600)
+
+
+def test_ep_degree_errors_name_both_numbers() -> None:
+    config_errors()
+
+
+def test_ep_degree_not_dividing_the_world_is_a_config_error() -> None:
+    results = run_distributed(bad_ep_world, 2, (), timeout=120)
+    assert all("ep_degree=3" in r and "2 data-parallel ranks" in r for r in results), results
+
+
+@full_only
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek-v3"])
+def test_ep2_matches_eager(arch: str) -> None:
+    _run(2, arch, 2)
+
+
+@full_only
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral", "deepseek-v3"])
+def test_ep2_fsdp2_on_4_ranks_matches_eager(arch: str) -> None:
+    _run(4, arch, 2)
+
+
+@full_only
+def test_ep2_with_mesh_context_on_4_ranks() -> None:
+    _run(4, "mixtral", 2, mesh=True)
+
+
+@full_only
+@pytest.mark.parametrize(
+    "options", [{"accumulation": 2}, {"in_graph": True}], ids=["accumulation", "in_graph"]
+)
+def test_ep2_composes(options: dict) -> None:
+    _run(2, "qwen3-moe", 2, **options)
