@@ -166,7 +166,7 @@ class PassConfig:
     only with ``pp_schedule="interleaved_1f1b"``, which needs at least 2."""
 
     # --- expert parallelism (issue 27) ---
-    ep_degree: int = 1
+    ep_degree: int = dataclasses.field(default=1, metadata=_runs("ep", when=lambda d: d != 1))
     """Expert parallelism: the routed experts of each mixture-of-experts layer are split over
     groups of this many data-parallel ranks (a rank holds ``num_experts / ep_degree`` of them)
     and tokens travel to their experts by all-to-all (``gm_trace.capture.expert_parallel``).

@@ -234,7 +234,9 @@ def apply_expert_parallel(
         module.register_buffer(
             TOKENS_BUFFER, torch.zeros(shard.num_experts, dtype=torch.int64, device=device), False
         )
-        module.register_buffer(BYTES_BUFFER, torch.zeros((), dtype=torch.int64, device=device), False)
+        module.register_buffer(
+            BYTES_BUFFER, torch.zeros((), dtype=torch.int64, device=device), False
+        )
         module.num_experts = local  # what the module's own kernel computes with
         setattr(module, EP_SHARD_ATTR, shard)
         module.__class__ = _ep_class(type(module))

@@ -36,6 +36,7 @@ from gm_passes import PassPipeline
 from gm_trace.graph.dynamic_shapes import DynamicShapeError, leaf_dims
 from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.graph.signature import InputSignature, flatten_io
+from gm_trace.passes.expert_parallel import describe as describe_ep
 from gm_trace.passes.overlap import format_schedule
 from gm_trainer.compile.graph_key import describe_module_state, module_state_key
 from gm_trainer.errors import TrainingError
@@ -307,6 +308,9 @@ class GraphCache:
             text = f"signature {i}: {self.describe(i)}\n\n{pipeline.describe()}"
             text += f"\n\n{pipeline.summary()}"
             overlap = pipeline.context.stats.get("overlap", {}) if pipeline.context else {}
+            ep = describe_ep(pipeline.context.stats.get("ep", {})) if pipeline.context else ""
+            if ep:
+                text += f"\n\n{ep}"
             if overlap.get("schedule"):
                 text += "\n\ncollective schedule:\n" + format_schedule(overlap["schedule"])
             parts.append(text)

@@ -23,9 +23,9 @@ import torch
 import torch.utils._pytree as pytree
 
 from gm_trainer.parallel.ranks import mean_over_world
-from gm_trainer.step.expert_load import expert_load_metrics
 from gm_trainer.step.accumulation import MicroBatches
 from gm_trainer.step.executor import StepExecutor
+from gm_trainer.step.expert_load import expert_load_metrics
 from gm_trainer.step.stepper import OptimizerStepper
 from gm_trainer.step.train_state import TrainState
 
