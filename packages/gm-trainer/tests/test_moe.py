@@ -38,8 +38,9 @@ def _run(world: int, arch: str, ep: int, **options):
 def test_qwen3_moe_ep2_matches_eager() -> None:
     (first, _) = _run(2, "qwen3-moe", 2)
     assert first["expert_elements_local"] * 2 == first["expert_elements_total"]
-    assert "expert parallelism: ep 2, 2 local experts in each of 2 modules; 10 all-to-alls" in (
-        first["summary"]
+    assert (
+        "expert parallelism: ep 2, 2 local experts in each of 2 modules; 10 all-to-alls"
+        in (first["summary"])
     ), first["summary"]
     assert first["all_to_all_bytes_first_step"] > 0
 
@@ -101,3 +102,68 @@ def test_ep2_with_mesh_context_on_4_ranks() -> None:
 )
 def test_ep2_composes(options: dict) -> None:
     _run(2, "qwen3-moe", 2, **options)
+
+
+# --------------------------------------------------------------------------- gm-train
+
+_HF_MOE = {
+    "model_type": "qwen3_moe",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "max_position_embeddings": 64,
+    "experts_implementation": "batched_mm",
+}
+
+
+def _job(**parallel):
+    from gm_trainer.job.config import JobConfig
+
+    return JobConfig.from_dict(
+        {
+            "parallel": parallel,
+            "model": {"source": "hf", "config": _HF_MOE, "seq_len": 16},
+            "train": {"global_batch_size": 4, "steps": 2},
+        }
+    )
+
+
+def test_gm_train_ep_degree_is_checked_before_any_rank_starts() -> None:
+    from gm_config import ConfigError
+    from gm_trainer.job.config import JobConfig
+
+    with pytest.raises(ConfigError, match=r"ep_degree=3 does not divide the 4 experts"):
+        _job(ep_degree=3)
+    job = _job(ep_degree=2)
+    job.check_world_size(2)
+    with pytest.raises(ConfigError, match=r"ep_degree=2 does not divide the 1 data-parallel"):
+        job.check_world_size(1)
+    with pytest.raises(ConfigError, match="builtin model has none"):
+        JobConfig.from_dict({"parallel": {"ep_degree": 2}}).check_world_size(2)
+
+
+@full_only
+def test_gm_train_ep2_logs_expert_load(tmp_path) -> None:
+    import yaml
+    from test_job_cli import gm_train, metrics
+
+    job = _job(ep_degree=2).to_dict()
+    job["data"]["max_bytes"] = 200000
+    job["logging"].update(interval=1, run_dir="run")
+    (tmp_path / "moe.yaml").write_text(yaml.safe_dump(job))
+    result = gm_train("moe.yaml", "--nproc", "2", cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = metrics(tmp_path / "run")
+    assert len(records) == 2
+    for record in records:
+        # 2 layers x 4 rows x 16 tokens x top-2 routed pairs, spread over 8 experts
+        assert record["moe_tokens_per_expert_max"] >= record["moe_tokens_per_expert_min"] >= 0
+        assert record["moe_expert_imbalance"] >= 1.0
+        assert record["moe_all_to_all_bytes"] > 0
+    assert "expert parallelism: ep 2" in (tmp_path / "run" / "passes.txt").read_text()

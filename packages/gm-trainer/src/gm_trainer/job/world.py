@@ -70,10 +70,38 @@ def check_world_size(job: Any, world_size: int) -> None:
         raise ConfigError(
             f"parallel.tp_size={p.tp_size}: gm-train's model has no tensor parallelism; use 1"
         )
+    _check_expert_parallel(job, dp, replicas, pp)
     plan = job.pass_plan()
     if dp > 1 and not fsdp_requested(p, plan):
         raise ConfigError(
             "parallel.fsdp_enabled / sharding.fsdp.enabled is off, but with "
             f"{dp} data-parallel ranks only the fsdp pass keeps them in sync; turn it on "
             f"or use --nproc {pp}"
+        )
+
+
+# --- expert parallelism (issue 27) ---
+def _check_expert_parallel(job: Any, dp: int, replicas: int, pp: int) -> None:
+    """``parallel.ep_degree``: an HF mixture-of-experts model, ep groups of data-parallel
+    ranks (no pipeline, no HSDP), an ep_degree that divides the ranks and the experts."""
+    ep = job.parallel.ep_degree
+    if ep == 1:
+        return
+    if job.model.source != "hf":
+        raise ConfigError(
+            f"parallel.ep_degree={ep} splits the experts of a mixture-of-experts model, and "
+            "gm-train's builtin model has none; use model.source=hf with an MoE config "
+            "(Mixtral, Qwen3-MoE, DeepSeek-V3, ...) or parallel.ep_degree=1"
+        )
+    if pp > 1 or replicas > 1:
+        raise ConfigError(
+            f"parallel.ep_degree={ep} does not combine with parallel.pp_degree / "
+            "dist.dp_replicate yet; use 1 for both"
+        )
+    if dp % ep:
+        divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+        raise ConfigError(
+            f"parallel.ep_degree={ep} does not divide the {dp} data-parallel rank(s); an ep "
+            f"group is made of ep_degree of them (use one of {divisors}, or --nproc a "
+            f"multiple of {ep})"
         )
