@@ -34,6 +34,7 @@ DEFAULTS = {
     "pp_microbatches": 1,
     "pp_schedule": "1f1b",
     "pp_virtual_stages": 1,
+    "ep_degree": 1,
 }
 # to_dict gives YAML-friendly lists where the config keeps tuples.
 DEFAULTS_AS_DICT = {k: list(v) if isinstance(v, tuple) else v for k, v in DEFAULTS.items()}
@@ -90,6 +91,7 @@ def test_valid_non_default_values_are_kept():
         pp_microbatches=4,
         pp_schedule="interleaved_1f1b",
         pp_virtual_stages=2,
+        ep_degree=2,
     )
     assert config.extra_passes == ("count_nodes",)  # YAML lists are kept as tuples
     assert config.to_dict() == {
@@ -116,6 +118,7 @@ def test_valid_non_default_values_are_kept():
         "pp_microbatches": 4,
         "pp_schedule": "interleaved_1f1b",
         "pp_virtual_stages": 2,
+        "ep_degree": 2,
     }
 
 
