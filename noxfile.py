@@ -197,16 +197,30 @@ def composability(session: nox.Session) -> None:
     session.run("python", str(tests / "composability_report.py"), *args)
 
 
+@nox.session(tags=["cp"], default=False)
+def cp(session: nox.Session) -> None:
+    """Context parallelism's whole matrix (issue 29): HF Llama and Qwen3 at sequence 256, cp 2
+    on 2 gloo ranks and cp 2 x FSDP 2 on 4, causal and padded, and the checkpoint round trip,
+    against one eager process (the default suite runs one cell)."""
+    _install_layer(session, "gm-trainer", torch=True)
+    session.env["GM_CP"] = "all"
+    tests = ROOT / "packages" / "gm-trainer" / "tests"
+    session.run(
+        "pytest", str(tests / "test_cp.py"), "-q", "-p", "no:cacheprovider", *session.posargs
+    )
+
+
 @nox.session(tags=["bench"], default=False)
 def bench(session: nox.Session) -> None:
     """Benchmarks (not run by CI): graph mode vs eager and FSDP2, trace time, the symbolic
-    graph vs the static one, and the pipeline schedules."""
+    graph vs the static one, the pipeline schedules and context parallelism."""
     _install_layer(session, "gm-trainer", torch=True)
     session.run("python", str(ROOT / "bench" / "fsdp_bench.py"), *session.posargs)
     session.run("python", str(ROOT / "bench" / "trace_time.py"))
     session.run("python", str(ROOT / "bench" / "dynamic_bench.py"), "--backend", "none")
     session.run("python", str(ROOT / "bench" / "pipeline_bench.py"))
     session.run("python", str(ROOT / "bench" / "moe_bench.py"))
+    session.run("python", str(ROOT / "bench" / "cp_bench.py"))
 
 
 @nox.session(tags=["moe"], default=False)

@@ -35,6 +35,9 @@ DEFAULTS = {
     "pp_schedule": "1f1b",
     "pp_virtual_stages": 1,
     "ep_degree": 1,
+    # context parallelism (issue 29)
+    "cp_degree": 1,
+    "cp_dims": None,
 }
 # to_dict gives YAML-friendly lists where the config keeps tuples.
 DEFAULTS_AS_DICT = {k: list(v) if isinstance(v, tuple) else v for k, v in DEFAULTS.items()}
@@ -92,6 +95,8 @@ def test_valid_non_default_values_are_kept():
         pp_schedule="interleaved_1f1b",
         pp_virtual_stages=2,
         ep_degree=2,
+        cp_degree=2,
+        cp_dims={"input": 1},
     )
     assert config.extra_passes == ("count_nodes",)  # YAML lists are kept as tuples
     assert config.to_dict() == {
@@ -119,6 +124,8 @@ def test_valid_non_default_values_are_kept():
         "pp_schedule": "interleaved_1f1b",
         "pp_virtual_stages": 2,
         "ep_degree": 2,
+        "cp_degree": 2,
+        "cp_dims": {"input": 1},
     }
 
 
@@ -312,3 +319,18 @@ def test_float_fields_must_be_finite(field, value):
         PassConfig(**{field: value})
     message = str(info.value)
     assert f"PassConfig.{field}" in message and "finite" in message and repr(value) in message
+
+
+# --- context parallelism (issue 29) ----------------------------------------------------------
+
+
+def test_cp_degree_and_cp_dims_are_checked():
+    config = PassConfig(cp_degree=2, cp_dims={"input['input_ids']": "1", "label": 1})
+    assert config.cp_dims == {"input['input_ids']": 1, "label": 1}  # YAML may give "1"
+    assert PassConfig().cp_degree == 1 and PassConfig().cp_dims is None
+    for bad in (0, -2, 1.5, True, "2"):
+        with pytest.raises(ConfigError, match=r"PassConfig.cp_degree must be an int >= 1"):
+            PassConfig(cp_degree=bad)
+    for bad in ({}, [1], {"label": -1}, {"": 1}, {"label": "x"}):
+        with pytest.raises(ConfigError, match=r"PassConfig.cp_dims"):
+            PassConfig(cp_dims=bad)

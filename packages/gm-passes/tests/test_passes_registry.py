@@ -206,6 +206,7 @@ def test_settings_name_the_pass_they_ask_for_and_its_distribution():
         "backend": (("backend",), "gm-trace"),
         "pp_degree": (("pp_stages",), "gm-trace"),
         "ep_degree": (("ep",), "gm-trace"),
+        "cp_degree": (("cp",), "gm-trace"),
     }
     assert not hasattr(registry, "PROVIDERS")
 
@@ -216,6 +217,7 @@ def test_a_setting_asks_for_its_pass_only_when_set():
         f.name: f.metadata["when"] for f in dataclasses.fields(PassConfig) if "when" in f.metadata
     }
     assert not when["pp_degree"](1) and when["pp_degree"](2)
+    assert not when["cp_degree"](1) and when["cp_degree"](2)
     assert when["backend"]("inductor") and not when["backend"](None)
     assert not when["enable_overlap"](False) and when["enable_overlap"](True)
 

@@ -20,3 +20,22 @@ def tiny_llama(**overrides: Any) -> Any:
         "max_position_embeddings": 64,
     }
     return transformers.LlamaConfig(**{**fields, **overrides})
+
+
+def tiny_llama_model(seed: int = 0, **overrides: Any) -> Any:
+    """A ``LlamaForCausalLM`` of :func:`tiny_llama` (sdpa attention), seeded."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = tiny_llama(**overrides)
+    config._attn_implementation = "sdpa"
+    return transformers.LlamaForCausalLM(config)
+
+
+def llama_loss(model: Any, tokens: Any, targets: Any) -> Any:
+    """Next-token cross entropy of a causal LM (``tokens`` and ``targets``: batch x seq)."""
+    import torch.nn.functional as F
+
+    logits = model(input_ids=tokens).logits
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

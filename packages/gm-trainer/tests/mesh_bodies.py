@@ -223,7 +223,9 @@ def bad_meshes(rank: int, world: int) -> dict[str, str]:
     )
     expect(
         "cp",
-        lambda: GraphTrainer(model, example.lm_loss, mesh_context=MeshContext.build(cp=2, tp=2)),
+        lambda: GraphTrainer(
+            model, example.lm_loss, PassConfig(cp_degree=4), mesh_context=MeshContext.build(cp=2)
+        ),
     )
     expect("no_mesh", lambda: GraphTrainer(model, example.lm_loss, mesh_context=object()))
     expect("sizes", lambda: MeshContext.build(tp=3))

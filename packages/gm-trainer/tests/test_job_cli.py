@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import operator
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 import yaml
 from extras import PLOT
 
+from gm_passes import GraphPass, PassContext, PassResult, register_pass, unregister_pass
 from gm_trainer.job.cli import main
 
 # A model small enough for two CPU ranks on a small machine, big enough to learn bytes.
@@ -82,6 +84,47 @@ def test_config_file_and_overrides_in_any_order(
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["train"] == {**printed["train"], "steps": 5, "lr": 0.5}
     assert printed["logging"]["run_dir"] == "out"
+
+
+class _ScaleEmbeddingGradient(GraphPass):
+    """A wrong pass for ``--compare-passes``: the tied embedding's gradient times 1.001."""
+
+    name = "scale_embedding_gradient"
+    runs_after = ("fsdp",)
+
+    def run(self, graph_module: Any, ctx: PassContext) -> PassResult:
+        graph = graph_module.graph
+        output = graph.output_node()
+        outputs = list(output.args[0])
+        position = ctx.graph_info.grad_output_index["tok_emb.weight"]
+        with graph.inserting_before(output):
+            outputs[position] = graph.call_function(operator.mul, (outputs[position], 1.001))
+        output.args = (tuple(outputs),)
+        return PassResult(graph_module, True)
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["clean", "wrong-pass"])
+def test_compare_passes_trains_nothing_and_names_the_pass(
+    wrong: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    extra = ["parallel.extra_passes=[scale_embedding_gradient]"] if wrong else []
+    register_pass(_ScaleEmbeddingGradient)
+    try:
+        argv = ["--nproc", "1", *TINY, "--compare-passes", "logging.run_dir=run", *extra]
+        status = main(argv)
+    finally:
+        unregister_pass(_ScaleEmbeddingGradient.name)
+    report = (tmp_path / "run" / "compare_passes.txt").read_text()
+    assert "compare_passes on rank 0 of 1" in report
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing was trained
+    if wrong:
+        assert status == 3, report
+        assert "first pass that changes the step: 'scale_embedding_gradient'" in report
+        assert "first differing node: mul" in report
+    else:
+        assert status == 0, report
+        assert "no pass changes the loss or a gradient" in report
 
 
 def test_bad_config_returns_2_and_names_the_key(capsys: pytest.CaptureFixture[str]) -> None:
@@ -181,6 +224,44 @@ def test_two_rank_job_learns_and_fills_the_run_folder(
     metric_lines = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert len(metric_lines) == steps
     assert "loss" in metric_lines[-1] and "tok/s" in metric_lines[-1]
+
+
+@pytest.mark.distributed
+def test_the_graphs_folder_says_what_each_pass_changed(
+    two_rank_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    """``graphs/.../changes.txt``: one line per pass; the fsdp pass's pinned for this model
+    (1 layer: the embeddings, the block and the final norm in 4 buckets, each gathered once
+    and its gradients reduce-scattered once)."""
+    graphs = two_rank_run[1] / "graphs" / "signature-0"
+    lines = (graphs / "changes.txt").read_text().splitlines()
+    names = sorted(p.stem for p in graphs.glob("0[1-9]-*.txt"))
+    assert [line.split(":")[0] for line in lines] == names
+    fsdp = next(line for line in lines if line.startswith("03-fsdp:"))
+    assert fsdp.startswith("03-fsdp: what changed: +4 all_gather, +4 reduce_scatter, +8 wait, +"), (
+        fsdp
+    )
+    assert fsdp.endswith(" nodes")
+
+
+@PLOT
+@pytest.mark.distributed
+def test_the_run_folder_holds_the_step_schedule_of_both_ranks(
+    two_rank_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    run = two_rank_run[1]
+    png = (run / "schedule.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+    ranks = json.loads((run / "schedule.json").read_text())
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for rank in ranks:  # every collective of the step, the same on both ranks
+        names = [c["collective"] for c in rank["collectives"]]
+        assert names == [c["collective"] for c in ranks[0]["collectives"]]
+        kinds = [c["kind"] for c in rank["collectives"]]
+        assert kinds.count("all_gather_into_tensor") == kinds.count("reduce_scatter_tensor") == 4
+        assert all(c["start_ms"] < c["end_ms"] for c in rank["collectives"])
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["schedule_collectives"] == [8, 8]
 
 
 @PLOT

@@ -594,3 +594,21 @@ def test_progress_lines(capsys: pytest.CaptureFixture[str]) -> None:
     assert resumed.step == 6
     assert list(resumed.track(range(4), accumulation=1)) == list(range(4))
     assert resumed.step == 9
+
+
+# --- context parallelism (issue 29) ----------------------------------------------------------
+
+
+def test_cp_degree_is_checked_against_the_world_and_the_sequence() -> None:
+    job = load_config(None, ["parallel.cp_degree=2"])
+    assert job.parallel.cp_degree == 2 and JobConfig().parallel.cp_degree == 1
+    job.check_world_size(2)  # one cp group: both ranks read the same rows
+    job.check_world_size(4)  # 2 data-parallel ranks x cp 2, FSDP over all 4
+    with pytest.raises(ConfigError, match=r"parallel.cp_degree=2 must divide the 3 rank"):
+        job.check_world_size(3)
+    with pytest.raises(ConfigError, match=r"model.seq_len=63 must be divisible by parallel.cp"):
+        load_config(None, ["parallel.cp_degree=2", "model.seq_len=63"]).check_world_size(2)
+    with pytest.raises(ConfigError, match=r"does not combine with parallel.pp_degree"):
+        load_config(None, ["parallel.cp_degree=2", "parallel.pp_degree=2"]).check_world_size(4)
+    with pytest.raises(ConfigError, match=r"shards over all 4 rank"):
+        load_config(None, ["parallel.cp_degree=2", "parallel.fsdp_degree=2"]).check_world_size(4)

@@ -72,7 +72,7 @@ def test_bad_meshes_and_configs_have_clear_errors(dist_pool):
         "fsdp_degree": r"fsdp_degree=4 but the mesh's 'fsdp_shard' dim has 2 ranks",
         "tp_size": r"tp_size=4 but the mesh's 'tp' dim has 2 ranks",
         "sequence_parallel": r"sequence_parallel=True but the mesh context has",
-        "cp": r"cp=2; context parallelism is not supported",
+        "cp": r"cp_degree=4 but the mesh's 'cp' dim has 2 rank\(s\)",
         "no_mesh": r"has neither a fsdp_non_moe_mesh nor a device_mesh",
         "sizes": r"dp_replicate=1 x dp_shard=1 x tp=3 x cp=1 = 3, but the world has 4 ranks",
     }

@@ -173,6 +173,18 @@ class PassConfig:
     It must divide every MoE layer's expert count and the data-parallel size. Which modules
     are experts: ``PassPlan.ep_experts`` (the sharding YAML's ``ep: {experts: [...]}``), else
     transformers' MoE experts modules, found automatically. ``1``: experts are replicated."""
+    # --- context parallelism (issue 29) ------------------------------------------------------
+
+    cp_degree: int = dataclasses.field(default=1, metadata=_runs("cp", when=lambda v: v != 1))
+    """Context parallelism: ranks that split the sequence of every activation (the ``cp``
+    pass; the mesh's ``cp`` dim, ``MeshContext.build(cp=...)``). Every rank of a cp group
+    passes the same batch; the graph cuts the sequence dims (``cp_dims``) for its rank, and
+    attention sees every key. ``1``: no split."""
+
+    cp_dims: dict[str, int] | None = None
+    """Which dims of ``(input, label)`` are the sequence: leaf path (``"input['input_ids']"``,
+    ``"label"``) or a prefix of paths (``"input"``) -> dim. ``None``: dim 1 of every tensor
+    leaf with two dims or more (token ids, attention mask, labels)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -252,11 +264,35 @@ class PassConfig:
             )
         if not _is_int(self.ep_degree) or self.ep_degree < 1:
             raise ConfigError(f"PassConfig.ep_degree must be an int >= 1, got {self.ep_degree!r}")
+        self._validate_cp()
         if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
             raise ConfigError(
                 "PassConfig.backend must be None (run the graph as it is) or a backend name such "
                 f"as 'inductor', got {self.backend!r}"
             )
+
+    def _validate_cp(self) -> None:
+        """Context parallelism (issue 29): ``cp_degree`` and ``cp_dims``."""
+        if not _is_int(self.cp_degree) or self.cp_degree < 1:
+            raise ConfigError(f"PassConfig.cp_degree must be an int >= 1, got {self.cp_degree!r}")
+        if self.cp_dims is None:
+            return
+        example = "{\"input['input_ids']\": 1, 'label': 1}"
+        if not isinstance(self.cp_dims, Mapping) or not self.cp_dims:
+            raise ConfigError(
+                f"PassConfig.cp_dims must be None or map leaf paths to a dim, e.g. {example}; "
+                f"got {self.cp_dims!r}"
+            )
+        checked: dict[str, int] = {}
+        for path, dim in self.cp_dims.items():
+            number = int(dim) if isinstance(dim, str) and dim.isdigit() else dim
+            if not isinstance(path, str) or not path or not _is_int(number) or number < 0:
+                raise ConfigError(
+                    f"PassConfig.cp_dims: {path!r}: {dim!r} is not a leaf path and a dim "
+                    f"(an int >= 0), e.g. {example}"
+                )
+            checked[path] = number
+        self.cp_dims = checked
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict of every field, suitable for YAML/JSON (tuples become lists)."""

@@ -6,8 +6,10 @@ name through the entry-point group ``gm_passes.passes``.
 
 from gm_passes.base import GraphPass, PassContext, PassResult
 from gm_passes.base_passes import CanonicalizeGraph, DeadCodeElimination
+from gm_passes.graph_diff import GraphChange, GraphOutline
 from gm_passes.pipeline import (
     BASE_PASSES,
+    CHANGES_FILE,
     GraphPassError,
     PassPipeline,
     PassRecord,
@@ -25,9 +27,12 @@ from gm_passes.registry import (
 
 __all__ = [
     "BASE_PASSES",
+    "CHANGES_FILE",
     "ENTRY_POINT_GROUP",
     "CanonicalizeGraph",
     "DeadCodeElimination",
+    "GraphChange",
+    "GraphOutline",
     "GraphPass",
     "GraphPassError",
     "PassContext",

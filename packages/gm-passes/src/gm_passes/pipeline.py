@@ -19,7 +19,7 @@ import dataclasses
 import heapq
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from typing import Any
 from gm_config import ConfigError, GraphModeError, GraphModeRuntimeError, PassConfig, PassPlan
 from gm_passes.base import GraphPass, PassContext
 from gm_passes.base_passes import BASE_PIPELINE
+from gm_passes.graph_diff import GraphChange, GraphOutline
 from gm_passes.registry import (
     PassNotFoundError,
     available_passes,
@@ -50,6 +51,15 @@ class PassRecord:
     seconds: float
     modified: bool
     stats: dict[str, Any] = field(default_factory=dict)
+    change: GraphChange | None = None
+    """What the pass changed in the graph (collectives added, nodes, nodes moved)."""
+
+
+#: ``after_pass(index, graph_pass, graph_module, ctx)``: called after each pass of a run.
+AfterPass = Callable[[int, GraphPass, Any, PassContext], None]
+
+#: The file beside the dumped graphs with one ``what changed`` line per pass.
+CHANGES_FILE = "changes.txt"
 
 
 def selected_passes(
@@ -194,6 +204,7 @@ class PassPipeline:
         fsdp_group_name: str = "fsdp",
         process_groups: dict[str, str] | None = None,
         dump_dir: str | os.PathLike[str] | None = None,
+        after_pass: AfterPass | None = None,
     ) -> Any:
         """Run every pass in order and return the final graph module; what the passes
         decided is in ``self.context.artifacts``.
@@ -205,7 +216,13 @@ class PassPipeline:
 
         ``dump_dir``: when given, the graph before the first pass and after each pass is
         written there as readable code (``00-traced.txt``, ``01-dce.txt`` …). Nothing is
-        formatted when it is not given.
+        formatted when it is not given. Beside them ``changes.txt`` says in one line per pass
+        what it changed (:class:`~gm_passes.graph_diff.GraphChange`: ``03-fsdp: what changed:
+        +4 all_gather, +4 reduce_scatter, +8 wait, +60 nodes``).
+
+        ``after_pass``: called as ``after_pass(index, graph_pass, graph_module, ctx)`` after
+        each pass (index from 1), with the graph as that pass left it, checked and recompiled
+        (``gm_trainer.debug.compare_passes`` replays each one).
         """
         ctx = PassContext(
             config=self.config,
@@ -220,15 +237,21 @@ class PassPipeline:
         if dump is not None:
             dump.mkdir(parents=True, exist_ok=True)
             _write_graph(dump / "00-traced.txt", graph_module)
+        outline = GraphOutline.of(graph_module)
         for index, graph_pass in enumerate(self.passes, start=1):
             start = time.perf_counter()
             graph_module, modified = self._run_one(graph_pass, graph_module, ctx, index)
             seconds = time.perf_counter() - start
-            self.records.append(
-                PassRecord(graph_pass.name, seconds, modified, ctx.stats.get(graph_pass.name, {}))
-            )
+            before, outline = outline, GraphOutline.of(graph_module)
+            change = GraphChange.between(before, outline)
+            stats = ctx.stats.get(graph_pass.name, {})
+            self.records.append(PassRecord(graph_pass.name, seconds, modified, stats, change))
             if dump is not None:
                 _write_graph(dump / f"{index:02d}-{graph_pass.name}.txt", graph_module)
+            if after_pass is not None:
+                after_pass(index, graph_pass, graph_module, ctx)
+        if dump is not None:
+            (dump / CHANGES_FILE).write_text(self.changes() + "\n", encoding="utf-8")
         return graph_module
 
     def _run_one(
@@ -252,6 +275,13 @@ class PassPipeline:
         return "\n".join(
             f"{i}. {p.name:<14} {reason}"
             for i, (p, reason) in enumerate(zip(self.passes, self.reasons), start=1)
+        )
+
+    def changes(self) -> str:
+        """One ``NN-pass: what changed: ...`` line per pass of the last run."""
+        return "\n".join(
+            f"{i:02d}-{r.name}: {r.change.line() if r.change else 'what changed: unknown'}"
+            for i, r in enumerate(self.records, start=1)
         )
 
     def summary(self) -> str:

@@ -27,12 +27,13 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from gm_config import PassConfig, PassPlan
+from gm_config import ConfigError, PassConfig, PassPlan
 from gm_passes import GraphPass, PassPipeline
 from gm_trace.capture.dtensor import DTensorSpec
 from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.graph.sharding import RowShard
 from gm_trace.graph.sharding_layout import ShardingLayout
+from gm_trainer.checkpoint.durable import replacing
 from gm_trainer.checkpoint.io import CheckpointError
 from gm_trainer.checkpoint.view import CheckpointView
 from gm_trainer.compile.compiler import GraphCompiler
@@ -52,6 +53,7 @@ from gm_trainer.step.expert_load import expert_load
 from gm_trainer.step.loop import train_loop
 from gm_trainer.step.stepper import OptimizerStepper
 from gm_trainer.step.train_state import TrainState
+from gm_trainer.timeline import RankTimeline, measure_step
 
 __all__ = ["FSDP_GROUP_NAME", "GraphTrainer", "TrainingError"]
 
@@ -287,10 +289,14 @@ class GraphTrainer:
         reduces nothing: :mod:`gm_trainer.step.deferred`); without FSDP, the plain graph.
         ``last`` (with ``accumulate``): the window's last micro-batch, whose graph takes the
         update when it is in the graph (:mod:`gm_trace.passes.last_micro_batch`)."""
-        executor = self.executor
-        executor.resolve()
-        input, label = executor.pad(self._to_device(sample_input), self._to_device(sample_label))
-        return executor.compile(input, label, self.compiler.variant_for(accumulate, last))
+        self.executor.resolve()
+        input, label = self.device_batch(sample_input, sample_label)
+        return self.executor.compile(input, label, self.compiler.variant_for(accumulate, last))
+
+    def device_batch(self, input: Any, label: Any) -> tuple[Any, Any]:
+        """``(input, label)`` as the graphs see them: on the trainer's device, padded as
+        ``PassConfig.pad_to_multiple`` asks."""
+        return self.executor.pad(self._to_device(input), self._to_device(label))
 
     @property
     def compile_count(self) -> int:
@@ -392,6 +398,33 @@ class GraphTrainer:
         if self.pipeline is not None:
             summary += "\n\n" + self.pipeline.summary()
         return summary
+
+    def plot_step(self, path: str | Path | None, batch: tuple[Any, Any]) -> list[RankTimeline]:
+        """One plain step of ``batch`` (this rank's), compute and collectives on a time line
+        per rank: planned (the graph's collective schedule) and measured (``torch.profiler``,
+        the graph run once node by node), with each collective's bytes and overlap
+        (:mod:`gm_trainer.timeline`). Every rank calls it; rank 0 writes the PNG ``path``
+        (``None``: none; needs ``pip install 'gm-trainer[plot]'``). Returns every rank's
+        :class:`~gm_trainer.timeline.RankTimeline`. Changes nothing: weights, buffers, RNG and
+        ``.grad`` are as before."""
+        if self.pass_config.pp_degree > 1:
+            raise ConfigError(
+                f"plot_step draws a plain step; pp_degree={self.pass_config.pp_degree} runs "
+                "pipeline stages (their schedule is in pass_summary())"
+            )
+        joint = self.compile(*batch)
+        input, label = self.device_batch(*batch)
+        timelines = [measure_step(joint, self.model, input, label, self.rank)]
+        if self.world_size > 1:  # an eager gather, outside the graph
+            gathered: list[Any] = [None] * self.world_size
+            dist.all_gather_object(gathered, timelines[0])
+            timelines = gathered
+        if self.rank == 0 and path is not None:
+            from gm_trainer.timeline.plot import plot_timelines
+
+            with replacing(path) as tmp:
+                plot_timelines(timelines, tmp)
+        return timelines
 
     def _to_device(self, tree: Any) -> Any:
         return pytree.tree_map(

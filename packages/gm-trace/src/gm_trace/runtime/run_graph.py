@@ -66,15 +66,8 @@ def run_traced_graph(
         CapturedTensorError: (a ``GraphSignatureError``) a captured tensor is gone or no
             longer has its traced shape, stride, dtype or device.
     """
-    guards = joint.shape_guards
-    if leaves is None:
-        leaves = _checked_leaves(joint, input, label)
-    if guards is not None:
-        leaves = guards.contiguous_leaves(leaves)
-
-    live = _live_state(model, joint.state_fqns)
-    captured = joint.captured.values() if joint.captured is not None else ()
-    args = [*live, *(leaf for leaf in leaves if isinstance(leaf, Tensor)), *captured, *extra_args]
+    args = graph_args(joint, model, input, label, extra_args, leaves=leaves)
+    live = args[: len(joint.state_fqns)]
     gm, compiled = joint.graph_module, joint.compiled_step
     with torch.no_grad():
         outputs = gm(*args) if compiled is None else compiled.run(gm, args)
@@ -97,6 +90,28 @@ def run_traced_graph(
                 by_fqn[spec.fqn].copy_(value)
     norm = outputs[1] if joint.optimizer_in_graph else None
     return GraphOutputs(loss=outputs[0], grads=grads, grad_norm=norm)
+
+
+def graph_args(
+    joint: JointGraph,
+    model: nn.Module,
+    input: Any,
+    label: Any,
+    extra_args: Sequence[Tensor] = (),
+    *,
+    leaves: Sequence[Any] | None = None,
+) -> list[Tensor]:
+    """The flat arguments ``joint.graph_module`` takes for this batch on ``model``: the live
+    state tensors (``joint.state_fqns``), the batch's tensor leaves, the captured tensors,
+    ``extra_args``. Checks the batch as :func:`run_traced_graph` does (which calls this)."""
+    guards = joint.shape_guards
+    if leaves is None:
+        leaves = _checked_leaves(joint, input, label)
+    if guards is not None:
+        leaves = guards.contiguous_leaves(leaves)
+    live = _live_state(model, joint.state_fqns)
+    captured = joint.captured.values() if joint.captured is not None else ()
+    return [*live, *(leaf for leaf in leaves if isinstance(leaf, Tensor)), *captured, *extra_args]
 
 
 def _checked_leaves(joint: JointGraph, input: Any, label: Any) -> list[Any]:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from gm_config import PassConfig, PassPlan
 from gm_passes import GraphPass, PassPipeline
+from gm_passes.pipeline import AfterPass
 from gm_trace.capture.dtensor import DTensorSpec
 from gm_trace.capture.expert_parallel import apply_expert_parallel
 from gm_trace.graph.joint_graph import JointGraph
@@ -145,14 +146,7 @@ class GraphCompiler:
             last = [LastMicroBatchPass()] if variant == LAST else []
             joint, passes = self._with_update(joint, [*self.extra_passes, *last])
         pipeline = PassPipeline.from_config(run.pass_config, run.pass_plan, passes)
-        topology = run.topology
-        joint = joint.through(
-            pipeline,
-            model=self.model,
-            fsdp_group_name=FSDP_GROUP_NAME,
-            process_groups=dict(topology.process_groups),
-            dump_dir=self._graph_dump_dir(topology.rank),
-        )
+        joint = self.run_passes(joint, pipeline, dump_dir=self._graph_dump_dir(run.topology.rank))
         self._adopt_sharding(joint.sharding)
         cache.pipelines.append(pipeline)
         # Keyed by the state AFTER the passes, which is what later steps will see.
@@ -160,6 +154,46 @@ class GraphCompiler:
         if self.closure_watch is None:
             self.closure_watch = ClosureWatch(self.train_fn)
         return joint
+
+    def trace_plain_step(self, input: Any, label: Any) -> tuple[JointGraph, PassPipeline]:
+        """A fresh static trace of the plain step for this (padded, device-resident) batch
+        and the pipeline a plain step runs, without the update in the graph (its graph returns
+        the loss and every gradient). Nothing is registered, the model is not changed; the run
+        must be resolved and, under FSDP, the model sharded (a first :meth:`compile`). What
+        ``gm_trainer.debug.compare_passes`` replays."""
+        run = self.run
+        joint = trace_step(
+            self.model,
+            self.train_fn,
+            self.dtensor_specs,
+            run,
+            input,
+            label,
+            pre_hook=None,
+            **self._trace_options(None),
+        )
+        pipeline = PassPipeline.from_config(run.pass_config, run.pass_plan, self.extra_passes)
+        return joint, pipeline
+
+    def run_passes(
+        self,
+        joint: JointGraph,
+        pipeline: PassPipeline,
+        *,
+        dump_dir: Path | None = None,
+        after_pass: AfterPass | None = None,
+    ) -> JointGraph:
+        """``joint`` through ``pipeline`` with this run's model and process groups
+        (``after_pass``: see :meth:`PassPipeline.run`)."""
+        topology = self._topology
+        return joint.through(
+            pipeline,
+            model=self.model,
+            fsdp_group_name=FSDP_GROUP_NAME,
+            process_groups=dict(topology.process_groups),
+            dump_dir=dump_dir,
+            after_pass=after_pass,
+        )
 
     def keep_full_shapes(self, shapes: dict[str, tuple[int, ...]]) -> None:
         """Trace these state tensors at ``shapes`` from now on: their live storage was
@@ -179,11 +213,11 @@ class GraphCompiler:
             return None
         return self.dump_dir / f"signature-{len(self.registry.cache(STEP).graphs)}"
 
-    def _trace_options(self, cache: GraphCache) -> dict[str, Any]:
+    def _trace_options(self, cache: GraphCache | None) -> dict[str, Any]:
         """Keyword arguments for ``trace_model_graph``: full state shapes, mixed precision and
-        the symbolic dims ``cache`` decided for this trace."""
+        the symbolic dims ``cache`` decided for this trace (``None``: a static trace)."""
         options: dict[str, Any] = {}
-        if cache.tracing_dims:
+        if cache is not None and cache.tracing_dims:
             options["dynamic_dims"] = cache.tracing_dims
             options["dynamic_fallback"] = cache.tracing_fallback
         # After the first compile the live parameters are shards (or freed: another pipeline

@@ -47,6 +47,7 @@ examples:
   gm-train --resume runs/20250101-120000     continue a run from its newest checkpoint
   gm-train --resume runs/X train.steps=400   ... and train it for longer
   gm-train my.yaml --resume auto logging.run_dir=runs/job   restartable: resume if possible
+  gm-train my.yaml --compare-passes          which pass changes the numbers (no training)
 """
 
 
@@ -82,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoints/ folder) whose newest complete checkpoint is taken. The run goes on in "
         "that run folder, with its config.yaml unless a config file is given, to train.steps "
         "steps in all; logging.run_dir=... on the command line continues in a new folder",
+    )
+    parser.add_argument(
+        "--compare-passes",
+        action="store_true",
+        help="train nothing: run the first batch through the graph after each pass and eagerly "
+        "on the same weights, print the first pass that changes the loss or a gradient beyond "
+        "the dtype's tolerance and its first differing node, write compare_passes.txt into the "
+        "run folder, and exit with status 3 when a pass changes the step (0 when none does)",
     )
     parser.add_argument(
         "--print-config",
@@ -193,12 +202,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gm_trainer.job.runner import run_rank
 
         try:
-            run_rank(config.to_dict(), checkpoint)
+            summary = run_rank(config.to_dict(), checkpoint, args.compare_passes)
         except RunFolderError as e:  # e.g. another job took the folder since the check
             print(f"gm-train: error: {e}", file=sys.stderr)
             return 2
-        return 0
-    return launch(config, world_size, checkpoint)
+        return _compare_status(summary) if reporter and args.compare_passes else 0
+    return launch(config, world_size, checkpoint, compare_passes=args.compare_passes)
+
+
+#: The exit status of ``--compare-passes`` when a pass (or the capture) changes the step.
+PASS_CHANGES_STEP = 3
+
+
+def _compare_status(summary: object) -> int:
+    """``--compare-passes``: 3 when rank 0's summary names a culprit, else 0."""
+    found = summary.get("compare_passes", {}) if isinstance(summary, dict) else {}
+    return PASS_CHANGES_STEP if found.get("culprit") is not None else 0
 
 
 #: Keys added after runs were saved: an older run's config.yaml without them is still whole
@@ -352,10 +371,13 @@ def choose_run_dir(
     return run_dir
 
 
-def launch(config: JobConfig, nproc: int, resume: str | None = None) -> int:
+def launch(
+    config: JobConfig, nproc: int, resume: str | None = None, *, compare_passes: bool = False
+) -> int:
     """Run :func:`~gm_trainer.job.runner.run_rank` on ``nproc`` local ranks; exit status.
 
-    ``resume``: the checkpoint folder every rank loads before training.
+    ``resume``: the checkpoint folder every rank loads before training. ``compare_passes``:
+    compare the passes on the first batch instead of training (``--compare-passes``).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -377,7 +399,7 @@ def launch(config: JobConfig, nproc: int, resume: str | None = None) -> int:
         start_method="spawn",
     )
     try:
-        elastic_launch(launch_config, run_rank)(config.to_dict(), resume)
+        results = elastic_launch(launch_config, run_rank)(config.to_dict(), resume, compare_passes)
     except ChildFailedError as e:
         # The launcher has already logged the rank's traceback; end with the one line that matters.
         rank, failure = e.get_first_failure()
@@ -391,7 +413,7 @@ def launch(config: JobConfig, nproc: int, resume: str | None = None) -> int:
     except SignalException as e:
         print(f"gm-train: stopped by signal {e.sigval.name}", file=sys.stderr)
         return 128 + int(e.sigval)
-    return 0
+    return _compare_status((results or {}).get(0)) if compare_passes else 0
 
 
 if __name__ == "__main__":

@@ -5,7 +5,11 @@ metrics.jsonl   one JSON record per logged step
 loss.png        the loss curve (needs matplotlib: ``pip install 'gm-trainer[plot]'``)
 summary.json    first/final loss, steps, time per step, world size, ...
 passes.txt      the wall time of each graph pass
-graphs/         the graph after each pass (written by GraphTrainer)
+graphs/         the graph after each pass (written by GraphTrainer), and changes.txt: what
+                each pass changed, one line per pass
+schedule.png    one step's compute and collectives per rank, planned and measured (needs
+                matplotlib); schedule.json its data
+compare_passes.txt  every rank's report of ``gm-train --compare-passes``
 checkpoints/    step-XXXXXXXX/ distributed checkpoints (written by every rank)
 model.pt        the final model as one plain state_dict (checkpoint.export_full)
 

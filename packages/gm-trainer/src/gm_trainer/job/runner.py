@@ -3,6 +3,7 @@ checkpoints and, when resuming, load one first."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,8 +26,10 @@ from gm_trainer.job.evaluate import Evaluator
 from gm_trainer.job.progress import Progress
 from gm_trainer.job.resume import check_same_data, check_same_model
 from gm_trainer.job.run_folder import (
+    PLOT_INSTALL,
     RunFolder,
     checkpoint_dir,
+    plot_unavailable,
     prune_checkpoints,
     read_metrics,
     run_folder_of,
@@ -40,6 +43,13 @@ from gm_trainer.parallel.mesh import MeshContext
 if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer
 
+#: One step, planned and measured, per rank (``GraphTrainer.plot_step``), and its data.
+SCHEDULE_PNG = "schedule.png"
+SCHEDULE_JSON = "schedule.json"
+
+#: ``gm-train --compare-passes`` writes every rank's report here, in the run folder.
+COMPARE_PASSES_FILE = "compare_passes.txt"
+
 #: The settings that decide which windows step ``i`` trains on: a resumed run that changes
 #: one of them continues on another data stream than the saved run would have seen.
 DATA_STREAM_KEYS = (
@@ -51,12 +61,15 @@ DATA_STREAM_KEYS = (
 
 
 @record  # the elastic launcher then reports this rank's traceback
-def run_rank(config_dict: dict[str, Any], resume: str | None = None) -> dict[str, Any] | None:
+def run_rank(
+    config_dict: dict[str, Any], resume: str | None = None, compare_passes: bool = False
+) -> dict[str, Any] | None:
     """Entry point of each rank (plain data in: it crosses a process boundary).
 
     Joins the process group when launched (``RANK``/``WORLD_SIZE`` set), runs the job (from
-    the checkpoint folder ``resume`` when given) and returns the summary on rank 0 (``None``
-    elsewhere).
+    the checkpoint folder ``resume`` when given; ``compare_passes``: only the passes compared
+    on the first batch, ``gm-train --compare-passes``) and returns the summary on rank 0
+    (``None`` elsewhere).
     """
     config = JobConfig.from_dict(config_dict)
     rank, world_size = init_distributed(timeout_s=config.dist.timeout_s)
@@ -68,14 +81,19 @@ def run_rank(config_dict: dict[str, Any], resume: str | None = None) -> dict[str
             shared = [config.logging.run_dir, resume]
             dist.broadcast_object_list(shared, src=0)
             config.logging.run_dir, resume = shared
-        return run_job(config, rank, world_size, resume=resume)
+        return run_job(config, rank, world_size, resume=resume, compare_passes=compare_passes)
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 
 
 def run_job(
-    config: JobConfig, rank: int, world_size: int, *, resume: str | Path | None = None
+    config: JobConfig,
+    rank: int,
+    world_size: int,
+    *,
+    resume: str | Path | None = None,
+    compare_passes: bool = False,
 ) -> dict[str, Any] | None:
     """Train the job on this rank; rank 0 prints progress and writes the run folder.
 
@@ -89,7 +107,7 @@ def run_job(
     if rank == 0:
         folder = RunFolder(config.logging.run_dir, lock=True, defer=resume is not None)
     try:
-        return _train(config, rank, world_size, resume, folder)
+        return _train(config, rank, world_size, resume, folder, compare_passes)
     finally:
         if folder is not None:
             folder.close()
@@ -101,6 +119,7 @@ def _train(
     world_size: int,
     resume: str | Path | None,
     folder: RunFolder | None,
+    compare_passes: bool = False,
 ) -> dict[str, Any] | None:
     from gm_trainer.trainer import GraphTrainer  # heavy: only on the ranks
 
@@ -117,8 +136,9 @@ def _train(
     job_data = load_job_data(d, m.seq_len, run_dir)  # the CLI has tokenised it: a cache hit
     fingerprint = job_data.train.fingerprint()  # saved with each checkpoint, compared on resume
     micro = t.global_batch_size // t.accumulation
-    pp = config.parallel.pp_degree
-    dp = world_size // pp  # ranks that read different rows: one pipeline's ranks read the same
+    pp, cp = config.parallel.pp_degree, config.parallel.cp_degree
+    # Ranks that read different rows: one pipeline's ranks, and one cp group's, read the same.
+    dp = world_size // (pp * cp)
     evaluator = None
     if t.eval_interval is not None and job_data.eval is not None:
         evaluator = Evaluator(model, built.loss, job_data.eval, micro // world_size)
@@ -132,7 +152,7 @@ def _train(
             job_data.train,
             batch_size=micro,
             num_batches=t.steps * t.accumulation,
-            rank=rank % dp,  # rank = stage * dp + data-parallel index
+            rank=(rank // cp) % dp,  # rank = stage * dp + data-parallel index (x cp + c)
             world_size=dp,
             seed=d.seed,
             start=position,
@@ -195,6 +215,8 @@ def _train(
             f"the checkpoint has consumed {position} micro-batches, but this run's stream "
             f"holds {t.steps * t.accumulation}: {e}"
         ) from None
+    if compare_passes:
+        return _compare_passes(trainer, next(iter(batches)), folder, progress)
     if folder is not None and resume is not None:
         # Loaded and checked: only now does the resume touch the run folder. Its history is
         # the records up to the checkpoint's step, from the run folder that holds it (those
@@ -278,6 +300,7 @@ def _train(
             progress.advance(trainer.step)
             progress.close()
     wall = time.perf_counter() - start
+    schedule = _plot_schedule(trainer, next(iter(batches_from(0))), config, folder)
     if folder is None or progress is None:
         return None
     if c.export_full and last_checkpoint is not None and trainer.step == t.steps:
@@ -305,6 +328,7 @@ def _train(
         last_checkpoint=str(last_checkpoint) if last_checkpoint is not None else None,
         resumed_from=str(resume) if resume is not None else None,
         resumed_from_step=start_step if resume is not None else None,
+        **schedule,
     )
     steps = (
         f"steps {start_step + 1}..{trainer.step}" if resume is not None else f"{trainer.step} steps"
@@ -316,6 +340,63 @@ def _train(
         f"{folder.path}"
     )
     return summary
+
+
+def _plot_schedule(
+    trainer: GraphTrainer, batch: tuple[Any, Any], config: JobConfig, folder: RunFolder | None
+) -> dict[str, Any]:
+    """``schedule.png`` and ``schedule.json``: one step of the first batch, planned and
+    measured, on every rank (every rank runs it: the graph holds collectives; rank 0 writes).
+    Returns what the summary records: the collectives per rank, or why there is no plot."""
+    # The picture is of the plain step's graph: a run that never compiles one (accumulation,
+    # pipeline stages, the update in the graph) would compile it only for this.
+    if config.parallel.pp_degree > 1 or config.train.accumulation > 1 or trainer.optimizer_in_graph:
+        return {
+            "schedule_plot_skipped": "the job runs no plain step's graph (pipeline stages, "
+            "accumulation or the update in the graph)"
+        }
+    missing = plot_unavailable()
+    path = folder.path / SCHEDULE_PNG if folder is not None and missing is None else None
+    timelines = trainer.plot_step(path, batch)
+    if folder is not None:
+        data = [t.to_dict() for t in timelines]
+        folder.write_text(SCHEDULE_JSON, json.dumps(data, indent=1) + "\n")
+    found: dict[str, Any] = {"schedule_collectives": [len(t.collectives) for t in timelines]}
+    if missing is not None:
+        found["schedule_plot_skipped"] = f"{missing}; to draw it: {PLOT_INSTALL}"
+    return found
+
+
+def _compare_passes(
+    trainer: GraphTrainer,
+    batch: tuple[Any, Any],
+    folder: RunFolder | None,
+    progress: Progress | None,
+) -> dict[str, Any] | None:
+    """``gm-train --compare-passes``: every rank compares the passes on its first batch;
+    rank 0 prints every rank's report, writes them to ``compare_passes.txt`` and returns
+    the verdict as the summary."""
+    from gm_trainer.debug import compare_passes
+
+    result = compare_passes(trainer, batch)
+    reports = [result]
+    if trainer.world_size > 1:
+        reports = [None] * trainer.world_size
+        dist.all_gather_object(reports, result)
+    if folder is None or progress is None:
+        return None
+    text = "\n\n".join(r.describe() for r in reports) + "\n"
+    folder.write_text(COMPARE_PASSES_FILE, text)
+    progress.write(text.rstrip("\n"))
+    progress.close()
+    node = result.first_node
+    return {
+        "compare_passes": {
+            "culprit": result.culprit,
+            "ranks": list(result.ranks_changed),
+            "first_node": node.name if node is not None else None,
+        }
+    }
 
 
 def _reconcile(trainer: GraphTrainer, config: JobConfig, saved: Any) -> list[str]:

@@ -12,7 +12,7 @@ def check_world_size(job: Any, world_size: int) -> None:
     """Raise :class:`ConfigError` unless the job can run on ``world_size`` ranks.
 
     ``job``: the :class:`~gm_trainer.job.config.JobConfig` (not imported: it calls this,
-    and reads its ``train``, ``parallel`` and ``dist`` sections only).
+    and reads its ``train``, ``parallel``, ``dist`` and ``model`` sections only).
 
     gm-train runs ``parallel.pp_degree`` pipeline stages, each on ``world_size /
     pp_degree`` data-parallel ranks (the ranks of one pipeline read the same rows), and
@@ -28,7 +28,9 @@ def check_world_size(job: Any, world_size: int) -> None:
             f"stage runs on world_size / pp_degree ranks; use one of {divisors} (or "
             f"--nproc a multiple of {pp})"
         )
-    dp = world_size // pp  # ranks that read different rows
+    _check_cp(job, world_size)
+    cp = p.cp_degree
+    dp = world_size // (pp * cp)  # ranks that read different rows (a cp group reads the same)
     if pp > 1 and replicas > 1:
         raise ConfigError(
             f"dist.dp_replicate={replicas} does not combine with parallel.pp_degree={pp} "
@@ -54,7 +56,7 @@ def check_world_size(job: Any, world_size: int) -> None:
             f"dist.dp_replicate={replicas} does not divide the {world_size} rank(s); use a "
             f"divisor of {world_size} (1: plain FSDP over every rank)"
         )
-    shard = dp // replicas
+    shard = dp * cp // replicas  # FSDP shards over dp x cp, like torchtitan's dp_shard_cp
     if p.fsdp_degree is not None and p.fsdp_degree != shard:
         if pp > 1:
             over = f"the {shard} rank(s) of each pipeline stage ({world_size} / pp_degree {pp})"
@@ -76,7 +78,30 @@ def check_world_size(job: Any, world_size: int) -> None:
         raise ConfigError(
             "parallel.fsdp_enabled / sharding.fsdp.enabled is off, but with "
             f"{dp} data-parallel ranks only the fsdp pass keeps them in sync; turn it on "
-            f"or use --nproc {pp}"
+            f"or use --nproc {pp * cp}"
+        )
+
+
+def _check_cp(job: Any, world_size: int) -> None:
+    """Context parallelism (issue 29): ``parallel.cp_degree`` ranks split each sequence."""
+    p, cp = job.parallel, job.parallel.cp_degree
+    if cp == 1:
+        return
+    if world_size % cp:
+        raise ConfigError(
+            f"parallel.cp_degree={cp} must divide the {world_size} rank(s): each sequence is "
+            f"split over cp_degree ranks (use --nproc a multiple of {cp})"
+        )
+    if p.pp_degree > 1 or job.dist.dp_replicate > 1:
+        raise ConfigError(
+            f"parallel.cp_degree={cp} does not combine with parallel.pp_degree / "
+            "dist.dp_replicate yet; use 1 for those"
+        )
+    seq = job.model.seq_len
+    if seq % cp:
+        raise ConfigError(
+            f"model.seq_len={seq} must be divisible by parallel.cp_degree={cp}: each rank "
+            f"holds seq_len / cp_degree tokens of every sequence"
         )
 
 

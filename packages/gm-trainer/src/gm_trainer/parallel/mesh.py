@@ -134,6 +134,11 @@ class MeshContext:
             mesh_dim_names=(*lead[1], "fsdp_replicate", "fsdp_shard", "tp"),
         )
         register_process_group(TP_GROUP_NAME, device_mesh["tp"].get_group())
+        if ep != 1 and cp != 1:
+            raise MeshError(
+                f"ep={ep} with cp={cp}: expert parallelism with context parallelism is not "
+                "supported yet; use cp=1"
+            )
         moe_mesh = _moe_mesh(device_type, lead, dp_replicate, dp_shard * cp, tp, ep)
         return cls(
             device_mesh=device_mesh,
@@ -210,6 +215,14 @@ class ResolvedMesh:
     """The expert-parallel group (the mesh context's ``moe_mesh["ep"]``), when there is one."""
     ep_replicate_group: dist.ProcessGroup | None = None
     """The ranks holding the same experts (``moe_mesh["ep_replicate"]``)."""
+    # --- context parallelism (issue 29) ---
+    cp_group: dist.ProcessGroup | None = None
+    """The context-parallel group (the ranks that split one sequence), when the device mesh
+    has a ``"cp"`` dim of more than one rank. The FSDP group spans it (``dp_shard x cp``)."""
+
+    @property
+    def cp_size(self) -> int:
+        return self.cp_group.size() if self.cp_group is not None else 1
 
     @property
     def fsdp_size(self) -> int:
@@ -261,6 +274,7 @@ class ResolvedMesh:
                 "(taken from the mesh)"
             )
         filled: dict[str, Any] = {"fsdp_degree": self.fsdp_size, "tp_size": self.tp_size}
+        filled.update(self._checked_cp(config, pp))
         for field in ("sequence_parallel", "loss_parallel"):
             mesh_value = getattr(self, field)
             if getattr(config, field) and not mesh_value:
@@ -275,6 +289,21 @@ class ResolvedMesh:
                 "mesh has none"
             )
         return filled
+
+    def _checked_cp(self, config: PassConfig, pp: int) -> dict[str, Any]:
+        """Context parallelism (issue 29): ``cp_degree`` 1 takes the mesh's ``cp`` dim."""
+        if config.cp_degree not in (1, self.cp_size):
+            raise MeshError(
+                f"PassConfig.cp_degree={config.cp_degree} but the mesh's 'cp' dim has "
+                f"{self.cp_size} rank(s); build the mesh with MeshContext.build(cp="
+                f"{config.cp_degree}, ...) or leave cp_degree 1 (taken from the mesh)"
+            )
+        if self.cp_size > 1 and pp > 1:
+            raise MeshError(
+                f"context parallelism (cp={self.cp_size}) with a pipeline (pp={pp}) is not "
+                "supported yet; build the mesh with cp=1 or pp=1"
+            )
+        return {"cp_degree": self.cp_size}
 
 
 def _dim_names(mesh: Any) -> tuple[str, ...]:
@@ -310,13 +339,10 @@ def resolve_mesh_context(mesh_context: Any) -> ResolvedMesh:
             "dim (or the 'dp' dim of device_mesh) and has neither — name the data-parallel "
             "shard dim 'fsdp_shard' (MeshContext.build does)"
         )
+    cp_group = None
     if device_mesh is not None and "cp" in _dim_names(device_mesh):
-        cp = device_mesh["cp"].size()
-        if cp > 1:
-            raise MeshError(
-                f"mesh_context.device_mesh has cp={cp}; context parallelism is not supported "
-                "by graph mode yet — build the mesh with cp=1"
-            )
+        group, ranks = _ranks(device_mesh, "cp")
+        cp_group = group if len(ranks) > 1 else None
     fsdp_group, _ = _ranks(fsdp_mesh, fsdp_dim)
     replicate_group = None
     if fsdp_dim == "fsdp_shard" and "fsdp_replicate" in names:
@@ -346,6 +372,7 @@ def resolve_mesh_context(mesh_context: Any) -> ResolvedMesh:
         sequence_parallel=bool(getattr(mesh_context, "sequence_parallel", False)),
         loss_parallel=bool(getattr(mesh_context, "loss_parallel", False)),
         pp_group=pp_group,
+        cp_group=cp_group,
     )
 
 

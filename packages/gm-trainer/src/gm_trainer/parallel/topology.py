@@ -20,10 +20,18 @@ from gm_config import PassConfig, PassPlan, fsdp_requested
 from gm_trace.graph.experts import EP_GROUP_NAME, EP_REPLICATE_GROUP_NAME
 from gm_trace.graph.groups import register_process_group
 from gm_trainer.parallel.device import detect_device_type
-from gm_trainer.parallel.mesh import REPLICATE_GROUP_NAME, MeshError, ResolvedMesh
+from gm_trainer.parallel.mesh import (
+    REPLICATE_GROUP_NAME,
+    MeshContext,
+    MeshError,
+    ResolvedMesh,
+    resolve_mesh_context,
+)
 from gm_trainer.parallel.tp import TP_GROUP_NAME
 
 FSDP_GROUP_NAME = "fsdp"
+#: Registered name of the context-parallel group (the cp pass's ``"cp"`` role).
+CP_GROUP_NAME = "cp"
 
 
 @dataclass(frozen=True)
@@ -97,17 +105,31 @@ class Topology:
         data (HSDP: replica x shard-group size + shard); the TP ranks of one shard share it."""
         if self.fsdp_group is None:
             return 0
-        shard = dist.get_rank(self.fsdp_group)
+        # The FSDP group spans the cp ranks (dp_shard x cp), which read the same data.
+        cp = self.cp_size
+        shard = dist.get_rank(self.fsdp_group) // cp
         replicate = self.replicate_group
         replica = dist.get_rank(replicate) if replicate is not None else 0
-        return replica * self.fsdp_group.size() + shard
+        return replica * (self.fsdp_group.size() // cp) + shard
 
     @property
     def data_parallel_size(self) -> int:
         """Ranks that read different data: the FSDP group times its HSDP replicas (not TP)."""
         if self.fsdp_group is None:
             return 1
-        return self.mesh.dp_size if self.mesh is not None else self.fsdp_group.size()
+        size = self.mesh.dp_size if self.mesh is not None else self.fsdp_group.size()
+        return size // self.cp_size
+
+    # --- context parallelism (issue 29) ---
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """The ranks that split one sequence (``PassConfig.cp_degree``), or ``None``."""
+        return self.mesh.cp_group if self.mesh is not None else None
+
+    @property
+    def cp_size(self) -> int:
+        """Ranks of :attr:`cp_group` (1 without context parallelism)."""
+        return self.mesh.cp_size if self.mesh is not None else 1
 
 
 @dataclass(frozen=True)
@@ -143,6 +165,11 @@ def resolve_run(
     elif config.ep_degree > 1:
         ep_groups = _expert_parallel_groups(config.ep_degree, place.world_size, mesh)
     if ep_groups is not None:
+        if config.cp_degree > 1:
+            raise MeshError(
+                f"PassConfig.ep_degree={config.ep_degree} with cp_degree={config.cp_degree}: "
+                "expert parallelism with context parallelism is not supported yet"
+            )
         if config.pp_degree > 1:
             raise MeshError(
                 f"PassConfig.ep_degree={config.ep_degree} with pp_degree={config.pp_degree}: "
@@ -207,6 +234,8 @@ def _resolve(
     place: Topology,
     fsdp_wanted: bool,
 ) -> ResolvedRun:
+    if mesh is None and config.cp_degree > 1:
+        mesh = _context_parallel_mesh(config, place)
     if mesh is not None:
         run = _resolve_external_mesh(config, plan, mesh, fsdp_wanted, place)
         return _in_pipeline(run, mesh.pp_group) if mesh.pp_group is not None else run
@@ -276,6 +305,9 @@ def _resolve_external_mesh(
 ) -> ResolvedRun:
     filled = mesh.checked_config(config)
     roles: dict[str, str] = {}
+    if mesh.cp_group is not None:
+        register_process_group(CP_GROUP_NAME, mesh.cp_group)
+        roles["cp"] = CP_GROUP_NAME
     if mesh.tp_group is not None:
         # One name on every rank: the FSDP pass compares collective sequences, names included.
         register_process_group(TP_GROUP_NAME, mesh.tp_group)
@@ -301,3 +333,19 @@ def _on_mesh(
     fsdp_group: dist.ProcessGroup | None = None,
 ) -> Topology:
     return dataclasses.replace(place, mesh=mesh, process_groups=dict(roles), fsdp_group=fsdp_group)
+
+
+def _context_parallel_mesh(config: PassConfig, place: Topology) -> ResolvedMesh:
+    """``PassConfig.cp_degree`` without a mesh context: ``MeshContext.build(cp=...)`` over the
+    world (FSDP, when on, shards over dp x cp)."""
+    if config.pp_degree > 1:
+        raise MeshError(
+            f"PassConfig.cp_degree={config.cp_degree} with pp_degree={config.pp_degree}: "
+            "context parallelism under a pipeline is not supported yet"
+        )
+    if place.world_size % config.cp_degree:
+        raise MeshError(
+            f"PassConfig.cp_degree={config.cp_degree} must divide the world size "
+            f"{place.world_size}; each cp group splits one sequence over cp_degree ranks"
+        )
+    return resolve_mesh_context(MeshContext.build(cp=config.cp_degree))

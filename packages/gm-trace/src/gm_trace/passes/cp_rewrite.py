@@ -1,0 +1,375 @@
+"""The rewriter of the ``cp`` pass: the joint graph copied op by op with each value's
+placement along the sequence, and the collectives that move a value between placements.
+
+``Seq(dim, outer)``: this rank's contiguous ``1/cp`` of the sequence, which sits in global
+dim ``dim`` with ``outer`` elements before it; ``R``: whole on every rank; ``P``: a partial
+sum on every rank. The op rules (:mod:`gm_trace.passes.cp_rules`) decide each op's
+placement; this module owns the walk, the conversions and their cache.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from gm_config import ConfigError
+from gm_trace.graph import node_meta
+from gm_trace.graph.collectives import all_gather_op
+from gm_trace.graph.graph_build import fake_mode_of
+from gm_trace.graph.groups import resolve_process_group
+
+__all__ = ["ContextParallelError", "P", "R", "Rewriter", "Seq"]
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+R = "R"
+P = "P"
+
+
+@dataclass(frozen=True)
+class Seq:
+    """Split along the sequence: global dim ``dim`` is ``outer x S x inner`` elements."""
+
+    dim: int
+    outer: int = 1
+
+
+Placement = Any  # Seq | "R" | "P" | None (not a tensor) | tuple of those
+
+
+class ContextParallelError(ConfigError):
+    """The graph cannot be split along the sequence as configured (length, op, dims)."""
+
+
+def module_of(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return "<the train_fn outside any module>"
+    fqn, cls = list(stack.values())[-1]
+    name = getattr(cls, "__name__", None) or str(cls).rsplit(".", 1)[-1].strip("'>")
+    return f"{fqn or '<root>'} ({name})"
+
+
+def op_name(target: Any) -> str:
+    """``add`` for ``aten.add.Tensor``; the string of any other target."""
+    packet = getattr(target, "_overloadpacket", None)
+    return packet.__name__ if packet is not None else str(target)
+
+
+def _val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+def is_tensor_node(node: Any) -> bool:
+    return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
+
+
+_SUPPORTED_ATTENTION = {
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+}
+#: Meta that says what a node IS (an input, a gradient output), not where it comes from.
+_NOT_COPIED = {
+    "val",
+    "tensor_meta",
+    node_meta.ROLE,
+    node_meta.FQN,
+    node_meta.TRAINABLE,
+    node_meta.PATH,
+    node_meta.GRAD_OF,
+    node_meta.MUTATED,
+    node_meta.WRITES_STATE,
+}
+_COLLECTIVE_NAMESPACES = {"_c10d_functional", "gm_c10d", "c10d_functional"}
+
+
+class Rewriter:
+    """Copies ``old`` into a new graph, op by op, with placements and collectives."""
+
+    def __init__(
+        self,
+        graph_module: fx.GraphModule,
+        cp: int,
+        rank: int,
+        group_name: str,
+        seq: int,
+        rules: Mapping[str, Callable[[Rewriter, fx.Node], Any]],
+        scale_partial_grads: bool = False,
+    ) -> None:
+        self.rules = rules
+        #: Gradients leave as ``cp x`` their partial sum (fsdp then takes the mean over a
+        #: group holding the cp ranks) instead of all-reduced over cp.
+        self.scale_partial_grads = scale_partial_grads
+        self.gm = graph_module
+        self.old = graph_module.graph
+        self.new = fx.Graph(owning_module=graph_module)
+        self.mode = fake_mode_of(self.old)
+        self.cp, self.rank, self.group_name, self.seq = cp, rank, group_name, seq
+        self.local = seq // cp
+        self.all_gather = all_gather_op(resolve_process_group(group_name))
+        self.env: dict[fx.Node, Any] = {}
+        self.plc: dict[fx.Node, Placement] = {}
+        self._cache: dict[tuple[Any, ...], fx.Node] = {}
+        self.current: fx.Node | None = None
+        self.stats = {"gathers": 0, "reduce_scatters": 0, "all_reduces": 0, "cuts": 0}
+        self.attention: list[str] = []
+        self.replicated_ops: set[str] = set()
+
+    # --- emitting ---------------------------------------------------------------------------
+
+    def emit(self, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
+        """``target(*args, **kwargs)`` in the new graph, with the current node's meta."""
+        kwargs = kwargs or {}
+        node = self.new.call_function(target, args, kwargs)
+        if self.current is not None:
+            meta = self.current.meta
+            node.meta.update({k: v for k, v in meta.items() if k not in _NOT_COPIED})
+            if self.current.op == "placeholder":
+                node.meta[node_meta.PHASE] = "forward"
+        fake_args, fake_kwargs = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+        with unset_fake_temporarily(), self.mode:
+            node.meta["val"] = target(*fake_args, **fake_kwargs)
+        return node
+
+    def once(self, key: tuple[Any, ...], build: Callable[[], fx.Node]) -> fx.Node:
+        """The node ``build()`` emitted the first time ``key`` was asked for."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def phase(self) -> str:
+        """The phase (``forward`` / ``backward``) of the node being rewritten."""
+        return (self.current.meta.get("gm_phase") if self.current is not None else None) or ""
+
+    # --- placements -------------------------------------------------------------------------
+
+    def to(self, old_arg: Any, want: Placement) -> Any:
+        """The new-graph value of ``old_arg`` (an old node or a constant) in ``want``."""
+        if not isinstance(old_arg, fx.Node):
+            return old_arg
+        value, have = self.env[old_arg], self.plc[old_arg]
+        if have == want or have is None:
+            return value
+        return self.convert(value, have, want, old_arg)
+
+    def convert(self, value: fx.Node, have: Placement, want: Placement, old: fx.Node) -> fx.Node:
+        # A cut of a whole value is kept for every later reader (a smaller value held instead
+        # of the whole one); a gather is issued again in backward, so that the gathered copy
+        # of forward is not held until then.
+        phase = "" if want != R else self.phase()
+        key = (value, have, want, phase)
+        if key in self._cache:
+            return self._cache[key]
+        if have == R and isinstance(want, Seq):
+            out = self._cut(value, want)
+        elif isinstance(have, Seq) and want == R:
+            out = self._gather(value, have)
+        elif have == P and want == R:
+            out = self.all_reduce(value)
+        elif have == P and isinstance(want, Seq):
+            out = self._reduce_scatter(value, want)
+        elif isinstance(have, Seq) and isinstance(want, Seq):
+            out = self.convert(self.convert(value, have, R, old), R, want, old)
+        else:
+            raise ContextParallelError(
+                f"the cp pass cannot turn {have} into {want} for {old.name} "
+                f"({old.target}) in {module_of(old)}"
+            )
+        self._cache[key] = out
+        return out
+
+    def _split_view(self, shape: list[int], dim: int, outer: int) -> list[int]:
+        inner = shape[dim] // (outer * self.seq)
+        return [*shape[:dim], outer, self.seq, inner, *shape[dim + 1 :]]
+
+    def _cut(self, value: fx.Node, want: Seq) -> fx.Node:
+        self.stats["cuts"] += 1
+        shape = list(_val(value).shape)
+        dim, outer = want.dim, want.outer
+        inner = shape[dim] // (outer * self.seq)
+        if outer == 1:
+            start = self.rank * self.local * inner
+            piece = self.emit(aten.slice.Tensor, (value, dim, start, start + self.local * inner))
+            return self.emit(
+                aten.clone.default, (piece,), {"memory_format": torch.contiguous_format}
+            )
+        viewed = self.emit(aten.view.default, (value, self._split_view(shape, dim, outer)))
+        start = self.rank * self.local
+        piece = self.emit(aten.slice.Tensor, (viewed, dim + 1, start, start + self.local))
+        piece = self.emit(aten.clone.default, (piece,), {"memory_format": torch.contiguous_format})
+        local = [*shape[:dim], shape[dim] // self.cp, *shape[dim + 1 :]]
+        return self.emit(aten.view.default, (piece, local))
+
+    def _to_front(self, value: fx.Node, dim: int) -> tuple[fx.Node, list[int] | None]:
+        ndim = _val(value).dim()
+        if dim == 0:
+            return value, None
+        perm = [dim, *[d for d in range(ndim) if d != dim]]
+        return self.emit(aten.permute.default, (value, perm)), perm
+
+    def _from_front(self, value: fx.Node, perm: list[int] | None) -> fx.Node:
+        if perm is None:
+            return value
+        inverse = [perm.index(d) for d in range(len(perm))]
+        moved = self.emit(aten.permute.default, (value, inverse))
+        return self.emit(aten.clone.default, (moved,), {"memory_format": torch.contiguous_format})
+
+    def _gather(self, value: fx.Node, have: Seq) -> fx.Node:
+        self.stats["gathers"] += 1
+        front, perm = self._to_front(value, have.dim)
+        gathered = self.emit(self.all_gather, (front, self.cp, self.group_name))
+        gathered = self.emit(c10d.wait_tensor.default, (gathered,))
+        if have.outer > 1:  # [cp, outer, S/cp * inner, ...] -> [outer, cp, ...]
+            rest = list(_val(front).shape[1:])
+            rows = _val(front).shape[0] // have.outer
+            grid = self.emit(aten.view.default, (gathered, [self.cp, have.outer, rows, *rest]))
+            swapped = self.emit(aten.transpose.int, (grid, 0, 1))
+            swapped = self.emit(
+                aten.clone.default, (swapped,), {"memory_format": torch.contiguous_format}
+            )
+            gathered = self.emit(aten.view.default, (swapped, [self.cp * have.outer * rows, *rest]))
+        return self._from_front(gathered, perm)
+
+    def all_reduce(self, value: fx.Node) -> fx.Node:
+        """The sum of ``value`` over the cp group."""
+        self.stats["all_reduces"] += 1
+        reduced = self.emit(c10d.all_reduce.default, (value, "sum", self.group_name))
+        return self.emit(c10d.wait_tensor.default, (reduced,))
+
+    def _reduce_scatter(self, value: fx.Node, want: Seq) -> fx.Node:
+        self.stats["reduce_scatters"] += 1
+        front, perm = self._to_front(value, want.dim)
+        shape = list(_val(front).shape)
+        rows = shape[0] // (want.outer * self.cp)
+        grid = self.emit(aten.view.default, (front, [want.outer, self.cp, rows, *shape[1:]]))
+        swapped = self.emit(aten.transpose.int, (grid, 0, 1))
+        swapped = self.emit(
+            aten.clone.default, (swapped,), {"memory_format": torch.contiguous_format}
+        )
+        flat = self.emit(aten.view.default, (swapped, shape))
+        scattered = self.emit(
+            c10d.reduce_scatter_tensor.default, (flat, "sum", self.cp, self.group_name)
+        )
+        scattered = self.emit(c10d.wait_tensor.default, (scattered,))
+        return self._from_front(scattered, perm)
+
+    # --- the walk ---------------------------------------------------------------------------
+
+    def run(self, cut_inputs: dict[fx.Node, int]) -> fx.Graph:
+        for node in self.old.nodes:
+            self.current = node
+            if node.op == "placeholder":
+                new = self.new.node_copy(node, lambda n: self.env[n])
+                self.env[node], self.plc[node] = new, self._placement_of_whole(node)
+                if node in cut_inputs:
+                    sliced = self._cut(new, Seq(cut_inputs[node], 1))
+                    self._cache[(sliced, Seq(cut_inputs[node], 1), R, "")] = new
+                    self._cache[(sliced, Seq(cut_inputs[node], 1), R, "forward")] = new
+                    self._cache[(sliced, Seq(cut_inputs[node], 1), R, "backward")] = new
+                    self.env[node], self.plc[node] = sliced, Seq(cut_inputs[node], 1)
+            elif node.op == "get_attr":
+                self.env[node] = self.new.node_copy(node, lambda n: self.env[n])
+                self.plc[node] = self._placement_of_whole(node)
+            elif node.op == "output":
+                self._output(node)
+            elif node.op == "call_function":
+                value, placement = self._call(node)
+                self.env[node], self.plc[node] = value, placement
+            else:
+                raise ContextParallelError(
+                    f"the cp pass does not know graph node {node.name} ({node.op}); it rewrites "
+                    "make_fx graphs of call_function nodes"
+                )
+        return self.new
+
+    def _placement_of_whole(self, node: fx.Node) -> Placement:
+        return R if is_tensor_node(node) else None
+
+    def _output(self, node: fx.Node) -> None:
+        outs = node.args[0]
+        new_outs = []
+        for i, out in enumerate(outs):
+            have = self.plc.get(out) if isinstance(out, fx.Node) else None
+            if have == P and i > 0 and self.scale_partial_grads:
+                self.current = out
+                new_outs.append(self.emit(aten.mul.Tensor, (self.env[out], float(self.cp))))
+            else:
+                self.current = out if isinstance(out, fx.Node) else node
+                new_outs.append(self.to(out, R if have is not None else None))
+            if isinstance(out, fx.Node) and node_meta.GRAD_OF in out.meta:
+                new_outs[-1].meta[node_meta.GRAD_OF] = out.meta[node_meta.GRAD_OF]
+        self.current = node
+        self.new.output(tuple(new_outs))
+
+    def _call(self, node: fx.Node) -> tuple[Any, Placement]:
+        target = node.target
+        if target is operator.getitem:
+            source, index = node.args
+            value = self.env[source]
+            placement = self.plc[source]
+            placement = placement[index] if isinstance(placement, tuple) else placement
+            if isinstance(value, tuple):
+                return value[index], placement
+            return self.emit(operator.getitem, (value, index)), placement
+        name = op_name(target)
+        inputs = [a for a in node.all_input_nodes if self.plc.get(a) not in (None, R)]
+        if not inputs:  # every operand whole: the op as it was
+            return self.copy_op(node), self._placement_of_whole_result(node)
+        namespace = getattr(target, "namespace", None)
+        if namespace in _COLLECTIVE_NAMESPACES:  # another group's (TP's): see cp_rules
+            rule = self.rules.get(f"{namespace}::{name}")
+            result = rule(self, node) if rule is not None else None
+            return self._replicated(node) if result is None else result
+        unknown_attention = "attention" in name and name not in _SUPPORTED_ATTENTION
+        if unknown_attention or namespace not in ("aten", "prims"):
+            raise ContextParallelError(
+                f"the cp pass cannot split {target} in {module_of(node)}: its operands are "
+                "split along the sequence and the pass has no rule for this op (it splits "
+                "aten._scaled_dot_product_flash_attention_for_cpu and attention written as "
+                "matmul + softmax). Use F.scaled_dot_product_attention (HF attn_implementation="
+                "'sdpa' or 'eager'), or set PassConfig.cp_degree=1"
+            )
+        rule = self.rules.get(name)
+        if rule is None:
+            return self._replicated(node)
+        result = rule(self, node)
+        return self._replicated(node) if result is None else result
+
+    def _placement_of_whole_result(self, node: fx.Node) -> Placement:
+        val = node.meta.get("val")
+        if isinstance(val, (tuple, list)):
+            return tuple(R if isinstance(v, torch.Tensor) else None for v in val)
+        return R if isinstance(val, torch.Tensor) else None
+
+    def copy_op(self, node: fx.Node, args: tuple | None = None, kwargs: dict | None = None):
+        """``node``'s op in the new graph, on ``args`` (default: its own, mapped)."""
+        if args is None:
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: self.env[n])
+        return self.emit(node.target, tuple(args), dict(kwargs or {}))
+
+    def _replicated(self, node: fx.Node) -> tuple[Any, Placement]:
+        """The op on whole operands: exact, at the cost of gathering them."""
+        self.replicated_ops.add(str(node.target))
+        args, kwargs = fx.node.map_arg(
+            (node.args, node.kwargs),
+            lambda n: self.to(n, R) if self.plc.get(n) is not None else self.env[n],
+        )
+        return self.copy_op(node, args, kwargs), self._placement_of_whole_result(node)
+
+    # --- rules helpers ----------------------------------------------------------------------
+
+    def shape(self, old: fx.Node) -> list[int]:
+        return list(old.meta["val"].shape)
+
+    def local_shape(self, shape: list[int], placement: Placement) -> list[int]:
+        if isinstance(placement, Seq):
+            shape = list(shape)
+            shape[placement.dim] //= self.cp
+        return shape

@@ -1,0 +1,83 @@
+"""Context parallelism (``PassConfig.cp_degree``, the ``cp`` pass) against one eager process.
+
+The default suite trains HF Llama at sequence 256 with cp 2 on 2 gloo ranks (padded batches,
+FSDP over the cp ranks); ``GM_CP=all`` (``nox -s cp``) adds Qwen3, causal batches, cp 2
+without FSDP, cp 2 x FSDP 2 on 4 ranks, DTensor TP 2 x cp 2, accumulation and the
+checkpoint round trip.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import cp_bodies as bodies
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+ALL = os.environ.get("GM_CP") == "all"
+opt_in = pytest.mark.skipif(not ALL, reason="GM_CP=all (nox -s cp) runs the whole matrix")
+
+
+def _check(results) -> None:
+    for result in results:
+        # The helper asserted losses (rtol 1e-5) and parameters (parity_tolerance) already.
+        assert result["losses"] == pytest.approx(result["reference"], rel=1e-5)
+        assert result["cp"]["attention"] == 2  # both layers' sdpa split, none computed whole
+        assert result["cp"]["sequence"] == bodies.SEQ
+
+
+def test_cp2_llama_padded_matches_one_eager_process(dist_pool):
+    _check(dist_pool(2).run(bodies.parity, "llama", True, True, timeout=600))
+
+
+@opt_in
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("padded", [False, True], ids=["causal", "padded"])
+@pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "fsdp"])
+def test_cp2_on_two_ranks(dist_pool, arch, padded, fsdp):
+    if (arch, padded, fsdp) == ("llama", True, True):
+        pytest.skip("the default test")
+    _check(dist_pool(2).run(bodies.parity, arch, padded, fsdp, timeout=600))
+
+
+@opt_in
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("padded", [False, True], ids=["causal", "padded"])
+def test_cp2_x_fsdp2_on_four_ranks(dist_pool, arch, padded):
+    results = dist_pool(4).run(bodies.parity, arch, padded, True, timeout=900)
+    _check(results)
+    assert all(r["cp"]["grads"] == "scaled for fsdp" for r in results)
+
+
+@opt_in
+def test_cp_checkpoint_loads_without_cp_and_back(dist_pool):
+    for result in dist_pool(4).run(bodies.checkpoint_round_trip, timeout=900):
+        assert result == {"cp_to_plain": True, "plain_to_cp": True, "finite": True}
+
+
+def test_cp_errors_name_the_length_and_the_op(dist_pool):
+    for messages in dist_pool(2).run(bodies.errors, timeout=300):
+        assert re.search(
+            r"sequence length 15 \(input\['input_ids'\], label\) is not divisible by "
+            r"PassConfig.cp_degree=2",
+            messages["length"],
+        )
+        assert re.search(
+            r"cannot split gm_cp_test.attention.default in mixer \(Mixer\)", messages["custom"]
+        )
+
+
+@opt_in
+def test_dtensor_tp2_x_cp2_on_four_ranks(dist_pool):
+    for result in dist_pool(4).run(bodies.tp_parity, timeout=900):
+        # The helper asserted losses (rtol 1e-5) and parameters (parity_tolerance) already.
+        assert result["losses"] == pytest.approx(result["reference"], rel=1e-5)
+        assert result["cp"]["attention"] == 2 and result["cp"]["whole_ops"] == []
+
+
+@opt_in
+def test_cp2_with_accumulation(dist_pool):
+    for result in dist_pool(2).run(bodies.accumulation, timeout=600):
+        assert result["losses"] == pytest.approx(result["reference"], rel=1e-5)
