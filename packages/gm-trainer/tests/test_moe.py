@@ -49,7 +49,7 @@ def test_qwen3_moe_ep2_matches_eager() -> None:
 @pytest.mark.parametrize(
     "arch,routing",
     [
-        # Equal router logits: every token to experts 0 and 1, none to rank 1's experts.
+        # Equal router logits: every token to the same two experts, none to the other rank's.
         pytest.param("qwen3-moe", "first", id="no-token-to-rank-1"),
         # A large correction bias: every token to the last expert (and one more).
         pytest.param("deepseek-v3", "last", id="every-token-to-one-expert"),
@@ -58,8 +58,9 @@ def test_qwen3_moe_ep2_matches_eager() -> None:
 def test_degenerate_routing_trains_like_eager(arch: str, routing: str) -> None:
     results = _run(2, arch, 2, routing=routing, steps=2)
     counts = results[0]["tokens_per_expert_first_step"]
-    if routing == "first":
-        assert sum(counts[len(counts) // 2 :]) == 0, counts
+    if routing == "first":  # which half top-k's ties pick is the kernel's choice
+        half = len(counts) // 2
+        assert min(sum(counts[:half]), sum(counts[half:])) == 0, counts
     else:
         assert counts[-1] == results[0]["routed_pairs_first_step"] // 2, counts
 
