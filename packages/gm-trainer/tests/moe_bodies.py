@@ -138,11 +138,13 @@ def train_and_compare(
     mesh: bool = False,
     accumulation: int = 1,
     in_graph: bool = False,
+    **config: Any,
 ) -> dict[str, Any]:
     """Train ``steps`` Adam steps with ``ep_degree=ep`` and FSDP over the world; compare the
     losses (rtol 1e-5) and every parameter (``parity_tolerance``) with one eager process on
-    the global batch. Returns the figures."""
-    model = build(arch, routing=routing)
+    the global batch. ``config``: fields of the tiny transformers config (e.g. another
+    ``experts_implementation``). Returns the figures."""
+    model = build(arch, routing=routing, **config)
     eager_losses, reference = _eager_losses(model, steps, world)
     total = {n: p.numel() for n, p in model.named_parameters()}
     config = PassConfig(ep_degree=1 if mesh else ep)

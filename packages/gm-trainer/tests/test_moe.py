@@ -1,9 +1,10 @@
 """Expert parallelism (``PassConfig.ep_degree``) on real gloo ranks against one eager process on
 the global batch: tiny Qwen3-MoE, Mixtral and DeepSeek-V3.
 
-The default suite runs one architecture at EP 2 on 2 ranks, and the routing edge cases; the
-rest (every architecture, EP 2 x FSDP 2 on 4 ranks, accumulation, ``in_graph``, the mesh
-context) runs with ``GM_MOE=all`` (``nox -s moe``).
+The default suite runs one architecture at EP 2 on 2 ranks and the in-process checks; the
+rest (every architecture, EP 2 x FSDP 2 on 4 ranks, the routing edge cases, accumulation,
+``in_graph``, the mesh context, checkpoints, gm-train) runs with ``GM_MOE=all``
+(``nox -s moe``).
 """
 
 from __future__ import annotations
@@ -75,6 +76,16 @@ def test_ep_degree_errors_name_both_numbers() -> None:
     config_errors()
 
 
+def test_ep_world_check_names_both_numbers() -> None:
+    from gm_config import ConfigError
+    from gm_trainer.parallel.topology import check_ep_world
+
+    check_ep_world(2, 4)
+    with pytest.raises(ConfigError, match=r"ep_degree=3 does not divide the 4 data-parallel"):
+        check_ep_world(3, 4)
+
+
+@full_only
 def test_ep_degree_not_dividing_the_world_is_a_config_error() -> None:
     results = run_distributed(bad_ep_world, 2, (), timeout=120)
     assert all("ep_degree=3" in r and "2 data-parallel ranks" in r for r in results), results
