@@ -311,6 +311,7 @@ def bad_ep_world(rank: int, world: int) -> str:
 
 
 __all__ = [
+    "aux_loss_unchanged",
     "bad_ep_world",
     "build",
     "checkpoint_round_trip",
@@ -318,3 +319,21 @@ __all__ = [
     "eager_adam",
     "train_and_compare",
 ]
+
+
+def aux_loss_unchanged(rank: int, world: int) -> dict[str, list[float]]:
+    """Qwen3-MoE with its load-balancing loss in the loss (``output_router_logits``): EP 2
+    trains with the same losses as replicated experts (each rank's aux loss is over its own
+    tokens either way), and the aux loss is really in them."""
+    losses = {}
+    for name, ep, aux in (("ep2", 2, True), ("replicated", 1, True), ("no_aux", 2, False)):
+        model = build("qwen3-moe", output_router_logits=aux, router_aux_loss_coef=0.5)
+        trainer = _trainer(model, ep)
+        losses[name] = []
+        for step in range(3):
+            loss = trainer.train_step(*_local(step, rank, world))
+            trainer.optimizer_step()
+            losses[name].append(loss.item())
+    torch.testing.assert_close(losses["ep2"], losses["replicated"], rtol=1e-5, atol=0)
+    assert all(a > b + 1e-3 for a, b in zip(losses["ep2"], losses["no_aux"])), losses
+    return losses

@@ -14,6 +14,7 @@ import os
 
 import pytest
 from moe_bodies import (
+    aux_loss_unchanged,
     bad_ep_world,
     checkpoint_round_trip,
     config_errors,
@@ -64,6 +65,12 @@ def test_degenerate_routing_trains_like_eager(arch: str, routing: str) -> None:
         assert min(sum(counts[:half]), sum(counts[half:])) == 0, counts
     else:
         assert counts[-1] == results[0]["routed_pairs_first_step"] // 2, counts
+
+
+@full_only
+def test_router_aux_loss_is_unchanged_by_ep() -> None:
+    for losses in run_distributed(aux_loss_unchanged, 2, (), timeout=600):
+        print(losses)
 
 
 @full_only
