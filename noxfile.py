@@ -245,3 +245,23 @@ def train(session: nox.Session) -> None:
     """The main job: ``nox -s train -- [CONFIG.yaml] [--nproc N] [section.key=value ...]``."""
     _install_layer(session, "gm-trainer", torch=True, tests=False, extras=("plot",))  # loss.png
     session.run("gm-train", *session.posargs)
+
+
+@nox.session(tags=["jobs"], default=False)
+def jobs(session: nox.Session) -> None:
+    """gm-train's multi-process acceptance runs (TP 1 vs TP 2 vs PP 2 x TP 2 on 4 ranks, the
+    resumes, the plan against measured peaks, restarts with the compile cache): minutes on 2
+    cores, so not in the default suite."""
+    _install_layer(session, "gm-trainer", torch=True)
+    session.run(
+        "pytest",
+        *(
+            str(ROOT / "packages" / "gm-trainer" / "tests" / name)
+            for name in ("test_job_tp.py", "test_job_plan.py", "test_job_compile_cache.py")
+        ),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        *session.posargs,
+        env={"GM_JOBS": "all"},
+    )

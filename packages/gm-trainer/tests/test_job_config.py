@@ -348,7 +348,11 @@ def test_global_batch_must_divide_over_ranks_and_micro_batches() -> None:
     ("overrides", "expected"),
     [
         (["parallel.fsdp_degree=1"], "gm-train shards over all 2 rank(s)"),
-        (["parallel.tp_size=2"], "parallel.tp_size=2"),
+        # TP 2 on 2 ranks leaves one data-parallel rank to shard over
+        (
+            ["parallel.tp_size=2", "parallel.fsdp_degree=2"],
+            "shards over the 1 data-parallel rank(s) of each pipeline stage and TP group",
+        ),
         (["parallel.fsdp_enabled=false"], "only the fsdp pass keeps them in sync"),
         (["sharding.fsdp.enabled=false"], "only the fsdp pass keeps them in sync"),
     ],

@@ -18,6 +18,7 @@ from extras import PLOT
 from hf_configs import tiny_llama
 from test_job_cli import gm_train, metrics
 from test_job_data import make_jsonl, make_tokenizer, sentences
+from test_job_plan import assert_peak_estimated
 
 from gm_trainer.checkpoint import export_full_state_dict
 from gm_trainer.job.cli import main
@@ -112,6 +113,7 @@ def test_hf_model_trains_like_eager(runs: Path, name: str, monkeypatch: pytest.M
         assert abs(got[0] - expected[0]) <= 1e-6 * expected[0]
     passes = (runs / name / "passes.txt").read_text()
     assert "fsdp" in passes
+    assert_peak_estimated(runs / name)  # FSDP 2: the plan's estimate vs the measured peak
 
 
 @pytest.mark.distributed

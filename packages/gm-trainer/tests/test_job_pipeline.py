@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_job_cli import TINY, gm_train, metrics
+from test_job_plan import assert_peak_estimated
 
 from gm_trainer.checkpoint import export_full_state_dict
 from gm_trainer.job.builtin_model import GPT
@@ -68,6 +69,7 @@ def test_a_pipeline_job_trains_evaluates_and_resumes_bitwise(tmp_path: Path) -> 
     assert straight[-1]["loss"] < straight[0]["loss"]
     assert [r["step"] for r in straight if "eval_loss" in r] == [2, 4]
 
+    assert_peak_estimated(tmp_path / "straight")  # PP 2: the plan's estimate vs the measured
     summary = json.loads((tmp_path / "straight" / "summary.json").read_text())
     assert (summary["world_size"], summary["pp_degree"], summary["steps"]) == (2, 2, 4)
     passes = (tmp_path / "straight" / "passes.txt").read_text()

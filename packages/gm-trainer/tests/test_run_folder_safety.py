@@ -308,3 +308,18 @@ def test_a_checkpoint_of_another_model_is_refused() -> None:
         check_same_model(config, saved, "run/checkpoints/step-00000002")
     message = str(info.value)
     assert "run/checkpoints/step-00000002" in message and "model.n_heads=2 (this run: 4)" in message
+
+
+def test_a_builtin_checkpoint_with_the_old_qkv_row_order_is_refused() -> None:
+    from gm_trainer.job.builtin_model import QKV_LAYOUT
+    from gm_trainer.job.resume import check_model_layout
+
+    config = JobConfig()
+    extra = {"config": config.to_dict(), "builtin_qkv_layout": QKV_LAYOUT}
+    check_model_layout(config, extra, "run/checkpoints/step-00000002")  # this version's
+    check_model_layout(config, {}, "elsewhere")  # saved without gm-train's config
+    del extra["builtin_qkv_layout"]  # saved before the head-major rows: loads, means other heads
+    with pytest.raises(ConfigError) as info:
+        check_model_layout(config, extra, "run/checkpoints/step-00000002")
+    message = str(info.value)
+    assert "run/checkpoints/step-00000002" in message and "by kind (q, k, v)" in message

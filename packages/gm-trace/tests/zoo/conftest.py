@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from architectures import BY_NAME
+from architectures import BY_NAME, MOE_LEFT_OUT
 
 ROWS = [
     "1 process = eager, bitwise",
@@ -22,8 +22,8 @@ _cells: dict[tuple[str, str], tuple[str, str]] = {}
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     properties = dict(report.user_properties)
-    if "zoo_cell" not in properties or report.when != "call":
-        return
+    if "zoo_cell" not in properties or report.when != "call" or report.skipped:
+        return  # a skipped cell (Architecture.not_run) is listed with its reason
     if report.passed:
         _cells[properties["zoo_cell"]] = ("pass", properties.get("zoo_result", ""))
     else:
@@ -90,4 +90,11 @@ def render(cells: dict[tuple[str, str], tuple[str, str]]) -> str:
     if notes:
         out += ["", "## What the clear errors would take", ""]
         out += [f"- **{name}**: {note}" for name, note in notes]
+    not_run = [(n, row, why) for n in names for row, why in BY_NAME[n].not_run.items()]
+    if not_run:
+        out += ["", "## Cells not run, and why", ""]
+        out += [f"- **{name}**, {row}: {why}" for name, row, why in not_run]
+    if any(BY_NAME[name].family == "moe" for name in names):
+        out += ["", "## Mixture-of-experts architectures without a row", ""]
+        out += [f"- **{model_type}**: {why}" for model_type, why in MOE_LEFT_OUT.items()]
     return "\n".join(out) + "\n"

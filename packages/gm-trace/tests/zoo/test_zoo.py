@@ -5,7 +5,9 @@ two pipeline stages and run stage by stage, bitwise the whole graph; FSDP on 2 g
 against eager, with and without ``reshard_after_forward``; ``param_dtype=bfloat16`` against
 eager FSDP2 under the same ``MixedPrecisionPolicy``; the Inductor backend. CI runs the subset
 tagged ``ci`` (a LayerNorm decoder, an RMSNorm decoder, an encoder and a BatchNorm vision
-model); ``GM_ZOO=all`` (``nox -s zoo``) runs everything and writes docs/zoo.md.
+model) and the one-process row of those tagged ``ci-moe`` (mixtures of experts with
+transformers' default experts kernel); ``GM_ZOO=all`` (``nox -s zoo``) runs everything and
+writes docs/zoo.md.
 """
 
 from __future__ import annotations
@@ -15,14 +17,14 @@ import os
 
 import bodies
 import pytest
-from architectures import ARCHITECTURES, EXTRA_ARCHITECTURES, UNSUPPORTED, Architecture
+from architectures import ARCHITECTURES, BY_NAME, EXTRA_ARCHITECTURES, UNSUPPORTED, Architecture
 
 from gm_trace.capture.capture_errors import GraphCaptureError
 
 pytestmark = pytest.mark.zoo
 
 FULL = os.environ.get("GM_ZOO") == "all"
-INDUCTOR = {"gpt2", "llama", "bert", "t5", "vit", "resnet"}
+INDUCTOR = {"gpt2", "llama", "bert", "t5", "vit", "resnet", "qwen3-moe"}
 
 
 #: The architectures of transformers need it installed (nox installs it for this suite).
@@ -37,24 +39,37 @@ def _needs(arch: Architecture) -> list:
     return []
 
 
-def _cases(architectures: list[Architecture], subset: set[str] | None = None) -> list:
-    """One pytest param per architecture; outside the CI subset only with ``GM_ZOO=all``."""
+def _cases(
+    architectures: list[Architecture],
+    subset: set[str] | None = None,
+    ci_tags: frozenset[str] = frozenset({"ci"}),
+) -> list:
+    """One pytest param per architecture; outside the CI subset (``ci_tags``) only with
+    ``GM_ZOO=all``."""
     cases = []
     for arch in architectures:
         if subset is not None and arch.name not in subset:
             continue
-        skip = not FULL and "ci" not in arch.tags
+        skip = not FULL and not ci_tags & arch.tags
         marks = [pytest.mark.skip(reason="full zoo only: GM_ZOO=all")] if skip else _needs(arch)
         cases.append(pytest.param(arch.name, id=arch.name, marks=marks))
     return cases
 
 
+def _not_run(name: str, row: str) -> None:
+    """Skip a row the architecture does not run (``Architecture.not_run``), saying why."""
+    why = BY_NAME[name].not_run.get(row)
+    if why is not None:
+        pytest.skip(f"{name} does not run {row!r}: {why}")
+
+
 ZOO = ARCHITECTURES + EXTRA_ARCHITECTURES
 
 
-@pytest.mark.parametrize("name", _cases(ZOO))
+@pytest.mark.parametrize("name", _cases(ZOO, ci_tags=frozenset({"ci", "ci-moe"})))
 def test_single_process_is_bitwise_eager(name, record_property):
     record_property("zoo_cell", (name, "1 process = eager, bitwise"))
+    _not_run(name, "1 process = eager, bitwise")
     result = bodies.single_process(name)
     record_property("zoo_result", f"{result['nodes']} nodes")
 
@@ -62,6 +77,7 @@ def test_single_process_is_bitwise_eager(name, record_property):
 @pytest.mark.parametrize("name", _cases(ZOO))
 def test_pipeline_stages_compute_the_whole_graph(name, record_property):
     record_property("zoo_cell", (name, "PP 2 stages = whole graph, bitwise"))
+    _not_run(name, "PP 2 stages = whole graph, bitwise")
     result = bodies.pipeline_cut(name)
     record_property(
         "zoo_result",
@@ -75,6 +91,7 @@ def test_pipeline_stages_compute_the_whole_graph(name, record_property):
 def test_fsdp_on_2_ranks_matches_eager(name, reshard, dist_pool, record_property):
     row = "FSDP 2 ranks, reshard" if reshard else "FSDP 2 ranks"
     record_property("zoo_cell", (name, row))
+    _not_run(name, row)
     result = dist_pool(2).run(bodies.fsdp, name, {"reshard_after_forward": reshard})[0]
     record_property("zoo_result", f"loss {result['loss']:.1e}, param {result['param']:.1e}")
 
@@ -83,6 +100,7 @@ def test_fsdp_on_2_ranks_matches_eager(name, reshard, dist_pool, record_property
 @pytest.mark.parametrize("name", _cases(ZOO))
 def test_bf16_matches_fsdp2_under_the_same_policy(name, dist_pool, record_property):
     record_property("zoo_cell", (name, "bf16 = FSDP2 bf16"))
+    _not_run(name, "bf16 = FSDP2 bf16")
     result = dist_pool(2).run(bodies.fsdp_bf16, name)[0]
     record_property("zoo_result", f"loss {result['loss']:.1e}, update {result['update']:.1e}")
 
@@ -92,6 +110,7 @@ def test_bf16_matches_fsdp2_under_the_same_policy(name, dist_pool, record_proper
 @pytest.mark.parametrize("name", _cases(ZOO, INDUCTOR))
 def test_inductor_matches_the_graph(name, record_property):
     record_property("zoo_cell", (name, "Inductor"))
+    _not_run(name, "Inductor")
     result = bodies.inductor(name)
     record_property("zoo_result", f"loss {result['loss']:.1e}, grad {result['grad']:.1e}")
 

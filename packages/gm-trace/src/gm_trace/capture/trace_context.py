@@ -1,6 +1,7 @@
 """The environment ``make_fx`` traces a training step in: node metadata preserved,
 ``torch.compile``-wrapped functions inlined, autograd's backward kept on the calling thread and
-tagged with its forward ops."""
+tagged with its forward ops, and the shape functions torch lacks for ops eager runs
+(:mod:`gm_trace.graph.fake_kernels`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import torch
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from gm_trace.graph.fake_kernels import extra_fake_kernels
+
 
 @contextlib.contextmanager
 def tracing_context() -> Iterator[None]:
@@ -24,6 +27,7 @@ def tracing_context() -> Iterator[None]:
         stack.enter_context(torch.autograd.set_multithreading_enabled(False))
         stack.enter_context(torch.fx.traceback.preserve_node_meta())
         stack.enter_context(_inline_nested_compile())
+        stack.enter_context(extra_fake_kernels())
         non_strict = getattr(torch.compiler, "_non_strict_tracing_context", None)
         if non_strict is not None:
             stack.enter_context(non_strict())

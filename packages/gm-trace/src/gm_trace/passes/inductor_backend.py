@@ -31,6 +31,8 @@ from gm_passes.graph_ops import is_collective, mutates_an_input, op_name
 from gm_trace.graph.aliasing import storage_of, written_storages
 from gm_trace.graph.compiled_step import BackendError
 from gm_trace.graph.dynamic_shapes import is_symbolic
+from gm_trace.graph.fake_kernels import extra_fake_kernels
+from gm_trace.passes.compile_cache import active_compile_cache
 
 # --------------------------------------------------------------------------- inductor
 
@@ -91,7 +93,15 @@ def compile_with_inductor(
         settings.update({k: v for k, v in _SYMBOLIC_NO_CACHE.items() if k in known})
         example_inputs, where = _with_size_inputs(graph_module, example_inputs)
     _views_as_reshapes(graph_module)
-    with inductor_config.patch(settings), _no_autograd_cache(settings), _output_code() as codes:
+    cache = active_compile_cache() if not where else None  # a symbolic graph: caches are off
+    entry = cache.entry(graph_module, example_inputs) if cache else contextlib.nullcontext()
+    with (
+        entry,
+        inductor_config.patch(settings),
+        _no_autograd_cache(settings),
+        extra_fake_kernels(),  # Inductor traces the graph on fake tensors again
+        _output_code() as codes,
+    ):
         try:
             fn = compile_fx(graph_module, example_inputs)
         except Exception as exc:

@@ -13,12 +13,20 @@ The module names are what a job's sharding YAML names: ``tok_emb``, ``pos_emb``,
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = ["GPT", "lm_loss"]
+
+
+# The row order of the fused ``qkv`` weight, recorded in gm-train's checkpoints: before gm-train
+# had tensor parallelism the rows were grouped by kind (all queries, then keys, then values). An
+# older checkpoint loads without a shape error but computes other attention, so resume
+# refuses a checkpoint that does not record this layout.
+QKV_LAYOUT = "head-major"
 
 
 class CausalSelfAttention(nn.Module):
@@ -28,17 +36,21 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         if dim % n_heads:
             raise ValueError(f"dim={dim} is not divisible by n_heads={n_heads}")
-        self.n_heads = n_heads
-        self.qkv = nn.Linear(dim, 3 * dim)  # query, key and value in one matmul
+        self.head_dim = dim // n_heads
+        # Query, key and value in one matmul; its output rows are head-major (each head's
+        # query, key and value rows together), so that a column split over tensor-parallel
+        # ranks gives each rank whole heads.
+        self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)  # writes into the residual stream
 
     def forward(self, x: Tensor) -> Tensor:
-        batch, seq, dim = x.shape
-        # (batch, seq, 3 * dim) -> 3 x (batch, heads, seq, head_dim)
-        heads = self.qkv(x).view(batch, seq, 3, self.n_heads, dim // self.n_heads)
-        query, key, value = heads.permute(2, 0, 3, 1, 4).unbind(0)
+        batch, seq, _ = x.shape
+        # (batch, seq, heads * 3 * head_dim) -> 3 x (batch, heads, seq, head_dim); ``-1``
+        # heads: under tensor parallelism this rank's heads only.
+        heads = self.qkv(x).view(batch, seq, -1, 3, self.head_dim)
+        query, key, value = heads.permute(3, 0, 2, 1, 4).unbind(0)
         mixed = F.scaled_dot_product_attention(query, key, value, is_causal=True)
-        return self.out(mixed.transpose(1, 2).reshape(batch, seq, dim))
+        return self.out(mixed.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class MLP(nn.Module):
@@ -73,7 +85,18 @@ class GPT(nn.Module):
 
     ``lm_head.weight`` is ``tok_emb.weight`` (tied, as in GPT-2), so ``named_parameters()``
     lists it once, as ``tok_emb.weight``.
+
+    :attr:`tp_plan` is its tensor-parallel plan (Megatron's split of each block; embeddings,
+    norms and the tied head stay whole), in the vocabulary of
+    :mod:`gm_trainer.parallel.tp_plan` and of Hugging Face models' ``tp_plan``.
     """
+
+    tp_plan: ClassVar[dict[str, str]] = {
+        "layers.*.attn.qkv": "colwise",
+        "layers.*.attn.out": "rowwise",
+        "layers.*.mlp.up": "colwise",
+        "layers.*.mlp.down": "rowwise",
+    }
 
     def __init__(
         self, vocab_size: int, dim: int, n_layers: int, n_heads: int, max_seq_len: int

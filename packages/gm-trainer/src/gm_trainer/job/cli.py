@@ -27,6 +27,7 @@ from gm_trainer.job.launch import AUTO, auto_resume_key, auto_resume_point, map_
 from gm_trainer.job.resume import (
     Damaged,
     ResumePoint,
+    check_model_layout,
     check_same_data,
     check_same_model,
     config_of_checkpoint,
@@ -85,6 +86,26 @@ def build_parser() -> argparse.ArgumentParser:
         "steps in all; logging.run_dir=... on the command line continues in a new folder",
     )
     parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print what each kind of rank would hold (parameters, gradients, optimizer "
+        "state, activations at peak), the collectives per step and the pipeline bubble for "
+        "--nproc x --nnodes ranks, and whether it fits; starts no rank and trains nothing",
+    )
+    parser.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="--plan: nodes of --nproc ranks each (default 1)",
+    )
+    parser.add_argument(
+        "--device-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="--plan: one rank's device memory in GiB (default: detected on an accelerator)",
+    )
+    parser.add_argument(
         "--compare-passes",
         action="store_true",
         help="train nothing: run the first batch through the graph after each pass and eagerly "
@@ -98,6 +119,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the resolved configuration as YAML and exit",
     )
     return parser
+
+
+def _plan(config: JobConfig, world_size: int, device_memory_gib: float | None) -> int:
+    """``--plan``: print the plan of ``config`` on ``world_size`` ranks; the exit status."""
+    from gm_config import GraphModeError
+    from gm_trainer.job.plan import format_plan, plan_job
+
+    try:
+        plan = plan_job(config, world_size, device_memory_gib=device_memory_gib)
+    except ConfigError:
+        raise  # reported as every configuration error is
+    except GraphModeError as e:  # the representative rank failed to trace or compile
+        print(f"gm-train: error: {e}", file=sys.stderr)
+        return 1
+    print(format_plan(plan))
+    return 0
 
 
 def default_nproc() -> int:
@@ -126,6 +163,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"at most one config file, got {paths}")
     if args.nproc is not None and args.nproc < 1:
         parser.error(f"--nproc must be >= 1, got {args.nproc}")
+    if args.nnodes < 1:
+        parser.error(f"--nnodes must be >= 1, got {args.nnodes}")
+    if args.plan and args.resume is not None:
+        parser.error("--plan plans a fresh run; leave out --resume")
     try:
         launched = map_slurm_env() or _under_launcher()  # srun tasks become ranks, or stop
     except ConfigError as e:
@@ -168,9 +209,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 check_run_config(config_path)
             config = load_config(config_path, overrides)
         world_size = int(os.environ["WORLD_SIZE"]) if launched else args.nproc or default_nproc()
+        if args.plan:
+            return _plan(config, world_size * args.nnodes, args.device_memory)
         config.check_world_size(world_size)
         if resume is not None:  # before the ranks build, compile and load anything
             check_same_model(config, extra.get("config"), resume.checkpoint)
+            check_model_layout(config, extra, resume.checkpoint)
         # Resolved once, before the ranks start, so that they agree on it (only rank 0 writes:
         # it alone creates a {timestamp} folder and checks that the folder is free).
         new_folder = not auto and any(

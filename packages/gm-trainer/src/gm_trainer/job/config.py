@@ -18,7 +18,7 @@ import yaml
 
 from gm_config import ConfigError, PassConfig, PassPlan, sharding_plan_from_dict
 from gm_trainer.job.sections import DataConfig, DistConfig, ModelConfig
-from gm_trainer.job.validation import Section, build, check_lr_schedule
+from gm_trainer.job.validation import Section, build, check_lr_schedule, check_tp_plan_key
 from gm_trainer.job.world import check_world_size
 
 #: The embedded default job, shipped inside the wheel.
@@ -92,6 +92,12 @@ class TrainConfig(Section):
     eval_interval: int | None = None
     """Evaluate on the held-out split (``data.eval_fraction`` / ``data.eval_files``) every
     this many steps and after the last; ``null``: never."""
+
+    # -- fast restarts (issue #30)
+    compile_cache: bool = True
+    """``parallel.backend: inductor``: keep Inductor's compiled artifacts in
+    ``<data cache dir>/compiled``, one verified entry per graph fingerprint, so that a restart
+    with the same configuration skips the compile (:mod:`gm_trace.passes.compile_cache`)."""
 
     def validate(self) -> None:
         self._positive("steps", "global_batch_size", "accumulation", "lr", "eps", "grad_clip")
@@ -286,6 +292,13 @@ class JobConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     """An optional profiler trace."""
 
+    # -- tensor parallelism in the job (issue #30)
+    tp_plan: dict[str, str] | None = None
+    """``parallel.tp_plan``: module-name pattern -> TP style (``colwise``, ``rowwise``, ...,
+    see :mod:`gm_trainer.parallel.tp_plan`) applied when ``parallel.tp_size > 1``, replacing
+    the model's own plan; ``null``: the model's (a HF model's ``tp_plan``, the built-in GPT's
+    ``GPT.tp_plan``)."""
+
     def __post_init__(self) -> None:
         self.pass_plan()  # validate the sharding section now, not on the ranks
         from gm_trainer.job.sources import check_job
@@ -306,6 +319,7 @@ class JobConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain data (lists, not tuples) that :meth:`from_dict` reads back unchanged."""
         out: dict[str, Any] = {"parallel": self.parallel.to_dict()}
+        out["parallel"]["tp_plan"] = copy.deepcopy(self.tp_plan)
         out["sharding"] = copy.deepcopy(self.sharding)
         for name in ("model", "data", "train", "logging", "checkpoint", "dist", "profile"):
             section = dataclasses.asdict(getattr(self, name))
@@ -328,8 +342,13 @@ class JobConfig:
             raise ConfigError(
                 f"unknown top-level key(s) {unknown}; accepted sections are {list(SECTIONS)}"
             )
+        parallel_keys = data.get("parallel")
+        tp_plan = None
+        if isinstance(parallel_keys, Mapping) and "tp_plan" in parallel_keys:
+            parallel_keys = dict(parallel_keys)
+            tp_plan = parallel_keys.pop("tp_plan")  # the job's key, not a PassConfig field
         try:
-            parallel = build(PassConfig, data.get("parallel"), "parallel")
+            parallel = build(PassConfig, parallel_keys, "parallel")
         except ConfigError as e:
             if str(e).startswith("unknown key"):
                 raise
@@ -344,6 +363,7 @@ class JobConfig:
             checkpoint=CheckpointConfig.from_dict(data.get("checkpoint")),
             dist=DistConfig.from_dict(data.get("dist")),
             profile=ProfileConfig.from_dict(data.get("profile")),
+            tp_plan=check_tp_plan_key(tp_plan),
         )
 
 

@@ -2,8 +2,9 @@
 
 - :func:`find_resume_point` / :func:`discover`: the newest intact checkpoint of a run (every
   file's checksum verified), damaged newer ones moved aside (never deleted);
-- :func:`check_same_model` / :func:`check_same_data`: the model configuration the checkpoint
-  stores, and the content of the data it was trained on.
+- :func:`check_same_model` / :func:`check_model_layout` / :func:`check_same_data`: the model
+  configuration the checkpoint stores, the built-in GPT's weight layout, and the content of
+  the data it was trained on.
 
 A checkpoint of gm-train stores, in its ``extra``, the whole resolved configuration
 (``config``) and where the data stood (``data``: epoch, offset, windows and the corpus's
@@ -91,6 +92,24 @@ def check_same_model(config: JobConfig, saved: Any, checkpoint: str | Path) -> N
             "resume it with the configuration it was trained with (its run folder's "
             "config.yaml; a checkpoint outside a run folder resumes with the configuration it "
             "stores when no config file is given) and leave the model section unchanged"
+        )
+
+
+def check_model_layout(config: JobConfig, extra: Mapping[str, Any], checkpoint: str | Path) -> None:
+    """Raise :class:`ConfigError` when a gm-train checkpoint of the built-in GPT was saved
+    with another ``qkv`` row order than this version computes with (it would load and train
+    on silently permuted attention weights)."""
+    from gm_trainer.job.builtin_model import QKV_LAYOUT
+
+    if config.model.source != "builtin" or not isinstance(extra.get("config"), Mapping):
+        return  # an HF model, or a checkpoint written without gm-train's config
+    saved = extra.get("builtin_qkv_layout", "by kind (q, k, v)")
+    if saved != QKV_LAYOUT:
+        raise ConfigError(
+            f"--resume {checkpoint}: the built-in GPT's qkv rows in this checkpoint are "
+            f"ordered {saved}; this gm-train orders them {QKV_LAYOUT} (each head's query, key "
+            "and value rows together, so tensor parallelism splits whole heads); resume it "
+            "with the gm-train version that saved it, or start a new run"
         )
 
 

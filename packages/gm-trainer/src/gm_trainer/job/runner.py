@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from gm_config import ConfigError, PassConfig
+from gm_config import ConfigError
+from gm_trace.passes.compile_cache import use_compile_cache
 from gm_trainer.checkpoint import (
     checkpoint_info,
     export_full_state_dict,
@@ -20,11 +21,14 @@ from gm_trainer.checkpoint import (
     save_checkpoint,
 )
 from gm_trainer.checkpoint.durable import replacing
+from gm_trainer.job.builtin_model import QKV_LAYOUT
 from gm_trainer.job.config import JobConfig
 from gm_trainer.job.dataset import PackedBatches, load_job_data, position_of
 from gm_trainer.job.evaluate import Evaluator
+from gm_trainer.job.layout import graph_batch, job_compile_cache, lay_out_rank, layout_note
+from gm_trainer.job.plan import MemoryProbe
 from gm_trainer.job.progress import Progress
-from gm_trainer.job.resume import check_same_data, check_same_model
+from gm_trainer.job.resume import check_model_layout, check_same_data, check_same_model
 from gm_trainer.job.run_folder import (
     PLOT_INSTALL,
     RunFolder,
@@ -38,7 +42,6 @@ from gm_trainer.job.sources import build_model
 from gm_trainer.job.telemetry import StepProfiler, Telemetry, job_flops_per_token
 from gm_trainer.optim.lr_schedule import restore_scheduler, scheduler_extra, set_base_lrs
 from gm_trainer.parallel.device import init_distributed
-from gm_trainer.parallel.mesh import MeshContext
 
 if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer
@@ -107,7 +110,8 @@ def run_job(
     if rank == 0:
         folder = RunFolder(config.logging.run_dir, lock=True, defer=resume is not None)
     try:
-        return _train(config, rank, world_size, resume, folder, compare_passes)
+        with use_compile_cache(job_compile_cache(config, rank, world_size)):
+            return _train(config, rank, world_size, resume, folder, compare_passes)
     finally:
         if folder is not None:
             folder.close()
@@ -121,8 +125,6 @@ def _train(
     folder: RunFolder | None,
     compare_passes: bool = False,
 ) -> dict[str, Any] | None:
-    from gm_trainer.trainer import GraphTrainer  # heavy: only on the ranks
-
     m, t, d, c = config.model, config.train, config.data, config.checkpoint
     run_dir = Path(config.logging.run_dir)
     start_step = int(checkpoint_info(resume)["step"]) if resume is not None else 0
@@ -136,12 +138,23 @@ def _train(
     job_data = load_job_data(d, m.seq_len, run_dir)  # the CLI has tokenised it: a cache hit
     fingerprint = job_data.train.fingerprint()  # saved with each checkpoint, compared on resume
     micro = t.global_batch_size // t.accumulation
-    pp, cp = config.parallel.pp_degree, config.parallel.cp_degree
-    # Ranks that read different rows: one pipeline's ranks, and one cp group's, read the same.
-    dp = world_size // (pp * cp)
+    pp, tp = config.parallel.pp_degree, config.parallel.tp_size
+    cp = config.parallel.cp_degree
+    # Ranks that read different rows: the ranks of one pipeline, one TP group and one cp group
+    # read the same.
+    dp = world_size // (pp * tp * cp)
     evaluator = None
     if t.eval_interval is not None and job_data.eval is not None:
+        # before the TP split: the evaluator keeps a whole copy of the model
         evaluator = Evaluator(model, built.loss, job_data.eval, micro // world_size)
+    layout = lay_out_rank(
+        config,
+        built,
+        rank,
+        world_size,
+        graph_dump_dir=folder.graphs_dir if folder is not None else None,
+    )
+    trainer, dp_index = layout.trainer, layout.dp_index
     every = t.eval_interval or t.steps
     eval_steps = {s for s in [*range(every, t.steps, every), t.steps] if s > start_step}
     if evaluator is None:
@@ -152,41 +165,34 @@ def _train(
             job_data.train,
             batch_size=micro,
             num_batches=t.steps * t.accumulation,
-            rank=(rank // cp) % dp,  # rank = stage * dp + data-parallel index (x cp + c)
+            rank=dp_index,
             world_size=dp,
             seed=d.seed,
             start=position,
         )
 
-    trainer = GraphTrainer(
-        model,
-        built.loss,
-        config.parallel,
-        built.pass_plan(),
-        optimizer_config=t.optimizer_config(),
-        lr_scheduler=t.lr_scheduler_factory(),
-        graph_dump_dir=folder.graphs_dir if folder is not None else None,
-        mesh_context=_hsdp_mesh(config.dist.dp_replicate),
-    )
     progress = Progress(t.steps, start_step=start_step) if folder is not None else None
     if progress is not None:
         progress.write(
-            f"gm-train: {world_size} rank(s){_pipeline_note(pp, dp)} on {trainer.device} | "
+            f"gm-train: {world_size} rank(s){layout_note(pp, tp, dp)} on {trainer.device} | "
             f"{built.name} {n_params / 1e6:.2f}M params | corpus "
             f"{job_data.train.tokens.numel() / 1e6:.2f}M tokens, {job_data.train.count} windows "
             f"({job_data.documents_from}) | {t.global_batch_size} x {m.seq_len} tokens per step | "
             f"run folder {config.logging.run_dir}"
         )
+        for note in built.tp_plan.kept_whole if built.tp_plan is not None else ():
+            progress.write(f"tensor parallelism: {note}")
 
     start = time.perf_counter()  # the wall time includes graph capture, and loading
     position = 0
     if resume is not None:
         # Compile first (FSDP shards the model, the optimizer is built), then load.
-        trainer.compile(*_graph_batch(next(iter(batches_from(0))), config.parallel))
+        trainer.compile(*graph_batch(next(iter(batches_from(0))), config))
         saved = load_checkpoint(trainer, resume)
         # the curve goes on where the checkpoint stopped
         restore_scheduler(trainer.lr_scheduler, trainer.optimizer, trainer.step, saved)
         check_same_model(config, saved.get("config"), resume)
+        check_model_layout(config, saved, resume)
         position = trainer.data_position
         notes = _reconcile(trainer, config, saved.get("config"))
         notes += check_same_data(config, fingerprint, saved, resume)
@@ -244,21 +250,34 @@ def _train(
 
     saves = [s for s in c.save_steps(t.steps) if s > start_step]
     extra = {"config": config.to_dict()}  # rank 0's is saved; compared on resume (_reconcile)
+    if config.model.source == "builtin":
+        extra["builtin_qkv_layout"] = QKV_LAYOUT  # checked on resume (check_model_layout)
     records: list[dict[str, Any]] = []
     last_checkpoint: Path | None = None
     checkpoint_time = 0.0
     data = iter(progress.track(batches, t.accumulation) if progress is not None else batches)
     data = profiler.wrap(data, t.accumulation)
+    # The step whose peak memory is measured (beside plan.json's estimate): after the first,
+    # which also traces.
+    # Not while profiling: on CPU both would run torch's profiler.
+    probe = MemoryProbe(min(start_step + 2, t.steps) if config.profile.start_step is None else 0)
     try:
         while trainer.step < t.steps:
-            target = next((s for s in sorted({*saves, *eval_steps}) if s > trainer.step), t.steps)
-            records += trainer.train(
-                data,
-                max_steps=target - trainer.step,
-                log_interval=config.logging.interval,
-                log_fn=log_fn,
-                accumulation_steps=t.accumulation,
-            )
+            stops = {*saves, *eval_steps, probe.step - 1, probe.step}
+            target = next((s for s in sorted(stops) if s > trainer.step), t.steps)
+
+            def train_to(target: int = target) -> None:
+                records.extend(
+                    trainer.train(
+                        data,
+                        max_steps=target - trainer.step,
+                        log_interval=config.logging.interval,
+                        log_fn=log_fn,
+                        accumulation_steps=t.accumulation,
+                    )
+                )
+
+            probe.run(trainer, train_to, measure=target == probe.step)
             if trainer.step < target:  # pragma: no cover - the stream holds exactly train.steps
                 break
             if trainer.step in eval_steps and evaluator is not None:
@@ -300,9 +319,13 @@ def _train(
             progress.advance(trainer.step)
             progress.close()
     wall = time.perf_counter() - start
+    memory = probe.report(trainer, config, world_size)  # every rank: it gathers
     schedule = _plot_schedule(trainer, next(iter(batches_from(0))), config, folder)
     if folder is None or progress is None:
         return None
+    if memory is not None:
+        plan, measured = memory
+        folder.write_text("plan.json", json.dumps(plan, indent=2) + "\n")
     if c.export_full and last_checkpoint is not None and trainer.step == t.steps:
         with replacing(folder.path / "model.pt") as tmp:
             export_full_state_dict(last_checkpoint, tmp)
@@ -320,6 +343,7 @@ def _train(
         [*folder.history, *records],
         world_size=world_size,
         pp_degree=pp,
+        tp_size=tp,
         device=str(trainer.device),
         parameters=n_params,
         tokens_per_step=t.global_batch_size * m.seq_len,
@@ -328,6 +352,7 @@ def _train(
         last_checkpoint=str(last_checkpoint) if last_checkpoint is not None else None,
         resumed_from=str(resume) if resume is not None else None,
         resumed_from_step=start_step if resume is not None else None,
+        memory=measured if memory is not None else None,
         **schedule,
     )
     steps = (
@@ -435,22 +460,3 @@ def _reconcile(trainer: GraphTrainer, config: JobConfig, saved: Any) -> list[str
                 "on another data stream than the uninterrupted run would have seen"
             )
     return notes
-
-
-def _hsdp_mesh(replicas: int) -> MeshContext | None:
-    """HSDP over ``replicas`` groups of ranks when asked for; ``None``: FSDP over every rank."""
-    return MeshContext.build(dp_replicate=replicas) if replicas > 1 else None
-
-
-def _pipeline_note(pp: int, dp: int) -> str:
-    return f" (pipeline: {pp} stages x {dp} data-parallel)" if pp > 1 else ""
-
-
-def _graph_batch(batch: tuple[Any, Any], parallel: PassConfig) -> tuple[Any, Any]:
-    """What the trainer traces for ``batch``: under pipeline parallelism its first
-    micro-batch, as ``train_step`` will."""
-    if parallel.pp_degree == 1:
-        return batch
-    from gm_trainer.pipeline.runtime import split_microbatches
-
-    return split_microbatches(*batch, parallel.pp_microbatches)[0]

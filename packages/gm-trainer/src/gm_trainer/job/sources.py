@@ -3,6 +3,7 @@ than a field's type, and the model, loss and FSDP plan built for ``model.source`
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -12,6 +13,8 @@ from gm_trainer.job.sections import model_vocab_size
 
 if TYPE_CHECKING:
     from torch import nn
+
+    from gm_trainer.parallel.tp_plan import ResolvedTPPlan
 
 
 def check_job(job: Any) -> None:
@@ -40,6 +43,8 @@ def check_job(job: Any) -> None:
         raise ConfigError(f"checkpoint.export={job.checkpoint.export!r}: use hf or null")
     if job.checkpoint.export and not job.checkpoint.at_end:
         raise ConfigError("checkpoint.export exports the final checkpoint: set at_end: true")
+    if job.parallel.tp_size > 1:  # the plan on a model without memory, before any rank
+        model_tp_plan(job, job_model(job, meta=True))
     if job.checkpoint.export == "hf" and job.model.source != "hf":
         raise ConfigError(
             "checkpoint.export: hf writes a transformers model, so it needs model.source: hf "
@@ -49,12 +54,14 @@ def check_job(job: Any) -> None:
 
 @dataclass
 class BuiltModel:
-    """The model of a job with its train_fn and FSDP plan (sharding YAML)."""
+    """The model of a job with its train_fn, FSDP plan (sharding YAML) and TP plan."""
 
     model: nn.Module
     loss: Callable[..., Any]
     sharding: dict[str, Any] | None
     name: str
+    tp_plan: ResolvedTPPlan | None = None
+    """What ``parallel.tp_size > 1`` splits (:func:`model_tp_plan`); ``None``: no TP."""
 
     def pass_plan(self) -> Any:
         """The :class:`~gm_config.PassPlan` of :attr:`sharding`, or ``None``."""
@@ -65,28 +72,87 @@ class BuiltModel:
         return sharding_plan_from_dict(self.sharding, source="sharding")
 
 
+def job_model(job: Any, *, meta: bool = False) -> nn.Module:
+    """The configured model, random-initialised from the global RNG (seed it first for
+    identical ranks) with ``model.weights`` loaded; ``meta``: on the meta device, no memory and
+    no weights (what the checks before any rank look at)."""
+    m = job.model
+    if m.source == "hf":
+        from gm_trainer.job.hf_model import (
+            build_hf_model,
+            config_source,
+            load_hf_config,
+            meta_model,
+        )
+
+        hf_config = load_hf_config(m.config)
+        if meta:
+            return meta_model(hf_config, config_source(m.config))
+        return build_hf_model(hf_config, m.weights)
+    import torch
+
+    from gm_trainer.job.builtin_model import GPT
+
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        return GPT(m.vocab_size, m.dim, m.n_layers, m.n_heads, max_seq_len=m.seq_len)
+
+
 def build_model(job: Any) -> BuiltModel:
     """Build the configured model (seed the global RNG first for identical ranks).
 
     ``sharding: null`` takes the source's default plan: for ``hf`` each decoder layer is a block.
     """
-    m = job.model
-    if m.source == "hf":
-        from gm_trainer.job.hf_model import (
-            build_hf_model,
-            default_sharding,
-            hf_lm_loss,
-            load_hf_config,
-        )
+    model = job_model(job)
+    tp_plan = model_tp_plan(job, model) if job.parallel.tp_size > 1 else None
+    if job.model.source == "hf":
+        from gm_trainer.job.hf_model import default_sharding, hf_lm_loss
 
-        hf_config = load_hf_config(m.config)
-        model = build_hf_model(hf_config, m.weights)
         plan = job.sharding if job.sharding is not None else default_sharding(model)
-        return BuiltModel(model, hf_lm_loss, plan, type(model).__name__)
-    from gm_trainer.job.builtin_model import GPT, lm_loss
+        return BuiltModel(model, hf_lm_loss, plan, type(model).__name__, tp_plan)
+    from gm_trainer.job.builtin_model import lm_loss
 
-    model = GPT(m.vocab_size, m.dim, m.n_layers, m.n_heads, max_seq_len=m.seq_len)
-    return BuiltModel(model, lm_loss, job.sharding, "GPT")
+    return BuiltModel(model, lm_loss, job.sharding, "GPT", tp_plan)
+
+
+def model_tp_plan(job: Any, model: nn.Module) -> ResolvedTPPlan:
+    """What ``parallel.tp_size`` ranks split of ``model``: ``parallel.tp_plan`` when given (every
+    entry must fit), else the model's own ``tp_plan`` (a HF model's, ``GPT.tp_plan``), whose
+    modules that do not divide stay whole. :class:`ConfigError` for a plan that cannot run."""
+    from gm_trainer.parallel.tp_plan import resolve_tp_plan
+
+    tp, name = job.parallel.tp_size, type(model).__name__
+    if job.tp_plan is not None:
+        return resolve_tp_plan(model, job.tp_plan, tp, where="parallel.tp_plan")
+    plan = getattr(model, "tp_plan", None)
+    if not plan:
+        raise ConfigError(
+            f"parallel.tp_size={tp}: {name} carries no tensor-parallel plan of its own "
+            "(tp_plan); give one with parallel.tp_plan: {module pattern: colwise | rowwise ...}"
+        )
+    _check_heads(job, model, tp)
+    return resolve_tp_plan(
+        model, dict(plan), tp, where=f"{name}'s own TP plan (tp_plan)", strict=False
+    )
+
+
+def _check_heads(job: Any, model: nn.Module, tp: int) -> None:
+    """A model's own plan splits attention by heads: ``tp`` must divide every head count."""
+    if job.model.source == "builtin":
+        counts = {"model.n_heads": job.model.n_heads}
+    else:
+        config = model.config
+        names = ("num_attention_heads", "num_key_value_heads")
+        counts = {
+            f"the HF config's {n}": getattr(config, n)
+            for n in names
+            if isinstance(getattr(config, n, None), int)
+        }
+    for key, heads in counts.items():
+        if heads % tp:
+            raise ConfigError(
+                f"parallel.tp_size={tp} does not divide {key}={heads}: tensor parallelism gives "
+                f"each rank whole attention heads; use a tp_size that divides {heads}"
+            )
 
 
 # --- expert parallelism (issue 27) ---

@@ -130,3 +130,17 @@ def check_lr_schedule(
             "Raise train.lr_decay_steps above train.warmup_steps (or set it to null: "
             "train.steps)"
         )
+
+
+def check_tp_plan_key(plan: Any) -> dict[str, str] | None:
+    """``parallel.tp_plan``: ``null`` or a mapping of module-name patterns to style names."""
+    if plan is None:
+        return None
+    if not isinstance(plan, Mapping) or not all(
+        isinstance(k, str) and k and isinstance(v, str) for k, v in plan.items()
+    ):
+        raise ConfigError(
+            "parallel.tp_plan must map module-name patterns to TP styles, e.g. "
+            f"{{'model.layers.*.mlp.up_proj': colwise}}; got {plan!r}"
+        )
+    return dict(plan)

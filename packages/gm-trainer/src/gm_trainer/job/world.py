@@ -15,12 +15,14 @@ def check_world_size(job: Any, world_size: int) -> None:
     and reads its ``train``, ``parallel``, ``dist`` and ``model`` sections only).
 
     gm-train runs ``parallel.pp_degree`` pipeline stages, each on ``world_size /
-    pp_degree`` data-parallel ranks (the ranks of one pipeline read the same rows), and
-    shards over the data-parallel ranks of one replica (``dist.dp_replicate``; no TP).
+    pp_degree`` ranks, which form groups of ``parallel.tp_size`` tensor-parallel ranks; the
+    ``world_size / (pp_degree * tp_size)`` data-parallel ranks read different rows (the ranks
+    of one pipeline and of one TP group the same ones), and FSDP shards over the
+    data-parallel ranks of one replica (``dist.dp_replicate``).
     Only the fsdp pass synchronises gradients, so several data-parallel ranks need it on.
     """
     t, p, replicas = job.train, job.parallel, job.dist.dp_replicate
-    pp = p.pp_degree
+    pp, tp = p.pp_degree, p.tp_size
     if world_size % pp:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ConfigError(
@@ -28,20 +30,40 @@ def check_world_size(job: Any, world_size: int) -> None:
             f"stage runs on world_size / pp_degree ranks; use one of {divisors} (or "
             f"--nproc a multiple of {pp})"
         )
+    if (world_size // pp) % tp:
+        raise ConfigError(
+            f"parallel.tp_size={tp} must divide the {world_size // pp} rank(s) of each pipeline "
+            f"stage ({world_size} / parallel.pp_degree={pp}): the ranks of a stage form groups "
+            f"of tp_size; use --nproc a multiple of {pp * tp}"
+        )
     _check_cp(job, world_size)
     cp = p.cp_degree
-    dp = world_size // (pp * cp)  # ranks that read different rows (a cp group reads the same)
+    if tp > 1 and cp > 1:
+        raise ConfigError(
+            f"parallel.tp_size={tp} does not combine with parallel.cp_degree={cp} in gm-train "
+            "yet; use 1 for one of them"
+        )
+    # Ranks that read different rows (a pipeline, a TP group and a cp group read the same).
+    dp = world_size // (pp * tp * cp)
     if pp > 1 and replicas > 1:
         raise ConfigError(
             f"dist.dp_replicate={replicas} does not combine with parallel.pp_degree={pp} "
             "yet (a pipeline stage shards over all its data-parallel ranks); use 1"
         )
     if t.global_batch_size % (dp * t.accumulation):
-        ranks = "(world_size / parallel.pp_degree)" if pp > 1 else "world_size"
+        ranks = "world_size"
+        if pp > 1:
+            ranks = "(world_size / parallel.pp_degree)"
+        if tp > 1:
+            ranks = ranks.strip("()") + " / parallel.tp_size"
+            ranks = f"({ranks})"
+        groups = {(True, False): "pipeline", (False, True): "TP group"}.get(
+            (pp > 1, tp > 1), "pipeline or TP group"
+        )
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} must be divisible by "
             f"{ranks} * train.accumulation = {dp} * {t.accumulation}"
-            + (": the ranks of one pipeline read the same rows" if pp > 1 else "")
+            + (f": the ranks of one {groups} read the same rows" if pp * tp > 1 else "")
         )
     rows = t.global_batch_size // (dp * t.accumulation)
     if pp > 1 and rows % p.pp_microbatches:
@@ -51,15 +73,21 @@ def check_world_size(job: Any, world_size: int) -> None:
             f"train.accumulation / {dp} data-parallel rank(s)); use a divisor of {rows} "
             "or another train.global_batch_size"
         )
-    if world_size % replicas:
+    if dp % replicas:
+        ranks = f"{dp} data-parallel rank(s)" if tp > 1 else f"{world_size} rank(s)"
         raise ConfigError(
-            f"dist.dp_replicate={replicas} does not divide the {world_size} rank(s); use a "
-            f"divisor of {world_size} (1: plain FSDP over every rank)"
+            f"dist.dp_replicate={replicas} does not divide the {ranks}; use a "
+            f"divisor of {dp} (1: plain FSDP over every rank)"
         )
     shard = dp * cp // replicas  # FSDP shards over dp x cp, like torchtitan's dp_shard_cp
     if p.fsdp_degree is not None and p.fsdp_degree != shard:
-        if pp > 1:
+        if pp > 1 and tp == 1:
             over = f"the {shard} rank(s) of each pipeline stage ({world_size} / pp_degree {pp})"
+        elif tp > 1:
+            over = (
+                f"the {shard} data-parallel rank(s) of each pipeline stage and TP group "
+                f"({world_size} / pp_degree {pp} / tp_size {tp} / dp_replicate {replicas})"
+            )
         elif replicas > 1:
             over = f"{shard} rank(s) ({world_size} / dist.dp_replicate={replicas})"
         else:
@@ -68,17 +96,13 @@ def check_world_size(job: Any, world_size: int) -> None:
             f"parallel.fsdp_degree={p.fsdp_degree}: gm-train shards over {over}; use null "
             f"or {shard}"
         )
-    if p.tp_size != 1:
-        raise ConfigError(
-            f"parallel.tp_size={p.tp_size}: gm-train's model has no tensor parallelism; use 1"
-        )
     _check_expert_parallel(job, dp, replicas, pp)
     plan = job.pass_plan()
     if dp > 1 and not fsdp_requested(p, plan):
         raise ConfigError(
             "parallel.fsdp_enabled / sharding.fsdp.enabled is off, but with "
             f"{dp} data-parallel ranks only the fsdp pass keeps them in sync; turn it on "
-            f"or use --nproc {pp * cp}"
+            f"or use --nproc {pp * tp * cp}"
         )
 
 
@@ -118,10 +142,10 @@ def _check_expert_parallel(job: Any, dp: int, replicas: int, pp: int) -> None:
             "gm-train's builtin model has none; use model.source=hf with an MoE config "
             "(Mixtral, Qwen3-MoE, DeepSeek-V3, ...) or parallel.ep_degree=1"
         )
-    if pp > 1 or replicas > 1:
+    if pp > 1 or replicas > 1 or job.parallel.tp_size > 1 or job.parallel.cp_degree > 1:
         raise ConfigError(
-            f"parallel.ep_degree={ep} does not combine with parallel.pp_degree / "
-            "dist.dp_replicate yet; use 1 for both"
+            f"parallel.ep_degree={ep} does not combine with parallel.pp_degree / tp_size / "
+            "cp_degree or dist.dp_replicate yet; use 1 for each"
         )
     if dp % ep:
         divisors = [d for d in range(1, dp + 1) if dp % d == 0]

@@ -1,0 +1,200 @@
+"""An on-disk cache of Inductor's compiled artifacts for fast restarts, verified before use.
+
+Inductor keeps its own caches (the FX graph cache, AOTAutograd's cache) in one directory that
+it reads back and executes the generated code of. This module gives each compiled graph a
+directory of its own under the cache's root, named by a *fingerprint*: a SHA-256 over
+everything that can change what Inductor makes of it — the graph's code, the example inputs'
+signature (shapes, strides, dtypes, devices), the torch and Python versions, and the context
+the run gives (pass configuration, world layout, rank). Inductor compiles with that directory
+as its cache directory (``torch._inductor.runtime.cache_dir_utils.temporary_cache_dir``).
+
+Integrity, as for checkpoints: after a compile the entry gets ``manifest.json`` (every file's
+size and SHA-256, and the fingerprint's parts), written atomically. Before Inductor may read an
+entry, every file is checked against the manifest and no file may be missing or added; an entry
+that fails is removed and compiled again, and the log line says why. A miss says what changed
+since the graph's last compile in the same slot (``context["slot"]``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+MANIFEST = "manifest.json"
+_LAST = "last"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _signature(example_inputs: list[Any]) -> list[str]:
+    out = []
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            out.append(f"{x.dtype}{tuple(x.shape)}{tuple(x.stride())}@{x.device.type}")
+        else:
+            out.append(repr(x))
+    return out
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+class CompileCache:
+    """Compiled artifacts under ``root``, one verified directory per fingerprint.
+
+    ``context``: what the run adds to every fingerprint (plain JSON data: pass configuration,
+    world size, rank, ...); ``log``: where hit / miss / mismatch lines go.
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        context: Mapping[str, Any] | None = None,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        self.root = Path(root)
+        self.context = dict(context or {})
+        self.log = log or (lambda line: print(line, file=sys.stderr))
+        self.events: list[tuple[str, str]] = []
+        """``(status, reason)`` of each lookup: ``hit``, ``miss`` or ``mismatch``."""
+        self._compiles = 0
+
+    def parts(self, graph_module: fx.GraphModule, example_inputs: list[Any]) -> dict[str, Any]:
+        """What the fingerprint covers, by name."""
+        return {
+            "graph code": hashlib.sha256(graph_module.code.encode()).hexdigest(),
+            "input signature": _signature(example_inputs),
+            "torch version": torch.__version__,
+            "python version": sys.version.split()[0],
+            **{k: v for k, v in self.context.items() if k != "slot"},
+        }
+
+    @staticmethod
+    def fingerprint(parts: Mapping[str, Any]) -> str:
+        """The SHA-256 of ``parts`` (canonical JSON)."""
+        text = json.dumps(parts, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    @contextlib.contextmanager
+    def entry(self, graph_module: fx.GraphModule, example_inputs: list[Any]) -> Iterator[str]:
+        """Inductor's cache directory for this graph while the body compiles; yields the
+        lookup's status. A verified entry is a hit; anything else compiles into a fresh
+        entry, which gets its manifest when the body returns."""
+        parts = self.parts(graph_module, example_inputs)
+        key = self.fingerprint(parts)
+        folder = self.root / key
+        slot = str(self.context.get("slot", "graph")) + f"-{self._compiles}"
+        self._compiles += 1
+        status, reason = self._lookup(folder, parts, slot)
+        self.events.append((status, reason))
+        self.log(f"compile cache: {status} {key[:12]}: {reason}")
+        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+        (folder / "inductor").mkdir(parents=True, exist_ok=True)
+        with temporary_cache_dir(str(folder / "inductor")):
+            yield status
+        # What this process's compile left, from a verified entry or a fresh one (Inductor
+        # also writes on a hit).
+        self._seal(folder, parts)
+        (self.root / _LAST).mkdir(parents=True, exist_ok=True)
+        _write_atomic(self.root / _LAST / f"{slot}.json", json.dumps(parts, sort_keys=True))
+
+    def _lookup(self, folder: Path, parts: Mapping[str, Any], slot: str) -> tuple[str, str]:
+        if (folder / MANIFEST).is_file():
+            problem = self.verify(folder)
+            if problem is None:
+                return "hit", "verified entry reused"
+            shutil.rmtree(folder)
+            return "mismatch", f"{problem}; the entry was removed, recompiling"
+        if folder.exists():  # a compile that never sealed its entry (killed)
+            shutil.rmtree(folder)
+        last = self.root / _LAST / f"{slot}.json"
+        changed: list[str] = []
+        with contextlib.suppress(OSError, ValueError):
+            before = json.loads(last.read_text())
+            changed = sorted(k for k in {*before, *parts} if before.get(k) != parts.get(k))
+        if changed:
+            return "miss", f"changed since the last compile: {', '.join(changed)}; compiling"
+        return "miss", "no entry for this graph yet; compiling"
+
+    def verify(self, folder: Path) -> str | None:
+        """``None`` when every file of ``folder`` is as its manifest says, else what is not."""
+        try:
+            manifest = json.loads((folder / MANIFEST).read_text())
+            files = manifest["files"]
+            body = json.dumps(files, sort_keys=True)
+            if hashlib.sha256(body.encode()).hexdigest() != manifest["checksum"]:
+                return "the manifest's checksum does not match its file list"
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return f"the manifest is unreadable ({type(e).__name__}: {e})"
+        present = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()} - {
+            MANIFEST
+        }
+        if present != set(files):
+            extra, missing = sorted(present - set(files)), sorted(set(files) - present)
+            return f"files differ from the manifest (added {extra[:3]}, missing {missing[:3]})"
+        for name, (size, digest) in files.items():
+            path = folder / name
+            if path.stat().st_size != size or _sha256(path) != digest:
+                return f"{name} does not match its checksum"
+        return None
+
+    def _seal(self, folder: Path, parts: Mapping[str, Any]) -> None:
+        files = {
+            str(p.relative_to(folder)): [p.stat().st_size, _sha256(p)]
+            for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != MANIFEST
+        }
+        body = json.dumps(files, sort_keys=True)
+        manifest = {
+            "parts": dict(parts),
+            "files": files,
+            "checksum": hashlib.sha256(body.encode()).hexdigest(),
+        }
+        _write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+
+
+_active: CompileCache | None = None
+
+
+@contextlib.contextmanager
+def use_compile_cache(cache: CompileCache | None) -> Iterator[CompileCache | None]:
+    """Make ``backend="inductor"`` compile through ``cache`` meanwhile (``None``: no cache)."""
+    global _active
+    previous, _active = _active, cache
+    try:
+        yield cache
+    finally:
+        _active = previous
+
+
+def active_compile_cache() -> CompileCache | None:
+    """The cache :func:`use_compile_cache` set, if any."""
+    return _active

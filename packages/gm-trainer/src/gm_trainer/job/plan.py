@@ -1,0 +1,352 @@
+"""``gm-train --plan``: what each kind of rank of a job holds and sends, before any rank starts.
+
+For every distinct pipeline stage one representative rank (data-parallel index 0, TP index 0:
+the ranks of one stage hold the same shapes, FSDP's rank 0 the largest shard) is built in a
+process of its own on torch's ``fake`` process-group backend (collectives do nothing, so no
+other rank need exist): the same mesh, TP split, ``GraphTrainer`` and passes as the real rank
+(:func:`gm_trainer.job.layout.lay_out_rank`), traced for the job's micro-batch. From the
+compiled graphs (:func:`estimate_rank`):
+
+- parameter and gradient bytes: this rank's local pieces (TP slice, FSDP shard, own stage);
+- optimizer-state bytes: the optimizer's state after one update of zero gradients;
+- activation bytes at peak: the graphs' static liveness peak
+  (:func:`gm_trace.graph.memory.estimate_peak_memory`) less the parameters, gradients and
+  batch in it; under pipeline parallelism the activations a stage holds per micro-batch times
+  the micro-batches in flight that its schedule implies, plus one half's peak;
+- the collectives of one optimizer step, by kind and group, with their bytes;
+- the bubble the schedule implies, ``(p - 1) / (v * m + p - 1)``;
+- whether the peak fits the device memory given (``--device-memory``) or detected.
+
+A real run writes the same report, from its own compiled graphs, to ``plan.json`` in its run
+folder, and its measured peak beside the estimate in ``summary.json``.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from multiprocessing import get_context
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gm_trainer.errors import TrainingError
+from gm_trainer.job.layout import graph_batch, lay_out_rank, layout_of
+
+if TYPE_CHECKING:
+    from gm_trainer.job.config import JobConfig
+    from gm_trainer.trainer import GraphTrainer
+
+GIB = 2**30
+
+
+def _storage_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages of ``tensors`` (a tied or viewed tensor counts once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.numel():
+            storage = t.untyped_storage()
+            seen[storage.data_ptr() or id(storage)] = storage.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_state_bytes(trainer: GraphTrainer) -> int:
+    """Bytes of the optimizer's state tensors (moments, steps) on this rank."""
+    optimizer = trainer.optimizer
+    if optimizer is None:
+        return 0
+    return _storage_bytes(v for state in optimizer.state.values() for v in state.values())
+
+
+def persistent_bytes(trainer: GraphTrainer) -> int:
+    """What a rank holds between steps: parameters, gradients, buffers, optimizer state."""
+    model = trainer.model
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    optimizer = trainer.optimizer
+    if optimizer is not None:
+        tensors += [v for state in optimizer.state.values() for v in state.values()]
+    return _storage_bytes(tensors)
+
+
+def _collectives(graph_module: Any, times: int, into: dict[str, dict[str, int]]) -> None:
+    from gm_trace.graph.graph_build import collective_kind, tensor_bytes
+
+    for node in graph_module.graph.nodes:
+        kind = collective_kind(node)
+        if kind is None:
+            continue
+        entry = into.setdefault(f"{kind}/{node.args[-1]}", {"count": 0, "bytes": 0})
+        entry["count"] += times
+        entry["bytes"] += times * tensor_bytes(node)
+
+
+def _placeholder_bytes(graph_module: Any) -> int:
+    from gm_trace.graph.graph_build import tensor_bytes
+
+    return sum(tensor_bytes(n) for n in graph_module.graph.nodes if n.op == "placeholder")
+
+
+def implied_bubble(config: JobConfig) -> float:
+    """The idle fraction of a step that the pipeline schedule implies (0 without one)."""
+    p = config.parallel
+    if p.pp_degree == 1:
+        return 0.0
+    work = p.pp_virtual_stages * p.pp_microbatches
+    return (p.pp_degree - 1) / (work + p.pp_degree - 1)
+
+
+def estimate_rank(trainer: GraphTrainer, config: JobConfig, joint: Any) -> dict[str, Any]:
+    """The estimate of one rank from its compiled graph ``joint`` (after the optimizer state
+    exists: one update ran)."""
+    from gm_trace.graph.memory import estimate_peak_memory
+
+    model = trainer.model
+    params = [p for p in model.parameters() if p.numel()]
+    param_bytes = _storage_bytes(params)
+    grad_bytes = _storage_bytes(p for p in params if p.requires_grad)
+    opt_bytes = optimizer_state_bytes(trainer)
+    buffer_bytes = _storage_bytes(model.buffers())
+    collectives: dict[str, dict[str, int]] = {}
+    accumulation = config.train.accumulation
+    pipeline = trainer.pipeline if config.parallel.pp_degree > 1 else None
+    if pipeline is None:
+        graph = joint.graph_module
+        peak_graph = estimate_peak_memory(graph)
+        # In the graph's peak: its inputs (parameters, buffers, batch) and the gradients.
+        activations = max(0, peak_graph - _placeholder_bytes(graph) - grad_bytes)
+        peak = peak_graph + opt_bytes
+        _collectives(graph, accumulation, collectives)
+        flight = 1
+    else:
+        from gm_trainer.pipeline.schedule import in_flight
+
+        pipeline.adopt(joint)
+        flight = in_flight(pipeline.actions)
+        programs = pipeline.programs.values()
+        held = max(p.held_bytes for p in programs)
+        halves = [h.graph_module for p in programs for h in (p.forward, p.backward)]
+        transient = max(estimate_peak_memory(g) - _placeholder_bytes(g) for g in halves)
+        activations = flight * held + transient
+        reduction = pipeline.reduction
+        accumulated = 0
+        if reduction is not None:  # the gradients accumulate over the micro-batches
+            accumulated = sum(
+                int(torch.Size(shape).numel()) * dtype.itemsize
+                for shape, dtype, _ in reduction.buffers
+            )
+            _collectives(reduction.graph_module, 1, collectives)  # once per optimizer step
+        peak = param_bytes + buffer_bytes + opt_bytes + max(grad_bytes, accumulated)
+        peak += activations
+        times = config.parallel.pp_microbatches * accumulation
+        for graph in halves:
+            _collectives(graph, times, collectives)
+    return {
+        "parameter_bytes": param_bytes,
+        "gradient_bytes": grad_bytes,
+        "optimizer_state_bytes": opt_bytes,
+        "activation_bytes": activations,
+        "peak_bytes": peak,
+        "microbatches_in_flight": flight,
+        "collectives_per_step": dict(sorted(collectives.items())),
+    }
+
+
+def ranks_of_stage(config: JobConfig, world_size: int, stage: int) -> list[int]:
+    """The ranks of pipeline stage ``stage`` (the mesh lays stages out first)."""
+    per = world_size // config.parallel.pp_degree
+    return list(range(stage * per, (stage + 1) * per))
+
+
+def _plan_rank(config_dict: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """One representative rank on the fake backend (its own process): its estimate."""
+    import torch.distributed as dist
+
+    from gm_trainer.job.config import JobConfig
+    from gm_trainer.job.sources import build_model
+
+    torch.set_num_threads(1)
+    config = JobConfig.from_dict(config_dict)
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(config.train.seed)
+        built = build_model(config)
+        layout = lay_out_rank(config, built, rank, world_size)
+        trainer = layout.trainer
+        t = config.train
+        rows = t.global_batch_size // t.accumulation // layout.dp
+        tokens = torch.zeros(rows, config.model.seq_len, dtype=torch.long)
+        joint = trainer.compile(*graph_batch((tokens, tokens), config))
+        if config.parallel.pp_degree > 1:  # as the first step: other stages' parameters go
+            trainer.pipeline.adopt(joint)
+        for p in trainer.model.parameters():  # one update of zero gradients: the state exists
+            if p.requires_grad and p.numel():
+                p.grad = torch.zeros_like(p)
+        if trainer.optimizer is not None:
+            trainer.optimizer.step()
+        for p in trainer.model.parameters():
+            p.grad = None
+        return estimate_rank(trainer, config, joint)
+    finally:
+        dist.destroy_process_group()
+
+
+def device_memory(given_gib: float | None) -> tuple[int | None, str]:
+    """Bytes of one rank's device memory: ``given_gib``, else detected (an accelerator's total,
+    or on CPU the host's memory over the local ranks is not known here: ``None``)."""
+    if given_gib is not None:
+        return int(given_gib * GIB), "given (--device-memory)"
+    from gm_trainer.parallel.device import detect_device_type
+
+    kind = detect_device_type()
+    if kind != "cpu":
+        module = getattr(torch, kind)
+        return int(module.get_device_properties(0).total_memory), f"detected ({kind} 0)"
+    return None, "unknown on CPU (give --device-memory GIB)"
+
+
+def plan_job(
+    config: JobConfig, world_size: int, *, device_memory_gib: float | None = None
+) -> dict[str, Any]:
+    """The plan of ``config`` on ``world_size`` ranks: one entry per pipeline stage (each
+    traced in a fresh process on the fake backend, one after the other)."""
+    config.check_world_size(world_size)
+    layout = layout_of(config, world_size)
+    stages = range(config.parallel.pp_degree)
+    representatives = [ranks_of_stage(config, world_size, s)[0] for s in stages]
+    results = []
+    for stage, rank in enumerate(representatives):  # a fresh process each: one fake world
+        with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+            try:
+                result = pool.submit(_plan_rank, config.to_dict(), rank, world_size).result()
+            except BrokenProcessPool as e:
+                raise TrainingError(
+                    f"--plan: the process that traces stage {stage} (rank {rank}) died ({e}); "
+                    "run that layout's first step to see the error"
+                ) from None
+        results.append(result)
+    return report(config, layout, results, device_memory_gib)
+
+
+def report(
+    config: JobConfig,
+    layout: dict[str, int],
+    estimates: list[dict[str, Any]],
+    device_memory_gib: float | None = None,
+) -> dict[str, Any]:
+    """The plan as plain data: the layout and one entry per rank kind (pipeline stage)."""
+    world_size = layout["world_size"]
+    memory, source = device_memory(device_memory_gib)
+    kinds = []
+    for stage, estimate in enumerate(estimates):
+        kind = f"stage {stage}" if layout["pp"] > 1 else "every rank"
+        entry = {"kind": kind, "ranks": ranks_of_stage(config, world_size, stage)}
+        entry.update(estimate)
+        if memory is not None:
+            entry["fits"] = estimate["peak_bytes"] <= memory
+        kinds.append(entry)
+    return {
+        "layout": layout,
+        "schedule": config.parallel.pp_schedule if layout["pp"] > 1 else None,
+        "bubble": implied_bubble(config),
+        "device_memory_bytes": memory,
+        "device_memory": source,
+        "rank_kinds": kinds,
+    }
+
+
+def format_plan(plan: dict[str, Any]) -> str:
+    """The plan as the console shows it."""
+    lay = plan["layout"]
+    lines = [
+        f"gm-train plan: {lay['world_size']} rank(s) = pp {lay['pp']} x tp {lay['tp']} x dp "
+        f"{lay['dp']}"
+        + (f" x cp {lay['cp']}" if lay["cp"] > 1 else "")
+        + f" (fsdp {lay['fsdp']} x replicas {lay['dp_replicate']})",
+        f"pipeline bubble implied by the schedule: {plan['bubble']:.1%}"
+        + (f" ({plan['schedule']})" if plan["schedule"] else ""),
+        "device memory per rank: "
+        + (
+            f"{_mib(plan['device_memory_bytes'])} ({plan['device_memory']})"
+            if plan["device_memory_bytes"] is not None
+            else plan["device_memory"]
+        ),
+    ]
+    for kind in plan["rank_kinds"]:
+        ranks = kind["ranks"]
+        lines.append(
+            f"{kind['kind']} (ranks {ranks[0]}..{ranks[-1]}): parameters "
+            f"{_mib(kind['parameter_bytes'])}, gradients {_mib(kind['gradient_bytes'])}, "
+            f"optimizer state {_mib(kind['optimizer_state_bytes'])}, activations at peak "
+            f"{_mib(kind['activation_bytes'])} -> peak {_mib(kind['peak_bytes'])}"
+        )
+        if "fits" in kind and not kind["fits"]:
+            lines.append(
+                f"  DOES NOT FIT: needs {_mib(kind['peak_bytes'])}, the device has "
+                f"{_mib(plan['device_memory_bytes'])}"
+            )
+        for name, c in kind["collectives_per_step"].items():
+            lines.append(f"  {name}: {c['count']} per step, {_mib(c['bytes'])}")
+    return "\n".join(lines)
+
+
+def _mib(nbytes: int | None) -> str:
+    return "?" if nbytes is None else f"{nbytes / 2**20:,.2f} MiB"
+
+
+class MemoryProbe:
+    """A real run's memory: the measured peak of one step (``step``) beside the estimate of
+    the same rank's compiled graphs, as :func:`estimate_rank` makes it for ``--plan``.
+
+    Measured as the project measures memory: what the rank holds when the step starts
+    (:func:`persistent_bytes`) plus the peak allocated while it runs
+    (:func:`gm_trace.graph.memory.peak_allocated_bytes`: the accelerator's allocator
+    statistics, on CPU the profiler's allocation events).
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        """The step measured (``0``: none)."""
+        self.measured: int | None = None
+
+    def run(self, trainer: GraphTrainer, train: Any, *, measure: bool) -> None:
+        """``train()`` (up to the next stop); measured when it ends on :attr:`step`."""
+        if not measure or trainer.step != self.step - 1:
+            train()
+            return
+        from gm_trace.graph.memory import peak_allocated_bytes
+
+        before = persistent_bytes(trainer)
+        self.measured = before + peak_allocated_bytes(train, trainer.device)
+
+    def report(
+        self, trainer: GraphTrainer, config: JobConfig, world_size: int
+    ) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """``(plan, summary's memory section)`` on rank 0, ``None`` elsewhere or when no step
+        was measured (a resumed run with nothing left). A collective: every rank calls it."""
+        import torch.distributed as dist
+
+        if self.measured is None:
+            return None
+        pipeline = config.parallel.pp_degree > 1
+        joints = [trainer.pipeline.current_joint] if pipeline else trainer.registry.graphs()
+        mine = max(
+            (estimate_rank(trainer, config, joint) for joint in joints),
+            key=lambda e: e["peak_bytes"],
+        )
+        gathered: list[Any] = [(mine, self.measured)]
+        if world_size > 1:
+            gathered = [None] * world_size
+            dist.all_gather_object(gathered, (mine, self.measured))
+        if trainer.rank != 0:
+            return None
+        stages = range(config.parallel.pp_degree)
+        estimates = [gathered[ranks_of_stage(config, world_size, s)[0]][0] for s in stages]
+        plan = report(config, layout_of(config, world_size), estimates)
+        measured = [m for _, m in gathered]
+        section = {
+            "step": self.step,
+            "estimated_peak_bytes": [e["peak_bytes"] for e, _ in gathered],
+            "measured_peak_bytes": measured,
+        }
+        return plan, section

@@ -1,0 +1,117 @@
+"""``gm-train --plan`` (issue #30): the layout, per rank kind the bytes it holds, the collectives
+and the bubble, for a world this machine need not start; and the estimate against the peak a
+real run measures (``summary.json``: FSDP 2 here and in test_job_hf, PP 2 in
+test_job_pipeline, TP 2 in test_job_tp)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from extras import HF, JOBS, TOKENIZERS
+from hf_configs import tiny_llama
+from test_job_data import make_jsonl, make_tokenizer, sentences
+
+from gm_trainer.job.cli import main
+
+#: The estimate may miss the measured peak by this fraction (issue #30's bound).
+PEAK_TOLERANCE = 0.25
+
+
+def assert_peak_estimated(run: Path) -> dict[str, Any]:
+    """Every rank's estimated peak (from its own compiled graphs, as ``--plan`` makes it) is
+    within :data:`PEAK_TOLERANCE` of the peak measured on the run's second step; plan.json
+    holds the estimate per rank kind."""
+    memory = json.loads((run / "summary.json").read_text())["memory"]
+    estimated, measured = memory["estimated_peak_bytes"], memory["measured_peak_bytes"]
+    print(f"{run.name}: estimated {estimated}, measured {measured} bytes")
+    assert len(estimated) == len(measured) >= 1
+    for rank, (e, m) in enumerate(zip(estimated, measured)):
+        assert abs(e - m) <= PEAK_TOLERANCE * m, (rank, e, m)
+    plan = json.loads((run / "plan.json").read_text())
+    kinds = {r: k["peak_bytes"] for k in plan["rank_kinds"] for r in k["ranks"]}
+    assert kinds[0] == estimated[0]
+    return plan
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    transformers = pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("plan")
+    transformers.AutoModelForCausalLM.from_config(tiny_llama()).save_pretrained(root / "llama")
+    make_tokenizer(root / "tok")
+    make_jsonl(root / "c.jsonl", sentences(80))
+    return root
+
+
+def _job(root: Path) -> list[str]:
+    return [
+        "model.source=hf", f"model.config={root / 'llama'}", "model.seq_len=16",
+        f"data.corpus={root / 'c.jsonl'}", "data.format=jsonl", f"data.tokenizer={root / 'tok'}",
+        "train.global_batch_size=8",
+    ]  # fmt: skip
+
+
+@HF
+@TOKENIZERS
+def test_plan_of_pp2_tp2_fsdp2_on_8_ranks_starts_no_rank(
+    llama: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(llama)
+    layout = ["parallel.pp_degree=2", "parallel.pp_microbatches=2", "parallel.tp_size=2"]
+    args = ["--plan", "--nproc", "4", "--nnodes", "2", "--device-memory", "0.0002"]
+    assert main([*args, *_job(llama), *layout]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    assert "8 rank(s) = pp 2 x tp 2 x dp 2 (fsdp 2 x replicas 1)" in out
+    assert "pipeline bubble implied by the schedule: 33.3% (1f1b)" in out  # (2-1)/(2+2-1)
+    lines = out.splitlines()
+    stage0 = next(line for line in lines if line.startswith("stage 0 (ranks 0..3)"))
+    assert "parameters" in stage0 and "optimizer state" in stage0 and "activations" in stage0
+    assert any(line.startswith("stage 1 (ranks 4..7)") for line in lines)
+    # TP's all-reduces in the blocks, FSDP's gathers, the deferred gradient reduction.
+    assert any("all_reduce/tp:" in line for line in lines)
+    assert any("all_gather_into_tensor/fsdp:" in line for line in lines)
+    assert any("reduce_scatter_tensor/fsdp:" in line for line in lines)
+    # 0.0002 GiB (210 kB) per rank is too little: the plan says so.
+    assert "DOES NOT FIT" in out
+    assert not (llama / "runs").exists()  # nothing trained, no run folder
+
+
+def test_plan_errors_are_the_runs_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["--plan", "--nproc", "3", "parallel.tp_size=2"]) == 2
+    assert "parallel.tp_size=2 must divide the 3 rank(s)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--plan", "--resume", "auto"])
+
+
+@JOBS
+@HF
+@TOKENIZERS
+@pytest.mark.distributed
+def test_plan_estimates_the_peak_a_run_measures(
+    llama: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--plan`` (no ranks) and the real run (2 gloo ranks) of FSDP 2, PP 2 and TP 2."""
+    from test_job_cli import gm_train
+
+    monkeypatch.chdir(llama)
+    layouts = {
+        "fsdp2": [],
+        "pp2": ["parallel.pp_degree=2", "parallel.pp_microbatches=2"],
+        "tp2": ["parallel.tp_size=2"],
+    }
+    for name, layout in layouts.items():
+        args = [*_job(llama), *layout, "train.steps=3"]
+        result = gm_train("--nproc", "2", *args, f"logging.run_dir={name}", cwd=llama, timeout=600)
+        assert result.returncode == 0, result.stdout + result.stderr
+        plan = assert_peak_estimated(llama / name)
+        assert main(["--plan", "--nproc", "2", *args]) == 0
+        out = capsys.readouterr().out
+        for kind in plan["rank_kinds"]:  # --plan prints what the run's plan.json holds
+            assert f"-> peak {kind['peak_bytes'] / 2**20:,.2f} MiB" in out, (name, out)
