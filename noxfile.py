@@ -239,7 +239,25 @@ def bench(session: nox.Session) -> None:
     session.run("python", str(ROOT / "bench" / "pipeline_bench.py"))
     session.run("python", str(ROOT / "bench" / "memory_bench.py"))
     session.run("python", str(ROOT / "bench" / "memory_bench.py"), "--model", "llama")
+    session.run("python", str(ROOT / "bench" / "moe_bench.py"))
     session.run("python", str(ROOT / "bench" / "cp_bench.py"))
+
+
+@nox.session(tags=["moe"], default=False)
+def moe(session: nox.Session) -> None:
+    """Expert parallelism's whole acceptance on real gloo ranks (every architecture, 4 ranks,
+    accumulation, in_graph, checkpoints, gm-train); the default suite runs one of them."""
+    _install_layer(session, "gm-trainer", torch=True)
+    tests = ROOT / "packages" / "gm-trainer" / "tests" / "test_moe.py"
+    session.run(
+        "pytest",
+        str(tests),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        *session.posargs,
+        env={"GM_MOE": "all"},
+    )
 
 
 @nox.session(tags=["train"], default=False)

@@ -38,6 +38,7 @@ DEFAULTS = {
     "activation_memory_budget": None,
     "selective_recompute": False,
     "full_recompute_modules": (),
+    "ep_degree": 1,
     # context parallelism (issue 29)
     "cp_degree": 1,
     "cp_dims": None,
@@ -98,6 +99,7 @@ def test_valid_non_default_values_are_kept():
         pp_microbatches=4,
         pp_schedule="interleaved_1f1b",
         pp_virtual_stages=2,
+        ep_degree=2,
         cp_degree=2,
         cp_dims={"input": 1},
     )
@@ -129,6 +131,7 @@ def test_valid_non_default_values_are_kept():
         "activation_memory_budget": None,
         "selective_recompute": False,
         "full_recompute_modules": [],
+        "ep_degree": 2,
         "cp_degree": 2,
         "cp_dims": {"input": 1},
     }

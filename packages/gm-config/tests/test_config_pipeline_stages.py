@@ -59,7 +59,7 @@ def test_yaml_pp_section_gives_the_plan_its_stages():
         ({"pp": {"stages": []}}, "pp.stages must be a non-empty list"),
         ({"pp": {"stages": [["a"], []]}}, r"pp.stages\[1\] must be a non-empty list"),
         ({"pp": {"stages": [["a", 3]]}}, r"pp.stages\[0\] holds 3"),
-        ({"tp": {}}, r"unknown top-level key\(s\) \['tp'\]; accepted: \['fsdp', 'pp'\]"),
+        ({"tp": {}}, r"unknown top-level key\(s\) \['tp'\]; accepted: \['ep', 'fsdp', 'pp'\]"),
     ],
 )
 def test_bad_pp_sections_are_clear_errors(doc, says):

@@ -205,6 +205,7 @@ def test_settings_name_the_pass_they_ask_for_and_its_distribution():
         "recompute_pointwise": (("recompute",), "gm-trace"),
         "backend": (("backend",), "gm-trace"),
         "pp_degree": (("pp_stages",), "gm-trace"),
+        "ep_degree": (("ep",), "gm-trace"),
         "cp_degree": (("cp",), "gm-trace"),
     }
     assert not hasattr(registry, "PROVIDERS")

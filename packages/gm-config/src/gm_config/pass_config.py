@@ -194,6 +194,15 @@ class PassConfig:
     recomputed just before its backward. Combines with ``selective_recompute`` (which
     then applies outside these modules); not with ``activation_memory_budget``."""
 
+    # --- expert parallelism (issue 27) ---
+    ep_degree: int = dataclasses.field(default=1, metadata=_runs("ep", when=lambda d: d != 1))
+    """Expert parallelism: the routed experts of each mixture-of-experts layer are split over
+    groups of this many data-parallel ranks (a rank holds ``num_experts / ep_degree`` of them)
+    and tokens travel to their experts by all-to-all (``gm_trace.capture.expert_parallel``).
+    It must divide every MoE layer's expert count and the data-parallel size. Which modules
+    are experts: ``PassPlan.ep_experts`` (the sharding YAML's ``ep: {experts: [...]}``), else
+    transformers' MoE experts modules, found automatically. ``1``: experts are replicated."""
+
     # --- context parallelism (issue 29) ------------------------------------------------------
 
     cp_degree: int = dataclasses.field(default=1, metadata=_runs("cp", when=lambda v: v != 1))
@@ -283,6 +292,8 @@ class PassConfig:
                 f"{self.pp_schedule!r}: interleaved_1f1b runs 2 or more stages per rank, the "
                 "other schedules one; set both together"
             )
+        if not _is_int(self.ep_degree) or self.ep_degree < 1:
+            raise ConfigError(f"PassConfig.ep_degree must be an int >= 1, got {self.ep_degree!r}")
         self._validate_cp()
         if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
             raise ConfigError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gm_config.errors import ConfigError
 from gm_config.pipeline_stages import check_stage_specs
@@ -59,8 +59,15 @@ class PassPlan:
     ``"layers.0-3"`` allowed (:mod:`gm_config.pipeline_stages`). ``None``: with
     ``PassConfig.pp_degree > 1`` the stages are balanced automatically."""
 
+    # --- expert parallelism (issue 27) ---
+    ep_experts: tuple[str, ...] | None = None
+    """fnmatch patterns of the experts modules ``PassConfig.ep_degree`` splits (the sharding
+    YAML's ``ep: {experts: [...]}``, e.g. ``"model.layers.*.mlp.experts"``). ``None``:
+    transformers' MoE experts modules, found automatically."""
+
     def __post_init__(self) -> None:
         self.pp_stages = check_stage_specs(self.pp_stages, "PassPlan.pp_stages")
+        self.ep_experts = check_expert_patterns(self.ep_experts, "PassPlan.ep_experts")
 
     def add_module(self, fqn: str, *, reshard_after_forward: bool | None = None) -> PassPlan:
         """Register an exact module FQN (``""`` is the root module). Returns self to chain."""
@@ -121,11 +128,27 @@ class PassPlan:
             fsdp_patterns={**self.fsdp_patterns, **other.fsdp_patterns},
             fsdp_enabled=other.fsdp_enabled,
             pp_stages=other.pp_stages if other.pp_stages is not None else self.pp_stages,
+            ep_experts=other.ep_experts if other.ep_experts is not None else self.ep_experts,
         )
 
     def is_empty(self) -> bool:
         """True when neither a module nor a pattern is registered."""
         return not self.fsdp_modules and not self.fsdp_patterns
+
+
+def check_expert_patterns(patterns: Any, where: str) -> tuple[str, ...] | None:
+    """``patterns`` as a tuple of non-empty strings (``None`` stays ``None``: automatic)."""
+    if patterns is None:
+        return None
+    if isinstance(patterns, str) or not isinstance(patterns, (list, tuple)) or not patterns:
+        raise ConfigError(
+            f"{where} must be a non-empty list of module FQN patterns such as "
+            f"'model.layers.*.mlp.experts', got {patterns!r}"
+        )
+    for pattern in patterns:
+        if not isinstance(pattern, str) or not pattern:
+            raise ConfigError(f"{where}: each pattern must be a non-empty string, got {pattern!r}")
+    return tuple(patterns)
 
 
 def owning_modules(param_fqn: str) -> list[str]:

@@ -10,8 +10,11 @@
       stages:
         - ["tok_emb", "layers.0-3"]
         - ["layers.4-7", "norm", "lm_head"]
+    ep:                      # optional: the experts modules PassConfig.ep_degree splits
+      experts:
+        - "model.layers.*.mlp.experts"
 
-A file with only a ``pp`` section shards every parameter within each stage (as an empty
+A file with only a ``pp`` (or ``ep``) section shards every parameter within each stage (as an empty
 plan does). Only ``yaml.safe_load`` is used. Every error names the file, the key and what is
 accepted.
 """
@@ -26,7 +29,7 @@ from typing import Any
 import yaml
 
 from gm_config.errors import ConfigError
-from gm_config.pass_plan import PassPlan
+from gm_config.pass_plan import PassPlan, check_expert_patterns
 from gm_config.pipeline_stages import check_stage_specs
 
 #: Keys of earlier releases that no pass consumes (``reshard_after_forward`` only at the
@@ -70,14 +73,17 @@ def sharding_plan_from_dict(data: Any, *, source: str = "<sharding>") -> PassPla
             f"{source}: the top level must be a mapping with an 'fsdp' section, "
             f"got {type(data).__name__}"
         )
-    unknown = sorted(set(data) - {"fsdp", "pp"}, key=str)
+    unknown = sorted(set(data) - {"fsdp", "pp", "ep"}, key=str)
     if unknown:
-        raise ConfigError(f"{source}: unknown top-level key(s) {unknown}; accepted: ['fsdp', 'pp']")
-    if "fsdp" not in data and "pp" not in data:
+        raise ConfigError(
+            f"{source}: unknown top-level key(s) {unknown}; accepted: ['ep', 'fsdp', 'pp']"
+        )
+    if not {"fsdp", "pp", "ep"} & set(data):
         raise ConfigError(f"{source}: missing the 'fsdp' section")
     pp_stages = _pp_stages(data.get("pp"), source)
-    if "fsdp" not in data:  # a pipeline-only file: shard everything within each stage
-        return PassPlan(pp_stages=pp_stages)
+    ep_experts = _ep_experts(data.get("ep"), source)
+    if "fsdp" not in data:  # a pipeline / experts-only file: shard everything (within stages)
+        return PassPlan(pp_stages=pp_stages, ep_experts=ep_experts)
     section = data["fsdp"]
     if section is None:
         section = {}
@@ -85,7 +91,7 @@ def sharding_plan_from_dict(data: Any, *, source: str = "<sharding>") -> PassPla
         raise ConfigError(f"{source}: 'fsdp' must be a mapping, got {type(section).__name__}")
     _check_keys(section, _SECTION_KEYS, f"{source}: fsdp")
 
-    plan = PassPlan(pp_stages=pp_stages)
+    plan = PassPlan(pp_stages=pp_stages, ep_experts=ep_experts)
     for i, entry in enumerate(_entry_list(section, "modules", source)):
         where = f"{source}: fsdp.modules[{i}]"
         plan.add_module(_entry_value(entry, "name", where), **_entry_options(entry, where))
@@ -109,6 +115,17 @@ def _pp_stages(section: Any, source: str) -> tuple[tuple[str, ...], ...] | None:
         raise ConfigError(f"{source}: 'pp' must be a mapping, got {type(section).__name__}")
     _check_keys(section, frozenset({"stages"}), f"{source}: pp")
     return check_stage_specs(section.get("stages"), f"{source}: pp.stages")
+
+
+def _ep_experts(section: Any, source: str) -> tuple[str, ...] | None:
+    if section is None:
+        return None
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"{source}: 'ep' must be a mapping, got {type(section).__name__}")
+    _check_keys(section, frozenset({"experts"}), f"{source}: ep")
+    if "experts" not in section:
+        raise ConfigError(f"{source}: ep: missing 'experts' (a list of module FQN patterns)")
+    return check_expert_patterns(section["experts"], f"{source}: ep.experts")
 
 
 def _check_keys(mapping: Mapping[str, Any], accepted: frozenset[str], where: str) -> None:

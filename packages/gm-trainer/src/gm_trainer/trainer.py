@@ -50,6 +50,7 @@ from gm_trainer.parallel.topology import FSDP_GROUP_NAME, ResolvedRun, Topology
 from gm_trainer.pipeline.runtime import PipelineRunner
 from gm_trainer.step.deferred import DeferredGrads
 from gm_trainer.step.executor import StepExecutor
+from gm_trainer.step.expert_load import expert_load
 from gm_trainer.step.loop import train_loop
 from gm_trainer.step.stepper import OptimizerStepper
 from gm_trainer.step.train_state import TrainState
@@ -399,6 +400,15 @@ class GraphTrainer:
             log_fn,
             accumulation_steps,
         )
+
+    def expert_load(self) -> dict[str, list[int]]:
+        """Expert parallelism: per experts module, the world's routed (token, choice) pairs per
+        expert since the last call (``train`` reads them into each step's record as
+        ``moe_tokens_per_expert_min`` / ``_max``, ``moe_expert_imbalance`` and
+        ``moe_all_to_all_bytes``), and ``"all_to_all_bytes"``: what the all-to-alls sent
+        between ranks. Zeroes them. A collective: every rank must call it. ``{}`` without
+        expert parallelism."""
+        return expert_load(self.model, self.topology)
 
     def pass_summary(self) -> str:
         """Per compiled graph: why it was compiled, its signature (symbolic dims by name) and

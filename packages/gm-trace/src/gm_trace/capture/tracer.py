@@ -100,6 +100,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.nn.utils.stateless import _reparametrize_module
 
 from gm_trace.capture.capture_errors import (
@@ -114,6 +115,7 @@ from gm_trace.capture.mixed_precision import cast_floating, cast_inputs, keeps_o
 from gm_trace.capture.trace_context import optional_make_fx_kwargs, tracing_context
 from gm_trace.graph import dynamic_shapes
 from gm_trace.graph.captured import lift_captured
+from gm_trace.graph.experts import expert_shards
 from gm_trace.graph.graph_annotate import (
     OutputSpec,
     annotate,
@@ -367,7 +369,13 @@ def _make_fx_graph(
     make_fx_kwargs = optional_make_fx_kwargs(joint_step, model)
     if symbolic is not None:  # sizes of the marked dims are symbols; everything else static
         make_fx_kwargs["tracing_mode"] = "symbolic"
-    fake_mode = symbolic.fake_mode if symbolic else FakeTensorMode(allow_non_fake_inputs=True)
+    if symbolic is not None:
+        fake_mode = symbolic.fake_mode
+    else:
+        # Expert parallelism sizes its all-to-alls from the router's counts: data-dependent
+        # sizes need a shape environment (unbacked symbols), even where every input is static.
+        shape_env = ShapeEnv() if expert_shards(model) else None
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=shape_env)
     with tracing_context(), fake_mode, symbolic.tracing() if symbolic else nullcontext():
         fake_args = [
             a.fake() if hasattr(a, "fake") else fake_mode.from_tensor(a, static_shapes=True)

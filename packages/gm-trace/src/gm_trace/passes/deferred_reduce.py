@@ -170,7 +170,9 @@ class GradientReductions(NamedTuple):
 def gradient_reductions(graph_module: fx.GraphModule, ctx: PassContext) -> GradientReductions:
     """The :class:`GradientReductions` of the graph a pass runs on."""
     graph = graph_module.graph
-    group = ctx.process_groups.get("fsdp", "fsdp")
+    # The FSDP group's, and expert parallelism's (its experts' gradients are summed over the
+    # ranks holding the same experts).
+    groups = {ctx.process_groups.get("fsdp", "fsdp"), ctx.process_groups.get("ep_replicate")}
     output = graph.output_node()
     outputs = list(output.args[0])
     grad_index = ctx.graph_info.grad_output_index
@@ -178,7 +180,7 @@ def gradient_reductions(graph_module: fx.GraphModule, ctx: PassContext) -> Gradi
         n
         for n in graph.nodes
         if collective_kind(n) in ("reduce_scatter_tensor", "all_reduce")
-        and n.args[-1] == group
+        and n.args[-1] in groups
         and _reaches(n, output)
     ]
     closure = _downstream(cuts, output)

@@ -28,6 +28,7 @@ import torch.fx as fx
 from gm_config import PassConfig, PassPlan, fsdp_requested
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_trace.graph.collectives import all_gather_op
+from gm_trace.graph.experts import EP_REPLICATE_GROUP_NAME, expert_param_fqns
 from gm_trace.graph.groups import resolve_process_group
 from gm_trace.graph.joint_graph import SHARDING_LAYOUT, JointGraph
 from gm_trace.graph.sharding import (
@@ -62,6 +63,20 @@ __all__ = [
     "select_sharded_params",
     "verify_ranks_agree",
 ]
+
+
+def _experts(ctx: PassContext) -> tuple[set[str], str] | None:
+    """Expert parallelism's parameters and the group their gradients are summed over."""
+    experts = set(expert_param_fqns(ctx.model))
+    if not experts:
+        return None
+    if EP_REPLICATE_GROUP_NAME not in ctx.process_groups:
+        raise FSDPConfigError(
+            f"the model's experts are split by expert parallelism but no "
+            f"{EP_REPLICATE_GROUP_NAME!r} group is registered for their gradients; train "
+            "with PassConfig.ep_degree (GraphTrainer registers it)"
+        )
+    return experts, ctx.process_groups[EP_REPLICATE_GROUP_NAME]
 
 
 class FSDPPass(GraphPass):
@@ -108,6 +123,7 @@ class FSDPPass(GraphPass):
             replicate,
             all_gather=all_gather_op(group),
             reduce_dtype=getattr(torch, reduce_dtype) if reduce_dtype else None,
+            experts=_experts(ctx),
         )
         cap = ctx.config.bucket_cap_mb
         cap_bytes = None if cap is None else int(cap * 2**20)

@@ -90,6 +90,7 @@ class Rewrite:
         replicate: tuple[str, int] | None = None,
         all_gather: Any = c10d.all_gather_into_tensor.default,
         reduce_dtype: torch.dtype | None = None,
+        experts: tuple[set[str], str] | None = None,
     ) -> None:
         self.gm = gm
         self.graph = gm.graph
@@ -102,6 +103,10 @@ class Rewrite:
         self.replicate_name = replicate[0] if replicate else None
         # Mean over every data-parallel rank: the shard group times its replicas (HSDP).
         self.divisor = degree * (replicate[1] if replicate else 1)
+        # Expert parallelism: (expert parameter FQNs, the group of the ranks holding the same
+        # experts). Their gradients already sum their ep group's tokens (the all-to-all's
+        # backward): divided by the data-parallel size and summed over that group.
+        self.experts, self.expert_group = experts if experts else (set(), None)
         self.counts: dict[str, int] = {}
         self.bytes: dict[str, int] = {}
 
@@ -121,12 +126,16 @@ class Rewrite:
         grads = joint.grad_output_index
         sharded: list[_ShardedParam] = []
         replicated: list[str] = []
+        expert: list[str] = []
         for node in self.graph.find_nodes(op="placeholder"):
             if node.meta.get(node_meta.ROLE) != "param":
                 continue
             fqn, val = node.meta[node_meta.FQN], node.meta["val"]
             names = {fqn} | {a for a, canonical in aliases.items() if canonical == fqn}
-            if names & selected and val.dim() >= 1:
+            if fqn in self.experts:
+                if fqn in grads:
+                    expert.append(fqn)
+            elif names & selected and val.dim() >= 1:
                 shard = RowShard(val.shape[0], self.degree, self.rank)
                 inner = tuple(val.shape[1:])
                 sharded.append(
@@ -152,6 +161,8 @@ class Rewrite:
                 self._reduce_scatter(with_grads)
         for fqn in replicated:
             self._all_reduce(grads[fqn])
+        for fqn in expert:
+            self._all_reduce(grads[fqn], self.expert_group, across_replicas=False)
         layout = ShardingLayout(
             self.group_name,
             self.degree,
@@ -169,6 +180,7 @@ class Rewrite:
             "replicated_params": len(replicated),
             "sharded": [p.fqn for p in sharded],
             "replicated": replicated,
+            **({"expert_params": len(expert)} if self.experts else {}),
             "buckets": [[p.fqn for p in bucket] for bucket in buckets],
             "collectives": dict(self.counts),
             "bytes_per_step": dict(self.bytes),
@@ -275,12 +287,16 @@ class Rewrite:
         role = node_meta.COMM_PROLOGUE if prologue else node_meta.COMM_EPILOGUE
         return call(self.graph, self.mode, op, *args, **{role: True})
 
-    def _all_reduce(self, index: int) -> None:
+    def _all_reduce(
+        self, index: int, group_name: str | None = None, across_replicas: bool = True
+    ) -> None:
         output = _output_at(self.graph, index)
         with self.graph.inserting_before(output.next):
             grad = self._in_reduce_dtype(output)
             scaled = call(self.graph, self.mode, aten.div.Tensor, grad, self.divisor)
-            reduced = self._across_replicas(self._all_reduce_over(scaled, self.group_name))
+            reduced = self._all_reduce_over(scaled, group_name or self.group_name)
+            if across_replicas:
+                reduced = self._across_replicas(reduced)
             reduced = self._cast(reduced, output.meta["val"].dtype)
         _set_output_at(self.graph, index, reduced)
         _erase_if_unused(self.graph, [output])

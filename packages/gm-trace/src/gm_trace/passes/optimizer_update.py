@@ -45,7 +45,9 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from gm_config import GraphModeRuntimeError
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_trace.graph import node_meta
+from gm_trace.graph.experts import expert_param_fqns
 from gm_trace.graph.graph_build import fake_mode_of
+from gm_trace.graph.groups import resolve_process_group
 from gm_trace.graph.joint_graph import OPTIMIZER_UPDATE, SHARDING_LAYOUT
 
 aten = torch.ops.aten
@@ -136,6 +138,15 @@ class OptimizerUpdate:
     """The FSDP group the norm's all-reduce runs over (``None``: nothing sharded); the pass
     fills it in when the fsdp pass sharded the graph."""
 
+    # --- expert parallelism (issue 27) ---
+    experts: frozenset[str] = frozenset()
+    """FQNs of expert-parallel parameters: disjoint over the ep group, the same on the ranks
+    holding the same experts; the pass fills it from the model."""
+
+    expert_replicas: int = 1
+    """Ranks holding the same experts: the FSDP group's sum counts each expert's squares this
+    many times, so they are divided by it first."""
+
     def input_keys(self) -> list[tuple[str, str, str]]:
         """The added placeholders in order: ``("scalar", fqn, name)`` for each parameter's
         scalars, then ``("state", fqn, name)`` for each parameter's states."""
@@ -178,6 +189,10 @@ class OptimizerUpdatePass(GraphPass):
                 sharded=frozenset(layout.params),
                 group_name=ctx.process_groups.get("fsdp", "fsdp"),
             )
+        experts = frozenset(expert_param_fqns(ctx.model)) if ctx.model is not None else frozenset()
+        if experts:
+            replicas = resolve_process_group(ctx.process_groups["ep_replicate"]).size()
+            spec = dataclasses.replace(spec, experts=experts, expert_replicas=replicas)
         _Emitter(graph_module.graph, joint, spec).emit()
         ctx.publish(OPTIMIZER_UPDATE, spec)
         ctx.record(self.name, params_updated=len(spec.params), clip=spec.max_norm)
@@ -288,14 +303,20 @@ class _Emitter:
 
         device = grads[0].meta["val"].device if grads else torch.device("cpu")
         sharded = [g for g, f in zip(grads, fqns) if f in spec.sharded]
-        replicated = [g for g, f in zip(grads, fqns) if f not in spec.sharded]
+        experts = [g for g, f in zip(grads, fqns) if f in spec.experts]
+        replicated = [
+            g for g, f in zip(grads, fqns) if f not in spec.sharded and f not in spec.experts
+        ]
+        expert_squares = squares(experts)
+        if experts and spec.expert_replicas > 1:
+            expert_squares = op(aten.div.Tensor, expert_squares, spec.expert_replicas)
         bad_loss = op(
             aten.where.self,
             op(aten.isfinite.default, loss),
             op(aten.zeros.default, [], dtype=torch.float64, device=device),
             op(aten.full.default, [], float("inf"), dtype=torch.float64, device=device),
         )
-        over_group = op(aten.stack.default, [squares(sharded), squares([]), bad_loss])
+        over_group = op(aten.stack.default, [squares(sharded), expert_squares, bad_loss])
         if spec.group_name is not None:
             reduced = op(c10d.all_reduce.default, over_group, "sum", spec.group_name)
             over_group = op(c10d.wait_tensor.default, reduced)

@@ -6,6 +6,8 @@ reshards on load:
 
 - FSDP rows: ``Shard(0)`` on the FSDP mesh (``torch.chunk``'s split, like ``RowShard``);
 - a TP split along ``d``: ``Shard(d)`` on the TP mesh (even pieces);
+- expert parallelism: ``Shard(0)`` (the expert dim) on the ep group's mesh, the same FQNs and
+  whole shapes as without EP (ranks holding the same experts write one copy);
 - both: FSDP shards dim 0 of the TP piece, FSDP2's convention — ``[Shard(0), Shard(d)]`` on the
   ``(fsdp_shard, tp)`` mesh, or ``[_StridedShard(0, split_factor=tp), Shard(0)]`` when TP also
   splits dim 0.
@@ -26,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from gm_trace.graph.experts import expert_param_fqns
 from gm_trace.graph.sharding import RowShard
 from gm_trainer.checkpoint.io import CheckpointError
 from gm_trainer.checkpoint.view import CheckpointView
@@ -42,10 +45,13 @@ class Piece:
     tp_dim: int | None
     """TP: the dim the TP ranks split evenly, or ``None``."""
 
+    experts: bool = False
+    """Expert parallelism: the ep ranks split dim 0 (the expert dim) evenly."""
+
     @property
     def whole(self) -> bool:
         """True when this rank holds the whole tensor."""
-        return self.rows is None and self.tp_dim is None
+        return self.rows is None and self.tp_dim is None and not self.experts
 
 
 #: A tensor every rank holds whole.
@@ -71,6 +77,11 @@ class CheckpointLayout:
             lambda: DeviceMesh.from_group(self._tp_group, device, mesh_dim_names=("tp",))
         )
         self._fsdp_tp_mesh = _lazy(lambda: _required(mesh.shard_tp_mesh))
+        self._ep_group = view.topology.ep_group
+        self._experts = expert_param_fqns(view.model) if self._ep_group is not None else {}
+        self._ep_mesh = _lazy(
+            lambda: DeviceMesh.from_group(self._ep_group, device, mesh_dim_names=("ep",))
+        )
 
     @property
     def tp_size(self) -> int:
@@ -78,7 +89,7 @@ class CheckpointLayout:
 
     def of(self, fqn: str) -> Piece:
         """The piece of parameter ``fqn`` (canonical FQN) this rank holds."""
-        return Piece(self._rows.get(fqn), self._tp_dims.get(fqn))
+        return Piece(self._rows.get(fqn), self._tp_dims.get(fqn), fqn in self._experts)
 
     def full_shape(self, local_shape: torch.Size | tuple[int, ...], piece: Piece) -> tuple:
         """The whole tensor's shape, from this rank's piece's."""
@@ -87,11 +98,15 @@ class CheckpointLayout:
             shape[0] = piece.rows.rows
         if piece.tp_dim is not None:
             shape[piece.tp_dim] *= self.tp_size
+        if piece.experts:
+            shape[0] *= self._ep_group.size()
         return tuple(shape)
 
     def local_shape(self, full: tuple[int, ...], piece: Piece) -> tuple[int, ...]:
         """This rank's piece's shape, from the whole tensor's."""
         shape = list(full)
+        if piece.experts:
+            shape[0] //= self._ep_group.size()
         if piece.tp_dim is not None:
             shape[piece.tp_dim] //= self.tp_size
         if piece.rows is not None:
@@ -127,6 +142,8 @@ class CheckpointLayout:
                 if value.placements == placements and value.device_mesh.shape == mesh.shape:
                     return value.to_local()
             value = value.full_tensor()
+        if piece.experts:
+            value = value.chunk(self._ep_group.size())[dist.get_rank(self._ep_group)]
         if piece.tp_dim is not None:
             tp_rank = dist.get_rank(self._tp_group)
             value = value.chunk(self.tp_size, dim=piece.tp_dim)[tp_rank]
@@ -135,6 +152,8 @@ class CheckpointLayout:
         return value
 
     def _placement(self, piece: Piece) -> tuple[DeviceMesh, tuple[Any, ...]]:
+        if piece.experts:  # never FSDP- or TP-split as well; ep replicas write one copy
+            return self._ep_mesh(), (Shard(0),)
         if piece.rows is None:
             return self._tp_mesh(), (Shard(piece.tp_dim),)
         if piece.tp_dim is None:

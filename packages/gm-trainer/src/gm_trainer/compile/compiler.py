@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from gm_config import PassConfig, PassPlan
 from gm_passes import GraphPass, PassPipeline
 from gm_passes.pipeline import AfterPass
 from gm_trace.capture.dtensor import DTensorSpec
+from gm_trace.capture.expert_parallel import apply_expert_parallel
 from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.graph.sharding_layout import ShardingLayout
 from gm_trace.passes.deferred_reduce import DeferredReducePass
@@ -86,6 +88,12 @@ class GraphCompiler:
         if self.run is None:
             self.run = resolve_run(self.pass_config, self.pass_plan, self.mesh, place)
             self.dtensor_specs = adopt_dtensor_params(self.model, self.mesh)
+            topology = self.run.topology
+            if topology.ep_group is not None:  # split the experts before the first trace
+                patterns = self.pass_plan.ep_experts if self.pass_plan is not None else None
+                apply_expert_parallel(
+                    self.model, topology.ep_size, dist.get_rank(topology.ep_group), patterns
+                )
         return self.run
 
     @property

@@ -36,6 +36,7 @@ from gm_passes import PassPipeline
 from gm_trace.graph.dynamic_shapes import DynamicShapeError, leaf_dims
 from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.graph.signature import InputSignature, flatten_io
+from gm_trace.passes.expert_parallel import describe as describe_ep
 from gm_trace.passes.overlap import format_schedule
 from gm_trainer.compile.graph_key import describe_module_state, module_state_key
 from gm_trainer.errors import TrainingError
@@ -310,6 +311,9 @@ class GraphCache:
             memory = stats.get("memory_plan", {}).get("plan")
             if memory is not None:
                 text += "\n\n" + memory.describe()
+            ep = describe_ep(stats.get("ep", {}))
+            if ep:
+                text += f"\n\n{ep}"
             overlap = stats.get("overlap", {})
             if overlap.get("schedule"):
                 text += "\n\ncollective schedule:\n" + format_schedule(overlap["schedule"])

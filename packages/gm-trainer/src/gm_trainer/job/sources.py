@@ -38,6 +38,7 @@ def check_job(job: Any) -> None:
                 "train.eval_interval needs a held-out split: set data.eval_fraction (e.g. "
                 "0.05) or data.eval_files"
             )
+    _check_experts(job)
     if job.checkpoint.export not in (None, "hf"):
         raise ConfigError(f"checkpoint.export={job.checkpoint.export!r}: use hf or null")
     if job.checkpoint.export and not job.checkpoint.at_end:
@@ -152,3 +153,26 @@ def _check_heads(job: Any, model: nn.Module, tp: int) -> None:
                 f"parallel.tp_size={tp} does not divide {key}={heads}: tensor parallelism gives "
                 f"each rank whole attention heads; use a tp_size that divides {heads}"
             )
+
+
+# --- expert parallelism (issue 27) ---
+def _check_experts(job: Any) -> None:
+    """``parallel.ep_degree`` must divide the expert count of every experts module of the HF
+    model (built on the meta device); the world is checked by ``check_world_size``."""
+    ep = job.parallel.ep_degree
+    if ep == 1 or job.model.source != "hf":
+        return
+    from gm_trace.capture.expert_parallel import check_ep_divides, find_experts_modules
+    from gm_trainer.job.hf_model import config_source, load_hf_config, meta_model
+
+    model = meta_model(load_hf_config(job.model.config), config_source(job.model.config))
+    plan = job.pass_plan()
+    names = find_experts_modules(model, plan.ep_experts if plan is not None else None)
+    if not names:
+        raise ConfigError(
+            f"parallel.ep_degree={ep} but the {type(model).__name__} of model.config has no "
+            "experts module (transformers' MoE experts, weights stacked [num_experts, ...]); "
+            "use parallel.ep_degree=1 or name them in sharding.ep.experts"
+        )
+    for name in names:
+        check_ep_divides(model.get_submodule(name).num_experts, ep, name)

@@ -96,6 +96,7 @@ def check_world_size(job: Any, world_size: int) -> None:
             f"parallel.fsdp_degree={p.fsdp_degree}: gm-train shards over {over}; use null "
             f"or {shard}"
         )
+    _check_expert_parallel(job, dp, replicas, pp)
     plan = job.pass_plan()
     if dp > 1 and not fsdp_requested(p, plan):
         raise ConfigError(
@@ -125,4 +126,31 @@ def _check_cp(job: Any, world_size: int) -> None:
         raise ConfigError(
             f"model.seq_len={seq} must be divisible by parallel.cp_degree={cp}: each rank "
             f"holds seq_len / cp_degree tokens of every sequence"
+        )
+
+
+# --- expert parallelism (issue 27) ---
+def _check_expert_parallel(job: Any, dp: int, replicas: int, pp: int) -> None:
+    """``parallel.ep_degree``: an HF mixture-of-experts model, ep groups of data-parallel
+    ranks (no pipeline, no HSDP), an ep_degree that divides the ranks and the experts."""
+    ep = job.parallel.ep_degree
+    if ep == 1:
+        return
+    if job.model.source != "hf":
+        raise ConfigError(
+            f"parallel.ep_degree={ep} splits the experts of a mixture-of-experts model, and "
+            "gm-train's builtin model has none; use model.source=hf with an MoE config "
+            "(Mixtral, Qwen3-MoE, DeepSeek-V3, ...) or parallel.ep_degree=1"
+        )
+    if pp > 1 or replicas > 1 or job.parallel.tp_size > 1 or job.parallel.cp_degree > 1:
+        raise ConfigError(
+            f"parallel.ep_degree={ep} does not combine with parallel.pp_degree / tp_size / "
+            "cp_degree or dist.dp_replicate yet; use 1 for each"
+        )
+    if dp % ep:
+        divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+        raise ConfigError(
+            f"parallel.ep_degree={ep} does not divide the {dp} data-parallel rank(s); an ep "
+            f"group is made of ep_degree of them (use one of {divisors}, or --nproc a "
+            f"multiple of {ep})"
         )

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from gm_trace.graph.experts import expert_param_fqns
 from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.graph.sharding import RowShard
 from gm_trainer.errors import TrainingError
@@ -67,8 +68,14 @@ def grad_norm_tensor(
     buckets: dict[tuple[bool, bool], list[torch.Tensor]] = {
         (s, t): [] for s in (True, False) for t in (True, False)
     }
+    experts = expert_param_fqns(model) if topology.ep_group is not None else {}
+    expert_grads = []
     for fqn, param in model.named_parameters():
-        if param.grad is not None:
+        if param.grad is None:
+            continue
+        if fqn in experts:
+            expert_grads.append(param.grad)
+        else:
             buckets[fqn in row_shards, fqn in tp_sharded].append(param.grad)
     norm = global_grad_norm(
         buckets[True, False],
@@ -78,6 +85,8 @@ def grad_norm_tensor(
         replicated_tp=buckets[False, True],
         tp_group=tp_group,
     )
+    if topology.ep_group is not None:
+        norm = _with_experts(norm, expert_grads, topology)
     if topology.pp_group is None:
         return norm
     # Each stage holds its own parameters: sum the squares over the pipeline.
@@ -89,3 +98,17 @@ def grad_norm_tensor(
     with waiting_for(doing):
         dist.all_reduce(squared, group=topology.pp_group)
     return squared.sqrt()
+
+
+def _with_experts(
+    norm: torch.Tensor, grads: list[torch.Tensor], topology: Topology
+) -> torch.Tensor:
+    """``norm`` with the expert-parallel gradients' squares: disjoint over the ep group, the
+    same on each of the ``ep_replicate`` ranks, so summed over the FSDP group (all of them)
+    after dividing by the replicas (as the traced norm of ``in_graph`` does)."""
+    squared = global_grad_norm([], grads, None).square()
+    replicas = topology.ep_replicate_group.size()
+    if replicas > 1:
+        squared = squared / replicas
+    dist.all_reduce(squared, group=topology.fsdp_group)
+    return (norm.square() + squared).sqrt()

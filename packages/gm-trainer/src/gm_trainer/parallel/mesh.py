@@ -70,6 +70,14 @@ class MeshContext:
     """This rank's pipeline stage."""
     sequence_parallel: bool = False
     loss_parallel: bool = False
+    # --- expert parallelism (issue 27) ---
+    moe_mesh: Any = None
+    """``DeviceMesh`` with dims ``("ep_replicate", "ep", "tp")`` (led by ``"pp"`` with
+    pipelines) when ``ep > 1``: the FSDP shard dim split into groups of ``ep`` consecutive
+    ranks, each holding every expert once, so ``ep_replicate x ep == dp_shard_size``."""
+    ep_size: int = 1
+    """Expert-parallel ranks (``PassConfig.ep_degree``)."""
+    ep_rank: int = 0
 
     @classmethod
     def build(
@@ -83,6 +91,7 @@ class MeshContext:
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
         device_type: str | None = None,
+        ep: int = 1,
     ) -> MeshContext:
         """Both meshes over the world with ``torch.distributed.device_mesh.init_device_mesh``.
 
@@ -125,6 +134,12 @@ class MeshContext:
             mesh_dim_names=(*lead[1], "fsdp_replicate", "fsdp_shard", "tp"),
         )
         register_process_group(TP_GROUP_NAME, device_mesh["tp"].get_group())
+        if ep != 1 and cp != 1:
+            raise MeshError(
+                f"ep={ep} with cp={cp}: expert parallelism with context parallelism is not "
+                "supported yet; use cp=1"
+            )
+        moe_mesh = _moe_mesh(device_type, lead, dp_replicate, dp_shard * cp, tp, ep)
         return cls(
             device_mesh=device_mesh,
             fsdp_non_moe_mesh=fsdp_mesh,
@@ -140,7 +155,40 @@ class MeshContext:
             pp_rank=device_mesh.get_local_rank("pp") if pp > 1 else 0,
             sequence_parallel=sequence_parallel,
             loss_parallel=loss_parallel,
+            moe_mesh=moe_mesh,
+            ep_size=ep,
+            ep_rank=moe_mesh.get_local_rank("ep") if moe_mesh is not None else 0,
         )
+
+
+def _moe_mesh(
+    device_type: str,
+    lead: tuple[tuple[int, ...], tuple[str, ...]],
+    dp_replicate: int,
+    shard: int,
+    tp: int,
+    ep: int,
+) -> Any:
+    """The expert-parallel mesh over the same rank order (``None`` for ``ep == 1``)."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise MeshError(f"ep must be a positive int, got {ep!r}")
+    if ep == 1:
+        return None
+    if shard % ep:
+        raise MeshError(
+            f"ep={ep} does not divide the {shard} ranks of the FSDP shard dim (dp_shard x cp); "
+            "an ep group is made of ep of them"
+        )
+    if dp_replicate > 1:
+        raise MeshError(
+            f"ep={ep} with dp_replicate={dp_replicate}: expert parallelism under HSDP is not "
+            "supported yet; use dp_replicate=1"
+        )
+    return init_device_mesh(
+        device_type,
+        (*lead[0], shard // ep, ep, tp),
+        mesh_dim_names=(*lead[1], "ep_replicate", "ep", "tp"),
+    )
 
 
 @dataclass(frozen=True)
@@ -162,6 +210,11 @@ class ResolvedMesh:
     pp_group: dist.ProcessGroup | None = None
     """The pipeline group (one rank per stage), when the mesh has a ``"pp"`` dim of more than
     one rank."""
+    # --- expert parallelism (issue 27) ---
+    ep_group: dist.ProcessGroup | None = None
+    """The expert-parallel group (the mesh context's ``moe_mesh["ep"]``), when there is one."""
+    ep_replicate_group: dist.ProcessGroup | None = None
+    """The ranks holding the same experts (``moe_mesh["ep_replicate"]``)."""
     # --- context parallelism (issue 29) ---
     cp_group: dist.ProcessGroup | None = None
     """The context-parallel group (the ranks that split one sequence), when the device mesh
@@ -212,6 +265,13 @@ class ResolvedMesh:
                 f"PassConfig.pp_degree={config.pp_degree} but the mesh has {pp} pipeline "
                 f"stage(s) (its 'pp' dim); build the mesh with MeshContext.build(pp="
                 f"{config.pp_degree}, ...) or set pp_degree={pp}"
+            )
+        ep = self.ep_group.size() if self.ep_group is not None else 1
+        if config.ep_degree not in (1, ep):
+            raise MeshError(
+                f"PassConfig.ep_degree={config.ep_degree} but the mesh has ep={ep}; build the "
+                f"mesh with MeshContext.build(ep={config.ep_degree}, ...) or leave ep_degree 1 "
+                "(taken from the mesh)"
             )
         filled: dict[str, Any] = {"fsdp_degree": self.fsdp_size, "tp_size": self.tp_size}
         filled.update(self._checked_cp(config, pp))
@@ -293,7 +353,16 @@ def resolve_mesh_context(mesh_context: Any) -> ResolvedMesh:
     if "pp" in names:
         group, ranks = _ranks(fsdp_mesh, "pp")
         pp_group = group if len(ranks) > 1 else None
+    ep_group = ep_replicate_group = None
+    moe_mesh = getattr(mesh_context, "moe_mesh", None)
+    if moe_mesh is not None and moe_mesh["ep"].size() > 1:
+        ep_group, ep_replicate_group = (
+            moe_mesh["ep"].get_group(),
+            moe_mesh["ep_replicate"].get_group(),
+        )
     return ResolvedMesh(
+        ep_group=ep_group,
+        ep_replicate_group=ep_replicate_group,
         fsdp_group=fsdp_group,
         replicate_group=replicate_group,
         tp_group=tp_group,

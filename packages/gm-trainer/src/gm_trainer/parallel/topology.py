@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from gm_config import PassConfig, PassPlan, fsdp_requested
+from gm_trace.graph.experts import EP_GROUP_NAME, EP_REPLICATE_GROUP_NAME
 from gm_trace.graph.groups import register_process_group
 from gm_trainer.parallel.device import detect_device_type
 from gm_trainer.parallel.mesh import (
@@ -63,6 +64,20 @@ class Topology:
 
     pp_ranks: tuple[int, ...] = ()
     """The global rank at each place of this rank's pipeline."""
+
+    # --- expert parallelism (issue 27) ---
+    ep_group: dist.ProcessGroup | None = None
+    """The expert-parallel group (the all-to-all's), registered as ``"ep"``; ``None``
+    without expert parallelism."""
+
+    ep_replicate_group: dist.ProcessGroup | None = None
+    """The ranks holding the same experts, registered as ``"ep_replicate"`` (expert gradients
+    are summed over it); set with :attr:`ep_group`."""
+
+    @property
+    def ep_size(self) -> int:
+        """Ranks of the expert-parallel group (1: experts are replicated)."""
+        return self.ep_group.size() if self.ep_group is not None else 1
 
     @property
     def collective_device(self) -> torch.device:
@@ -144,6 +159,81 @@ def resolve_run(
     """Register the process groups the passes use and fill the mesh's sizes into a copy of
     ``config``; ``place`` gives rank, world size and device. Once, on every rank."""
     fsdp_wanted = fsdp_requested(config, plan)
+    ep_groups = None
+    if mesh is not None and mesh.ep_group is not None:
+        ep_groups = (mesh.ep_group, mesh.ep_replicate_group)
+    elif config.ep_degree > 1:
+        ep_groups = _expert_parallel_groups(config.ep_degree, place.world_size, mesh)
+    if ep_groups is not None:
+        if config.cp_degree > 1:
+            raise MeshError(
+                f"PassConfig.ep_degree={config.ep_degree} with cp_degree={config.cp_degree}: "
+                "expert parallelism with context parallelism is not supported yet"
+            )
+        if config.pp_degree > 1:
+            raise MeshError(
+                f"PassConfig.ep_degree={config.ep_degree} with pp_degree={config.pp_degree}: "
+                "expert parallelism inside pipeline stages is not supported yet"
+            )
+        if not fsdp_wanted:
+            raise MeshError(
+                f"PassConfig.ep_degree={config.ep_degree} needs the fsdp pass (it reduces the "
+                "experts' gradients over the ranks that hold the same experts); leave "
+                "fsdp_enabled on"
+            )
+        config = dataclasses.replace(config, ep_degree=ep_groups[0].size())
+        register_process_group(EP_GROUP_NAME, ep_groups[0])
+        register_process_group(EP_REPLICATE_GROUP_NAME, ep_groups[1])
+        place = dataclasses.replace(place, ep_group=ep_groups[0], ep_replicate_group=ep_groups[1])
+    run = _resolve(config, plan, mesh, place, fsdp_wanted)
+    if ep_groups is not None:
+        roles = {
+            **run.topology.process_groups,
+            "ep": EP_GROUP_NAME,
+            "ep_replicate": EP_REPLICATE_GROUP_NAME,
+        }
+        run = dataclasses.replace(
+            run, topology=dataclasses.replace(run.topology, process_groups=roles)
+        )
+    return run
+
+
+def check_ep_world(ep_degree: int, data_parallel: int, where: str = "the world") -> None:
+    """Raise :class:`MeshError` unless ``ep_degree`` divides the data-parallel size (EP
+    groups are made of data-parallel ranks)."""
+    if data_parallel % ep_degree:
+        raise MeshError(
+            f"PassConfig.ep_degree={ep_degree} does not divide the {data_parallel} "
+            f"data-parallel ranks of {where}; an ep group is made of ep_degree of them "
+            f"(choose an ep_degree among "
+            f"{[d for d in range(1, data_parallel + 1) if data_parallel % d == 0]})"
+        )
+
+
+def _expert_parallel_groups(
+    ep: int, world: int, mesh: ResolvedMesh | None
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """``(ep group, ep replicate group)`` over the world, ep groups of consecutive ranks (a
+    collective). A mesh context brings its own (``MeshContext.build(ep=...)``)."""
+    if mesh is not None:
+        raise MeshError(
+            f"PassConfig.ep_degree={ep} with a mesh_context that has no ep dim; build the mesh "
+            f"with gm_trainer.MeshContext.build(ep={ep}, ...)"
+        )
+    check_ep_world(ep, world)
+    device_mesh = init_device_mesh(
+        detect_device_type(), (world // ep, ep), mesh_dim_names=("ep_replicate", "ep")
+    )
+    return device_mesh.get_group("ep"), device_mesh.get_group("ep_replicate")
+
+
+def _resolve(
+    config: PassConfig,
+    plan: PassPlan | None,
+    mesh: ResolvedMesh | None,
+    place: Topology,
+    fsdp_wanted: bool,
+) -> ResolvedRun:
     if mesh is None and config.cp_degree > 1:
         mesh = _context_parallel_mesh(config, place)
     if mesh is not None:

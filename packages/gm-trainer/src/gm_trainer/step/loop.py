@@ -25,6 +25,7 @@ import torch.utils._pytree as pytree
 from gm_trainer.parallel.ranks import mean_over_world
 from gm_trainer.step.accumulation import MicroBatches
 from gm_trainer.step.executor import StepExecutor
+from gm_trainer.step.expert_load import expert_load_metrics
 from gm_trainer.step.stepper import OptimizerStepper
 from gm_trainer.step.train_state import TrainState
 
@@ -145,6 +146,7 @@ def _optimizer_step(
         "memory_kind": "host_rss" if topology.device.type == "cpu" else "device_peak",
         "lr": stepper.optimizer.param_groups[0].get("lr", float("nan")),
         "skipped_steps": state.skipped_steps,
+        **expert_load_metrics(executor.model, topology),
     }
 
 

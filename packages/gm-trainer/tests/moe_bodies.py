@@ -1,0 +1,339 @@
+"""Per-rank bodies of the expert-parallelism tests (``test_moe.py``): tiny transformers MoE
+models trained with ``PassConfig.ep_degree`` on real gloo ranks, against one eager process on
+the global batch."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from eager_reference import eager_adam
+
+from gm_trace.graph.experts import expert_param_fqns
+from gm_trace.testing.parity import parity_tolerance
+from gm_trainer import GraphTrainer, MeshContext, PassConfig
+
+VOCAB = 61
+SEQ = 8
+ROWS = 2  # per data-parallel rank
+LR = 1e-3
+
+
+def tiny_moe(arch: str, **overrides: Any) -> Any:
+    """Hidden 64, 2 layers, top-2 over 4 experts (8 for DeepSeek-V3), batched_mm experts."""
+    import transformers
+
+    common = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "num_experts_per_tok": 2,
+        "experts_implementation": "batched_mm",
+    }
+    if arch == "qwen3-moe":
+        fields = {**common, "num_experts": 4, "moe_intermediate_size": 32, "head_dim": 16}
+        config = transformers.Qwen3MoeConfig
+    elif arch == "mixtral":
+        fields = {**common, "num_local_experts": 4, "intermediate_size": 32}
+        config = transformers.MixtralConfig
+    elif arch == "deepseek-v3":
+        fields = {
+            **common,
+            "n_routed_experts": 8,
+            "moe_intermediate_size": 32,
+            "intermediate_size": 64,
+            "n_shared_experts": 1,
+            "n_group": 2,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "q_lora_rank": 16,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 16,
+        }
+        config = transformers.DeepseekV3Config
+    else:
+        raise ValueError(arch)
+    return config(**{**fields, **overrides})
+
+
+def build(arch: str, seed: int = 0, routing: str = "learned", **overrides: Any) -> Any:
+    """The tiny model with random weights from ``seed``; ``routing`` pins the router:
+    ``"first"`` (every token to the first experts: the other ranks' experts get none) or
+    ``"last"`` (every token to the last expert and one more)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_moe(arch, **overrides))
+    model.train()
+    for name, module in model.named_modules():
+        if not name.endswith("mlp.gate"):
+            continue
+        if routing == "first":  # equal logits: top-k takes the lowest indices
+            module.weight.data.zero_()
+            module.weight.requires_grad_(False)
+        elif routing == "last":
+            bias = getattr(module, "e_score_correction_bias", None)
+            if bias is not None:  # DeepSeek-V3: selection by score + bias
+                bias.data[-1] = 100.0
+            else:
+                module.weight.data.zero_()
+                module.weight.data[-1] = 0.0
+                module.weight.requires_grad_(False)
+    return model
+
+
+def hf_loss(model: torch.nn.Module, input: Any, label: torch.Tensor) -> torch.Tensor:
+    return model(**input, labels=label).loss
+
+
+def batch(step: int, rows: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, VOCAB, (rows, SEQ), generator=generator)
+    return {"input_ids": ids}, ids.clone()
+
+
+def _local(step: int, rank: int, world: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    input, label = batch(step, ROWS * world)
+    rows = slice(rank * ROWS, (rank + 1) * ROWS)
+    return {"input_ids": input["input_ids"][rows]}, label[rows]
+
+
+def _eager_losses(model: torch.nn.Module, steps: int, world: int) -> tuple[list[float], Any]:
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    losses = []
+    for step in range(steps):
+        loss = hf_loss(model, *batch(step, ROWS * world))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, model
+
+
+def full_expert_param(trainer: GraphTrainer, fqn: str) -> torch.Tensor:
+    """An expert-parallel parameter gathered whole over the ep group (a collective)."""
+    local = trainer.model.get_parameter(fqn).detach()
+    group = trainer.topology.ep_group
+    pieces = [torch.empty_like(local) for _ in range(group.size())]
+    dist.all_gather(pieces, local.contiguous(), group=group)
+    return torch.cat(pieces)
+
+
+def train_and_compare(
+    rank: int,
+    world: int,
+    arch: str,
+    ep: int,
+    *,
+    steps: int = 5,
+    routing: str = "learned",
+    mesh: bool = False,
+    accumulation: int = 1,
+    in_graph: bool = False,
+    **config: Any,
+) -> dict[str, Any]:
+    """Train ``steps`` Adam steps with ``ep_degree=ep`` and FSDP over the world; compare the
+    losses (rtol 1e-5) and every parameter (``parity_tolerance``) with one eager process on
+    the global batch. ``config``: fields of the tiny transformers config (e.g. another
+    ``experts_implementation``). Returns the figures."""
+    model = build(arch, routing=routing, **config)
+    eager_losses, reference = _eager_losses(model, steps, world)
+    total = {n: p.numel() for n, p in model.named_parameters()}
+    config = PassConfig(ep_degree=1 if mesh else ep)
+    context = MeshContext.build(ep=ep) if mesh else None
+    trainer = GraphTrainer(
+        model,
+        hf_loss,
+        config,
+        optimizer_config={"lr": LR, "in_graph": in_graph},
+        device="cpu",
+        mesh_context=context,
+    )
+    first_load: dict[str, list[int]] = {}
+    if accumulation == 1:
+        losses = []
+        for step in range(steps):
+            loss = trainer.train_step(*_local(step, rank, world))
+            trainer.optimizer_step()
+            load = trainer.expert_load()
+            first_load = first_load or load
+            mean = loss.detach().reshape(1).clone()
+            dist.all_reduce(mean)
+            losses.append(mean.item() / world)
+    else:  # each rank's rows cut into micro-batches
+        per = ROWS // accumulation
+        micro = []
+        for step in range(steps):
+            input, label = _local(step, rank, world)
+            for m in range(accumulation):
+                rows = slice(m * per, (m + 1) * per)
+                micro.append(({"input_ids": input["input_ids"][rows]}, label[rows]))
+        records = trainer.train(micro, accumulation_steps=accumulation, log_fn=lambda r: None)
+        losses = [r["loss"] for r in records]
+    if in_graph:
+        assert trainer.optimizer_in_graph, trainer.compiler.in_graph_reason
+    torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=0)
+
+    experts = expert_param_fqns(trainer.model)
+    assert bool(experts) == (ep > 1), f"experts split: {sorted(experts)}"
+    local = sum(trainer.model.get_parameter(f).numel() for f in experts)
+    assert local * ep == sum(total[f] for f in experts), (local, ep)
+    if ep == 1:
+        experts = {}
+    from gm_trace.graph.sharding_layout import full_parameter
+
+    worst = 0.0
+    for fqn, expected in reference.named_parameters():
+        if fqn in experts:
+            actual = full_expert_param(trainer, fqn)
+        else:
+            actual = full_parameter(trainer.model, fqn, trainer.sharding)
+        torch.testing.assert_close(
+            actual, expected.detach(), **parity_tolerance(steps), msg=lambda m, f=fqn: f"{f}: {m}"
+        )
+        worst = max(worst, (actual - expected).abs().max().item())
+    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, eager_losses))
+    return {
+        "losses": losses,
+        "eager": eager_losses,
+        "max_loss_rel": loss_diff,
+        "max_param_abs": worst,
+        "expert_elements_local": local,
+        "expert_elements_total": sum(total[f] for f in experts),
+        "summary": trainer.pass_summary() if rank == 0 else "",
+        **_first_layer(first_load),
+    }
+
+
+def _first_layer(load: dict[str, list[int]]) -> dict[str, Any]:
+    if not load:
+        return {}
+    counts = load[min(n for n in load if n != "all_to_all_bytes")]
+    return {
+        "tokens_per_expert_first_step": counts,
+        "routed_pairs_first_step": sum(counts),
+        "all_to_all_bytes_first_step": load["all_to_all_bytes"][0],
+    }
+
+
+def _trainer(model: torch.nn.Module, ep: int) -> GraphTrainer:
+    return GraphTrainer(
+        model, hf_loss, PassConfig(ep_degree=ep), optimizer_config={"lr": LR}, device="cpu"
+    )
+
+
+def _full_params(trainer: GraphTrainer) -> dict[str, torch.Tensor]:
+    from gm_trace.graph.sharding_layout import full_parameter
+
+    experts = expert_param_fqns(trainer.model)
+    return {
+        fqn: full_expert_param(trainer, fqn)
+        if fqn in experts
+        else full_parameter(trainer.model, fqn, trainer.sharding)
+        for fqn, _ in trainer.model.named_parameters()
+    }
+
+
+def _steps(trainer: GraphTrainer, rank: int, world: int, steps: range) -> None:
+    for step in steps:
+        trainer.train_step(*_local(step, rank, world))
+        trainer.optimizer_step()
+
+
+def checkpoint_round_trip(rank: int, world: int, root: str) -> None:
+    """Train 2 steps at EP 2 and save; load without EP (same FQNs, whole shapes), train a step,
+    save; load at EP 2 again: every parameter equals the one it was saved from, and a step
+    after each load equals the step without the save."""
+    from pathlib import Path
+
+    from gm_trainer.checkpoint import load_checkpoint, save_checkpoint
+
+    ep_trainer = _trainer(build("qwen3-moe"), 2)
+    _steps(ep_trainer, rank, world, range(2))
+    saved = _full_params(ep_trainer)
+    save_checkpoint(ep_trainer, Path(root) / "ep2")
+    keys = set(ep_trainer.state_dict()["model"])
+
+    plain = _trainer(build("qwen3-moe", seed=1), 1)
+    plain.compile(*_local(0, rank, world))
+    load_checkpoint(plain, Path(root) / "ep2")
+    assert set(plain.state_dict()["model"]) == keys
+    for fqn, value in _full_params(plain).items():
+        torch.testing.assert_close(value, saved[fqn], rtol=0, atol=0, msg=fqn)
+    _steps(plain, rank, world, range(2, 3))
+    _steps(ep_trainer, rank, world, range(2, 3))
+    after_plain, after_ep = _full_params(plain), _full_params(ep_trainer)
+    for fqn, value in after_plain.items():
+        torch.testing.assert_close(value, after_ep[fqn], **parity_tolerance(1), msg=fqn)
+    save_checkpoint(plain, Path(root) / "plain")
+
+    back = _trainer(build("qwen3-moe", seed=2), 2)
+    back.compile(*_local(0, rank, world))
+    load_checkpoint(back, Path(root) / "plain")
+    for fqn, value in _full_params(back).items():
+        torch.testing.assert_close(value, after_plain[fqn], rtol=0, atol=0, msg=fqn)
+
+
+def config_errors() -> None:
+    """``ep_degree`` not dividing the experts: a ConfigError naming both numbers, raised by
+    the transformation before any collective."""
+    import pytest
+
+    from gm_config import ConfigError
+    from gm_trace.capture.expert_parallel import apply_expert_parallel
+
+    with pytest.raises(ConfigError, match=r"ep_degree=3 does not divide the 4 experts"):
+        apply_expert_parallel(build("qwen3-moe"), 3, 0)
+    with pytest.raises(ConfigError, match=r"ep_degree must be an int >= 1"):
+        PassConfig(ep_degree=0)
+    with pytest.raises(ConfigError, match="has no experts module"):
+        apply_expert_parallel(torch.nn.Linear(2, 2), 2, 0)
+
+
+def bad_ep_world(rank: int, world: int) -> str:
+    """``ep_degree=3`` on 2 ranks: the run's resolution refuses it before any trace."""
+    from gm_config import ConfigError
+
+    trainer = _trainer(build("qwen3-moe"), 3)
+    try:
+        trainer.compile(*_local(0, rank, world))
+    except ConfigError as exc:
+        return str(exc)
+    raise AssertionError("ep_degree=3 on 2 ranks was accepted")
+
+
+__all__ = [
+    "aux_loss_unchanged",
+    "bad_ep_world",
+    "build",
+    "checkpoint_round_trip",
+    "config_errors",
+    "eager_adam",
+    "train_and_compare",
+]
+
+
+def aux_loss_unchanged(rank: int, world: int) -> dict[str, list[float]]:
+    """Qwen3-MoE with its load-balancing loss in the loss (``output_router_logits``): EP 2
+    trains with the same losses as replicated experts (each rank's aux loss is over its own
+    tokens either way), and the aux loss is really in them."""
+    losses = {}
+    for name, ep, aux in (("ep2", 2, True), ("replicated", 1, True), ("no_aux", 2, False)):
+        model = build("qwen3-moe", output_router_logits=aux, router_aux_loss_coef=0.5)
+        trainer = _trainer(model, ep)
+        losses[name] = []
+        for step in range(3):
+            loss = trainer.train_step(*_local(step, rank, world))
+            trainer.optimizer_step()
+            losses[name].append(loss.item())
+    torch.testing.assert_close(losses["ep2"], losses["replicated"], rtol=1e-5, atol=0)
+    assert all(a > b + 1e-3 for a, b in zip(losses["ep2"], losses["no_aux"])), losses
+    return losses

@@ -1,0 +1,188 @@
+"""Expert parallelism (``PassConfig.ep_degree``) on real gloo ranks against one eager process on
+the global batch: tiny Qwen3-MoE, Mixtral and DeepSeek-V3.
+
+The default suite runs one architecture at EP 2 on 2 ranks and the in-process checks; the
+rest (every architecture, EP 2 x FSDP 2 on 4 ranks, the routing edge cases, accumulation,
+``in_graph``, the mesh context, checkpoints, gm-train) runs with ``GM_MOE=all``
+(``nox -s moe``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+from moe_bodies import (
+    aux_loss_unchanged,
+    bad_ep_world,
+    checkpoint_round_trip,
+    config_errors,
+    train_and_compare,
+)
+
+from gm_trace.testing.distributed import run_distributed
+
+pytest.importorskip("transformers")
+
+FULL = os.environ.get("GM_MOE") == "all"
+full_only = pytest.mark.skipif(not FULL, reason="GM_MOE=all (nox -s moe)")
+
+
+def _run(world: int, arch: str, ep: int, **options):
+    body = functools.partial(train_and_compare, **options)
+    results = run_distributed(body, world, (arch, ep), timeout=600)
+    for result in results:
+        print(arch, world, ep, options, {k: v for k, v in result.items() if k != "summary"})
+    return results
+
+
+def test_qwen3_moe_ep2_matches_eager() -> None:
+    (first, _) = _run(2, "qwen3-moe", 2)
+    assert first["expert_elements_local"] * 2 == first["expert_elements_total"]
+    assert (
+        "expert parallelism: ep 2, 2 local experts in each of 2 modules; 10 all-to-alls"
+        in (first["summary"])
+    ), first["summary"]
+    assert first["all_to_all_bytes_first_step"] > 0
+
+
+@full_only
+@pytest.mark.parametrize(
+    "arch,routing",
+    [
+        # Equal router logits: every token to the same two experts, none to the other rank's.
+        pytest.param("qwen3-moe", "first", id="no-token-to-rank-1"),
+        # A large correction bias: every token to the last expert (and one more).
+        pytest.param("deepseek-v3", "last", id="every-token-to-one-expert"),
+    ],
+)
+def test_degenerate_routing_trains_like_eager(arch: str, routing: str) -> None:
+    results = _run(2, arch, 2, routing=routing, steps=2)
+    counts = results[0]["tokens_per_expert_first_step"]
+    if routing == "first":  # which half top-k's ties pick is the kernel's choice
+        half = len(counts) // 2
+        assert min(sum(counts[:half]), sum(counts[half:])) == 0, counts
+    else:
+        assert counts[-1] == results[0]["routed_pairs_first_step"] // 2, counts
+
+
+@full_only
+def test_router_aux_loss_is_unchanged_by_ep() -> None:
+    for losses in run_distributed(aux_loss_unchanged, 2, (), timeout=600):
+        print(losses)
+
+
+@full_only
+def test_checkpoint_moves_between_ep_and_no_ep(tmp_path) -> None:
+    """Saved at EP 2 (2 ranks), loaded without EP and back: same FQNs, full shapes, values."""
+    run_distributed(checkpoint_round_trip, 2, (str(tmp_path),), timeout=600)
+
+
+def test_ep_degree_errors_name_both_numbers() -> None:
+    config_errors()
+
+
+def test_ep_world_check_names_both_numbers() -> None:
+    from gm_config import ConfigError
+    from gm_trainer.parallel.topology import check_ep_world
+
+    check_ep_world(2, 4)
+    with pytest.raises(ConfigError, match=r"ep_degree=3 does not divide the 4 data-parallel"):
+        check_ep_world(3, 4)
+
+
+@full_only
+def test_ep_degree_not_dividing_the_world_is_a_config_error() -> None:
+    results = run_distributed(bad_ep_world, 2, (), timeout=120)
+    assert all("ep_degree=3" in r and "2 data-parallel ranks" in r for r in results), results
+
+
+@full_only
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek-v3"])
+def test_ep2_matches_eager(arch: str) -> None:
+    _run(2, arch, 2)
+
+
+@full_only
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral", "deepseek-v3"])
+def test_ep2_fsdp2_on_4_ranks_matches_eager(arch: str) -> None:
+    _run(4, arch, 2)
+
+
+@full_only
+def test_ep2_with_mesh_context_on_4_ranks() -> None:
+    _run(4, "mixtral", 2, mesh=True)
+
+
+@full_only
+@pytest.mark.parametrize(
+    "options", [{"accumulation": 2}, {"in_graph": True}], ids=["accumulation", "in_graph"]
+)
+def test_ep2_composes(options: dict) -> None:
+    _run(2, "qwen3-moe", 2, **options)
+
+
+# --------------------------------------------------------------------------- gm-train
+
+_HF_MOE = {
+    "model_type": "qwen3_moe",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "max_position_embeddings": 64,
+    "experts_implementation": "batched_mm",
+}
+
+
+def _job(**parallel):
+    from gm_trainer.job.config import JobConfig
+
+    return JobConfig.from_dict(
+        {
+            "parallel": parallel,
+            "model": {"source": "hf", "config": _HF_MOE, "seq_len": 16},
+            "train": {"global_batch_size": 4, "steps": 2},
+        }
+    )
+
+
+def test_gm_train_ep_degree_is_checked_before_any_rank_starts() -> None:
+    from gm_config import ConfigError
+    from gm_trainer.job.config import JobConfig
+
+    with pytest.raises(ConfigError, match=r"ep_degree=3 does not divide the 4 experts"):
+        _job(ep_degree=3)
+    job = _job(ep_degree=2)
+    job.check_world_size(2)
+    with pytest.raises(ConfigError, match=r"ep_degree=2 does not divide the 1 data-parallel"):
+        job.check_world_size(1)
+    with pytest.raises(ConfigError, match="builtin model has none"):
+        JobConfig.from_dict({"parallel": {"ep_degree": 2}}).check_world_size(2)
+
+
+@full_only
+def test_gm_train_ep2_logs_expert_load(tmp_path) -> None:
+    import yaml
+    from test_job_cli import gm_train, metrics
+
+    job = _job(ep_degree=2).to_dict()
+    job["data"]["max_bytes"] = 200000
+    job["logging"].update(interval=1, run_dir="run")
+    (tmp_path / "moe.yaml").write_text(yaml.safe_dump(job))
+    result = gm_train("moe.yaml", "--nproc", "2", cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = metrics(tmp_path / "run")
+    assert len(records) == 2
+    for record in records:
+        # 2 layers x 4 rows x 16 tokens x top-2 routed pairs, spread over 8 experts
+        assert record["moe_tokens_per_expert_max"] >= record["moe_tokens_per_expert_min"] >= 0
+        assert record["moe_expert_imbalance"] >= 1.0
+        assert record["moe_all_to_all_bytes"] > 0
+    assert "expert parallelism: ep 2" in (tmp_path / "run" / "passes.txt").read_text()
