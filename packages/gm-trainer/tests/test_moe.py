@@ -105,6 +105,14 @@ def test_ep2_matches_eager(arch: str) -> None:
 
 
 @full_only
+def test_ep2_runs_transformers_default_grouped_mm_kernel() -> None:
+    # The experts compute with the kernel the model is written with (aten._grouped_mm, which
+    # captures on CPU float32 through gm_trace.graph.fake_kernels), not only batched_mm.
+    (first, _) = _run(2, "mixtral", 2, experts_implementation="grouped_mm")
+    assert first["expert_elements_local"] * 2 == first["expert_elements_total"]
+
+
+@full_only
 @pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral", "deepseek-v3"])
 def test_ep2_fsdp2_on_4_ranks_matches_eager(arch: str) -> None:
     _run(4, arch, 2)
