@@ -205,6 +205,9 @@ def test_settings_name_the_pass_they_ask_for_and_its_distribution():
         "recompute_pointwise": (("recompute",), "gm-trace"),
         "backend": (("backend",), "gm-trace"),
         "pp_degree": (("pp_stages",), "gm-trace"),
+        "activation_memory_budget": (("memory_plan",), "gm-trace"),
+        "selective_recompute": (("memory_plan",), "gm-trace"),
+        "full_recompute_modules": (("memory_plan",), "gm-trace"),
         "ep_degree": (("ep",), "gm-trace"),
         "cp_degree": (("cp",), "gm-trace"),
     }
