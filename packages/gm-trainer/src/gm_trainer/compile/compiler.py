@@ -127,16 +127,7 @@ class GraphCompiler:
         cache.begin(input, label, self.model)  # the bound; the symbolic dims
         run = self.run
         first = self.registry.compile_count == 0
-        joint = trace_step(
-            self.model,
-            self.train_fn,
-            self.dtensor_specs,
-            run,
-            input,
-            label,
-            pre_hook=self.pytree_pre_hook if first else None,
-            **self._trace_options(cache),
-        )
+        joint = self._trace(input, label, cache, self.pytree_pre_hook if first else None)
         if variant == ACCUMULATE:  # no update in the graph; reduce once per step under FSDP
             defer = [DeferredReducePass()] if run.topology.fsdp_active else []
             passes = [*self.extra_passes, *defer]
@@ -162,16 +153,7 @@ class GraphCompiler:
         must be resolved and, under FSDP, the model sharded (a first :meth:`compile`). What
         ``gm_trainer.debug.compare_passes`` replays."""
         run = self.run
-        joint = trace_step(
-            self.model,
-            self.train_fn,
-            self.dtensor_specs,
-            run,
-            input,
-            label,
-            pre_hook=None,
-            **self._trace_options(None),
-        )
+        joint = self._trace(input, label, None, None)
         pipeline = PassPipeline.from_config(run.pass_config, run.pass_plan, self.extra_passes)
         return joint, pipeline
 
@@ -212,6 +194,22 @@ class GraphCompiler:
         if self.dump_dir is None or rank != 0:
             return None
         return self.dump_dir / f"signature-{len(self.registry.cache(STEP).graphs)}"
+
+    def _trace(
+        self, input: Any, label: Any, cache: GraphCache | None, pre_hook: Callable[[], None] | None
+    ) -> JointGraph:
+        """Trace the step of the resolved run for this batch (``cache``: its symbolic dims;
+        ``None``: a static trace)."""
+        return trace_step(
+            self.model,
+            self.train_fn,
+            self.dtensor_specs,
+            self.run,
+            input,
+            label,
+            pre_hook=pre_hook,
+            **self._trace_options(cache),
+        )
 
     def _trace_options(self, cache: GraphCache | None) -> dict[str, Any]:
         """Keyword arguments for ``trace_model_graph``: full state shapes, mixed precision and
