@@ -321,9 +321,10 @@ def _train(
             progress.close()
     wall = time.perf_counter() - start
     memory = probe.report(trainer, config, world_size)  # every rank: it gathers
-    schedule = _plot_schedule(trainer, next(iter(batches_from(0))), config, folder)
+    first_batch = next(iter(batches_from(0)))  # what the schedule and activations replay
+    schedule = _plot_schedule(trainer, first_batch, config, folder)
     # Every rank: measuring runs the graph once more, with its collectives.
-    activations = _activation_memory(trainer, config, batches_from)
+    activations = _activation_memory(trainer, config, first_batch)
     if folder is None or progress is None:
         return None
     if memory is not None:
@@ -467,7 +468,7 @@ def _reconcile(trainer: GraphTrainer, config: JobConfig, saved: Any) -> list[str
     return notes
 
 
-def _activation_memory(trainer: GraphTrainer, config: JobConfig, batches_from: Any) -> Any:
+def _activation_memory(trainer: GraphTrainer, config: JobConfig, batch: tuple[Any, Any]) -> Any:
     """``(phases, estimated, measured, title)`` for ``memory.png``: the step graph's
     activation estimate per node and, when a memory plan ran (``parallel.
     activation_memory_budget`` or a preset), the bytes measured on one more run of it (the
@@ -486,7 +487,7 @@ def _activation_memory(trainer: GraphTrainer, config: JobConfig, batches_from: A
     )
     measured = None
     if planned and not trainer.optimizer_in_graph:
-        profile = trainer.measure_activations(*next(iter(batches_from(0))))
+        profile = trainer.measure_activations(*batch)
         if len(profile.kept) == len(estimated):
             measured = [k + r for k, r in zip(profile.kept, profile.recomputed)]
     plan = "no memory plan"
