@@ -33,7 +33,8 @@ from gm_trace.testing.compile import compile_joint
 from gm_trace.testing.distributed import DistributedPool
 
 
-def _llama(seq: int) -> torch.nn.Module:
+def zoo_llama(seq: int) -> torch.nn.Module:
+    """The model zoo's tiny HF Llama (sdpa attention) with positions up to ``seq``, seed 0."""
     import transformers
 
     torch.manual_seed(0)
@@ -80,7 +81,7 @@ def _rank(rank: int, world: int, seqs: list[int], rows: int, steps: int) -> dict
         batch = ({"input_ids": ids}, ids.clone())
         runs = {}
         for cp in (1, 2):
-            model = _llama(seq)
+            model = zoo_llama(seq)
             config = PassConfig(cp_degree=cp, fsdp_enabled=False, enable_overlap=False)
             joint, _ = compile_joint(model, _loss, batch, config)
             interpreter = _HeldAtBackward(joint.graph_module)

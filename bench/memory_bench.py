@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from cp_bench import zoo_llama  # bench/ is sys.path[0]
 from torch.profiler import ProfilerActivity, profile
 
 from gm_config import PassConfig
@@ -51,19 +52,7 @@ def build(name: str, seq: int) -> tuple[torch.nn.Module, Callable, str]:
     if name == "gpt":
         model = TinyGPT(vocab_size=VOCAB, dim=128, n_layers=4, n_heads=4, max_seq_len=seq)
         return model, lm_loss, "layers.*"
-    import transformers
-
-    config = transformers.LlamaConfig(  # the model zoo's Llama, positions up to ``seq``
-        vocab_size=61,
-        hidden_size=32,
-        num_hidden_layers=2,
-        intermediate_size=48,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=seq,
-    )
-    config._attn_implementation = "sdpa"
-    return transformers.LlamaForCausalLM(config), llama_loss, "model.layers.*"
+    return zoo_llama(seq), llama_loss, "model.layers.*"
 
 
 def llama_loss(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor):
