@@ -17,7 +17,14 @@ import os
 
 import bodies
 import pytest
-from architectures import ARCHITECTURES, BY_NAME, EXTRA_ARCHITECTURES, UNSUPPORTED, Architecture
+from architectures import (
+    ARCHITECTURES,
+    BY_NAME,
+    EXPERT_LOOP_CI,
+    EXTRA_ARCHITECTURES,
+    UNSUPPORTED,
+    Architecture,
+)
 
 from gm_trace.capture.capture_errors import GraphCaptureError
 
@@ -72,6 +79,15 @@ def test_single_process_is_bitwise_eager(name, record_property):
     _not_run(name, "1 process = eager, bitwise")
     result = bodies.single_process(name)
     record_property("zoo_result", f"{result['nodes']} nodes")
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, id=n, marks=_needs(BY_NAME[n])) for n in EXPERT_LOOP_CI]
+)
+def test_expert_loop_step_is_bitwise_eager(name):
+    # transformers' per-expert loop (experts_implementation="eager"), captured as a static
+    # loop: one step's loss and gradients on two routings; GM_ZOO=all runs the 3-step row.
+    bodies.one_step(name)
 
 
 @pytest.mark.parametrize("name", _cases(ZOO))

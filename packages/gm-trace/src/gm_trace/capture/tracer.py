@@ -111,6 +111,7 @@ from gm_trace.capture.capture_errors import (
     eager_failure,
 )
 from gm_trace.capture.dtensor import check_no_fake_constants, dtensor_state
+from gm_trace.capture.expert_loop import eager_loop_experts, static_expert_loops
 from gm_trace.capture.mixed_precision import cast_floating, cast_inputs, keeps_own_dtype
 from gm_trace.capture.trace_context import optional_make_fx_kwargs, tracing_context
 from gm_trace.graph import dynamic_shapes
@@ -372,11 +373,18 @@ def _make_fx_graph(
     if symbolic is not None:
         fake_mode = symbolic.fake_mode
     else:
-        # Expert parallelism sizes its all-to-alls from the router's counts: data-dependent
-        # sizes need a shape environment (unbacked symbols), even where every input is static.
-        shape_env = ShapeEnv() if expert_shards(model) else None
+        # Expert parallelism sizes its all-to-alls from the router's counts, and a per-expert
+        # loop its experts' tokens: data-dependent sizes need a shape environment (unbacked
+        # symbols), even where every input is static.
+        routed = bool(expert_shards(model) or eager_loop_experts(model))
+        shape_env = ShapeEnv() if routed else None
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=shape_env)
-    with tracing_context(), fake_mode, symbolic.tracing() if symbolic else nullcontext():
+    with (
+        tracing_context(),
+        fake_mode,
+        symbolic.tracing() if symbolic else nullcontext(),
+        static_expert_loops(model) as loops,
+    ):
         fake_args = [
             a.fake() if hasattr(a, "fake") else fake_mode.from_tensor(a, static_shapes=True)
             for a in args
@@ -386,11 +394,12 @@ def _make_fx_graph(
         except GraphCaptureError:
             raise
         except (DataDependentOutputException, DynamicOutputShapeException) as exc:
-            raise data_dependent_error(exc, model) from None
+            note = loops.failure_note() if loops else ""
+            raise data_dependent_error(exc, model, note) from None
         except Exception as exc:
-            failure = exc
+            failure, note = exc, loops.failure_note() if loops else ""
     # Outside the fake mode, so that the eager check runs on real tensors.
-    raise capture_failure(failure, model, eager) from failure
+    raise capture_failure(failure, model, eager, note) from failure
 
 
 # --------------------------------------------------------------------------- state
