@@ -105,9 +105,23 @@ def _local(step: int, rank: int, world: int) -> tuple[dict[str, torch.Tensor], t
     return {"input_ids": input["input_ids"][rows]}, label[rows]
 
 
-def _eager_losses(model: torch.nn.Module, steps: int, world: int) -> tuple[list[float], Any]:
+#: The optimizers a test may train with: torch.optim class name -> its keyword arguments.
+#: SGD with momentum updates linearly in the gradient, so a gradient that is reduction-order
+#: noise across ranks stays noise; Adam divides by sqrt(v) and can turn it into a +-lr step.
+OPTIMIZERS: dict[str, dict[str, Any]] = {
+    "adam": {"lr": LR},
+    "sgd": {"lr": 0.05, "momentum": 0.9},
+}
+
+
+def _eager_losses(
+    model: torch.nn.Module, steps: int, world: int, optimizer_name: str = "adam"
+) -> tuple[list[float], Any]:
     model = copy.deepcopy(model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    options = OPTIMIZERS[optimizer_name]
+    optimizer = getattr(torch.optim, {"adam": "Adam", "sgd": "SGD"}[optimizer_name])(
+        model.parameters(), **options
+    )
     losses = []
     for step in range(steps):
         loss = hf_loss(model, *batch(step, ROWS * world))
@@ -138,14 +152,16 @@ def train_and_compare(
     mesh: bool = False,
     accumulation: int = 1,
     in_graph: bool = False,
+    optimizer: str = "adam",
     **config: Any,
 ) -> dict[str, Any]:
     """Train ``steps`` Adam steps with ``ep_degree=ep`` and FSDP over the world; compare the
     losses (rtol 1e-5) and every parameter (``parity_tolerance``) with one eager process on
-    the global batch. ``config``: fields of the tiny transformers config (e.g. another
-    ``experts_implementation``). Returns the figures."""
+    the global batch. ``optimizer``: a name of :data:`OPTIMIZERS`. ``config``: fields of
+    the tiny transformers config (e.g. another ``experts_implementation``). Returns the
+    figures."""
     model = build(arch, routing=routing, **config)
-    eager_losses, reference = _eager_losses(model, steps, world)
+    eager_losses, reference = _eager_losses(model, steps, world, optimizer)
     total = {n: p.numel() for n, p in model.named_parameters()}
     config = PassConfig(ep_degree=1 if mesh else ep)
     context = MeshContext.build(ep=ep) if mesh else None
@@ -153,7 +169,11 @@ def train_and_compare(
         model,
         hf_loss,
         config,
-        optimizer_config={"lr": LR, "in_graph": in_graph},
+        optimizer_config={
+            "name": optimizer,
+            "kwargs": OPTIMIZERS[optimizer],
+            "in_graph": in_graph,
+        },
         device="cpu",
         mesh_context=context,
     )
