@@ -344,25 +344,24 @@ def moe(
     )
 
 
-#: The rows an expert-loop architecture does not run: the sharded and compiled rows take the
-#: same graph passes as the row with transformers' default kernel.
-_LOOP_NOT_RUN = dict.fromkeys(
+#: The rows the per-expert loop of the architectures outside the issue's list does not run:
+#: the passes run on the same architecture with its default experts kernel.
+_LOOP_ONE_PROCESS = dict.fromkeys(
     ["PP 2 stages = whole graph, bitwise", "FSDP 2 ranks", "FSDP 2 ranks, reshard", _BF16],
     "the per-expert loop row checks the capture (one process, bitwise); the passes run on "
     "the same architecture with its default experts kernel",
 )
 
 
-def expert_loop(name: str, model: str, **options: Any) -> Architecture:
+def expert_loop(name: str, model: str, *, every_row: bool = True) -> Architecture:
     """``moe(name, model)`` with transformers' per-expert Python loop
     (``experts_implementation="eager"``), which graph mode captures as a static loop over every
-    expert (gm_trace.capture.expert_loop)."""
+    expert (gm_trace.capture.expert_loop); ``every_row=False``: the one-process row only."""
     return moe(
         f"{name}-expert-loop",
         model,
-        not_run=_LOOP_NOT_RUN,
+        not_run=None if every_row else _LOOP_ONE_PROCESS,
         experts_implementation="eager",
-        **options,
     )
 
 
@@ -639,7 +638,7 @@ EXTRA_ARCHITECTURES: list[Architecture] = [
     # the ones left out and why), with its default experts kernel and its per-expert loop
     *(moe(name, model, not_run=NOT_RUN.get(name)) for name, model in _OTHER_MOE),
     *(
-        expert_loop(name, model)
+        expert_loop(name, model, every_row=False)
         for name, model in _OTHER_MOE
         if name not in _LOOP_UNSUPPORTED and (name, model) not in _EXPERT_LOOP_CI
     ),

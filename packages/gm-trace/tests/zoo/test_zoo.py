@@ -6,7 +6,8 @@ against eager, with and without ``reshard_after_forward``; ``param_dtype=bfloat1
 eager FSDP2 under the same ``MixedPrecisionPolicy``; the Inductor backend. CI runs the subset
 tagged ``ci`` (a LayerNorm decoder, an RMSNorm decoder, an encoder and a BatchNorm vision
 model) and the one-process row of those tagged ``ci-moe`` (mixtures of experts with
-transformers' default experts kernel); ``GM_ZOO=all`` (``nox -s zoo``) runs everything and
+transformers' default experts kernel), and one step of six MoE architectures with their
+per-expert loop (``*-expert-loop``); ``GM_ZOO=all`` (``nox -s zoo``) runs everything and
 writes docs/zoo.md.
 """
 
