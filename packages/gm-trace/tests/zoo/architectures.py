@@ -374,7 +374,7 @@ _BF16_ROUTING = {
 }
 
 
-#: The per-expert-loop architectures whose one step the default suite checks (test_zoo.py).
+#: The per-expert-loop architectures of the issue (every row with GM_ZOO=all).
 _EXPERT_LOOP_CI = [
     ("mixtral", "MixtralForCausalLM"),
     ("qwen2-moe", "Qwen2MoeForCausalLM"),
@@ -383,7 +383,13 @@ _EXPERT_LOOP_CI = [
     ("deepseek-v3", "DeepseekV3ForCausalLM"),
     ("gpt-oss", "GptOssForCausalLM"),
 ]
-EXPERT_LOOP_CI = [f"{name}-expert-loop" for name, _ in _EXPERT_LOOP_CI]
+
+#: Their one-layer variants, whose one step the default suite checks (test_zoo.py): the loop
+#: is per layer, and one layer traces in half the time.
+EXPERT_LOOP_CI: list[Architecture] = [
+    moe(f"{name}-expert-loop-1-layer", model, experts_implementation="eager", num_hidden_layers=1)
+    for name, model in _EXPERT_LOOP_CI
+]
 
 ARCHITECTURES: list[Architecture] = [
     # decoders
@@ -711,4 +717,6 @@ MOE_LEFT_OUT: dict[str, str] = {
     ),
 }
 
-BY_NAME = {arch.name: arch for arch in ARCHITECTURES + EXTRA_ARCHITECTURES + UNSUPPORTED}
+BY_NAME = {
+    arch.name: arch for arch in ARCHITECTURES + EXTRA_ARCHITECTURES + UNSUPPORTED + EXPERT_LOOP_CI
+}

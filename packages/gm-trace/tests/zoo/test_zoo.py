@@ -83,12 +83,13 @@ def test_single_process_is_bitwise_eager(name, record_property):
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, id=n, marks=_needs(BY_NAME[n])) for n in EXPERT_LOOP_CI]
+    "arch", [pytest.param(a, id=a.name, marks=_needs(a)) for a in EXPERT_LOOP_CI]
 )
-def test_expert_loop_step_is_bitwise_eager(name):
+def test_expert_loop_step_is_bitwise_eager(arch):
     # transformers' per-expert loop (experts_implementation="eager"), captured as a static
-    # loop: one step's loss and gradients on two routings; GM_ZOO=all runs the 3-step row.
-    bodies.one_step(name)
+    # loop: one step's loss and gradients on two routings, one layer; GM_ZOO=all runs the
+    # rows of the two-layer *-expert-loop architectures.
+    bodies.one_step(arch.name)
 
 
 @pytest.mark.parametrize("name", _cases(ZOO))
