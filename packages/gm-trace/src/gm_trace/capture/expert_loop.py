@@ -40,6 +40,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.hooks import RemovableHandle
 
 from gm_trace.capture.capture_errors import GraphCaptureError
 
@@ -85,11 +86,20 @@ class StaticExpertLoops(TorchFunctionMode):
             return ""
         name, module = self._failed
         return (
-            f"It was raised in the per-expert loop of {_module(name, module)}: "
+            f"It was raised in the per-expert loop of {_module(name, module)}. "
             + _WHAT_IS_CAPTURED
-            + "; this loop needs tensor values besides. "
+            + "; a loop that needs tensor values otherwise is not captured. "
             + _FIX
         )
+
+    def attach(self, modules: dict[str, nn.Module]) -> list[RemovableHandle]:
+        """Hooks on ``modules`` (FQN -> experts module) that tell this mode which one runs;
+        the caller removes them."""
+        handles = []
+        for name, module in modules.items():
+            handles.append(module.register_forward_pre_hook(self._entering(name, module)))
+            handles.append(module.register_forward_hook(self._leaving, always_call=True))
+        return handles
 
     def _entering(self, name: str, module: nn.Module) -> Callable[..., None]:
         def hook(_module: nn.Module, _args: Any) -> None:
@@ -200,11 +210,9 @@ def static_expert_loops(model: nn.Module) -> Iterator[StaticExpertLoops | None]:
         yield None
         return
     loops = StaticExpertLoops()
-    handles = []
+    handles: list[RemovableHandle] = []
     try:
-        for name, module in modules.items():
-            handles.append(module.register_forward_pre_hook(loops._entering(name, module)))
-            handles.append(module.register_forward_hook(loops._leaving, always_call=True))
+        handles = loops.attach(modules)
         with loops:
             yield loops
     finally:

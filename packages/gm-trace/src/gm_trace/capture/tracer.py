@@ -77,6 +77,8 @@ on a worker thread with a fresh ``contextvars.Context`` and lose the tracing sta
 ``torch.compiler._patch_engine_backward()`` (which makes the engine tag backward nodes with their
 forward ``seq_nr``; a ``RuntimeWarning`` is issued where the torch build lacks it). Everything is
 restored on exit, also on error. The training/eval mode of the model is baked in at trace time.
+An experts module that runs transformers' per-expert loop (``experts_implementation="eager"``)
+is traced as a static loop over every expert (:mod:`gm_trace.capture.expert_loop`).
 
 The graph replays the aten ops eager autograd runs, in the same order, so loss, gradients, buffer
 updates and dropout masks (``aten.bernoulli_`` on the global generator) are bitwise equal to eager.
