@@ -65,6 +65,7 @@ def test_degenerate_routing_trains_like_eager(arch: str, routing: str) -> None:
         assert min(sum(counts[:half]), sum(counts[half:])) == 0, counts
     else:
         assert counts[-1] == results[0]["routed_pairs_first_step"] // 2, counts
+    assert sum(counts[: len(counts) // 2]) == 0, counts
 
 
 @full_only
@@ -217,3 +218,21 @@ def test_per_expert_loop_with_ep2_matches_eager() -> None:
 @full_only
 def test_per_expert_loop_with_fsdp_matches_eager() -> None:
     _expert_loop(1)
+
+
+@full_only
+def test_per_expert_loop_with_every_token_to_one_expert_under_ep2() -> None:
+    # A large correction bias: every token to the last expert (and one more of the second
+    # rank's): the first rank's loop runs its four experts on no row at all.
+    results = _run(
+        2,
+        "deepseek-v3",
+        2,
+        routing="last",
+        steps=2,
+        optimizer="sgd",
+        experts_implementation="eager",
+    )
+    counts = results[0]["tokens_per_expert_first_step"]
+    assert counts[-1] == results[0]["routed_pairs_first_step"] // 2, counts
+    assert sum(counts[: len(counts) // 2]) == 0, counts
