@@ -302,21 +302,22 @@ class GraphTrainer:
     def measure_activations(self, input: Any, label: Any) -> ActivationProfile:
         """Run this batch's compiled graph once, node by node, and return the activation bytes
         it held (measured: :func:`gm_trace.runtime.activation_meter.measure_activations`),
-        without training: no gradient is kept, no weight changes. Every rank of an FSDP
-        group calls it with its batch, as for ``train_step``. Not for pipeline stages or a
-        graph that runs the optimizer update itself (``TrainingError``)."""
+        without training: no gradient is kept, no weight or optimizer state changes (a graph
+        that takes the update, ``OptimizerConfig(in_graph=True)``, writes copies of them and
+        its step count is taken back). Every rank of an FSDP group calls it with its batch, as
+        for ``train_step``. Not for pipeline stages (``TrainingError``)."""
         if self.pipeline is not None:
             raise TrainingError(
                 "measure_activations() runs one whole-step graph; under pp_degree > 1 each "
                 "stage's graph runs in the pipeline schedule: read pass_summary() per stage"
             )
         joint = self.compile(input, label)
-        if joint.optimizer_in_graph:
-            raise TrainingError(
-                "measure_activations() cannot run a graph that updates the weights itself "
-                "(OptimizerConfig(in_graph=True)): it would train; measure without in_graph"
-            )
-        return measure_activations(joint, self.model, *self.device_batch(input, label))
+        batch = self.device_batch(input, label)
+        if not joint.optimizer_in_graph:
+            return measure_activations(joint, self.model, *batch)
+        # The graph writes copies of the weights and optimizer state; the step count stays.
+        with self.stepper.uncounted_graph_inputs(joint.optimizer_update) as extra:
+            return measure_activations(joint, self.model, *batch, extra)
 
     @property
     def compile_count(self) -> int:

@@ -6,7 +6,9 @@ real tensors that are activations (:func:`gm_trace.graph.memory.is_activation`: 
 values computed from the batch, and their recompute copies in backward), each storage once,
 parameter and input storages never.
 The same on every device: it counts tensors, not allocator statistics (for those,
-:func:`gm_trace.graph.memory.peak_allocated_bytes`).
+:func:`gm_trace.graph.memory.peak_allocated_bytes`). Measuring does not train: what the graph
+writes in place (a graph that takes the optimizer update writes the parameters and the
+optimizer state) it writes into copies.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
 from gm_trace.graph import node_meta
+from gm_trace.graph.aliasing import storage_of, written_storages
 from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.graph.memory import batch_dependent, is_activation
 from gm_trace.runtime.node_values import run_node_by_node
@@ -56,6 +60,21 @@ def _storages(value: Any, skip: set[int]) -> dict[int, int]:
     return found
 
 
+def _private_writes(graph: fx.Graph, args: list[Any]) -> list[Any]:
+    """``args`` with each tensor the graph writes in place replaced by a copy (a storage
+    shared by several arguments copied once, their views rebuilt on it)."""
+    written = set().union(*(written_storages(n) for n in graph.nodes))
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    copies: dict[int, torch.UntypedStorage] = {}
+    out = list(args)
+    for i, (node, arg) in enumerate(zip(placeholders, args)):
+        if isinstance(arg, Tensor) and storage_of(node) in written:
+            storage = arg.untyped_storage()
+            own = copies.setdefault(storage.data_ptr(), storage.clone())
+            out[i] = arg.new_empty(0).set_(own, arg.storage_offset(), arg.size(), arg.stride())
+    return out
+
+
 def measure_activations(
     joint: JointGraph,
     model: nn.Module,
@@ -66,8 +85,12 @@ def measure_activations(
     """Run ``joint`` once on ``model``'s live state (as :func:`run_traced_graph` would, but
     node by node: :func:`~gm_trace.runtime.node_values.run_node_by_node`; buffers the step
     mutates are not written back) and return the activation bytes it held. The graph's own
-    module runs, never a compiled backend."""
-    args = graph_args(joint, model, input, label, extra_args)
+    module runs, never a compiled backend. The arguments the graph writes in place (the
+    parameters and optimizer state of a graph that takes the update) are copied first: the
+    graph writes the copies, and ``model`` and ``extra_args`` keep their values."""
+    args = _private_writes(
+        joint.graph_module.graph, graph_args(joint, model, input, label, extra_args)
+    )
     skip = {a.untyped_storage().data_ptr() for a in args if isinstance(a, Tensor)}
     graph = joint.graph_module.graph
     nodes = list(graph.nodes)
