@@ -23,8 +23,8 @@ returned). "Peak in backward" (graph mode only) adds the recompute copies alive 
 Step time is the median of ``--steps`` steps after a first one (trace / compile) left out;
 the rows take their steps in turn, so machine noise hits them alike. Below the table, budget 0
 side by side with eager checkpointing of every block: held bytes, and the step-time ratio as
-the median of the per-round ratios (the two rows step back to back in each round, which first alternating) with their
-range, the noise of this machine.
+the median of the per-round ratios (the two rows step back to back in each round, which one
+first alternating) with their range, the noise of this machine.
 """
 
 from __future__ import annotations

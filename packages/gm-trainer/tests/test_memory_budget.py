@@ -80,6 +80,16 @@ def test_under_pipeline_parallelism_each_stage_fits_its_budget(dist_pool):
         for every, kept in planned["stages"].values():  # planned per stage, not in sum
             assert kept <= 0.25 * every + every // 8, planned["stages"]
         assert planned["held"] < 0.5 * everything["held"], (planned["held"], everything["held"])
+        # measure_activations on the pipeline: this rank's stage, measured, trains nothing.
+        (all_stages, all_held, largest), (stages, held, _) = (
+            everything["measured"],
+            planned["measured"],
+        )
+        assert everything["untouched"] and planned["untouched"]
+        assert list(stages) == list(all_stages) and len(stages) == 1
+        for stage, nbytes in stages.items():
+            assert 0 < nbytes <= 0.25 * all_stages[stage] + largest, (stages, all_stages)
+        assert held == planned["held"] and all_held == everything["held"]
 
 
 def test_a_dynamic_graph_is_planned_once_at_the_traced_size():

@@ -85,6 +85,7 @@ MATMUL_OPS = frozenset(
     }
 )
 
+
 def _base(node: fx.Node) -> str:
     parts = op_name(node).split(".")
     return parts[-2] if len(parts) >= 2 else parts[-1]
@@ -386,9 +387,7 @@ def _early_pulls(info: _Graph, copies: _Copies) -> set[fx.Node]:
     only the glue between blocks runs (the final norm, head and loss): its input is not
     kept then. Found from the graph's backward order and module paths (:func:`block_of`)."""
     labeled = sorted(
-        (info.order[n], block_of(n))
-        for n in info.nodes
-        if _phase(n) == "backward" and block_of(n)
+        (info.order[n], block_of(n)) for n in info.nodes if _phase(n) == "backward" and block_of(n)
     )
     positions = [at for at, _ in labeled]
     start: dict[str, int] = {}

@@ -13,6 +13,7 @@ optimizer state) it writes into copies.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,11 +44,17 @@ class ActivationProfile:
     """Forward activation bytes held when backward starts: what is kept for backward."""
     largest_held: int
     """The largest single storage among those."""
+    stages: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Under pipeline parallelism (``GraphTrainer.measure_activations``), per stage of this
+    rank: the bytes one micro-batch held from its forward to its backward; ``held_bytes``
+    is then the most the rank held at once (the micro-batches in flight), and there are no
+    per-node curves."""
 
     @property
     def peak_bytes(self) -> int:
-        """The largest total of kept and recomputed activation bytes at any node."""
-        return max((k + r for k, r in zip(self.kept, self.recomputed)), default=0)
+        """The largest total of kept and recomputed activation bytes at any node (without
+        per-node curves: ``held_bytes``)."""
+        return max((k + r for k, r in zip(self.kept, self.recomputed)), default=self.held_bytes)
 
 
 def _storages(value: Any, skip: set[int]) -> dict[int, int]:
