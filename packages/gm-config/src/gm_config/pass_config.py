@@ -172,13 +172,17 @@ class PassConfig:
     )
     """Plan every tensor saved from forward to backward against a budget: a fraction in
     [0, 1] of the activation bytes a save-everything step holds when backward begins (``1.0``:
-    keep all; ``0``: recompute all that can be). The ``memory_plan`` pass keeps the values
-    that are dearest to recompute per byte (matmuls, attention) and recomputes the rest in
-    backward, with the same ops in the same order: bitwise identical results. A fraction,
-    not bytes, because one setting then means the same for every model, batch and sequence
-    length, every pipeline stage and every traced size of a dynamic graph (planned at the
-    traced size); the plan's bytes are in ``pass_summary()``. ``None``: no plan (the
-    ``recompute`` pass alone, as before). Replaces ``recompute_pointwise`` when set."""
+    keep all). The ``memory_plan`` pass keeps the values that are dearest to recompute per
+    byte (matmuls, attention) and recomputes the rest in backward, with the same ops in the
+    same order: bitwise identical results. It never recomputes a forward op twice and runs
+    each block's recompute in that block's backward, so ``0`` keeps the least that allows:
+    the block boundaries the next block reads (no more than checkpointing every block keeps,
+    at about its step time: one extra forward); a budget below that floor keeps the floor.
+    A fraction, not bytes, because one setting then means the same for every model, batch
+    and sequence length, every pipeline stage and every traced size of a dynamic graph
+    (planned at the traced size); the plan's bytes are in ``pass_summary()``. ``None``: no
+    plan (the ``recompute`` pass alone, as before). Replaces ``recompute_pointwise`` when
+    set."""
 
     selective_recompute: bool = dataclasses.field(default=False, metadata=_runs("memory_plan"))
     """The ``memory_plan`` pass's preset "save matmul outputs, recompute the rest" (as

@@ -9,7 +9,14 @@ decides per group: keep, or recompute in backward.
 
 - ``PassConfig.activation_memory_budget = f``: a greedy knapsack. Groups are taken by bytes
   freed per FLOP added, dearest last, until the kept bytes are at most ``f`` times the
-  save-everything bytes (``0``: everything that can be recomputed is).
+  save-everything bytes; then a check of where the copies would run (:func:`_early_pulls`):
+  a value whose recompute would start another block's recompute during a third block's
+  backward (block 2's output, needed by block 3's backward, recomputed from block 1's) is
+  kept, and the knapsack runs again without it. So every forward op is recomputed at most
+  once and each block's copies run in its own backward. ``0`` reaches the floor of that: the
+  blocks' boundaries that the next block reads — what checkpointing every block keeps,
+  found from the graph, not a module list — and nothing else; between, the target is
+  ``f`` times the save-everything bytes or that floor, whichever is more.
 - ``PassConfig.selective_recompute``: keep the outputs of matmuls, convolutions and attention
   (and the values nothing else can recompute), recompute the rest from them.
 - ``PassConfig.full_recompute_modules``: the modules the patterns match keep only their inputs;
@@ -17,21 +24,22 @@ decides per group: keep, or recompute in backward.
 
 Recomputing copies the forward ops, in forward order, to just before the first backward node
 that needs them, and points the backward readers at the copies; the forward values then die
-after their last forward use. Copies are shared within a block (a numbered module such as
-``layers.3``, where its backward needs them) and, separately, for what a later block's
-recompute needs from an earlier one, so a block's recomputed internals never wait from the
-start of backward for that block. The same ops on the same inputs give bitwise the same
-values. Ops that draw random numbers (dropout; attention only when its ``dropout_p`` is not 0),
-write in place, communicate, or rebuild an all-gathered parameter are never recomputed, nor is
-a value whose inputs are written in place later in the graph.
+after their last forward use. Each forward node has at most one copy, shared by every reader
+(its block's backward, the next block's recompute). A block's copies run in its own
+backward, or, for the last block, during the backward of the glue after it (final norm,
+head, loss), whose recompute reads the last block's output: there the two regions share one
+recompute and the last block's output is not kept. The same ops on the same inputs give
+bitwise the same values. Ops that draw random numbers (dropout; attention only when its
+``dropout_p`` is not 0), write in place, communicate, or rebuild an all-gathered parameter
+are never recomputed, nor is a value whose inputs are written in place later in the graph.
 
 What counts: *activations* are the values that depend on the batch; parameters, buffers and
 what is computed from them alone (an all-gathered or cast weight) are not activations and are
 neither counted nor planned. The budget is planned at the traced size; for a graph with
 symbolic sizes (``dynamic_dims``) the same decisions serve every size. Under FSDP a copy
 reads the all-gathered weight backward holds anyway; under ``reshard_after_forward`` the
-re-gathered one, or, for a copy that runs before the re-gather (budget 0 recomputes the
-blocks' inputs at the start of backward), the forward one, which then lives until that copy
+re-gathered one, or, for a copy that runs before its block's re-gather (the last block's,
+recomputed during the head's backward), the forward one, which then lives until that copy
 (``MemoryPlan.weights_held`` names them: parameter memory traded for activation memory).
 Under pipeline parallelism each stage's graph is planned on its own. Offloading saved values
 to host memory is not implemented: on CPU it would not save anything, and no accelerator was
@@ -384,8 +392,9 @@ def _early_pulls(info: _Graph, copies: _Copies) -> set[fx.Node]:
     recomputed for ``layers.3``'s backward would start ``layers.2``'s recompute there, or
     a second copy of it): keeping them is the cut that recomputes every block once, in its
     own backward, as checkpointing every block does. A block's copies may run early while
-    only the glue between blocks runs (the final norm, head and loss): its input is not
-    kept then. Found from the graph's backward order and module paths (:func:`block_of`)."""
+    only glue outside the blocks runs backward (the final norm, head and loss): the last
+    block's output is not kept then. Found from the graph's backward order and module
+    paths (:func:`block_of`)."""
     labeled = sorted(
         (info.order[n], block_of(n)) for n in info.nodes if _phase(n) == "backward" and block_of(n)
     )
