@@ -127,4 +127,14 @@ def pipeline_budgets(rank: int, world: int) -> dict:
             "measured": (profile.stages, profile.held_bytes, profile.largest_held),
             "untouched": untouched,
         }
+    # dynamic_dims: traced (and planned) at sequence 16, measured per stage at 16 and SEQ.
+    dims = {"input": {1: "seq"}, "label": {1: "seq"}}
+    config = PassConfig(pp_degree=2, pp_microbatches=2, activation_memory_budget=0.25)
+    trainer = GraphTrainer(gpt(), lm_loss, config, optimizer_config={"lr": 1e-2}, dynamic_dims=dims)
+    short = trainer.measure_activations(*batch(0, 4, 16))
+    for step, seq in enumerate((24, SEQ)):
+        trainer.train_step(*batch(step, 4, seq))
+        trainer.optimizer_step()
+    full = trainer.measure_activations(*batch(0, 4, SEQ))
+    out["dynamic"] = {"stages": (short.stages, full.stages), "compiles": trainer.compile_count}
     return out

@@ -90,6 +90,12 @@ def test_under_pipeline_parallelism_each_stage_fits_its_budget(dist_pool):
         for stage, nbytes in stages.items():
             assert 0 < nbytes <= 0.25 * all_stages[stage] + largest, (stages, all_stages)
         assert held == planned["held"] and all_held == everything["held"]
+        # dynamic_dims: planned once at the traced size (16), measured per stage at 16 and
+        # at SEQ, where the traced plan still fits the budget of the static step at SEQ.
+        (short, full), compiles = results["dynamic"]["stages"], results["dynamic"]["compiles"]
+        assert compiles == 1 and list(short) == list(full) == list(all_stages)
+        for stage, nbytes in full.items():
+            assert short[stage] < nbytes <= 0.25 * all_stages[stage] + largest, (full, short)
 
 
 def test_a_dynamic_graph_is_planned_once_at_the_traced_size():
