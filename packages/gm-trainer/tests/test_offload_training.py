@@ -9,7 +9,8 @@ import re
 
 import pytest
 import torch
-from offload_bodies import BUDGETS, offload_runs
+from memory_bodies import FULL
+from offload_bodies import BUDGETS, OFFLOAD, offload_runs, train
 
 
 def assert_offloaded_and_bitwise(runs: dict) -> None:
@@ -34,3 +35,14 @@ def test_forced_offload_trains_bitwise_like_keeping_everything():
 def test_under_fsdp_forced_offload_trains_bitwise_like_keeping_everything(dist_pool):
     for runs in dist_pool(2).run(offload_runs, timeout=600):
         assert_offloaded_and_bitwise(runs)
+
+
+@pytest.mark.skipif(not FULL, reason="compiles with Inductor: the memory session (GM_MEMORY=full)")
+def test_inductor_compiles_the_offloaded_graph():
+    """The copies are plain aten ops Inductor compiles (a different fusion: float32 defaults)."""
+    everything = train({"activation_memory_budget": 1.0, "backend": "inductor"})
+    offloaded = train({"activation_memory_budget": 0.0, "backend": "inductor", **OFFLOAD})
+    assert "offload: on" in offloaded["summary"]
+    torch.testing.assert_close(offloaded["losses"], everything["losses"])
+    for fqn, param in everything["params"].items():
+        torch.testing.assert_close(offloaded["params"][fqn], param)
