@@ -1,7 +1,8 @@
 """Activation offload, the ``memory_plan`` pass's third choice, on CPU: forced there
 (``MemoryPlanPass(offload_on_cpu=True)``: the copies run but move nothing off the device) the
 rewrite trains bitwise like keeping everything and has the shape it promises; not forced,
-nothing is offloaded on CPU and the summary says why."""
+nothing is offloaded on CPU and the summary says why. The accelerator branch is planned on a
+graph of fake cuda tensors (nothing runs there: no GPU here)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ import copy
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from gm_config import ConfigError, PassConfig
 from gm_passes import PassPipeline
 from gm_trace import run_traced_graph, trace_model_graph
 from gm_trace.graph import node_meta
 from gm_trace.graph.graph_build import tensor_bytes
+from gm_trace.graph.memory import estimate_activation_bytes
 from gm_trace.passes.memory_plan import MemoryPlanPass, node_flops
 from gm_trace.runtime.activation_meter import measure_activations
 from gm_trace.testing import REFERENCE_MODELS, TinyGPT, lm_loss, make_lm_batch
@@ -190,3 +194,74 @@ def test_bad_offload_settings_are_config_errors(config, words):
     with pytest.raises(ConfigError, match=r"PassConfig\.activation_offload") as info:
         PassConfig(**config)
     assert words in str(info.value)
+
+
+def _step_by_hand(w1, w2, x):
+    """A step with its backward written out (autograd needs a real device): dropout-like
+    mask, drawn at random, then a matmul; the loss and both weight gradients."""
+    r = torch.relu(x @ w1)
+    mask = torch.rand_like(r) > 0.25
+    h = r * mask / 0.75
+    y = h @ w2
+    loss = y.square().sum()
+    gy = 2 * y
+    gr = (gy @ w2.t()) * mask / 0.75
+    return loss, x.t() @ torch.ops.aten.threshold_backward(gr, r, 0), h.t() @ gy
+
+
+def _accelerator_graph() -> torch.fx.GraphModule:
+    """The step traced on fake ``cuda`` tensors (nothing runs, no GPU needed), its nodes
+    marked forward (what the loss depends on) and backward as the tracer marks them."""
+    with FakeTensorMode():
+        w1 = torch.empty(64, 256, device="cuda")
+        w2 = torch.empty(256, 8, device="cuda")
+        x = torch.empty(256, 64, device="cuda")
+        graph_module = make_fx(_step_by_hand)(w1, w2, x)
+    nodes = list(graph_module.graph.nodes)
+    forward, stack = set(), [graph_module.graph.output_node().args[0][0]]
+    while stack:
+        node = stack.pop()
+        if node not in forward:
+            forward.add(node)
+            stack.extend(node.all_input_nodes)
+    for index, node in enumerate(nodes):
+        if node.op == "placeholder":
+            node.meta[node_meta.ROLE] = "input" if index == 2 else "param"
+        elif node.op == "call_function":
+            node.meta[node_meta.PHASE] = "forward" if node in forward else "backward"
+    return graph_module
+
+
+def test_on_an_accelerator_graph_offload_is_on_and_the_host_copies_leave_the_device():
+    """The accelerator branch, on a graph of fake cuda tensors (planned, never run)."""
+    results = {}
+    for offload in (False, True):
+        pipeline = PassPipeline(
+            [MemoryPlanPass()],
+            PassConfig(activation_memory_budget=0.0, activation_offload=offload),
+        )
+        graph_module = pipeline.run(_accelerator_graph())
+        results[offload] = graph_module, pipeline.context.stats["memory_plan"]["plan"]
+    (plain, without), (graph_module, plan) = results[False], results[True]
+    assert "to host memory over 25 GB/s (recompute priced at 200 TFLOP/s)" in plan.describe()
+    nodes = list(graph_module.graph.nodes)
+    host = [n for n in nodes if n.meta.get(node_meta.OFFLOADED) == "host"]
+    device = [n for n in nodes if n.meta.get(node_meta.OFFLOADED) == "device"]
+    # The mask: drawn at random, nothing can recompute it; default rates recompute the rest.
+    ((value, copy_out),) = [(n.args[0], n) for n in host]
+    assert str(value.target) == "aten.gt.Scalar" and plan.offloaded == [value.name]
+    assert plan.offloaded_bytes == tensor_bytes(value) == 256 * 256
+    assert copy_out.meta["val"].device == torch.device("cpu")
+    assert copy_out.meta["val"].dtype == torch.bool
+    ((copy_in,),) = [device]
+    assert copy_in.args[0] is copy_out and copy_in.meta["val"].device.type == "cuda"
+    assert plan.kept_bytes == without.kept_bytes - plan.offloaded_bytes
+
+    # The static estimate counts device memory: at the loss (forward's end) the mask is gone
+    # from it, and its host copy is not in it.
+    def at_the_loss(graph_module: torch.fx.GraphModule) -> int:
+        nodes = list(graph_module.graph.nodes)
+        loss = nodes.index(graph_module.graph.output_node().args[0][0])
+        return estimate_activation_bytes(graph_module)[loss]
+
+    assert at_the_loss(graph_module) == at_the_loss(plain) - plan.offloaded_bytes
