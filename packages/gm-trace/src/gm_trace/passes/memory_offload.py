@@ -19,8 +19,11 @@ copy, the host-to-device copy and the readers are ordered by the stream, the cac
 reuses the freed device block only for work queued after the copy on that stream, and the
 pinned host block is released only after the copy that reads it has run (the host allocator
 records an event on it). It does not overlap the transfers with compute, so the planner
-prices them as time on the critical path. Copies on a side stream (issued after an event,
-waited on before the readers) would hide them behind compute; they are not implemented.
+prices them as time on the critical path, and the lead buys no overlap yet: it is where a
+side stream would issue the copy back, and the device copy is held from there to its reader
+(a few backward nodes' worth of memory). Copies on a side stream (issued after an event,
+waited on before the readers) would hide the transfers behind compute; they are not
+implemented.
 
 Decision, per saved value (a storage group) the planner would free: offload it when its
 transfer, out and back, ``2 * bytes / bandwidth``, takes less time than recomputing it,
@@ -104,7 +107,7 @@ def plan_offload(
     ``on_cpu``: offload on CPU too (tests: the copies move nothing off the device)."""
     if not config.activation_offload:
         return OffloadPlan()
-    device = _accelerator(n for unit in units for n in unit)
+    device = _accelerator(graph.nodes)
     if staged:
         return OffloadPlan(note="off under pipeline parallelism (not implemented)")
     if device is None and not on_cpu:
