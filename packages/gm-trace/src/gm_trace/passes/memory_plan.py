@@ -513,7 +513,7 @@ class MemoryPlanPass(GraphPass):
         if config.activation_memory_budget is not None:
             dropped, stops = _plan_budget(info, config.activation_memory_budget)
             offload = self._plan_offload(graph, info, dropped, config)
-            dropped -= offload.nodes
+            dropped = set(dropped) - offload.nodes
         else:
             dropped, stops = _plan_presets(
                 info, config.selective_recompute, config.full_recompute_modules
