@@ -41,9 +41,10 @@ reads the all-gathered weight backward holds anyway; under ``reshard_after_forwa
 re-gathered one, or, for a copy that runs before its block's re-gather (the last block's,
 recomputed during the head's backward), the forward one, which then lives until that copy
 (``MemoryPlan.weights_held`` names them: parameter memory traded for activation memory).
-Under pipeline parallelism each stage's graph is planned on its own. Offloading saved values
-to host memory is not implemented: on CPU it would not save anything, and no accelerator was
-at hand to build and measure it; the summary reports ``offloaded 0.00 MiB``.
+Under pipeline parallelism each stage's graph is planned on its own. With
+``PassConfig.activation_offload`` the budget planner may offload a saved value to host memory
+instead of recomputing it (:mod:`gm_trace.passes.memory_offload`: accelerators only, off on
+CPU and under pipeline parallelism; not measured on an accelerator yet).
 
 Runs after ``fsdp``, ``reshard`` and ``recompute`` (which it replaces when a budget is set),
 before ``optimizer`` (whose in-place updates come after the copies) and ``overlap``.
@@ -70,6 +71,7 @@ from gm_trace.graph.aliasing import storage_of
 from gm_trace.graph.dynamic_shapes import concrete_int
 from gm_trace.graph.graph_build import tensor_bytes
 from gm_trace.graph.memory import batch_dependent, estimate_peak_memory, is_view
+from gm_trace.passes.memory_offload import OffloadPlan, apply_offload, plan_offload
 from gm_trace.passes.recompute import is_recomputable, written_between
 
 #: Ops whose outputs the selective preset keeps (their recompute costs multiply-adds).
@@ -162,7 +164,10 @@ class MemoryPlan:
     recomputed_bytes: int
     """Saved activation bytes no longer held: recomputed in backward."""
     offloaded_bytes: int = 0
-    """Saved activation bytes moved to host memory (not implemented: always 0)."""
+    """Saved activation bytes moved to host memory (``PassConfig.activation_offload``)."""
+    offload: str = ""
+    """Offload on or off, and why (empty when ``activation_offload`` is not set)."""
+    offloaded: list[str] = field(default_factory=list)
     forward_flops: int = 0
     added_flops: int = 0
     """FLOPs of the recompute copies the pass added to backward."""
@@ -196,6 +201,7 @@ class MemoryPlan:
                 f"\n  stage {stage}: kept {_mib(kept)} of {_mib(every)}"
                 for stage, (every, kept) in sorted(self.stages.items())
             )
+            + (f"\n  offload: {self.offload}" if self.offload else "")
             + (
                 f"\n  forward all-gathers held for recompute (before their re-gather): "
                 f"{', '.join(self.weights_held)}"
@@ -225,6 +231,7 @@ class _Graph:
             and n in self.on_batch
             and self.backward_readers(n)
             and storage_of(n) not in inputs
+            and not n.meta.get(node_meta.OFFLOADED)  # a host copy: held, but not on the device
         ]
         # Values backward reads anyway that are not activations (a gathered weight) are kept
         # as they are and recomputing may read them.
@@ -567,7 +574,18 @@ class MemoryPlanPass(GraphPass):
     name = "memory_plan"
     runs_after = ("canonicalize", "fsdp", "reshard", "recompute", "pp_stages")
     runs_before = ("optimizer", "overlap")
-    options = ("activation_memory_budget", "selective_recompute", "full_recompute_modules")
+    options = (
+        "activation_memory_budget",
+        "selective_recompute",
+        "full_recompute_modules",
+        "activation_offload",
+        "activation_offload_bandwidth_gbps",
+        "activation_offload_device_tflops",
+    )
+
+    def __init__(self, offload_on_cpu: bool = False) -> None:
+        self.offload_on_cpu = offload_on_cpu
+        """Offload on CPU too (tests of the rewrite; the copies move nothing off the device)."""
 
     @classmethod
     def enabled_by(cls, config: PassConfig, plan: Any) -> str | None:
@@ -583,13 +601,18 @@ class MemoryPlanPass(GraphPass):
         config = ctx.config
         before, every = _held_bytes(info), _held_by_stage(info)
         peak_before = estimate_peak_memory(graph_module)
+        offload = OffloadPlan()
         if config.activation_memory_budget is not None:
             dropped, stops = _plan_budget(info, config.activation_memory_budget)
+            offload = self._plan_offload(graph, info, dropped, config)
+            dropped = set(dropped) - offload.nodes
         else:
             dropped, stops = _plan_presets(
                 info, config.selective_recompute, config.full_recompute_modules
             )
         copies = _materialize(graph, info, dropped, stops) if dropped else []
+        if offload.units:
+            apply_offload(graph, offload, config, node_flops)
         after = _Graph(graph)
         plan = MemoryPlan(
             mode=_mode(config),
@@ -602,7 +625,12 @@ class MemoryPlanPass(GraphPass):
             forward_flops=sum(node_flops(n) for n in info.nodes if _phase(n) == "forward"),
             added_flops=sum(node_flops(n) for n in copies),
             peak_bytes_before=peak_before,
-            peak_bytes_after=estimate_peak_memory(graph_module) if copies else peak_before,
+            peak_bytes_after=(
+                estimate_peak_memory(graph_module) if copies or offload.units else peak_before
+            ),
+            offloaded_bytes=offload.freed_bytes,
+            offload=offload.note,
+            offloaded=[n.name for n in sorted(offload.nodes, key=info.order.__getitem__)],
             recomputed=[n.name for n in sorted(dropped, key=info.order.__getitem__)],
             kept=[n.name for n in after.saved],
         )
@@ -620,4 +648,25 @@ class MemoryPlanPass(GraphPass):
             plan.stages = {s: (every[s], kept.get(s, 0)) for s in every if s is not None}
         ctx.record(self.name, plan=plan)
         ctx.publish(self.name, plan)
-        return PassResult(graph_module, bool(copies))
+        return PassResult(graph_module, bool(copies) or bool(offload.units))
+
+    def _plan_offload(
+        self, graph: fx.Graph, info: _Graph, dropped: set[fx.Node], config: PassConfig
+    ) -> OffloadPlan:
+        """The activation offload's choice (:func:`plan_offload`) after the budget's."""
+        every = set(info.saved) | info.state_kept
+
+        def recompute_flops(nodes: list[fx.Node]) -> int:
+            return sum(node_flops(n) for n in info.chain(nodes, every - set(nodes)) or ())
+
+        return plan_offload(
+            graph,
+            list(_units(info.saved).values()),
+            dropped,
+            config.activation_memory_budget * _held_bytes(info),
+            config,
+            unit_bytes=_unit_bytes,
+            recompute_flops=recompute_flops,
+            on_cpu=self.offload_on_cpu,
+            staged=any(n.meta.get(node_meta.STAGE) is not None for n in info.nodes),
+        )

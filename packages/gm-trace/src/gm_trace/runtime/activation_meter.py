@@ -4,7 +4,8 @@
 reader, as the generated code does) and, before every node, sums the storages of the live
 real tensors that are activations (:func:`gm_trace.graph.memory.is_activation`: forward
 values computed from the batch, and their recompute copies in backward), each storage once,
-parameter and input storages never.
+parameter and input storages never. The copies an activation offload keeps in host memory
+(:func:`gm_trace.graph.memory.on_host`) are counted apart, as ``offloaded``.
 The same on every device: it counts tensors, not allocator statistics (for those,
 :func:`gm_trace.graph.memory.peak_allocated_bytes`). Measuring does not train: what the graph
 writes in place (a graph that takes the optimizer update writes the parameters and the
@@ -13,9 +14,8 @@ optimizer state) it writes into copies.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from gm_trace.graph import node_meta
 from gm_trace.graph.aliasing import storage_of, written_storages
 from gm_trace.graph.joint_graph import JointGraph
-from gm_trace.graph.memory import batch_dependent, is_activation
+from gm_trace.graph.memory import batch_dependent, is_activation, on_host
 from gm_trace.runtime.node_values import run_node_by_node
 from gm_trace.runtime.run_graph import graph_args
 
@@ -39,12 +39,16 @@ class ActivationProfile:
     kept: list[int]
     """Bytes of live forward activations (what forward computed and still holds)."""
     recomputed: list[int]
-    """Bytes of live recompute copies (what backward computed again)."""
+    """Bytes of live recompute copies (what backward computed again) and offloaded values
+    brought back to the device."""
     held_bytes: int
     """Forward activation bytes held when backward starts: what is kept for backward."""
     largest_held: int
     """The largest single storage among those."""
-    stages: dict[int, int] = dataclasses.field(default_factory=dict)
+    offloaded: list[int] = field(default_factory=list)
+    """Bytes of live offloaded copies in host memory (not device memory; none on CPU, where
+    an offload forced for tests leaves its copies on the device: they count as kept)."""
+    stages: dict[int, int] = field(default_factory=dict)
     """Under pipeline parallelism (``GraphTrainer.measure_activations``), per stage of this
     rank: the bytes one micro-batch held from its forward to its backward; ``held_bytes``
     is then the most the rank held at once (the micro-batches in flight), and there are no
@@ -103,11 +107,7 @@ def measure_activations(
     nodes = list(graph.nodes)
     order = {node: i for i, node in enumerate(nodes)}
     on_batch = batch_dependent(graph)
-    kinds = {
-        n: ("recomputed" if n.meta.get(node_meta.RECOMPUTED) else "kept")
-        for n in nodes
-        if is_activation(n, on_batch)
-    }
+    kinds = {n: _kind(n) for n in nodes if is_activation(n, on_batch)}
     # As the generated code does: a value is freed after its last reader, at once if none.
     freed_after: dict[int, list[fx.Node]] = {}
     for node in kinds:
@@ -116,7 +116,7 @@ def measure_activations(
     phases = [n.meta.get(node_meta.PHASE) or "" for n in nodes]
     boundary = phases.index("backward") if "backward" in phases else len(nodes)
     live: dict[fx.Node, dict[int, int]] = {}
-    kept, recomputed = [0] * len(nodes), [0] * len(nodes)
+    kept, recomputed, offloaded = [0] * len(nodes), [0] * len(nodes), [0] * len(nodes)
     held = {"bytes": 0, "largest": 0}
 
     def on_node(node: fx.Node, value: Any) -> None:
@@ -125,15 +125,26 @@ def measure_activations(
             live[node] = _storages(value, skip)
         for gone in freed_after.get(index, ()):
             live.pop(gone, None)
-        by_kind: dict[str, dict[int, int]] = {"kept": {}, "recomputed": {}}
+        by_kind: dict[str, dict[int, int]] = {"kept": {}, "recomputed": {}, "host": {}}
         for alive, storages in live.items():
             by_kind[kinds[alive]].update(storages)
         if index + 1 < len(nodes):  # what is alive before the next node runs
             kept[index + 1] = sum(by_kind["kept"].values())
             recomputed[index + 1] = sum(by_kind["recomputed"].values())
+            offloaded[index + 1] = sum(by_kind["host"].values())
         if index + 1 == boundary:
             held["bytes"] = kept[index + 1]
             held["largest"] = max(by_kind["kept"].values(), default=0)
 
     run_node_by_node(joint.graph_module, args, on_node)
-    return ActivationProfile(phases, kept, recomputed, held["bytes"], held["largest"])
+    return ActivationProfile(
+        phases, kept, recomputed, held["bytes"], held["largest"], offloaded=offloaded
+    )
+
+
+def _kind(node: fx.Node) -> str:
+    if on_host(node):
+        return "host"
+    if node.meta.get(node_meta.RECOMPUTED) or node.meta.get(node_meta.OFFLOADED) == "device":
+        return "recomputed"
+    return "kept"
