@@ -151,6 +151,18 @@ def test_every_token_to_one_expert_is_bitwise_eager():
     assert grads["experts.up"][2].abs().sum() > 0
 
 
+def test_the_loop_captures_with_a_symbolic_token_count():
+    torch.manual_seed(0)
+    model = RoutedModel(top_k=3)
+    tokens = {0: "tokens"}
+    joint = trace_model_graph(
+        model, mse, *_batch(0), dynamic_dims={"input": tokens, "label": tokens}
+    )
+    x, y = _batch(1)
+    _assert_bitwise_eager(joint, model, (x[:7], y[:7]))  # one graph for 7 tokens and 12
+    _assert_bitwise_eager(joint, model, _batch(2))
+
+
 def test_training_steps_stay_bitwise_eager():
     torch.manual_seed(0)
     model = RoutedModel()
