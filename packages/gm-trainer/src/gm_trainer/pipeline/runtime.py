@@ -58,7 +58,9 @@ from gm_trainer.parallel.ranks import waiting_for
 from gm_trainer.parallel.topology import ResolvedRun
 from gm_trainer.pipeline.schedule import Action, in_flight, rank_actions
 
-Env = dict[str, torch.Tensor]
+Env = dict[str, Any]
+"""Key -> value of one stage and micro-batch: tensors, and the ints of data-dependent sizes
+(:attr:`~gm_trace.passes.stage_cut.StageProgram.keep`)."""
 # (transfer, buffer, work, stride) per value of an action; buffer None: from a stage of this
 # rank, work is its (tag, micro-batch); stride: the producer's layout at this batch's sizes
 _Receives = list[tuple[Transfer, torch.Tensor | None, Any, tuple[int, ...]]]
@@ -552,8 +554,13 @@ def _laid_out(tensor: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
 
 
 def _bytes(env: Env, exclude: set[int]) -> int:
-    """Bytes of the distinct storages ``env`` holds, other than those in ``exclude``."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in env.values()}
+    """Bytes of the distinct storages ``env`` holds, other than those in ``exclude`` (an int
+    it holds, a data-dependent size, takes none)."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in env.values()
+        if isinstance(t, torch.Tensor)
+    }
     return sum(n for ptr, n in storages.items() if ptr not in exclude)
 
 
