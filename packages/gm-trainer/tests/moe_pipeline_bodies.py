@@ -144,7 +144,7 @@ def pipeline_parity(
     owned |= set(reduction.grad_fqns) if reduction is not None else set()
     own_experts = sorted(owned & set(experts))
     local = sum(trainer.model.get_parameter(f).numel() for f in own_experts)
-    assert own_experts and local * ep == sum(total[f] for f in own_experts), (local, ep)
+    assert local * ep == sum(total[f] for f in own_experts), (local, ep)
     worst = 0.0
     for fqn in sorted(owned):
         if fqn in experts:
@@ -169,22 +169,63 @@ def pipeline_parity(
         "all_to_alls": recorder.calls,
         "pairs_per_microbatch": rows // microbatches * SEQ * TOP_K,
         "summary": trainer.pass_summary() if rank == 0 else "",
+        "misplaced": _ep_pass_refuses_a_misplaced_all_to_all(trainer),
     }
 
 
+def _ep_pass_refuses_a_misplaced_all_to_all(trainer: GraphTrainer) -> str:
+    """The ``ep`` pass on the trained graph with one all-to-all moved to the other stage
+    (restored after): the error it raises."""
+    from gm_passes import PassContext
+    from gm_trace.graph import node_meta
+    from gm_trace.graph.graph_build import collective_kind
+    from gm_trace.graph.joint_graph import PIPELINE_STAGES
+    from gm_trace.passes.expert_parallel import ExpertParallelPass, ExpertParallelPassError
+
+    joint = trainer.pipeline.current_joint
+    node = next(
+        n for n in joint.graph_module.graph.nodes if collective_kind(n) == "all_to_all_single"
+    )
+    stage = node.meta[node_meta.STAGE]
+    node.meta[node_meta.STAGE] = 1 - stage
+    context = PassContext(
+        PassConfig(pp_degree=2, ep_degree=2),
+        model=trainer.model,
+        artifacts={PIPELINE_STAGES: joint.stages},
+    )
+    try:
+        ExpertParallelPass().run(joint.graph_module, context)
+    except ExpertParallelPassError as exc:
+        return str(exc)
+    finally:
+        node.meta[node_meta.STAGE] = stage
+    raise AssertionError("the ep pass accepted an all-to-all in the wrong stage")
+
+
 def checkpoint_round_trip(rank: int, world: int, root: str) -> dict[str, Any]:
-    """PP 2 x EP 2 on 4 ranks: train 2 steps and save; a trainer without pipeline or EP (FSDP
-    over the world) loads it (same keys, every tensor whole and equal), and its next step
-    equals the PP x EP one; its own checkpoint loads into a fresh PP 2 x EP 2 trainer."""
+    """PP 2 x EP 2 on 4 ranks: train 2 steps, save, train a third. A trainer without pipeline
+    or EP (FSDP over the world) loads the checkpoint (same keys, every tensor whole and
+    equal), and its third step equals the PP x EP one; it saves, trains a fourth; a fresh
+    PP 2 x EP 2 trainer loads its checkpoint (equal) and its fourth step equals the plain
+    one. (One trainer at a time trains: process-group names are registered per process.)"""
     from gm_trainer.checkpoint import full_model_state, load_checkpoint, save_checkpoint
 
     dp, rows = world // 2, 4
+    per = rows * dp // world  # the same global batch over every rank without a pipeline
+    flat = [_rows(step, rank, world, per) for step in range(4)]
+
+    def train(trainer: GraphTrainer, step: int, pipelined: bool) -> float:
+        loss = trainer.train_step(*(_rows(step, rank, dp, rows) if pipelined else flat[step]))
+        trainer.optimizer_step()
+        return _world_mean(loss)
+
     ep_pp = pp_ep_trainer(build("qwen3-moe"), 2, 2)
     for step in range(2):
-        ep_pp.train_step(*_rows(step, rank, dp, rows))
-        ep_pp.optimizer_step()
+        train(ep_pp, step, True)
     save_checkpoint(ep_pp, Path(root) / "pp_ep")
     saved = full_model_state(ep_pp)
+    losses = {"pp_ep": train(ep_pp, 2, True)}
+    after = full_model_state(ep_pp)
 
     plain = GraphTrainer(
         build("qwen3-moe", seed=1),
@@ -193,31 +234,34 @@ def checkpoint_round_trip(rank: int, world: int, root: str) -> dict[str, Any]:
         optimizer_config={"lr": LR},
         device="cpu",
     )
-    per = rows * dp // world  # the same global batch over every rank
-    flat = [_rows(step, rank, world, per) for step in range(3)]
     plain.compile(*flat[0])
     load_checkpoint(plain, Path(root) / "pp_ep")
-    loaded = full_model_state(plain)
-    assert set(loaded) == set(saved), set(loaded) ^ set(saved)
-    for key, value in saved.items():
-        torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=key)
     assert plain.step == 2
-    plain_loss = _world_mean(plain.train_step(*flat[2]))
-    plain.optimizer_step()
-    ep_pp_loss = _world_mean(ep_pp.train_step(*_rows(2, rank, dp, rows)))
-    ep_pp.optimizer_step()
-    after, after_plain = full_model_state(ep_pp), full_model_state(plain)
-    for key, value in after_plain.items():
-        torch.testing.assert_close(after[key], value, **parity_tolerance(1), msg=key)
+    _equal(full_model_state(plain), saved, rtol=0, atol=0)
+    losses["plain"] = train(plain, 2, False)
+    _equal(full_model_state(plain), after, **parity_tolerance(1))
     save_checkpoint(plain, Path(root) / "plain")
+    plain_saved = full_model_state(plain)
+    losses["plain_4"] = train(plain, 3, False)
+    plain_after = full_model_state(plain)
 
     back = pp_ep_trainer(build("qwen3-moe", seed=2), 2, 2)
     input, label = _rows(0, rank, dp, rows)
     back.compile({"input_ids": input["input_ids"][: rows // 2]}, label[: rows // 2])
     load_checkpoint(back, Path(root) / "plain")
-    for key, value in full_model_state(back).items():
-        torch.testing.assert_close(value, after_plain[key], rtol=0, atol=0, msg=key)
-    return {"losses": (plain_loss, ep_pp_loss), "keys": len(saved)}
+    assert back.step == 3
+    _equal(full_model_state(back), plain_saved, rtol=0, atol=0)
+    losses["pp_ep_4"] = train(back, 3, True)
+    _equal(full_model_state(back), plain_after, **parity_tolerance(1))
+    torch.testing.assert_close(losses["pp_ep"], losses["plain"], rtol=1e-5, atol=0)
+    torch.testing.assert_close(losses["pp_ep_4"], losses["plain_4"], rtol=1e-5, atol=0)
+    return {"losses": losses, "keys": len(saved)}
+
+
+def _equal(actual: dict, expected: dict, **tolerance: float) -> None:
+    assert set(actual) == set(expected), set(actual) ^ set(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key], value, **tolerance, msg=key)
 
 
 def config_error(rank: int, world: int, mesh: dict | None = None, **config: Any) -> str:

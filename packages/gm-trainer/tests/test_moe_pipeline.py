@@ -24,7 +24,7 @@ FULL = os.environ.get("GM_MOE") == "all"
 full_only = pytest.mark.skipif(not FULL, reason="GM_MOE=all (nox -s moe)")
 
 
-def _run(arch: str, **options) -> list[dict]:
+def _run(arch: str, moe_stages: tuple[int, ...] = (0, 1), **options) -> list[dict]:
     results = run_distributed(
         functools.partial(pipeline_parity, **options), 4, (arch, 2, 2), timeout=900
     )
@@ -35,19 +35,20 @@ def _run(arch: str, **options) -> list[dict]:
             {k: r[k] for k in ("stage", "ep_rank", "max_loss_rel", "max_param_abs")},
             f"expert elements {r['expert_elements_local']} of {r['expert_elements_stage']}",
         )
-    _check_layout(results)
+    _check_layout(results, moe_stages)
     return results
 
 
-def _check_layout(results: list[dict]) -> None:
+def _check_layout(results: list[dict], moe_stages: tuple[int, ...]) -> None:
     """Stage s runs on ranks 2s, 2s + 1, which form its ep group; each holds half the
-    experts of its stage's one MoE layer; the loss reaches every rank."""
+    experts of its stage's one MoE layer (``moe_stages``: the stages that have one); the
+    loss reaches every rank."""
     assert [r["stage"] for r in results] == [0, 0, 1, 1]
     assert [r["ep_ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r["ep_rank"] for r in results] == [0, 1, 0, 1]
     for r in results:
-        (layer,) = {f.split(".")[2] for f in r["own_experts"]}
-        assert layer == str(r["stage"]), r["own_experts"]
+        layers = {f.split(".")[2] for f in r["own_experts"]}
+        assert layers == ({str(r["stage"])} if r["stage"] in moe_stages else set()), r
         assert r["expert_elements_local"] * 2 == r["expert_elements_stage"]
     assert len({tuple(r["losses"]) for r in results}) == 1
 
@@ -91,6 +92,8 @@ def test_pp2_ep2_qwen3_moe_matches_eager() -> None:
         assert load["all_to_all_bytes"][0] > 0
     summary = results[0]["summary"]
     assert "10 all-to-alls" in summary and "pipeline stage 0: 5, 1: 5" in summary, summary
+    # the ep pass checks per stage: one all-to-all moved to the other stage is refused
+    assert "pipeline stage 0 holds 4 all-to-alls" in results[0]["misplaced"], results[0]
 
 
 def test_pp_ep_stage_check_names_both_numbers() -> None:
@@ -142,6 +145,16 @@ def test_gm_train_accepts_ep_with_pp() -> None:
 @full_only
 def test_pp2_ep2_mixtral_matches_eager() -> None:
     _run("mixtral")
+
+
+@full_only
+def test_pp2_ep2_deepseek_v3_stage_without_experts() -> None:
+    """DeepSeek-V3's first layer is dense: stage 0 owns no experts module and runs no
+    all-to-all, stage 1 runs its 5 per micro-batch."""
+    results = _run("deepseek-v3", moe_stages=(1,))
+    assert not results[0]["all_to_alls"] and not results[1]["all_to_alls"]
+    assert len(results[2]["all_to_alls"]) == 5 * 2
+    assert "pipeline stage 0: 0, 1: 5" in results[0]["summary"], results[0]["summary"]
 
 
 @full_only

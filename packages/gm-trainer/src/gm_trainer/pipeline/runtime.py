@@ -20,6 +20,12 @@ Each rank's random generators are seeded once, when the run is resolved, from th
 user set, its place in the pipeline and its data-parallel index (:func:`pipeline_seed`), so
 the dropout masks of different stages and replicas are independent.
 
+With expert parallelism (``ep_degree``) the ep group of a stage is made of that stage's
+data-parallel ranks (checked when the run is resolved): they run the same actions in the same
+order, so the all-to-alls of the stage's experts modules pair up micro-batch by micro-batch,
+in forward and backward. The routed row counts a stage's forward computes (data-dependent
+ints) are kept for its backward with the micro-batch's other values; they never travel.
+
 Sends never block (``isend``, waited at the end of the step); the receives of the next action
 are posted before the current one computes, and waiting for them is the measured bubble.
 Parameters of other stages are freed on this rank: it never reads them.
