@@ -145,7 +145,7 @@ def pipeline_parity(
     own_experts = sorted(owned & set(experts))
     local = sum(trainer.model.get_parameter(f).numel() for f in own_experts)
     assert local * ep == sum(total[f] for f in own_experts), (local, ep)
-    worst = 0.0
+    worst, digest = 0.0, []
     for fqn in sorted(owned):
         if fqn in experts:
             actual = full_expert_param(trainer, fqn)
@@ -154,7 +154,9 @@ def pipeline_parity(
         expected = reference.get_parameter(fqn).detach()
         torch.testing.assert_close(actual, expected, **parity_tolerance(steps), msg=fqn)
         worst = max(worst, (actual - expected).abs().max().item())
+        digest.append(actual.double().sum().item())
     return {
+        "digest": digest,
         "stage": stage,
         "ep_rank": dist.get_rank(trainer.topology.ep_group),
         "ep_ranks": dist.get_process_group_ranks(trainer.topology.ep_group),
@@ -283,3 +285,31 @@ def config_error(rank: int, world: int, mesh: dict | None = None, **config: Any)
     except ConfigError as exc:
         return str(exc)
     raise AssertionError(f"{config} was accepted")
+
+
+def crossing_ep_group_error(rank: int, world: int) -> str:
+    """A mesh context (duck-typed) whose ep groups pair ranks of different pipeline stages
+    (0 with 2, 1 with 3): their schedules differ, so their all-to-alls would not pair up;
+    refused when the run is resolved."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from gm_config import ConfigError
+
+    context = MeshContext.build(pp=2)
+    # Rank = ep * 2 + ep_replicate: the ep dim runs across the pipeline's stages.
+    context.moe_mesh = init_device_mesh(
+        "cpu", (2, 2, 1), mesh_dim_names=("ep", "ep_replicate", "tp")
+    )
+    trainer = GraphTrainer(
+        build("qwen3-moe"),
+        hf_loss,
+        PassConfig(pp_degree=2, pp_microbatches=1),
+        optimizer_config={"lr": LR},
+        device="cpu",
+        mesh_context=context,
+    )
+    try:
+        trainer.compile(*_rows(0, rank, 1, 2))
+    except ConfigError as exc:
+        return str(exc)
+    raise AssertionError("an ep group across pipeline stages was accepted")

@@ -13,7 +13,12 @@ import functools
 import os
 
 import pytest
-from moe_pipeline_bodies import checkpoint_round_trip, config_error, pipeline_parity
+from moe_pipeline_bodies import (
+    checkpoint_round_trip,
+    config_error,
+    crossing_ep_group_error,
+    pipeline_parity,
+)
 
 from gm_trace.testing.distributed import run_distributed
 
@@ -51,6 +56,10 @@ def _check_layout(results: list[dict], moe_stages: tuple[int, ...]) -> None:
         assert layers == ({str(r["stage"])} if r["stage"] in moe_stages else set()), r
         assert r["expert_elements_local"] * 2 == r["expert_elements_stage"]
     assert len({tuple(r["losses"]) for r in results}) == 1
+    # the two ranks of a stage hold the same whole parameters (the eager reference each
+    # computes may differ in the last bits with several threads)
+    assert results[0]["digest"] == results[1]["digest"]
+    assert results[2]["digest"] == results[3]["digest"]
 
 
 def _check_exchanges(results: list[dict], actions_per_stage: dict[int, list]) -> None:
@@ -125,6 +134,15 @@ def test_pp_ep_configs_that_cannot_work_are_config_errors() -> None:
     mesh = {"pp": 2, "tp": 2, "ep": 2}
     for message in errors(8, mesh, pp_degree=2, pp_microbatches=1):
         assert "ep_degree=2 with pp_degree=2 and tp_size=2" in message, message
+
+
+@full_only
+def test_an_ep_group_across_pipeline_stages_is_refused() -> None:
+    results = run_distributed(crossing_ep_group_error, 4, (), timeout=300)
+    assert (
+        "rank 0: the ep group [0, 2] is not inside its data-parallel ranks [0, 1] " in (results[0])
+    ), results[0]
+    assert all("(pipeline stage" in r for r in results), results
 
 
 def test_gm_train_accepts_ep_with_pp() -> None:
