@@ -248,12 +248,14 @@ def bench(session: nox.Session) -> None:
 @nox.session(tags=["moe"], default=False)
 def moe(session: nox.Session) -> None:
     """Expert parallelism's whole acceptance on real gloo ranks (every architecture, 4 ranks,
-    accumulation, in_graph, checkpoints, gm-train); the default suite runs one of them."""
+    accumulation, in_graph, checkpoints, gm-train, EP inside pipeline stages); the default
+    suite runs one of each file."""
     _install_layer(session, "gm-trainer", torch=True)
-    tests = ROOT / "packages" / "gm-trainer" / "tests" / "test_moe.py"
+    tests = ROOT / "packages" / "gm-trainer" / "tests"
     session.run(
         "pytest",
-        str(tests),
+        str(tests / "test_moe.py"),
+        str(tests / "test_moe_pipeline.py"),
         "-q",
         "-p",
         "no:cacheprovider",

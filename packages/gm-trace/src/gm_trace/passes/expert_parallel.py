@@ -9,6 +9,12 @@ there are and the bytes they move per step: a number where the size is static (t
 the dispatch of this rank's own routed pairs) and an expression in the routing's unbacked
 sizes where it is data-dependent (what the other ranks send here). The bytes a step really
 moved are in the trainer's per-step metrics (``moe_all_to_all_bytes``).
+
+Under pipeline parallelism the pass runs after ``pp_stages`` and checks per stage: each
+stage's graph must hold the all-to-alls of exactly the experts modules that stage owns (a
+stage without one holds none), so the ep group of a stage — its own data-parallel ranks —
+exchanges within that stage's forward and backward, once per micro-batch, and no routed
+size (an unbacked symbol) needs to cross a stage boundary.
 """
 
 from __future__ import annotations
@@ -16,9 +22,12 @@ from __future__ import annotations
 import torch.fx as fx
 
 from gm_config import GraphModeRuntimeError, PassConfig, PassPlan
+from gm_config.pipeline_stages import stage_of
 from gm_passes import GraphPass, PassContext, PassResult
-from gm_trace.graph.experts import EP_GROUP_NAME, expert_shards
+from gm_trace.graph import node_meta
+from gm_trace.graph.experts import EP_GROUP_NAME, ExpertShard, expert_shards
 from gm_trace.graph.graph_build import collective_kind
+from gm_trace.graph.joint_graph import PIPELINE_STAGES
 
 #: All-to-alls per experts module and step: counts, dispatch, combine, and the two backward.
 ALL_TO_ALLS_PER_MODULE = 5
@@ -32,7 +41,7 @@ class ExpertParallelPass(GraphPass):
     """Check and report the ep all-to-alls (module docstring)."""
 
     name = "ep"
-    runs_after = ("canonicalize",)
+    runs_after = ("canonicalize", "pp_stages")
     runs_before = ("fsdp",)
 
     @classmethod
@@ -57,6 +66,10 @@ class ExpertParallelPass(GraphPass):
                 f"({ALL_TO_ALLS_PER_MODULE} each); was one of {sorted(modules)} skipped in "
                 "forward? Every rank of an ep group must run every experts module"
             )
+        per_stage = None
+        stages = ctx.artifacts.get(PIPELINE_STAGES)
+        if stages is not None:
+            per_stage = _check_stages(exchanges, modules, stages.stages)
         static, dynamic = 0, []
         for node in exchanges:
             value = node.args[0].meta["val"]
@@ -77,19 +90,57 @@ class ExpertParallelPass(GraphPass):
             all_to_all_data_dependent=len(dynamic),
             all_to_all_bytes_per_step=str(total),
         )
+        if per_stage is not None:
+            ctx.record(self.name, all_to_all_per_stage=per_stage)
         return PassResult(graph_module, False)
+
+
+def _check_stages(
+    exchanges: list[fx.Node], modules: dict[str, ExpertShard], stages: tuple
+) -> list[int]:
+    """All-to-alls per pipeline stage; raise unless each stage holds those of the experts
+    modules it owns, and only those."""
+    owners = {name: stage_of(name, stages) for name in modules}
+    found = [0] * len(stages)
+    for node in exchanges:
+        stage = node.meta.get(node_meta.STAGE)
+        if stage is None:
+            raise ExpertParallelPassError(
+                f"the all-to-all {node.name!r} on the {EP_GROUP_NAME!r} group belongs to no "
+                "pipeline stage; an experts module's dispatch and combine must run inside "
+                "the stage that owns the module"
+            )
+        found[stage] += 1
+    for stage, count in enumerate(found):
+        own = sorted(name for name, owner in owners.items() if owner == stage)
+        if count != ALL_TO_ALLS_PER_MODULE * len(own):
+            raise ExpertParallelPassError(
+                f"pipeline stage {stage} holds {count} all-to-alls on the {EP_GROUP_NAME!r} "
+                f"group but owns {len(own)} experts module(s) {own}, which need "
+                f"{ALL_TO_ALLS_PER_MODULE * len(own)}: the stage boundaries cut inside an "
+                "experts module's dispatch / compute / combine; give each experts module "
+                "(with its layer) to one stage in PassPlan.pp_stages"
+            )
+    return found
 
 
 def describe(stats: dict) -> str:
     """The ``pass_summary()`` lines of the ``ep`` pass's statistics."""
     if "all_to_all" not in stats:
         return ""
+    per_stage = stats.get("all_to_all_per_stage")
+    stages = ""
+    if per_stage is not None:
+        stages = "; per micro-batch in pipeline stage " + ", ".join(
+            f"{stage}: {count}" for stage, count in enumerate(per_stage)
+        )
     return (
         f"expert parallelism: ep {stats['ep_degree']}, {stats['local_experts']} local experts "
         f"in each of {stats['experts_modules']} modules; {stats['all_to_all']} all-to-alls "
         f"per step ({stats['all_to_all_data_dependent']} sized by the routing), bytes sent "
         f"per step: {stats['all_to_all_bytes_per_step']} (static part "
         f"{stats['all_to_all_bytes_static']}; unbacked symbols are the routed row counts)"
+        f"{stages}"
     )
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import sympy
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from gm_passes.graph_ops import mutates_an_input
 from gm_trace.graph import node_meta
@@ -115,7 +116,9 @@ class StageProgram:
     receives: tuple[Transfer, ...]
     keep: tuple[Key, ...]
     """Values held from a micro-batch's forward to its backward (saved activations,
-    received inputs backward reads, values sent after backward); tensors, every one."""
+    received inputs backward reads, values sent after backward): tensors, and the
+    data-dependent sizes (unbacked ``SymInt``: expert parallelism's routed row counts) the
+    stage's forward computed for its backward, as ints."""
     held_bytes: int
     """Static estimate of the bytes ``keep`` holds per micro-batch, from the traced shapes."""
     grads: Mapping[Key, tuple[str, ...]]
@@ -294,17 +297,38 @@ def _multi_output_source(node: fx.Node) -> fx.Node | None:
 def _check_tensor_inputs(program: StageProgram, by_name: Mapping[Key, fx.Node]) -> None:
     """Every value a half reads from elsewhere (the other half, another stage) must be a
     tensor: the runtime holds, sends and measures tensors (a symbolic graph's size
-    arithmetic is computed again in every half that reads it)."""
+    arithmetic is computed again in every half that reads it). One exception: a
+    data-dependent size (an unbacked ``SymInt``, e.g. the row counts of an expert-parallel
+    all-to-all) that the stage's forward computed and its backward reads is held as an int
+    with the micro-batch's other values; it never crosses a stage (``check_flow``)."""
+    received = {t.key for t in program.receives}
     for phase in (FORWARD, BACKWARD):
         for key in getattr(program, phase).inputs:
             val = by_name[key].meta.get("val")
-            if not isinstance(val, torch.Tensor):
-                raise PipelineSplitError(
-                    f"stage {program.stage}'s {phase} reads {key!r} ({by_name[key].target}), "
-                    f"a {type(val).__name__}, from outside its half; a stage keeps and receives "
-                    "tensors only (take its elements with getitem in the half that computes "
-                    "it, or cut the stages elsewhere)"
-                )
+            if isinstance(val, torch.Tensor):
+                continue
+            if (
+                phase == BACKWARD
+                and key in program.keep
+                and key not in received
+                and _is_unbacked(val)
+            ):
+                continue
+            raise PipelineSplitError(
+                f"stage {program.stage}'s {phase} reads {key!r} ({by_name[key].target}), "
+                f"a {type(val).__name__}, from outside its half; a stage keeps and receives "
+                "tensors only (take its elements with getitem in the half that computes "
+                "it, or cut the stages elsewhere)"
+            )
+
+
+def _is_unbacked(value: object) -> bool:
+    """True for a ``SymInt`` of data-dependent (unbacked) symbols only."""
+    if not isinstance(value, torch.SymInt):
+        return False
+    expr = value.node.expr
+    unbacked = free_unbacked_symbols(expr)
+    return bool(unbacked) and unbacked == expr.free_symbols
 
 
 def _slots(nodes: list[fx.Node]) -> dict[Key, Slot]:

@@ -132,7 +132,8 @@ def _check_cp(job: Any, world_size: int) -> None:
 # --- expert parallelism (issue 27) ---
 def _check_expert_parallel(job: Any, dp: int, replicas: int, pp: int) -> None:
     """``parallel.ep_degree``: an HF mixture-of-experts model, ep groups of data-parallel
-    ranks (no pipeline, no HSDP), an ep_degree that divides the ranks and the experts."""
+    ranks (of each pipeline stage, with ``parallel.pp_degree``; no HSDP, TP or cp), an
+    ep_degree that divides those ranks and the experts."""
     ep = job.parallel.ep_degree
     if ep == 1:
         return
@@ -142,15 +143,22 @@ def _check_expert_parallel(job: Any, dp: int, replicas: int, pp: int) -> None:
             "gm-train's builtin model has none; use model.source=hf with an MoE config "
             "(Mixtral, Qwen3-MoE, DeepSeek-V3, ...) or parallel.ep_degree=1"
         )
-    if pp > 1 or replicas > 1 or job.parallel.tp_size > 1 or job.parallel.cp_degree > 1:
+    others = {
+        "parallel.tp_size": job.parallel.tp_size,
+        "parallel.cp_degree": job.parallel.cp_degree,
+        "dist.dp_replicate": replicas,
+    }
+    refused = [f"{name}={value}" for name, value in others.items() if value > 1]
+    if refused:
         raise ConfigError(
-            f"parallel.ep_degree={ep} does not combine with parallel.pp_degree / tp_size / "
-            "cp_degree or dist.dp_replicate yet; use 1 for each"
+            f"parallel.ep_degree={ep} does not combine with {' and '.join(refused)} yet "
+            "(parallel.pp_degree does); use 1 for those"
         )
     if dp % ep:
         divisors = [d for d in range(1, dp + 1) if dp % d == 0]
         raise ConfigError(
-            f"parallel.ep_degree={ep} does not divide the {dp} data-parallel rank(s); an ep "
-            f"group is made of ep_degree of them (use one of {divisors}, or --nproc a "
-            f"multiple of {ep})"
+            f"parallel.ep_degree={ep} does not divide the {dp} data-parallel rank(s)"
+            + (f" of each of the parallel.pp_degree={pp} pipeline stages" if pp > 1 else "")
+            + f"; an ep group is made of ep_degree of them (use one of {divisors}, or --nproc a "
+            f"multiple of {ep * pp})"
         )

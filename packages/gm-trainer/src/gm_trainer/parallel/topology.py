@@ -159,43 +159,85 @@ def resolve_run(
     """Register the process groups the passes use and fill the mesh's sizes into a copy of
     ``config``; ``place`` gives rank, world size and device. Once, on every rank."""
     fsdp_wanted = fsdp_requested(config, plan)
-    ep_groups = None
-    if mesh is not None and mesh.ep_group is not None:
-        ep_groups = (mesh.ep_group, mesh.ep_replicate_group)
-    elif config.ep_degree > 1:
-        ep_groups = _expert_parallel_groups(config.ep_degree, place.world_size, mesh)
-    if ep_groups is not None:
-        if config.cp_degree > 1:
-            raise MeshError(
-                f"PassConfig.ep_degree={config.ep_degree} with cp_degree={config.cp_degree}: "
-                "expert parallelism with context parallelism is not supported yet"
-            )
-        if config.pp_degree > 1:
-            raise MeshError(
-                f"PassConfig.ep_degree={config.ep_degree} with pp_degree={config.pp_degree}: "
-                "expert parallelism inside pipeline stages is not supported yet"
-            )
-        if not fsdp_wanted:
-            raise MeshError(
-                f"PassConfig.ep_degree={config.ep_degree} needs the fsdp pass (it reduces the "
-                "experts' gradients over the ranks that hold the same experts); leave "
-                "fsdp_enabled on"
-            )
-        config = dataclasses.replace(config, ep_degree=ep_groups[0].size())
-        register_process_group(EP_GROUP_NAME, ep_groups[0])
-        register_process_group(EP_REPLICATE_GROUP_NAME, ep_groups[1])
-        place = dataclasses.replace(place, ep_group=ep_groups[0], ep_replicate_group=ep_groups[1])
+    expert_parallel = config.ep_degree > 1 or (mesh is not None and mesh.ep_group is not None)
+    if expert_parallel:
+        _check_expert_parallel(config, mesh, fsdp_wanted, place.world_size)
     run = _resolve(config, plan, mesh, place, fsdp_wanted)
-    if ep_groups is not None:
-        roles = {
-            **run.topology.process_groups,
-            "ep": EP_GROUP_NAME,
-            "ep_replicate": EP_REPLICATE_GROUP_NAME,
-        }
-        run = dataclasses.replace(
-            run, topology=dataclasses.replace(run.topology, process_groups=roles)
+    if not expert_parallel:
+        return run
+    if mesh is not None and mesh.ep_group is not None:
+        ep_group, ep_replicate = mesh.ep_group, mesh.ep_replicate_group
+    else:
+        ep_group, ep_replicate = _expert_parallel_groups(
+            config.ep_degree, place.world_size, config.pp_degree
         )
-    return run
+    _check_ep_group_inside(ep_group, run.topology)
+    register_process_group(EP_GROUP_NAME, ep_group)
+    register_process_group(EP_REPLICATE_GROUP_NAME, ep_replicate)
+    roles = {
+        **run.topology.process_groups,
+        "ep": EP_GROUP_NAME,
+        "ep_replicate": EP_REPLICATE_GROUP_NAME,
+    }
+    topology = dataclasses.replace(
+        run.topology, ep_group=ep_group, ep_replicate_group=ep_replicate, process_groups=roles
+    )
+    config = dataclasses.replace(run.pass_config, ep_degree=ep_group.size())
+    return dataclasses.replace(run, pass_config=config, topology=topology)
+
+
+def _check_expert_parallel(
+    config: PassConfig, mesh: ResolvedMesh | None, fsdp_wanted: bool, world: int
+) -> None:
+    """Raise :class:`MeshError` for what expert parallelism does not combine with (yet) and,
+    without a mesh context, unless ``ep_degree`` divides the data-parallel ranks (of each
+    pipeline stage); before any group is made."""
+    ep = config.ep_degree if mesh is None or mesh.ep_group is None else mesh.ep_group.size()
+    if mesh is not None and mesh.ep_group is None:
+        raise MeshError(
+            f"PassConfig.ep_degree={ep} with a mesh_context that has no ep dim; build the mesh "
+            f"with gm_trainer.MeshContext.build(ep={ep}, ...)"
+        )
+    if config.cp_degree > 1:
+        raise MeshError(
+            f"PassConfig.ep_degree={ep} with cp_degree={config.cp_degree}: "
+            "expert parallelism with context parallelism is not supported yet"
+        )
+    tp = mesh.tp_size if mesh is not None else 1  # TP needs a mesh context
+    if config.pp_degree > 1 and tp > 1:
+        raise MeshError(
+            f"PassConfig.ep_degree={ep} with pp_degree={config.pp_degree} and tp_size={tp}: "
+            "expert parallelism inside the pipeline stages of a tensor-parallel mesh is not "
+            "supported yet; use tp 1 (EP x PP) or pp_degree 1"
+        )
+    if not fsdp_wanted:
+        raise MeshError(
+            f"PassConfig.ep_degree={ep} needs the fsdp pass (it reduces the "
+            "experts' gradients over the ranks that hold the same experts); leave "
+            "fsdp_enabled on"
+        )
+    pp = config.pp_degree
+    if mesh is None and world % pp == 0:  # else _resolve's pipeline check names pp_degree
+        check_ep_world(ep, world // pp, "each pipeline stage" if pp > 1 else "the world")
+
+
+def _check_ep_group_inside(ep_group: dist.ProcessGroup, topology: Topology) -> None:
+    """Raise :class:`MeshError` unless the ep group is made of this rank's data-parallel
+    (FSDP) ranks. Under a pipeline those are the ranks of its stage: then every rank of the
+    ep group runs the same stage in the same schedule (its actions depend on the stage alone,
+    :func:`gm_trainer.pipeline.schedule.rank_actions`), so their all-to-alls pair up, micro-
+    batch by micro-batch, in forward and backward. Local: no collective."""
+    ep_ranks = dist.get_process_group_ranks(ep_group)
+    group = topology.fsdp_group
+    dp_ranks = dist.get_process_group_ranks(group) if group is not None else [topology.rank]
+    if not set(ep_ranks) <= set(dp_ranks):
+        where = f" (pipeline stage {topology.pp_stage})" if topology.pp_group is not None else ""
+        raise MeshError(
+            f"rank {topology.rank}: the ep group {ep_ranks} is not inside its data-parallel "
+            f"ranks {dp_ranks}{where}; expert parallelism splits the experts over ranks that "
+            "read different data and run the same pipeline stage (MeshContext.build(ep=...) "
+            "lays the ep dim out inside the FSDP shard dim)"
+        )
 
 
 def check_ep_world(ep_degree: int, data_parallel: int, where: str = "the world") -> None:
@@ -211,18 +253,19 @@ def check_ep_world(ep_degree: int, data_parallel: int, where: str = "the world")
 
 
 def _expert_parallel_groups(
-    ep: int, world: int, mesh: ResolvedMesh | None
+    ep: int, world: int, pp: int = 1
 ) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """``(ep group, ep replicate group)`` over the world, ep groups of consecutive ranks (a
-    collective). A mesh context brings its own (``MeshContext.build(ep=...)``)."""
-    if mesh is not None:
-        raise MeshError(
-            f"PassConfig.ep_degree={ep} with a mesh_context that has no ep dim; build the mesh "
-            f"with gm_trainer.MeshContext.build(ep={ep}, ...)"
-        )
-    check_ep_world(ep, world)
+    """``(ep group, ep replicate group)`` over the world without a mesh context (a
+    collective), ep groups of consecutive ranks; with a pipeline, within each stage's ranks
+    (rank = stage * dp + dp index, as :func:`_resolve_pipeline_mesh` lays them out), so that
+    the ranks of an ep group run the same stage. A mesh context brings its own
+    (``MeshContext.build(ep=...)``)."""
+    dp = world // pp  # checked: pp divides the world, ep divides dp
+    lead = ((pp,), ("pp",)) if pp > 1 else ((), ())
     device_mesh = init_device_mesh(
-        detect_device_type(), (world // ep, ep), mesh_dim_names=("ep_replicate", "ep")
+        detect_device_type(),
+        (*lead[0], dp // ep, ep),
+        mesh_dim_names=(*lead[1], "ep_replicate", "ep"),
     )
     return device_mesh.get_group("ep"), device_mesh.get_group("ep_replicate")
 

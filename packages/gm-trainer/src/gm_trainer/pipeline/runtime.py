@@ -20,6 +20,12 @@ Each rank's random generators are seeded once, when the run is resolved, from th
 user set, its place in the pipeline and its data-parallel index (:func:`pipeline_seed`), so
 the dropout masks of different stages and replicas are independent.
 
+With expert parallelism (``ep_degree``) the ep group of a stage is made of that stage's
+data-parallel ranks (checked when the run is resolved): they run the same actions in the same
+order, so the all-to-alls of the stage's experts modules pair up micro-batch by micro-batch,
+in forward and backward. The routed row counts a stage's forward computes (data-dependent
+ints) are kept for its backward with the micro-batch's other values; they never travel.
+
 Sends never block (``isend``, waited at the end of the step); the receives of the next action
 are posted before the current one computes, and waiting for them is the measured bubble.
 Parameters of other stages are freed on this rank: it never reads them.
@@ -58,7 +64,9 @@ from gm_trainer.parallel.ranks import waiting_for
 from gm_trainer.parallel.topology import ResolvedRun
 from gm_trainer.pipeline.schedule import Action, in_flight, rank_actions
 
-Env = dict[str, torch.Tensor]
+Env = dict[str, Any]
+"""Key -> value of one stage and micro-batch: tensors, and the ints of data-dependent sizes
+(:attr:`~gm_trace.passes.stage_cut.StageProgram.keep`)."""
 # (transfer, buffer, work, stride) per value of an action; buffer None: from a stage of this
 # rank, work is its (tag, micro-batch); stride: the producer's layout at this batch's sizes
 _Receives = list[tuple[Transfer, torch.Tensor | None, Any, tuple[int, ...]]]
@@ -605,8 +613,13 @@ def _laid_out(tensor: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
 
 
 def _storages(env: Env, exclude: set[int]) -> dict[int, int]:
-    """The distinct storages ``env`` holds, other than those in ``exclude``: bytes by id."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in env.values()}
+    """The distinct storages ``env`` holds, other than those in ``exclude``: bytes by id (an
+    int it holds, a data-dependent size, has none)."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in env.values()
+        if isinstance(t, torch.Tensor)
+    }
     return {ptr: n for ptr, n in storages.items() if ptr not in exclude}
 
 

@@ -47,8 +47,9 @@ def expert_load_metrics(model: torch.nn.Module, topology: Topology) -> dict[str,
     """The step record's MoE fields (``{}`` without expert parallelism): tokens per expert
     ``moe_tokens_per_expert_min`` / ``_max`` over every expert of every layer, the imbalance
     ``moe_expert_imbalance`` (max / mean: 1.0 is perfectly even) and
-    ``moe_all_to_all_bytes`` (the world's, this step). Per pipeline stage without
-    a pipeline only: a collective on every rank."""
+    ``moe_all_to_all_bytes`` (the world's, this step). A collective on every rank; under a
+    pipeline each stage's ranks count the experts modules of their stage (the others stay
+    zero), so the world's sum has every layer once."""
     load = expert_load(model, topology)
     if not load:
         return {}
