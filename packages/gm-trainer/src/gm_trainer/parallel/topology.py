@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from gm_config import PassConfig, PassPlan, fsdp_requested
 from gm_trace.graph.experts import EP_GROUP_NAME, EP_REPLICATE_GROUP_NAME
@@ -71,8 +71,12 @@ class Topology:
     without expert parallelism."""
 
     ep_replicate_group: dist.ProcessGroup | None = None
-    """The ranks holding the same experts, registered as ``"ep_replicate"`` (expert gradients
-    are summed over it); set with :attr:`ep_group`."""
+    """The ranks holding the same experts, registered as ``"ep_replicate"`` (the fsdp pass
+    splits the experts over it and sums their gradients over it); set with :attr:`ep_group`."""
+
+    ep_mesh: DeviceMesh | None = None
+    """The ``("ep_replicate", "ep")`` mesh of those two groups (checkpoints lay expert pieces
+    out on it); set with :attr:`ep_group`."""
 
     @property
     def ep_size(self) -> int:
@@ -161,7 +165,7 @@ def resolve_run(
     fsdp_wanted = fsdp_requested(config, plan)
     ep_groups = None
     if mesh is not None and mesh.ep_group is not None:
-        ep_groups = (mesh.ep_group, mesh.ep_replicate_group)
+        ep_groups = (mesh.ep_group, mesh.ep_replicate_group, mesh.ep_mesh)
     elif config.ep_degree > 1:
         ep_groups = _expert_parallel_groups(config.ep_degree, place.world_size, mesh)
     if ep_groups is not None:
@@ -184,7 +188,9 @@ def resolve_run(
         config = dataclasses.replace(config, ep_degree=ep_groups[0].size())
         register_process_group(EP_GROUP_NAME, ep_groups[0])
         register_process_group(EP_REPLICATE_GROUP_NAME, ep_groups[1])
-        place = dataclasses.replace(place, ep_group=ep_groups[0], ep_replicate_group=ep_groups[1])
+        place = dataclasses.replace(
+            place, ep_group=ep_groups[0], ep_replicate_group=ep_groups[1], ep_mesh=ep_groups[2]
+        )
     run = _resolve(config, plan, mesh, place, fsdp_wanted)
     if ep_groups is not None:
         roles = {
@@ -212,9 +218,9 @@ def check_ep_world(ep_degree: int, data_parallel: int, where: str = "the world")
 
 def _expert_parallel_groups(
     ep: int, world: int, mesh: ResolvedMesh | None
-) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """``(ep group, ep replicate group)`` over the world, ep groups of consecutive ranks (a
-    collective). A mesh context brings its own (``MeshContext.build(ep=...)``)."""
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup, DeviceMesh]:
+    """``(ep group, ep replicate group, their mesh)`` over the world, ep groups of consecutive
+    ranks (a collective). A mesh context brings its own (``MeshContext.build(ep=...)``)."""
     if mesh is not None:
         raise MeshError(
             f"PassConfig.ep_degree={ep} with a mesh_context that has no ep dim; build the mesh "
@@ -224,7 +230,7 @@ def _expert_parallel_groups(
     device_mesh = init_device_mesh(
         detect_device_type(), (world // ep, ep), mesh_dim_names=("ep_replicate", "ep")
     )
-    return device_mesh.get_group("ep"), device_mesh.get_group("ep_replicate")
+    return device_mesh.get_group("ep"), device_mesh.get_group("ep_replicate"), device_mesh
 
 
 def _resolve(
