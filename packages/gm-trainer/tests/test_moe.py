@@ -45,6 +45,10 @@ def test_qwen3_moe_ep2_matches_eager() -> None:
         "expert parallelism: ep 2, 2 local experts in each of 2 modules; 10 all-to-alls"
         in (first["summary"])
     ), first["summary"]
+    # One rank holds each expert: nothing left to split over the ranks holding the same ones.
+    assert (
+        "the 4 expert parameters stay whole ('ep_replicate' has one rank" in (first["summary"])
+    ), first["summary"]
     assert first["all_to_all_bytes_first_step"] > 0
 
 
@@ -150,11 +154,14 @@ def test_ep2_with_mesh_context_on_4_ranks() -> None:
 
 
 @full_only
+@pytest.mark.parametrize("world", [2, 4], ids=["ep2", "ep2-fsdp2"])
 @pytest.mark.parametrize(
     "options", [{"accumulation": 2}, {"in_graph": True}], ids=["accumulation", "in_graph"]
 )
-def test_ep2_composes(options: dict) -> None:
-    _run(2, "qwen3-moe", 2, **options)
+def test_ep2_composes(options: dict, world: int) -> None:
+    results = _run(world, "qwen3-moe", 2, **options)
+    if world == 4:
+        _expert_params_split_over_ep_replicate(results)
 
 
 # --------------------------------------------------------------------------- gm-train

@@ -150,10 +150,17 @@ def describe_experts(stats: dict) -> str:
     """The ``pass_summary()`` line of the fsdp pass's statistics on expert parameters."""
     if "expert_group" not in stats:
         return ""
+    group, size = stats["expert_group"], stats["expert_group_size"]
+    if size == 1:
+        return (
+            f"fsdp x expert parallelism: the {stats['expert_replicated_params']} expert "
+            f"parameters stay whole ({group!r} has one rank: ep_degree is the data-parallel "
+            "size)"
+        )
     return (
         f"fsdp x expert parallelism: {stats['expert_sharded_params']} expert parameters split "
-        f"over {stats['expert_group']!r} ({stats['expert_group_size']} ranks holding the same "
-        f"experts), {stats['expert_replicated_params']} left whole there; this rank keeps "
+        f"over {group!r} ({size} ranks holding the same experts), "
+        f"{stats['expert_replicated_params']} left whole there; this rank keeps "
         f"{stats['expert_sharded_bytes_per_rank']} bytes of their "
         f"{stats['expert_sharded_bytes_whole']} (its ep rank's experts)"
     )
