@@ -1,11 +1,13 @@
 """The shape functions the tracer adds (gm_trace.graph.fake_kernels): ``aten._grouped_mm`` on
-CPU in float32, as transformers' default experts kernel runs it, captured bitwise eager."""
+CPU in float32, as transformers' default experts kernel runs it, captured bitwise eager; and
+pointwise backward ops laid out as their kernels lay them out."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
+from torch._decomp import decomposition_table
 from torch._subclasses import fake_impls
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -39,9 +41,12 @@ def test_the_fake_grouped_mm_is_the_cpu_kernels_output(layout, dtype):
 
 def test_the_shape_function_is_registered_only_inside_the_block():
     before = list(fake_impls.op_implementations_checks)
+    decompositions = dict(decomposition_table)
     with extra_fake_kernels():
-        assert len(fake_impls.op_implementations_checks) == len(before) + 1
+        assert len(fake_impls.op_implementations_checks) == len(before) + 2
+        assert torch.ops.aten.softplus_backward.default not in decomposition_table
     assert fake_impls.op_implementations_checks == before
+    assert decomposition_table == decompositions
     # bfloat16 stays torch's own meta function's
     a, b, _ = LAYOUTS["2d-3d"]()
     with extra_fake_kernels(), FakeTensorMode(allow_non_fake_inputs=True):
@@ -110,3 +115,63 @@ def test_a_misaligned_grouped_mm_is_an_error_that_says_eager_fails_too():
     model = GroupedExperts(hidden=5)
     with pytest.raises(GraphCaptureError, match=r"aten\._grouped_mm[\s\S]*Eager PyTorch fails too"):
         trace_model_graph(model, moe_loss, torch.randn(12, 8), torch.randn(12, 16))
+
+
+aten = torch.ops.aten
+
+#: Each pointwise backward op whose meta function lays the result out like its second operand
+#: while the kernel follows grad_output: op -> its arguments from (grad_output, x).
+GRAD_FIRST_OPS = {
+    "softplus_backward": lambda g, x: (g, x, 1.0, 20.0),
+    "hardtanh_backward": lambda g, x: (g, x, -1.0, 1.0),
+    "hardswish_backward": lambda g, x: (g, x),
+    "hardsigmoid_backward": lambda g, x: (g, x),
+    "logit_backward": lambda g, x: (g, x.sigmoid()),
+    "elu_backward": lambda g, x: (g, 1.0, 1.0, 1.0, False, x),
+}
+
+
+def _transposed() -> torch.Tensor:
+    return torch.randn(4, 32, 8).transpose(1, 2)
+
+
+@pytest.mark.parametrize("transposed", ["grad_output", "x"])
+@pytest.mark.parametrize("op", GRAD_FIRST_OPS)
+def test_a_pointwise_backwards_fake_strides_are_its_kernels(op, transposed):
+    """Without the shape function torch's meta function follows ``x``'s layout."""
+    torch.manual_seed(0)
+    grad = _transposed() if transposed == "grad_output" else torch.randn(4, 8, 32)
+    x = _transposed() if transposed == "x" else torch.randn(4, 8, 32)
+    func = getattr(aten, op).default
+    real = func(*GRAD_FIRST_OPS[op](grad, x))
+    with extra_fake_kernels(), FakeTensorMode() as mode:
+        fake = func(*GRAD_FIRST_OPS[op](mode.from_tensor(grad), mode.from_tensor(x)))
+    assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
+
+
+class SoftplusTransposed(nn.Module):
+    """Softplus whose gradient arrives transposed (``(256, 1, 8)``), then a linear layer's
+    backward that views it: the graph recorded a ``view`` the real strides refuse when the
+    fake result was contiguous (qwen3-next's gated delta rule does this)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 32)
+        self.out = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.softplus(self.lin(x))
+        return self.out(h.transpose(1, 2).reshape(4, 32, 2, 4)).sum(2)
+
+
+def test_a_transposed_gradient_through_softplus_runs_bitwise_eager():
+    torch.manual_seed(0)
+    model = SoftplusTransposed()
+    x, y = torch.randn(4, 8, 8), torch.randn(4, 32, 4)
+    joint = trace_model_graph(model, moe_loss, x, y)
+    out = run_traced_graph(joint, model, x, y)
+    expected = moe_loss(model, x, y)
+    expected.backward()
+    assert torch.equal(out.loss, expected.detach())
+    for fqn, grad in out.grads.items():
+        assert torch.equal(grad, model.get_parameter(fqn).grad), fqn

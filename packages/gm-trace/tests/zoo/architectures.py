@@ -527,6 +527,7 @@ NOT_RUN: dict[str, dict[str, str]] = {
     "glm4-moe": _BF16_ROUTING,
     "hunyuan-v1-moe": _BF16_ROUTING,
     "kolibri1": _BF16_ROUTING,
+    "lara-mini": _BF16_ROUTING,
     "solar-open": _BF16_ROUTING,
     "minimax": {
         _BF16: "capture under param_dtype=bfloat16 fails: `expected scalar type torch.float32 "
@@ -584,12 +585,14 @@ EXTRA_ARCHITECTURES: list[Architecture] = [
             ("jamba", "JambaForCausalLM"),
             ("kolibri1", "Kolibri1ForCausalLM"),
             ("laguna", "LagunaForCausalLM"),
+            ("lara-mini", "LaraMiniForCausalLM"),
             ("mellum", "MellumForCausalLM"),
             ("mimo-v2-flash", "MiMoV2FlashForCausalLM"),
             ("minimax", "MiniMaxForCausalLM"),
             ("minimax-m2", "MiniMaxM2ForCausalLM"),
             ("nemotron-h", "NemotronHForCausalLM"),
             ("phimoe", "PhimoeForCausalLM"),
+            ("qwen3-next", "Qwen3NextForCausalLM"),
             ("solar-open", "SolarOpenForCausalLM"),
         ]
     ),
@@ -669,12 +672,6 @@ MOE_LEFT_OUT: dict[str, str] = {
         ["bailing_hybrid", "dots3_note", "kimi_linear", "lfm2_moe", "zaya"],
         "the config rejects `_MOE` or eager fails on it (linear-attention and hybrid layouts "
         "that need a configuration of their own)",
-    ),
-    **dict.fromkeys(
-        ["lara_mini", "qwen3_next"],
-        "captured, but the graph fails when it runs: `aten.view` of the output of "
-        "`aten.softplus_backward`, whose fake tensor is contiguous while the CPU kernel's output "
-        "takes the (transposed) gradient's strides; a raw RuntimeError, not an experts issue",
     ),
 }
 

@@ -1,17 +1,22 @@
 """Shape functions graph mode adds where torch's fake tensors lack one for what eager runs.
 
 Graph capture traces on fake tensors, so every op of the step needs a shape function; the graph
-then runs the op's real kernel, so a shape function changes no value. torch 2.13's meta function
-for ``aten._grouped_mm`` (transformers' default ``grouped_mm`` experts kernel, and its backward)
-accepts bfloat16 only, while the CPU kernel also computes float32 and float16: a mixture of
-experts trained in float32 on CPU runs eagerly but cannot be traced.
-
-:func:`extra_fake_kernels` adds a shape function for exactly that case -- ``aten._grouped_mm``
-on CPU in float32 / float16 -- for the duration of a trace (the tracer enters it in
+then runs the op's real kernel, so a shape function changes no value, but a wrong one makes
+the graph record ops the real tensors refuse. :func:`extra_fake_kernels` mends two cases for
+the duration of a trace (the tracer enters it in
 :func:`~gm_trace.capture.trace_context.tracing_context`) and of an Inductor compile, which
-traces the graph on fake tensors again (:mod:`gm_trace.passes.inductor_backend`); every other
-dtype and device still goes to torch's own meta function, and nothing stays registered after
-the block.
+traces the graph on fake tensors again (:mod:`gm_trace.passes.inductor_backend`); nothing
+stays registered after the block:
+
+- torch 2.13's meta function for ``aten._grouped_mm`` (transformers' default ``grouped_mm``
+  experts kernel, and its backward) accepts bfloat16 only, while the CPU kernel also computes
+  float32 and float16: a mixture of experts trained in float32 on CPU runs eagerly but cannot
+  be traced. The block adds a shape function for exactly that case; every other dtype and
+  device still goes to torch's own.
+- Six pointwise backward ops (``softplus_backward`` and the others of :data:`_GRAD_FIRST`)
+  have a meta function that lays the result out like their second operand while the kernel
+  follows ``grad_output``: with a transposed gradient the graph records a ``view`` the real
+  result refuses (qwen3-next, lara-mini). The block lays them out as the kernel does.
 """
 
 from __future__ import annotations
@@ -21,12 +26,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch._prims_common as prims_common
+from torch._decomp import decomposition_table
 from torch._ops import OpOverload
 from torch._subclasses import fake_impls
 
 __all__ = ["extra_fake_kernels"]
 
-_GROUPED_MM = torch.ops.aten._grouped_mm.default
+_aten = torch.ops.aten
+_GROUPED_MM = _aten._grouped_mm.default
 #: The dtypes the CPU kernel computes besides bfloat16 (which torch's meta function takes).
 _CPU_GROUPED_MM_DTYPES = (torch.float32, torch.float16)
 
@@ -119,12 +127,53 @@ def _check_aligned(name: str, mat: torch.Tensor) -> None:
     )
 
 
+#: Pointwise backward ops whose kernel lays its result out like ``grad_output`` (the kernel's
+#: TensorIterator takes grad_output first) while torch's meta function, a decomposition that
+#: reads the other operand first, lays it out like that one: with a transposed gradient the
+#: fake result is contiguous and the real one is not, and a ``view`` the graph recorded on the
+#: fake strides fails when the graph runs. Op -> (grad_output's position, the other's).
+_GRAD_FIRST: dict[OpOverload, tuple[int, int]] = {
+    _aten.softplus_backward.default: (0, 1),
+    _aten.hardtanh_backward.default: (0, 1),
+    _aten.hardswish_backward.default: (0, 1),
+    _aten.hardsigmoid_backward.default: (0, 1),
+    _aten.logit_backward.default: (0, 1),
+    _aten.elu_backward.default: (0, 5),
+}
+
+
+def _is_grad_first(func: OpOverload) -> bool:
+    return func in _GRAD_FIRST
+
+
+def _grad_first_layout(fake_mode: Any, func: OpOverload, *args: Any, **kwargs: Any) -> Any:
+    """The result as the kernel lays it out: broadcast shape, strides computed from
+    ``(grad_output, other)`` in that order by the rule TensorIterator follows."""
+    grad_at, other_at = _GRAD_FIRST[func]
+    grad, other = args[grad_at], args[other_at]
+    shape = torch.broadcast_shapes(grad.shape, other.shape)
+    with fake_mode:
+        operands = (grad.expand(shape), other.expand(shape))
+        strides = prims_common.compute_elementwise_output_strides(*operands)
+        dtype = torch.result_type(grad, other)
+        return torch.empty_strided(shape, strides, dtype=dtype, device=grad.device)
+
+
 @contextlib.contextmanager
 def extra_fake_kernels() -> Iterator[None]:
-    """Fake tensors take ``aten._grouped_mm`` on CPU in float32 / float16 inside the block."""
-    entry = (_is_grouped_mm, _grouped_mm_cpu)
-    fake_impls.op_implementations_checks.insert(0, entry)
+    """Inside the block fake tensors take ``aten._grouped_mm`` on CPU in float32 / float16,
+    and lay the pointwise backward ops of :data:`_GRAD_FIRST` out as their kernels do."""
+    entries = [(_is_grouped_mm, _grouped_mm_cpu), (_is_grad_first, _grad_first_layout)]
+    for entry in reversed(entries):
+        fake_impls.op_implementations_checks.insert(0, entry)
+    # Fake tensors run an op's Python decomposition before these checks: set those of
+    # _GRAD_FIRST aside for the block (the tracer keeps the ops whole either way).
+    decompositions = {
+        op: decomposition_table.pop(op) for op in _GRAD_FIRST if op in decomposition_table
+    }
     try:
         yield
     finally:
-        fake_impls.op_implementations_checks.remove(entry)
+        decomposition_table.update(decompositions)
+        for entry in entries:
+            fake_impls.op_implementations_checks.remove(entry)
