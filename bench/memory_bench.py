@@ -21,7 +21,10 @@ activations alive when backward starts); eager and compiled rows by the profiler
 allocation events while forward runs (what forward allocated and had not freed when it
 returned). "Peak in backward" (graph mode only) adds the recompute copies alive at once.
 Step time is the median of ``--steps`` steps after a first one (trace / compile) left out;
-the rows take their steps in turn, so machine noise hits them alike.
+the rows take their steps in turn, so machine noise hits them alike. Below the table, budget 0
+side by side with eager checkpointing of every block: held bytes, and the step-time ratio as
+the median of the per-round ratios (the two rows step back to back in each round, which one
+first alternating) with their range, the noise of this machine.
 """
 
 from __future__ import annotations
@@ -157,7 +160,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["gpt", "llama"], default="gpt")
     parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--no-compile", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -184,9 +187,12 @@ def main() -> None:
     for run in runs.values():
         run.step(0)  # trace / compile, left out
         run.result = run.measure()
+    pair = ["eager + checkpoint every block", "graph, budget 0"]
+    others = [label for label in runs if label not in pair]
     for index in range(1, args.steps + 1):  # in turn: machine noise hits every row alike
-        for run in runs.values():
-            run.timed(index)
+        # The compared pair back to back, which one first alternating by round.
+        for label in others[:1] + pair[:: 1 if index % 2 else -1] + others[1:]:
+            runs[label].timed(index)
     rows = {
         label: {**run.result, "step_s": statistics.median(run.times)} for label, run in runs.items()
     }
@@ -214,6 +220,15 @@ def main() -> None:
             f"| {peak} | {r['step_s'] * 1e3:.0f} | {r['step_s'] / eager['step_s']:.2f} "
             f"| {flops} |"
         )
+    zero, checkpoint = runs["graph, budget 0"], runs["eager + checkpoint every block"]
+    ratios = sorted(z / c for z, c in zip(zero.times, checkpoint.times))
+    held_zero, held_checkpoint = zero.result["held"], checkpoint.result["held"]
+    print(
+        f"\nbudget 0 against eager checkpoint of every block: held {held_zero / 2**20:.2f} vs "
+        f"{held_checkpoint / 2**20:.2f} MiB ({'<=' if held_zero <= held_checkpoint else '>'}); "
+        f"step time {statistics.median(ratios):.2f}x (median of {len(ratios)} rounds, "
+        f"{ratios[0]:.2f}..{ratios[-1]:.2f})"
+    )
 
 
 if __name__ == "__main__":

@@ -42,6 +42,10 @@ DEFAULTS = {
     # context parallelism (issue 29)
     "cp_degree": 1,
     "cp_dims": None,
+    # activation offload (issue 28)
+    "activation_offload": False,
+    "activation_offload_bandwidth_gbps": 25.0,
+    "activation_offload_device_tflops": 200.0,
 }
 # to_dict gives YAML-friendly lists where the config keeps tuples.
 DEFAULTS_AS_DICT = {k: list(v) if isinstance(v, tuple) else v for k, v in DEFAULTS.items()}
@@ -134,6 +138,9 @@ def test_valid_non_default_values_are_kept():
         "ep_degree": 2,
         "cp_degree": 2,
         "cp_dims": {"input": 1},
+        "activation_offload": False,
+        "activation_offload_bandwidth_gbps": 25.0,
+        "activation_offload_device_tflops": 200.0,
     }
 
 
@@ -368,3 +375,30 @@ def test_cp_degree_and_cp_dims_are_checked():
     for bad in ({}, [1], {"label": -1}, {"": 1}, {"label": "x"}):
         with pytest.raises(ConfigError, match=r"PassConfig.cp_dims"):
             PassConfig(cp_dims=bad)
+
+
+# --- activation offload (issue 28) ----------------------------------------------------------
+
+
+def test_activation_offload_is_a_choice_of_the_budget_planner():
+    config = PassConfig(
+        activation_memory_budget=0.5,
+        activation_offload=True,
+        activation_offload_bandwidth_gbps=50,
+        activation_offload_device_tflops=400.0,
+    )
+    assert config.activation_offload is True and config.activation_offload_bandwidth_gbps == 50
+    with pytest.raises(ConfigError, match="set activation_memory_budget"):
+        PassConfig(activation_offload=True)
+    with pytest.raises(ConfigError, match=r"PassConfig\.activation_offload must be a bool"):
+        PassConfig(activation_memory_budget=0.5, activation_offload="yes")
+
+
+@pytest.mark.parametrize(
+    "field", ["activation_offload_bandwidth_gbps", "activation_offload_device_tflops"]
+)
+@pytest.mark.parametrize("bad", [0, -1.0, True, "25", None, math.inf])
+def test_offload_rates_must_be_positive_numbers(field, bad):
+    with pytest.raises(ConfigError, match=f"PassConfig.{field} must be a") as info:
+        PassConfig(**{field: bad})
+    assert repr(bad) in str(info.value)

@@ -5,6 +5,7 @@ recomputed is not."""
 from __future__ import annotations
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
@@ -83,6 +84,34 @@ def test_a_budget_is_bitwise_and_its_measured_activations_fit(gpt, kept_everythi
         assert measured.held_bytes <= everything.largest_held
         copies = [n for n in graph.graph_module.graph.nodes if n.meta.get("gm_recomputed")]
         assert any(_op(n) == "mm" for n in copies)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_no_forward_op_is_recomputed_twice(gpt, budget):
+    model, _, joint = gpt
+    graph, plan = planned(joint, model, activation_memory_budget=budget)
+    nodes = joint.graph_module.graph.nodes
+    forward = Counter(_op(n) for n in nodes if n.meta.get("gm_phase") == "forward")
+    copies = Counter(_op(n) for n in graph.graph_module.graph.nodes if n.meta.get("gm_recomputed"))
+    assert all(copies[op] <= forward[op] for op in copies), (copies, forward)
+    assert plan.added_flops <= plan.forward_flops
+
+
+def test_budget_0_keeps_the_block_boundaries_as_checkpointing_every_block(gpt):
+    model, batch, joint = gpt
+    graph, plan = planned(joint, model, activation_memory_budget=0.0)
+    nodes = {n.name: n for n in graph.graph_module.graph.nodes}
+    kept = [name for name in plan.kept if block_of(nodes[name])]
+    # layers.0..2's outputs, which the next block's recompute reads; the last block's output
+    # is recomputed with that block, just before the head's backward.
+    assert [block_of(nodes[name]) for name in kept] == ["layers.0", "layers.1", "layers.2"]
+    for name in kept:
+        assert any(block_of(u) not in ("", block_of(nodes[name])) for u in nodes[name].users)
+    # Found from the graph, and holds less than the module-list preset (which keeps the glue).
+    _, blocks = planned(joint, model, full_recompute_modules=["layers.*"])
+    assert plan.kept_bytes < blocks.kept_bytes
+    measured = measure_activations(graph, model, *batch)
+    assert measured.held_bytes == plan.kept_bytes
 
 
 def test_lower_budgets_hold_less_and_add_more_flops(gpt):

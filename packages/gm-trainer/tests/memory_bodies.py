@@ -99,11 +99,21 @@ def fsdp_budgets(rank: int, world: int, case: str) -> dict:
 
 def pipeline_budgets(rank: int, world: int) -> dict:
     """pp_degree=2 (one stage per rank), 2 micro-batches: per budget the losses, this rank's
-    parameters, the activations the pipeline held (measured) and each stage's plan."""
+    parameters, the activations the pipeline held (measured), each stage's plan, and what
+    ``measure_activations`` measured first (with whether it left parameters and ``.grad``
+    as they were)."""
     out = {}
     for budget in (1.0, 0.25):
         config = PassConfig(pp_degree=2, pp_microbatches=2, activation_memory_budget=budget)
         trainer = GraphTrainer(gpt(), lm_loss, config, optimizer_config={"lr": 1e-2})
+        # The first call cuts the graph into stages (each rank drops the others' parameters).
+        profile = trainer.measure_activations(*batch(0, 4))
+        before = {k: p.detach().clone() for k, p in trainer.model.named_parameters()}
+        again = trainer.measure_activations(*batch(0, 4))
+        untouched = again.stages == profile.stages and all(
+            p.grad is None and torch.equal(p, before[k])
+            for k, p in trainer.model.named_parameters()
+        )
         losses = []
         for step in range(STEPS):
             losses.append(trainer.train_step(*batch(step, 4)))
@@ -114,5 +124,17 @@ def pipeline_budgets(rank: int, world: int) -> dict:
             "params": {k: p.detach().clone() for k, p in trainer.model.named_parameters()},
             "held": trainer.pipeline.stats.peak_held_bytes,
             "stages": plan.stages,
+            "measured": (profile.stages, profile.held_bytes, profile.largest_held),
+            "untouched": untouched,
         }
+    # dynamic_dims: traced (and planned) at sequence 16, measured per stage at 16 and SEQ.
+    dims = {"input": {1: "seq"}, "label": {1: "seq"}}
+    config = PassConfig(pp_degree=2, pp_microbatches=2, activation_memory_budget=0.25)
+    trainer = GraphTrainer(gpt(), lm_loss, config, optimizer_config={"lr": 1e-2}, dynamic_dims=dims)
+    short = trainer.measure_activations(*batch(0, 4, 16))
+    for step, seq in enumerate((24, SEQ)):
+        trainer.train_step(*batch(step, 4, seq))
+        trainer.optimizer_step()
+    full = trainer.measure_activations(*batch(0, 4, SEQ))
+    out["dynamic"] = {"stages": (short.stages, full.stages), "compiles": trainer.compile_count}
     return out

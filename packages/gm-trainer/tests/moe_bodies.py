@@ -106,13 +106,29 @@ def _local(step: int, rank: int, world: int) -> tuple[dict[str, torch.Tensor], t
     return {"input_ids": input["input_ids"][rows]}, label[rows]
 
 
+#: The optimizers a test may train with: torch.optim class name -> its keyword arguments.
+#: SGD with momentum updates linearly in the gradient, so a gradient that is reduction-order
+#: noise across ranks stays noise; Adam divides by sqrt(v) and can turn it into a +-lr step.
+OPTIMIZERS: dict[str, dict[str, Any]] = {
+    "adam": {"lr": LR},
+    "sgd": {"lr": 0.05, "momentum": 0.9},
+}
+
+
 def _eager_losses(
-    model: torch.nn.Module, steps: int, world: int, grad_clip: float | None = None
+    model: torch.nn.Module,
+    steps: int,
+    world: int,
+    optimizer_name: str = "adam",
+    grad_clip: float | None = None,
 ) -> tuple[list[float], list[float], Any]:
-    """Losses, gradient norms (before clipping) and the model after ``steps`` eager Adam
-    steps on the global batch."""
+    """Losses, gradient norms (before clipping) and the model after ``steps`` eager steps
+    on the global batch."""
     model = copy.deepcopy(model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    options = OPTIMIZERS[optimizer_name]
+    optimizer = getattr(torch.optim, {"adam": "Adam", "sgd": "SGD"}[optimizer_name])(
+        model.parameters(), **options
+    )
     losses, norms = [], []
     for step in range(steps):
         loss = hf_loss(model, *batch(step, ROWS * world))
@@ -149,6 +165,7 @@ def train_and_compare(
     mesh: bool = False,
     accumulation: int = 1,
     in_graph: bool = False,
+    optimizer: str = "adam",
     grad_clip: float | None = None,
     **config: Any,
 ) -> dict[str, Any]:
@@ -157,10 +174,11 @@ def train_and_compare(
     the global batch, and each step's gradient norm (clipped to ``grad_clip`` when given)
     with eager ``clip_grad_norm_``'s. Each rank must hold ``1 / world`` of the expert
     elements (its ep rank's experts, split over the ranks holding them) and its
-    ``torch.chunk`` rows of every other parameter. ``config``: fields of the tiny
-    transformers config (e.g. another ``experts_implementation``). Returns the figures."""
+    ``torch.chunk`` rows of every other parameter. ``optimizer``: a name of
+    :data:`OPTIMIZERS`. ``config``: fields of the tiny transformers config (e.g. another
+    ``experts_implementation``). Returns the figures."""
     model = build(arch, routing=routing, **config)
-    eager_losses, eager_norms, reference = _eager_losses(model, steps, world, grad_clip)
+    eager_losses, eager_norms, reference = _eager_losses(model, steps, world, optimizer, grad_clip)
     total = {n: p.numel() for n, p in model.named_parameters()}
     config = PassConfig(ep_degree=1 if mesh else ep)
     context = MeshContext.build(ep=ep) if mesh else None
@@ -168,7 +186,12 @@ def train_and_compare(
         model,
         hf_loss,
         config,
-        optimizer_config={"lr": LR, "in_graph": in_graph, "grad_clip": grad_clip},
+        optimizer_config={
+            "name": optimizer,
+            "kwargs": OPTIMIZERS[optimizer],
+            "in_graph": in_graph,
+            "grad_clip": grad_clip,
+        },
         device="cpu",
         mesh_context=context,
     )

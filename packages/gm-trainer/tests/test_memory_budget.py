@@ -80,6 +80,22 @@ def test_under_pipeline_parallelism_each_stage_fits_its_budget(dist_pool):
         for every, kept in planned["stages"].values():  # planned per stage, not in sum
             assert kept <= 0.25 * every + every // 8, planned["stages"]
         assert planned["held"] < 0.5 * everything["held"], (planned["held"], everything["held"])
+        # measure_activations on the pipeline: this rank's stage, measured, trains nothing.
+        (all_stages, all_held, largest), (stages, held, _) = (
+            everything["measured"],
+            planned["measured"],
+        )
+        assert everything["untouched"] and planned["untouched"]
+        assert list(stages) == list(all_stages) and len(stages) == 1
+        for stage, nbytes in stages.items():
+            assert 0 < nbytes <= 0.25 * all_stages[stage] + largest, (stages, all_stages)
+        assert held == planned["held"] and all_held == everything["held"]
+        # dynamic_dims: planned once at the traced size (16), measured per stage at 16 and
+        # at SEQ, where the traced plan still fits the budget of the static step at SEQ.
+        (short, full), compiles = results["dynamic"]["stages"], results["dynamic"]["compiles"]
+        assert compiles == 1 and list(short) == list(full) == list(all_stages)
+        for stage, nbytes in full.items():
+            assert short[stage] < nbytes <= 0.25 * all_stages[stage] + largest, (full, short)
 
 
 def test_a_dynamic_graph_is_planned_once_at_the_traced_size():
@@ -94,3 +110,37 @@ def test_a_dynamic_graph_is_planned_once_at_the_traced_size():
         runs[budget] = torch.stack(losses), trainer.measure_activations(*batch(0, 2, 32))
     assert torch.equal(runs[0.25][0], runs[1.0][0])
     assert runs[0.25][1].held_bytes < 0.5 * runs[1.0][1].held_bytes
+
+
+def _state(trainer: GraphTrainer) -> list[torch.Tensor]:
+    optimizer = trainer.optimizer
+    tensors = [p.detach().clone() for p in trainer.model.parameters()]
+    for param in trainer.model.parameters():
+        tensors += [v.clone() for v in optimizer.state[param].values() if torch.is_tensor(v)]
+    return tensors
+
+
+def test_measuring_a_graph_that_takes_the_update_trains_nothing():
+    def trainer(in_graph: bool) -> GraphTrainer:
+        settings = PassConfig(activation_memory_budget=0.25)
+        options = {"lr": 1e-2, "in_graph": in_graph}
+        return GraphTrainer(gpt(), lm_loss, settings, optimizer_config=options)
+
+    measured, plain, eager_update = trainer(True), trainer(True), trainer(False)
+    profiles = [measured.measure_activations(*batch(0))]  # before the first step, too
+    losses = {id(measured): [], id(plain): []}
+    for step in range(2):
+        for t in (measured, plain):
+            losses[id(t)].append(t.train_step(*batch(step)))
+            t.optimizer_step()
+        before = _state(measured)
+        profiles.append(measured.measure_activations(*batch(step + 1)))
+        after = _state(measured)
+        assert len(before) == len(after) and all(map(torch.equal, before, after))
+    assert torch.equal(torch.stack(losses[id(measured)]), torch.stack(losses[id(plain)]))
+    for a, b in zip(_state(measured), _state(plain)):
+        assert torch.equal(a, b)
+    assert measured.optimizer_in_graph
+    # The update runs after backward: what backward holds is that of the eager-update graph.
+    expected = eager_update.measure_activations(*batch(0)).held_bytes
+    assert expected > 0 and all(p.held_bytes == expected for p in profiles)

@@ -70,6 +70,7 @@ def test_degenerate_routing_trains_like_eager(arch: str, routing: str) -> None:
         assert min(sum(counts[:half]), sum(counts[half:])) == 0, counts
     else:
         assert counts[-1] == results[0]["routed_pairs_first_step"] // 2, counts
+    assert sum(counts[: len(counts) // 2]) == 0, counts
 
 
 @full_only
@@ -227,3 +228,44 @@ def test_gm_train_ep2_logs_expert_load(tmp_path) -> None:
         assert record["moe_expert_imbalance"] >= 1.0
         assert record["moe_all_to_all_bytes"] > 0
     assert "expert parallelism: ep 2" in (tmp_path / "run" / "passes.txt").read_text()
+
+
+# --------------------------------------------------------------------------- per-expert loop
+
+
+def _expert_loop(ep: int) -> None:
+    # experts_implementation="eager": transformers' per-expert Python loop over the hit
+    # experts, captured as a static loop over every expert (gm_trace.capture.expert_loop).
+    # SGD with momentum: Adam can turn a gradient that is reduction-order noise across the
+    # ranks into a +-lr step (one q_proj element ends 3.6e-5 off in 3 steps, with
+    # grouped_mm as with the loop).
+    (first, _) = _run(2, "qwen3-moe", ep, steps=3, optimizer="sgd", experts_implementation="eager")
+    assert first["expert_elements_local"] * ep == first["expert_elements_total"] or ep == 1
+
+
+def test_per_expert_loop_with_ep2_matches_eager() -> None:
+    # With EP 2 each rank's loop runs its local experts on the rows it received (unbacked).
+    _expert_loop(2)
+
+
+@full_only
+def test_per_expert_loop_with_fsdp_matches_eager() -> None:
+    _expert_loop(1)
+
+
+@full_only
+def test_per_expert_loop_with_every_token_to_one_expert_under_ep2() -> None:
+    # A large correction bias: every token to the last expert (and one more of the second
+    # rank's): the first rank's loop runs its four experts on no row at all.
+    results = _run(
+        2,
+        "deepseek-v3",
+        2,
+        routing="last",
+        steps=2,
+        optimizer="sgd",
+        experts_implementation="eager",
+    )
+    counts = results[0]["tokens_per_expert_first_step"]
+    assert counts[-1] == results[0]["routed_pairs_first_step"] // 2, counts
+    assert sum(counts[: len(counts) // 2]) == 0, counts

@@ -172,13 +172,17 @@ class PassConfig:
     )
     """Plan every tensor saved from forward to backward against a budget: a fraction in
     [0, 1] of the activation bytes a save-everything step holds when backward begins (``1.0``:
-    keep all; ``0``: recompute all that can be). The ``memory_plan`` pass keeps the values
-    that are dearest to recompute per byte (matmuls, attention) and recomputes the rest in
-    backward, with the same ops in the same order: bitwise identical results. A fraction,
-    not bytes, because one setting then means the same for every model, batch and sequence
-    length, every pipeline stage and every traced size of a dynamic graph (planned at the
-    traced size); the plan's bytes are in ``pass_summary()``. ``None``: no plan (the
-    ``recompute`` pass alone, as before). Replaces ``recompute_pointwise`` when set."""
+    keep all). The ``memory_plan`` pass keeps the values that are dearest to recompute per
+    byte (matmuls, attention) and recomputes the rest in backward, with the same ops in the
+    same order: bitwise identical results. It never recomputes a forward op twice and runs
+    each block's recompute in that block's backward, so ``0`` keeps the least that allows:
+    the block boundaries the next block reads (no more than checkpointing every block keeps,
+    at about its step time: one extra forward); a budget below that floor keeps the floor.
+    A fraction, not bytes, because one setting then means the same for every model, batch
+    and sequence length, every pipeline stage and every traced size of a dynamic graph
+    (planned at the traced size); the plan's bytes are in ``pass_summary()``. ``None``: no
+    plan (the ``recompute`` pass alone, as before). Replaces ``recompute_pointwise`` when
+    set."""
 
     selective_recompute: bool = dataclasses.field(default=False, metadata=_runs("memory_plan"))
     """The ``memory_plan`` pass's preset "save matmul outputs, recompute the rest" (as
@@ -215,6 +219,24 @@ class PassConfig:
     """Which dims of ``(input, label)`` are the sequence: leaf path (``"input['input_ids']"``,
     ``"label"``) or a prefix of paths (``"input"``) -> dim. ``None``: dim 1 of every tensor
     leaf with two dims or more (token ids, attention mask, labels)."""
+
+    # --- activation offload (issue 28, the memory_plan pass's third choice) ------------------
+
+    activation_offload: bool = dataclasses.field(default=False, metadata=_runs("memory_plan"))
+    """Let the ``activation_memory_budget`` planner offload a saved activation to host memory
+    (an asynchronous copy into pinned memory after its last forward use, copied back before
+    its first backward use) instead of recomputing it, where the transfer takes less time than
+    the recompute, and for what cannot be recomputed when the budget needs it. Only when the
+    graph runs on an accelerator (cuda, xpu, ...): on CPU host memory is device memory, so
+    nothing is offloaded and ``pass_summary()`` says so. Needs ``activation_memory_budget``."""
+
+    activation_offload_bandwidth_gbps: float = 25.0
+    """The host link's bandwidth each way in GB/s (1e9 bytes/s) the offload planner prices a
+    transfer at: 25 is what PCIe 4.0 x16 moves in practice (PCIe 5.0 about 50)."""
+
+    activation_offload_device_tflops: float = 200.0
+    """The compute rate in TFLOP/s the offload planner prices a recompute at, against the
+    transfer: 200 is a sustained bf16 matmul rate of an A100/H100-class accelerator."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -301,6 +323,7 @@ class PassConfig:
                 f"as 'inductor', got {self.backend!r}"
             )
         self._validate_memory_plan()
+        self._validate_offload()
 
     def _validate_memory_plan(self) -> None:
         budget = self.activation_memory_budget
@@ -324,6 +347,18 @@ class PassConfig:
                 f"PassConfig.activation_memory_budget={budget!r} plans every saved tensor "
                 "itself; it cannot be combined with the presets selective_recompute / "
                 "full_recompute_modules: set one or the other"
+            )
+
+    def _validate_offload(self) -> None:
+        """Activation offload (issue 28): a choice of the budget planner, priced by two rates."""
+        for name in ("activation_offload_bandwidth_gbps", "activation_offload_device_tflops"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"PassConfig.{name} must be a number > 0, got {value!r}")
+        if self.activation_offload and self.activation_memory_budget is None:
+            raise ConfigError(
+                "PassConfig.activation_offload=True is a choice of the activation_memory_budget "
+                "planner; set activation_memory_budget (e.g. 0.5) too"
             )
 
     def _validate_cp(self) -> None:

@@ -309,10 +309,13 @@ def _hf_moe(model_class: str, overrides: dict[str, Any]) -> Callable[..., nn.Mod
         if "qk_rope_head_dim" in known:  # multi-head latent attention: no head_dim of its
             config.pop("head_dim", None)  # own, and as many key/value heads as query heads
             config["num_key_value_heads"] = config["num_attention_heads"]
-        return _hf(model_class, config_class, **config, **overrides)(dropout)
+        return _hf(model_class, config_class, **{**config, **overrides})(dropout)
 
     build.__qualname__ = f"build_{model_class}"
     return build
+
+
+_BF16 = "bf16 = FSDP2 bf16"
 
 
 def moe(
@@ -321,22 +324,47 @@ def moe(
     *,
     tags: tuple[str, ...] = (),
     not_run: dict[str, str] | None = None,
+    expected_error: str | None = None,
+    note: str = "",
     **overrides: Any,
 ) -> Architecture:
-    """A transformers mixture of experts with its default experts kernel, built from ``_MOE``."""
+    """A transformers mixture of experts with its default experts kernel, built from ``_MOE``
+    (``overrides``: fields of its config that differ)."""
     return Architecture(
         name,
         _hf_moe(model, overrides),
         token_batch,
         hf_loss,
         "moe",
+        expected_error,
         tags=frozenset((*tags, "transformers")),
+        note=note,
         discontinuous=True,
         not_run=not_run or {},
     )
 
 
-_BF16 = "bf16 = FSDP2 bf16"
+#: The rows the per-expert loop of the architectures outside the issue's list does not run:
+#: the passes run on the same architecture with its default experts kernel.
+_LOOP_ONE_PROCESS = dict.fromkeys(
+    ["PP 2 stages = whole graph, bitwise", "FSDP 2 ranks", "FSDP 2 ranks, reshard", _BF16],
+    "the per-expert loop row checks the capture (one process, bitwise); the passes run on "
+    "the same architecture with its default experts kernel",
+)
+
+
+def expert_loop(name: str, model: str, *, every_row: bool = True) -> Architecture:
+    """``moe(name, model)`` with transformers' per-expert Python loop
+    (``experts_implementation="eager"``), which graph mode captures as a static loop over every
+    expert (gm_trace.capture.expert_loop); ``every_row=False``: the one-process row only."""
+    return moe(
+        f"{name}-expert-loop",
+        model,
+        not_run=None if every_row else _LOOP_ONE_PROCESS,
+        experts_implementation="eager",
+    )
+
+
 #: An expert or router weight's update in bfloat16 ends 5-7 % of its norm (hunyuan-v1-moe: 7
 #: times) off FSDP2's, beyond the bf16 tolerance. Top-k routing is discontinuous: one near-tie
 #: expert choice rounded the other way does that; not traced to the op.
@@ -345,6 +373,23 @@ _BF16_ROUTING = {
     "discontinuous; not traced to the op)"
 }
 
+
+#: The per-expert-loop architectures of the issue (every row with GM_ZOO=all).
+_EXPERT_LOOP_CI = [
+    ("mixtral", "MixtralForCausalLM"),
+    ("qwen2-moe", "Qwen2MoeForCausalLM"),
+    ("qwen3-moe", "Qwen3MoeForCausalLM"),
+    ("olmoe", "OlmoeForCausalLM"),
+    ("deepseek-v3", "DeepseekV3ForCausalLM"),
+    ("gpt-oss", "GptOssForCausalLM"),
+]
+
+#: Their one-layer variants, whose one step the default suite checks (test_zoo.py): the loop
+#: is per layer, and one layer traces in half the time.
+EXPERT_LOOP_CI: list[Architecture] = [
+    moe(f"{name}-expert-loop-1-layer", model, experts_implementation="eager", num_hidden_layers=1)
+    for name, model in _EXPERT_LOOP_CI
+]
 
 ARCHITECTURES: list[Architecture] = [
     # decoders
@@ -513,6 +558,8 @@ ARCHITECTURES: list[Architecture] = [
     # ... and batched_mm, which routes with gathers of static shape
     hf("mixtral-batched-mm", "MixtralForCausalLM", "moe", _MIXTRAL, discontinuous=True),
     hf("qwen2-moe-batched-mm", "Qwen2MoeForCausalLM", "moe", _QWEN2_MOE, discontinuous=True),
+    # ... and the per-expert loop (experts_implementation="eager")
+    *(expert_loop(name, model) for name, model in _EXPERT_LOOP_CI),
     # plain torch
     Architecture(
         "nn-transformer", TinySeq2SeqTransformer, plain_token_batch, logits_ce, "encoder-decoder"
@@ -544,6 +591,46 @@ NOT_RUN: dict[str, dict[str, str]] = {
     ),
 }
 
+#: The other mixtures of experts of transformers that build from ``_MOE``.
+_OTHER_MOE = [
+    ("afmoe", "AfmoeForCausalLM"),
+    ("axk1", "AXK1ForCausalLM"),
+    ("beam", "BeamForCausalLM"),
+    ("cohere2-moe", "Cohere2MoeForCausalLM"),
+    ("deepseek-v2", "DeepseekV2ForCausalLM"),
+    ("deepseek-v4", "DeepseekV4ForCausalLM"),
+    ("dots1", "Dots1ForCausalLM"),
+    ("ernie4.5-moe", "Ernie4_5_MoeForCausalLM"),
+    ("exaone-moe", "ExaoneMoeForCausalLM"),
+    ("flex-olmo", "FlexOlmoForCausalLM"),
+    ("flint", "FlintForCausalLM"),
+    ("glm4-moe", "Glm4MoeForCausalLM"),
+    ("glm4-moe-lite", "Glm4MoeLiteForCausalLM"),
+    ("gpt-oss", "GptOssForCausalLM"),
+    ("granitemoe", "GraniteMoeForCausalLM"),
+    ("granitemoe-swa", "GraniteMoeSWAForCausalLM"),
+    ("granitemoe-hybrid", "GraniteMoeHybridForCausalLM"),
+    ("granitemoe-shared", "GraniteMoeSharedForCausalLM"),
+    ("hunyuan-v1-moe", "HunYuanMoEV1ForCausalLM"),
+    ("hy-v3", "HYV3ForCausalLM"),
+    ("hy-v4", "HYV4ForCausalLM"),
+    ("jamba", "JambaForCausalLM"),
+    ("kolibri1", "Kolibri1ForCausalLM"),
+    ("laguna", "LagunaForCausalLM"),
+    ("lara-mini", "LaraMiniForCausalLM"),
+    ("mellum", "MellumForCausalLM"),
+    ("mimo-v2-flash", "MiMoV2FlashForCausalLM"),
+    ("minimax", "MiniMaxForCausalLM"),
+    ("minimax-m2", "MiniMaxM2ForCausalLM"),
+    ("nemotron-h", "NemotronHForCausalLM"),
+    ("phimoe", "PhimoeForCausalLM"),
+    ("qwen3-next", "Qwen3NextForCausalLM"),
+    ("solar-open", "SolarOpenForCausalLM"),
+]
+
+#: Per-expert loops graph mode refuses (UNSUPPORTED says why).
+_LOOP_UNSUPPORTED = {"nemotron-h"}
+
 #: Architectures outside the issue's list, built the same way: the fixes must be general.
 EXTRA_ARCHITECTURES: list[Architecture] = [
     hf("gpt-j", "GPTJForCausalLM", "decoder", {**_GPT2, "rotary_dim": 4}),
@@ -557,79 +644,31 @@ EXTRA_ARCHITECTURES: list[Architecture] = [
         tags=("batchnorm",),
     ),
     # every other mixture of experts of transformers that builds from _MOE (docs/zoo.md lists
-    # the ones left out and why)
+    # the ones left out and why), with its default experts kernel and its per-expert loop
+    *(moe(name, model, not_run=NOT_RUN.get(name)) for name, model in _OTHER_MOE),
     *(
-        moe(name, model, not_run=NOT_RUN.get(name))
-        for name, model in [
-            ("afmoe", "AfmoeForCausalLM"),
-            ("axk1", "AXK1ForCausalLM"),
-            ("beam", "BeamForCausalLM"),
-            ("cohere2-moe", "Cohere2MoeForCausalLM"),
-            ("deepseek-v2", "DeepseekV2ForCausalLM"),
-            ("deepseek-v4", "DeepseekV4ForCausalLM"),
-            ("dots1", "Dots1ForCausalLM"),
-            ("ernie4.5-moe", "Ernie4_5_MoeForCausalLM"),
-            ("exaone-moe", "ExaoneMoeForCausalLM"),
-            ("flex-olmo", "FlexOlmoForCausalLM"),
-            ("flint", "FlintForCausalLM"),
-            ("glm4-moe", "Glm4MoeForCausalLM"),
-            ("glm4-moe-lite", "Glm4MoeLiteForCausalLM"),
-            ("gpt-oss", "GptOssForCausalLM"),
-            ("granitemoe", "GraniteMoeForCausalLM"),
-            ("granitemoe-swa", "GraniteMoeSWAForCausalLM"),
-            ("granitemoe-hybrid", "GraniteMoeHybridForCausalLM"),
-            ("granitemoe-shared", "GraniteMoeSharedForCausalLM"),
-            ("hunyuan-v1-moe", "HunYuanMoEV1ForCausalLM"),
-            ("hy-v3", "HYV3ForCausalLM"),
-            ("hy-v4", "HYV4ForCausalLM"),
-            ("jamba", "JambaForCausalLM"),
-            ("kolibri1", "Kolibri1ForCausalLM"),
-            ("laguna", "LagunaForCausalLM"),
-            ("lara-mini", "LaraMiniForCausalLM"),
-            ("mellum", "MellumForCausalLM"),
-            ("mimo-v2-flash", "MiMoV2FlashForCausalLM"),
-            ("minimax", "MiniMaxForCausalLM"),
-            ("minimax-m2", "MiniMaxM2ForCausalLM"),
-            ("nemotron-h", "NemotronHForCausalLM"),
-            ("phimoe", "PhimoeForCausalLM"),
-            ("qwen3-next", "Qwen3NextForCausalLM"),
-            ("solar-open", "SolarOpenForCausalLM"),
-        ]
+        expert_loop(name, model, every_row=False)
+        for name, model in _OTHER_MOE
+        if name not in _LOOP_UNSUPPORTED and (name, model) not in _EXPERT_LOOP_CI
     ),
 ]
-
-
-def _experts_kernel(
-    name: str, model: str, config: dict[str, Any], kernel: str, error: str, note: str
-) -> Architecture:
-    """A mixture of experts with transformers' experts kernel ``kernel``, which graph mode
-    cannot take: the error matches ``error`` and then names the first layer's experts."""
-    return hf(
-        name,
-        model,
-        "moe",
-        {**config, "experts_implementation": kernel},
-        expected_error=error + r"`model\.layers\.0\.mlp\.experts`",
-        note=note,
-    )
 
 
 #: Configurations graph mode cannot take yet: each must end in the project's own error that
 #: names the op and the module.
 UNSUPPORTED: list[Architecture] = [
-    _experts_kernel(
-        "qwen2-moe-expert-loop",
-        "Qwen2MoeForCausalLM",
-        _QWEN2_MOE,
-        "eager",
-        r"data-dependent(?s:.*)aten\.nonzero(?s:.*)",
-        note="the per-expert loop iterates in Python over `nonzero()` of the experts that were "
-        "hit (`for expert_idx in expert_hit`): how many times the loop body runs, and so which "
-        "ops the graph holds, depends on the routing of each batch. Unbacked sizes do not take "
-        "it: `nonzero` traces with one (as under `dynamic_dims`), but iterating over its rows "
-        "needs the size as a Python int (`aten.unbind` fails on it). Taking it would need the "
-        "loop run eagerly inside the graph (an opaque op with its own backward); transformers' "
-        "default `grouped_mm` and `batched_mm` compute the same experts without it.",
+    moe(
+        "nemotron-h-expert-loop",
+        "NemotronHForCausalLM",
+        experts_implementation="eager",
+        expected_error=r"GuardOnDataDependentSymNode(?s:.*)per-expert loop of "
+        r"`model\.layers\.1\.mixer\.experts`(?s:.*)grouped_mm",
+        note="its per-expert loop skips an expert without tokens (`if token_idx.numel() == 0: "
+        "continue`), a Python branch on each expert's token count, which the trace holds as an "
+        "unbacked size. Graph mode runs the loops that iterate over the hit experts over every "
+        "expert instead (gm_trace.capture.expert_loop), but does not decide a data-dependent "
+        "branch for the model; transformers' default `grouped_mm` and `batched_mm` compute "
+        "the same experts without it.",
     ),
 ]
 
@@ -675,4 +714,6 @@ MOE_LEFT_OUT: dict[str, str] = {
     ),
 }
 
-BY_NAME = {arch.name: arch for arch in ARCHITECTURES + EXTRA_ARCHITECTURES + UNSUPPORTED}
+BY_NAME = {
+    arch.name: arch for arch in ARCHITECTURES + EXTRA_ARCHITECTURES + UNSUPPORTED + EXPERT_LOOP_CI
+}

@@ -326,3 +326,25 @@ def inductor(name: str) -> dict[str, float]:
         torch.testing.assert_close(actual.grads[fqn], grad, rtol=1e-5, atol=1e-5, msg=fqn)
         worst = max(worst, (actual.grads[fqn] - grad).abs().max().item())
     return {"loss": (actual.loss - expected.loss).abs().item(), "grad": worst}
+
+
+def one_step(name: str) -> dict[str, Any]:
+    """One step in graph mode (every default pass) against eager, on two batches the graph
+    was not all traced for (the routing differs): loss and every gradient ``torch.equal``."""
+    arch = BY_NAME[name]
+    model = build(arch, dropout=True)
+    with deterministic():
+        joint, _ = compile_graph(model, arch, arch.batch(0, ROWS), PassConfig())
+        for step in range(2):
+            batch = arch.batch(step, ROWS)
+            torch.manual_seed(step)
+            loss = arch.train_fn(model, *batch)
+            params = [p for p in model.parameters() if p.requires_grad]
+            expected = dict(zip(dict(model.named_parameters()), torch.autograd.grad(loss, params)))
+            torch.manual_seed(step)
+            out = run_traced_graph(joint, model, *batch)
+            assert torch.equal(out.loss, loss), (step, out.loss, loss)
+            assert out.grads.keys() == expected.keys()
+            for fqn, grad in out.grads.items():
+                assert torch.equal(grad, expected[fqn]), f"step {step}: gradient of {fqn} differs"
+    return {"nodes": len(joint.graph_module.graph.nodes)}

@@ -90,10 +90,15 @@ def render(cells: dict[tuple[str, str], tuple[str, str]]) -> str:
     if notes:
         out += ["", "## What the clear errors would take", ""]
         out += [f"- **{name}**: {note}" for name, note in notes]
-    not_run = [(n, row, why) for n in names for row, why in BY_NAME[n].not_run.items()]
+    # one line per architecture and reason: the rows it does not run for it
+    not_run = {
+        (n, why): [r for r, w in BY_NAME[n].not_run.items() if w == why]
+        for n in names
+        for why in BY_NAME[n].not_run.values()
+    }
     if not_run:
         out += ["", "## Cells not run, and why", ""]
-        out += [f"- **{name}**, {row}: {why}" for name, row, why in not_run]
+        out += [f"- **{name}**, {'; '.join(rows)}: {why}" for (name, why), rows in not_run.items()]
     if any(BY_NAME[name].family == "moe" for name in names):
         out += ["", "## Mixture-of-experts architectures without a row", ""]
         out += [f"- **{model_type}**: {why}" for model_type, why in MOE_LEFT_OUT.items()]

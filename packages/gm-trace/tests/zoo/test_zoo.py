@@ -6,7 +6,8 @@ against eager, with and without ``reshard_after_forward``; ``param_dtype=bfloat1
 eager FSDP2 under the same ``MixedPrecisionPolicy``; the Inductor backend. CI runs the subset
 tagged ``ci`` (a LayerNorm decoder, an RMSNorm decoder, an encoder and a BatchNorm vision
 model) and the one-process row of those tagged ``ci-moe`` (mixtures of experts with
-transformers' default experts kernel); ``GM_ZOO=all`` (``nox -s zoo``) runs everything and
+transformers' default experts kernel), and one step of six MoE architectures with their
+per-expert loop (``*-expert-loop``); ``GM_ZOO=all`` (``nox -s zoo``) runs everything and
 writes docs/zoo.md.
 """
 
@@ -17,7 +18,14 @@ import os
 
 import bodies
 import pytest
-from architectures import ARCHITECTURES, BY_NAME, EXTRA_ARCHITECTURES, UNSUPPORTED, Architecture
+from architectures import (
+    ARCHITECTURES,
+    BY_NAME,
+    EXPERT_LOOP_CI,
+    EXTRA_ARCHITECTURES,
+    UNSUPPORTED,
+    Architecture,
+)
 
 from gm_trace.capture.capture_errors import GraphCaptureError
 
@@ -72,6 +80,16 @@ def test_single_process_is_bitwise_eager(name, record_property):
     _not_run(name, "1 process = eager, bitwise")
     result = bodies.single_process(name)
     record_property("zoo_result", f"{result['nodes']} nodes")
+
+
+@pytest.mark.parametrize(
+    "arch", [pytest.param(a, id=a.name, marks=_needs(a)) for a in EXPERT_LOOP_CI]
+)
+def test_expert_loop_step_is_bitwise_eager(arch):
+    # transformers' per-expert loop (experts_implementation="eager"), captured as a static
+    # loop: one step's loss and gradients on two routings, one layer; GM_ZOO=all runs the
+    # rows of the two-layer *-expert-loop architectures.
+    bodies.one_step(arch.name)
 
 
 @pytest.mark.parametrize("name", _cases(ZOO))

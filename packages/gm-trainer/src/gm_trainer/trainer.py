@@ -303,21 +303,35 @@ class GraphTrainer:
     def measure_activations(self, input: Any, label: Any) -> ActivationProfile:
         """Run this batch's compiled graph once, node by node, and return the activation bytes
         it held (measured: :func:`gm_trace.runtime.activation_meter.measure_activations`),
-        without training: no gradient is kept, no weight changes. Every rank of an FSDP
-        group calls it with its batch, as for ``train_step``. Not for pipeline stages or a
-        graph that runs the optimizer update itself (``TrainingError``)."""
+        without training: no gradient is kept, no weight or optimizer state changes (a graph
+        that takes the update, ``OptimizerConfig(in_graph=True)``, writes copies of them and
+        its step count is taken back). Every rank of an FSDP group calls it with its batch, as
+        for ``train_step``. Under ``pp_degree > 1`` every rank of the pipeline calls it with
+        the batch: the pipeline's schedule runs once without adding gradients, and the profile
+        has this rank's stages (``stages``: one micro-batch's held bytes per stage;
+        ``held_bytes``: the most the rank held at once) but no per-node curves."""
+        self.executor.resolve()
         if self.pipeline is not None:
-            raise TrainingError(
-                "measure_activations() runs one whole-step graph; under pp_degree > 1 each "
-                "stage's graph runs in the pipeline schedule: read pass_summary() per stage"
-            )
+            return self._measure_stages(input, label)
         joint = self.compile(input, label)
-        if joint.optimizer_in_graph:
-            raise TrainingError(
-                "measure_activations() cannot run a graph that updates the weights itself "
-                "(OptimizerConfig(in_graph=True)): it would train; measure without in_graph"
-            )
-        return measure_activations(joint, self.model, *self.device_batch(input, label))
+        batch = self.device_batch(input, label)
+        if not joint.optimizer_in_graph:
+            return measure_activations(joint, self.model, *batch)
+        # The graph writes copies of the weights and optimizer state; the step count stays.
+        with self.stepper.uncounted_graph_inputs(joint.optimizer_update) as extra:
+            return measure_activations(joint, self.model, *batch, extra)
+
+    def _measure_stages(self, input: Any, label: Any) -> ActivationProfile:
+        # The pipeline runs the accumulating variant, which never takes the update.
+        measured = self.executor.measure_pipeline(*self.device_batch(input, label))
+        return ActivationProfile(
+            phases=[],
+            kept=[],
+            recomputed=[],
+            held_bytes=measured.peak_bytes,
+            largest_held=max(measured.largest.values(), default=0),
+            stages=dict(measured.stages),
+        )
 
     @property
     def compile_count(self) -> int:

@@ -40,8 +40,9 @@ def describe(value: Any) -> str:
     return f"{type(value).__qualname__}: {shown if len(shown) <= 80 else shown[:77] + '...'}"
 
 
-def data_dependent_error(exc: Exception, model: nn.Module) -> GraphCaptureError:
-    """The train_fn needed a tensor's value (``.item()``, ``if tensor:``, ``nonzero``)."""
+def data_dependent_error(exc: Exception, model: nn.Module, note: str = "") -> GraphCaptureError:
+    """The train_fn needed a tensor's value (``.item()``, ``if tensor:``, ``nonzero``).
+    ``note``: a paragraph that says more about where (appended)."""
     op, module, where = _locate(exc, model)
     if isinstance(exc, DynamicOutputShapeException):
         what = f"{op}, whose output shape depends on tensor values (data-dependent shape)"
@@ -56,24 +57,29 @@ def data_dependent_error(exc: Exception, model: nn.Module) -> GraphCaptureError:
         "Graph capture records shapes, not values. Make this code tensor-only (e.g. torch.where "
         "instead of `if`, keep the tensor instead of calling .item()), or move it out of train_fn "
         "(compute it outside the step and pass the result in as part of the input)."
+        + _paragraph(note)
     )
 
 
 def capture_failure(
-    exc: Exception, model: nn.Module, eager: Callable[[], BaseException | None] | None = None
+    exc: Exception,
+    model: nn.Module,
+    eager: Callable[[], BaseException | None] | None = None,
+    note: str = "",
 ) -> GraphCaptureError:
     """Any other error raised while tracing: where it happened, and the original message.
 
     ``eager``: runs the same step eagerly and returns what it raised (``None``: it ran), so
     that the message says whether eager PyTorch fails the same way; ``None`` when the step
-    cannot run eagerly here (the message then says what each outcome would mean).
+    cannot run eagerly here (the message then says what each outcome would mean). ``note``: a
+    paragraph that says more about where (it follows the location).
     """
     op, module, where = _locate(exc, model)
     first_line = _first_line(exc)
     head = (
         f"capturing train_fn failed: {type(exc).__name__}: {first_line}\n"
         f"  operation: {op}\n  in module: {module}\n  at {where}\n"
-    )
+    ) + (f"{note}\n" if note else "")
     fake_only = (
         "fake tensors graph capture traces with (an op without a shape function for these "
         "dtypes, or code that inspects tensor data); change the module to use another "
@@ -125,6 +131,10 @@ def eager_failure(
             for buffer, before in saved:
                 buffer.copy_(before)
     return None
+
+
+def _paragraph(note: str) -> str:
+    return f"\n{note}" if note else ""
 
 
 def _first_line(exc: BaseException) -> str:

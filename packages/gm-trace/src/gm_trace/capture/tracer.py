@@ -77,6 +77,8 @@ on a worker thread with a fresh ``contextvars.Context`` and lose the tracing sta
 ``torch.compiler._patch_engine_backward()`` (which makes the engine tag backward nodes with their
 forward ``seq_nr``; a ``RuntimeWarning`` is issued where the torch build lacks it). Everything is
 restored on exit, also on error. The training/eval mode of the model is baked in at trace time.
+An experts module that runs transformers' per-expert loop (``experts_implementation="eager"``)
+is traced as a static loop over every expert (:mod:`gm_trace.capture.expert_loop`).
 
 The graph replays the aten ops eager autograd runs, in the same order, so loss, gradients, buffer
 updates and dropout masks (``aten.bernoulli_`` on the global generator) are bitwise equal to eager.
@@ -111,6 +113,7 @@ from gm_trace.capture.capture_errors import (
     eager_failure,
 )
 from gm_trace.capture.dtensor import check_no_fake_constants, dtensor_state
+from gm_trace.capture.expert_loop import eager_loop_experts, static_expert_loops
 from gm_trace.capture.mixed_precision import cast_floating, cast_inputs, keeps_own_dtype
 from gm_trace.capture.trace_context import optional_make_fx_kwargs, tracing_context
 from gm_trace.graph import dynamic_shapes
@@ -372,11 +375,18 @@ def _make_fx_graph(
     if symbolic is not None:
         fake_mode = symbolic.fake_mode
     else:
-        # Expert parallelism sizes its all-to-alls from the router's counts: data-dependent
-        # sizes need a shape environment (unbacked symbols), even where every input is static.
-        shape_env = ShapeEnv() if expert_shards(model) else None
+        # Expert parallelism sizes its all-to-alls from the router's counts, and a per-expert
+        # loop its experts' tokens: data-dependent sizes need a shape environment (unbacked
+        # symbols), even where every input is static.
+        routed = bool(expert_shards(model) or eager_loop_experts(model))
+        shape_env = ShapeEnv() if routed else None
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=shape_env)
-    with tracing_context(), fake_mode, symbolic.tracing() if symbolic else nullcontext():
+    with (
+        tracing_context(),
+        fake_mode,
+        symbolic.tracing() if symbolic else nullcontext(),
+        static_expert_loops(model) as loops,
+    ):
         fake_args = [
             a.fake() if hasattr(a, "fake") else fake_mode.from_tensor(a, static_shapes=True)
             for a in args
@@ -386,11 +396,12 @@ def _make_fx_graph(
         except GraphCaptureError:
             raise
         except (DataDependentOutputException, DynamicOutputShapeException) as exc:
-            raise data_dependent_error(exc, model) from None
+            note = loops.failure_note() if loops else ""
+            raise data_dependent_error(exc, model, note) from None
         except Exception as exc:
-            failure = exc
+            failure, note = exc, loops.failure_note() if loops else ""
     # Outside the fake mode, so that the eager check runs on real tensors.
-    raise capture_failure(failure, model, eager) from failure
+    raise capture_failure(failure, model, eager, note) from failure
 
 
 # --------------------------------------------------------------------------- state

@@ -98,11 +98,25 @@ def estimate_activation_bytes(
 
 
 def is_activation(node: fx.Node, on_batch: set[fx.Node]) -> bool:
-    """A forward value computed from the batch, or a recompute copy of one in backward
-    (``on_batch``: :func:`batch_dependent`); gradients and parameters are not."""
+    """A forward value computed from the batch, or a recompute copy of one in backward, or
+    an offloaded one brought back (``on_batch``: :func:`batch_dependent`); gradients and
+    parameters are not."""
     if node not in on_batch or node.op == "placeholder":
         return False
-    return node.meta.get(node_meta.PHASE) == "forward" or bool(node.meta.get(node_meta.RECOMPUTED))
+    return (
+        node.meta.get(node_meta.PHASE) == "forward"
+        or bool(node.meta.get(node_meta.RECOMPUTED))
+        or node.meta.get(node_meta.OFFLOADED) == "device"
+    )
+
+
+def on_host(node: fx.Node) -> bool:
+    """An offloaded activation's copy in host memory, away from the device its source is
+    on: not device memory. (Offload forced on CPU leaves the copy where it was: counted.)"""
+    if node.meta.get(node_meta.OFFLOADED) != "host":
+        return False
+    val, source = node.meta.get("val"), node.all_input_nodes[0].meta.get("val")
+    return isinstance(val, torch.Tensor) and val.device != getattr(source, "device", val.device)
 
 
 def estimate_live_bytes(
@@ -111,7 +125,8 @@ def estimate_live_bytes(
     counts: Callable[[fx.Node], bool] | None = None,
 ) -> list[int]:
     """Per node, in graph order, the estimated live tensor bytes while it runs (of the
-    allocations ``counts`` selects; all by default)."""
+    allocations ``counts`` selects; all by default), on the device: offloaded copies in host
+    memory (:func:`on_host`) are not counted."""
     nodes = list(graph_module.graph.nodes)
     order = {node: i for i, node in enumerate(nodes)}
     owner: dict[fx.Node, fx.Node] = {}  # node -> the node whose allocation it reads
@@ -129,7 +144,7 @@ def estimate_live_bytes(
     # Sweep: +bytes at allocation, -bytes after last use.
     delta = [0] * (end + 2)
     for node in nodes:
-        if owner[node] is not node or (counts is not None and not counts(node)):
+        if owner[node] is not node or (counts is not None and not counts(node)) or on_host(node):
             continue
         nbytes = tensor_bytes(node, at)
         start = 0 if node.op == "placeholder" else order[node]

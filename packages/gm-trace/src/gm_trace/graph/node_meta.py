@@ -60,6 +60,11 @@ have none and are placed by :func:`gm_trace.passes.stage_split.derive_stages`.""
 RECOMPUTED = "gm_recomputed"
 """A copy of a forward op the recompute pass placed in backward (``True``)."""
 
+OFFLOADED = "gm_offloaded"
+"""A copy the activation offload (:mod:`gm_trace.passes.memory_offload`) made of a saved
+activation: ``"host"`` (in forward, to host memory) or ``"device"`` (in backward, back to the
+device, read by backward in place of the saved value)."""
+
 REGATHER = "gm_regather"
 """A copy of an all-gather the reshard pass issues again for backward (``True``)."""
 

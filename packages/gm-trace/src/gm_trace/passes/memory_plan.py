@@ -9,7 +9,14 @@ decides per group: keep, or recompute in backward.
 
 - ``PassConfig.activation_memory_budget = f``: a greedy knapsack. Groups are taken by bytes
   freed per FLOP added, dearest last, until the kept bytes are at most ``f`` times the
-  save-everything bytes (``0``: everything that can be recomputed is).
+  save-everything bytes; then a check of where the copies would run (:func:`_early_pulls`):
+  a value whose recompute would start another block's recompute during a third block's
+  backward (block 2's output, needed by block 3's backward, recomputed from block 1's) is
+  kept, and the knapsack runs again without it. So every forward op is recomputed at most
+  once and each block's copies run in its own backward. ``0`` reaches the floor of that: the
+  blocks' boundaries that the next block reads — what checkpointing every block keeps,
+  found from the graph, not a module list — and nothing else; between, the target is
+  ``f`` times the save-everything bytes or that floor, whichever is more.
 - ``PassConfig.selective_recompute``: keep the outputs of matmuls, convolutions and attention
   (and the values nothing else can recompute), recompute the rest from them.
 - ``PassConfig.full_recompute_modules``: the modules the patterns match keep only their inputs;
@@ -17,25 +24,27 @@ decides per group: keep, or recompute in backward.
 
 Recomputing copies the forward ops, in forward order, to just before the first backward node
 that needs them, and points the backward readers at the copies; the forward values then die
-after their last forward use. Copies are shared within a block (a numbered module such as
-``layers.3``, where its backward needs them) and, separately, for what a later block's
-recompute needs from an earlier one, so a block's recomputed internals never wait from the
-start of backward for that block. The same ops on the same inputs give bitwise the same
-values. Ops that draw random numbers (dropout; attention only when its ``dropout_p`` is not 0),
-write in place, communicate, or rebuild an all-gathered parameter are never recomputed, nor is
-a value whose inputs are written in place later in the graph.
+after their last forward use. Each forward node has at most one copy, shared by every reader
+(its block's backward, the next block's recompute). A block's copies run in its own
+backward, or, for the last block, during the backward of the glue after it (final norm,
+head, loss), whose recompute reads the last block's output: there the two regions share one
+recompute and the last block's output is not kept. The same ops on the same inputs give
+bitwise the same values. Ops that draw random numbers (dropout; attention only when its
+``dropout_p`` is not 0), write in place, communicate, or rebuild an all-gathered parameter
+are never recomputed, nor is a value whose inputs are written in place later in the graph.
 
 What counts: *activations* are the values that depend on the batch; parameters, buffers and
 what is computed from them alone (an all-gathered or cast weight) are not activations and are
 neither counted nor planned. The budget is planned at the traced size; for a graph with
 symbolic sizes (``dynamic_dims``) the same decisions serve every size. Under FSDP a copy
 reads the all-gathered weight backward holds anyway; under ``reshard_after_forward`` the
-re-gathered one, or, for a copy that runs before the re-gather (budget 0 recomputes the
-blocks' inputs at the start of backward), the forward one, which then lives until that copy
+re-gathered one, or, for a copy that runs before its block's re-gather (the last block's,
+recomputed during the head's backward), the forward one, which then lives until that copy
 (``MemoryPlan.weights_held`` names them: parameter memory traded for activation memory).
-Under pipeline parallelism each stage's graph is planned on its own. Offloading saved values
-to host memory is not implemented: on CPU it would not save anything, and no accelerator was
-at hand to build and measure it; the summary reports ``offloaded 0.00 MiB``.
+Under pipeline parallelism each stage's graph is planned on its own. With
+``PassConfig.activation_offload`` the budget planner may offload a saved value to host memory
+instead of recomputing it (:mod:`gm_trace.passes.memory_offload`: accelerators only, off on
+CPU and under pipeline parallelism; not measured on an accelerator yet).
 
 Runs after ``fsdp``, ``reshard`` and ``recompute`` (which it replaces when a budget is set),
 before ``optimizer`` (whose in-place updates come after the copies) and ``overlap``.
@@ -43,6 +52,7 @@ before ``optimizer`` (whose in-place updates come after the copies) and ``overla
 
 from __future__ import annotations
 
+import bisect
 import fnmatch
 import re
 from collections.abc import Iterable, Sequence
@@ -61,6 +71,7 @@ from gm_trace.graph.aliasing import storage_of
 from gm_trace.graph.dynamic_shapes import concrete_int
 from gm_trace.graph.graph_build import tensor_bytes
 from gm_trace.graph.memory import batch_dependent, estimate_peak_memory, is_view
+from gm_trace.passes.memory_offload import OffloadPlan, apply_offload, plan_offload
 from gm_trace.passes.recompute import is_recomputable, written_between
 
 #: Ops whose outputs the selective preset keeps (their recompute costs multiply-adds).
@@ -83,8 +94,6 @@ MATMUL_OPS = frozenset(
         "_efficient_attention_forward",
     }
 )
-
-_CROSS = "\0cross"  # the copy region of values one block's recompute needs from another
 
 
 def _base(node: fx.Node) -> str:
@@ -155,7 +164,10 @@ class MemoryPlan:
     recomputed_bytes: int
     """Saved activation bytes no longer held: recomputed in backward."""
     offloaded_bytes: int = 0
-    """Saved activation bytes moved to host memory (not implemented: always 0)."""
+    """Saved activation bytes moved to host memory (``PassConfig.activation_offload``)."""
+    offload: str = ""
+    """Offload on or off, and why (empty when ``activation_offload`` is not set)."""
+    offloaded: list[str] = field(default_factory=list)
     forward_flops: int = 0
     added_flops: int = 0
     """FLOPs of the recompute copies the pass added to backward."""
@@ -189,6 +201,7 @@ class MemoryPlan:
                 f"\n  stage {stage}: kept {_mib(kept)} of {_mib(every)}"
                 for stage, (every, kept) in sorted(self.stages.items())
             )
+            + (f"\n  offload: {self.offload}" if self.offload else "")
             + (
                 f"\n  forward all-gathers held for recompute (before their re-gather): "
                 f"{', '.join(self.weights_held)}"
@@ -218,6 +231,7 @@ class _Graph:
             and n in self.on_batch
             and self.backward_readers(n)
             and storage_of(n) not in inputs
+            and not n.meta.get(node_meta.OFFLOADED)  # a host copy: held, but not on the device
         ]
         # Values backward reads anyway that are not activations (a gathered weight) are kept
         # as they are and recomputing may read them.
@@ -322,29 +336,99 @@ def _held_by_stage(info: _Graph) -> dict[Any, int]:
 
 def _plan_budget(info: _Graph, budget: float) -> tuple[set[fx.Node], set[fx.Node]]:
     """(dropped saved values, extra stops) for a fraction of the save-everything bytes, of
-    each pipeline stage on its own (of the whole graph without stages)."""
-    every = set(info.saved) | info.state_kept
+    each pipeline stage on its own (of the whole graph without stages).
+
+    The knapsack, then a check of where its copies would run: a block whose copies another
+    block's recompute would start before that block's own backward keeps the values read
+    across (:func:`_early_pulls`), and the knapsack runs again without them, until no copy
+    runs early. Each forward op is then recomputed at most once and a block's copies live
+    only through its own backward; the kept values are the floor budget 0 reaches."""
+    forced: set[fx.Node] = set()
+    while True:
+        dropped, extra = _knapsack(info, budget, forced)
+        stops = (set(info.saved) - dropped) | extra | info.state_kept
+        cuts = _early_pulls(info, _copy_plan(info, dropped, stops))
+        if not cuts:
+            return dropped, extra
+        forced |= cuts
+
+
+def _knapsack(
+    info: _Graph, budget: float, forced: set[fx.Node]
+) -> tuple[set[fx.Node], set[fx.Node]]:
+    """The greedy knapsack: saved groups by bytes freed per FLOP added, dearest last, until
+    each stage keeps at most ``budget`` of its save-everything bytes; the groups of
+    ``forced`` values stay, and ``forced`` values nothing saved holds become extra stops
+    (kept, their bytes counted)."""
+    units = _units(info.saved)
+    forced_storages = {storage_of(n) or n for n in forced}
+    extra = {n for n in forced if (storage_of(n) or n) not in units}
+    every = set(info.saved) | info.state_kept | extra
     stages: dict[Any, list[tuple[float, int, int, list[fx.Node]]]] = {}
     held: dict[Any, int] = {}
-    for nodes in _units(info.saved).values():
+    for key, nodes in units.items():
         nbytes = _unit_bytes(nodes)
         stage = _stage_of(info, nodes)
         held[stage] = held.get(stage, 0) + nbytes
+        if key in forced_storages:
+            continue
         chain = info.chain(nodes, every - set(nodes))
         if chain is not None:
             cost = sum(node_flops(n) for n in chain)
             # Most bytes freed per FLOP first; ties: the larger, then the earlier.
             priced = (-nbytes / max(cost, 1), -nbytes, info.order[nodes[0]], nodes)
             stages.setdefault(stage, []).append(priced)
+    left = dict(held)
+    for nodes in _units(sorted(extra, key=info.order.__getitem__)).values():
+        stage = nodes[0].meta.get(node_meta.STAGE)
+        left[stage] = left.get(stage, 0) + _unit_bytes(nodes)
     dropped: set[fx.Node] = set()
     for stage, priced in stages.items():
-        target, left = budget * held[stage], held[stage]
+        target = budget * held[stage]
         for _, minus_bytes, _, nodes in sorted(priced, key=lambda p: p[:3]):
-            if left <= target:
+            if left[stage] <= target:
                 break
             dropped.update(nodes)
-            left += minus_bytes
-    return dropped, set()
+            left[stage] += minus_bytes
+    return dropped, extra
+
+
+def _early_pulls(info: _Graph, copies: _Copies) -> set[fx.Node]:
+    """The values whose copies a reader of another block needs while yet another block's
+    backward runs, before their own block's backward starts (block ``layers.2``'s output
+    recomputed for ``layers.3``'s backward would start ``layers.2``'s recompute there, or
+    a second copy of it): keeping them is the cut that recomputes every block once, in its
+    own backward, as checkpointing every block does. A block's copies may run early while
+    only glue outside the blocks runs backward (the final norm, head and loss): the last
+    block's output is not kept then. Found from the graph's backward order and module
+    paths (:func:`block_of`)."""
+    labeled = sorted(
+        (info.order[n], block_of(n)) for n in info.nodes if _phase(n) == "backward" and block_of(n)
+    )
+    positions = [at for at, _ in labeled]
+    start: dict[str, int] = {}
+    for at, block in labeled:
+        start.setdefault(block, at)
+
+    def early(at: int, block: str) -> bool:
+        # Another block's backward node comes between ``at`` and this block's own start.
+        if block not in start:
+            return False
+        i = bisect.bisect_left(positions, at)
+        return i < len(positions) and positions[i] < start[block]
+
+    readers: dict[fx.Node, list[tuple[str, int]]] = {n: [] for n in copies.created}
+    for reader, node in copies.redirects:
+        readers[node].append((block_of(reader), info.order[reader]))
+    for node in copies.created:
+        for source in copies.inputs[node]:
+            readers[source].append((block_of(node), copies.need[node]))
+    return {
+        node
+        for node in copies.created
+        if block_of(node)
+        and any(b != block_of(node) and early(at, block_of(node)) for b, at in readers[node])
+    }
 
 
 def _stage_of(info: _Graph, nodes: list[fx.Node]) -> Any:
@@ -388,63 +472,78 @@ def _plan_presets(
     return dropped, stops - dropped
 
 
+@dataclass
+class _Copies:
+    """Which forward nodes get a recompute copy (one each), what each reads and where it
+    runs."""
+
+    created: list[fx.Node]
+    """In forward order: a topological order of the copies."""
+    inputs: dict[fx.Node, list[fx.Node]]
+    """Per copied node: its inputs that are copied too (the rest are read as they are)."""
+    need: dict[fx.Node, int]
+    """Per copied node: the graph index of its first reader (a backward node or a copy)."""
+    redirects: list[tuple[fx.Node, fx.Node]]
+    """(backward reader, dropped saved value) pairs: the reader reads the copy instead."""
+
+
+def _copy_plan(info: _Graph, dropped: set[fx.Node], stops: set[fx.Node]) -> _Copies:
+    """Every copy the backward readers of ``dropped`` need, from ``stops`` (read as they
+    are) and graph inputs. One copy per forward node, shared by every reader, block or not:
+    no op is recomputed twice."""
+    inputs: dict[fx.Node, list[fx.Node]] = {}
+    redirects = []
+    stack = sorted(dropped, key=info.order.__getitem__)
+    for node in stack:
+        redirects += [(reader, node) for reader in info.backward_readers(node)]
+    while stack:  # every copy the redirected readers need
+        node = stack.pop()
+        if node in inputs:
+            continue
+        inputs[node] = []
+        for arg in node.all_input_nodes:
+            if arg in stops or arg.op != "call_function" or _phase(arg) != "forward":
+                continue  # read as it is
+            inputs[node].append(arg)
+            stack.append(arg)
+    created = sorted(inputs, key=info.order.__getitem__)
+    # Each copy runs just before the first node that reads it (a backward reader or a copy).
+    need = {node: len(info.nodes) for node in created}
+    for reader, node in redirects:
+        need[node] = min(need[node], info.order[reader])
+    for node in reversed(created):
+        for source in inputs[node]:
+            need[source] = min(need[source], need[node])
+    return _Copies(created, inputs, need, redirects)
+
+
 def _materialize(
     graph: fx.Graph, info: _Graph, dropped: set[fx.Node], extra_stops: set[fx.Node]
 ) -> list[fx.Node]:
     """Copy what backward needs of ``dropped`` before it and point its readers at the copies.
     Returns the copies in the order they run."""
     stops = (set(info.saved) - dropped) | extra_stops | info.state_kept
+    plan = _copy_plan(info, dropped, stops)
+    rank = {node: i for i, node in enumerate(plan.created)}
+    ordered = sorted(plan.created, key=lambda n: (plan.need[n], rank[n]))
+    copies: dict[fx.Node, fx.Node] = {}
+    for node in ordered:
+        at = plan.need[node]
 
-    def key_of(node: fx.Node, region: str) -> tuple[str, fx.Node] | None:
-        if node in stops or node.op != "call_function" or _phase(node) != "forward":
-            return None  # read as it is
-        return (region if region != _CROSS and block_of(node) == region else _CROSS, node)
-
-    inputs: dict[tuple[str, fx.Node], dict[fx.Node, tuple[str, fx.Node]]] = {}
-    redirects = []
-    stack: list[tuple[str, fx.Node]] = []
-    for node in sorted(dropped, key=info.order.__getitem__):
-        key = (block_of(node), node)
-        stack.append(key)
-        redirects += [(reader, node, key) for reader in info.backward_readers(node)]
-    while stack:  # every copy the redirected readers need, region by region
-        key = stack.pop()
-        if key in inputs:
-            continue
-        inputs[key] = {}
-        for arg in key[1].all_input_nodes:
-            source = key_of(arg, key[0])
-            if source is not None:
-                inputs[key][arg] = source
-                stack.append(source)
-    # Forward order is a topological order of the copies in every region.
-    created = sorted(inputs, key=lambda k: info.order[k[1]])
-    # Each copy runs just before the first node that reads it (a backward reader or a copy).
-    need = {key: len(info.nodes) for key in created}
-    for reader, _, key in redirects:
-        need[key] = min(need[key], info.order[reader])
-    for key in reversed(created):
-        for source in inputs[key].values():
-            need[source] = min(need[source], need[key])
-    copies: dict[tuple[str, fx.Node], fx.Node] = {}
-    rank = {key: i for i, key in enumerate(created)}
-    for key in sorted(created, key=lambda k: (need[k], rank[k])):
-        node, sources = key[1], inputs[key]
-
-        def source(arg: fx.Node, sources: dict = sources, at: int = need[key]) -> fx.Node:
-            if arg in sources:
-                return copies[sources[arg]]
+        def source(arg: fx.Node, at: int = at) -> fx.Node:
+            if arg in copies:
+                return copies[arg]
             again = info.regather.get(arg.meta.get(node_meta.FULL_PARAM))
             return again if again is not None and info.order[again] < at else arg
 
-        with graph.inserting_before(info.nodes[need[key]]):
+        with graph.inserting_before(info.nodes[at]):
             copy = graph.node_copy(node, source)
         copy.meta.update({node_meta.PHASE: "backward", node_meta.RECOMPUTED: True})
-        copies[key] = copy
-    for reader, node, key in redirects:
-        reader.replace_input_with(node, copies[key])
+        copies[node] = copy
+    for reader, node in plan.redirects:
+        reader.replace_input_with(node, copies[node])
     _erase_unread(graph, dropped)
-    return [copies[key] for key in sorted(created, key=lambda k: (need[k], rank[k]))]
+    return [copies[node] for node in ordered]
 
 
 def _erase_unread(graph: fx.Graph, nodes: Iterable[fx.Node]) -> None:
@@ -475,7 +574,18 @@ class MemoryPlanPass(GraphPass):
     name = "memory_plan"
     runs_after = ("canonicalize", "fsdp", "reshard", "recompute", "pp_stages")
     runs_before = ("optimizer", "overlap")
-    options = ("activation_memory_budget", "selective_recompute", "full_recompute_modules")
+    options = (
+        "activation_memory_budget",
+        "selective_recompute",
+        "full_recompute_modules",
+        "activation_offload",
+        "activation_offload_bandwidth_gbps",
+        "activation_offload_device_tflops",
+    )
+
+    def __init__(self, offload_on_cpu: bool = False) -> None:
+        self.offload_on_cpu = offload_on_cpu
+        """Offload on CPU too (tests of the rewrite; the copies move nothing off the device)."""
 
     @classmethod
     def enabled_by(cls, config: PassConfig, plan: Any) -> str | None:
@@ -491,13 +601,18 @@ class MemoryPlanPass(GraphPass):
         config = ctx.config
         before, every = _held_bytes(info), _held_by_stage(info)
         peak_before = estimate_peak_memory(graph_module)
+        offload = OffloadPlan()
         if config.activation_memory_budget is not None:
             dropped, stops = _plan_budget(info, config.activation_memory_budget)
+            offload = self._plan_offload(graph, info, dropped, config)
+            dropped = set(dropped) - offload.nodes
         else:
             dropped, stops = _plan_presets(
                 info, config.selective_recompute, config.full_recompute_modules
             )
         copies = _materialize(graph, info, dropped, stops) if dropped else []
+        if offload.units:
+            apply_offload(graph, offload, config, node_flops)
         after = _Graph(graph)
         plan = MemoryPlan(
             mode=_mode(config),
@@ -510,7 +625,12 @@ class MemoryPlanPass(GraphPass):
             forward_flops=sum(node_flops(n) for n in info.nodes if _phase(n) == "forward"),
             added_flops=sum(node_flops(n) for n in copies),
             peak_bytes_before=peak_before,
-            peak_bytes_after=estimate_peak_memory(graph_module) if copies else peak_before,
+            peak_bytes_after=(
+                estimate_peak_memory(graph_module) if copies or offload.units else peak_before
+            ),
+            offloaded_bytes=offload.freed_bytes,
+            offload=offload.note,
+            offloaded=[n.name for n in sorted(offload.nodes, key=info.order.__getitem__)],
             recomputed=[n.name for n in sorted(dropped, key=info.order.__getitem__)],
             kept=[n.name for n in after.saved],
         )
@@ -528,4 +648,25 @@ class MemoryPlanPass(GraphPass):
             plan.stages = {s: (every[s], kept.get(s, 0)) for s in every if s is not None}
         ctx.record(self.name, plan=plan)
         ctx.publish(self.name, plan)
-        return PassResult(graph_module, bool(copies))
+        return PassResult(graph_module, bool(copies) or bool(offload.units))
+
+    def _plan_offload(
+        self, graph: fx.Graph, info: _Graph, dropped: set[fx.Node], config: PassConfig
+    ) -> OffloadPlan:
+        """The activation offload's choice (:func:`plan_offload`) after the budget's."""
+        every = set(info.saved) | info.state_kept
+
+        def recompute_flops(nodes: list[fx.Node]) -> int:
+            return sum(node_flops(n) for n in info.chain(nodes, every - set(nodes)) or ())
+
+        return plan_offload(
+            graph,
+            list(_units(info.saved).values()),
+            dropped,
+            config.activation_memory_budget * _held_bytes(info),
+            config,
+            unit_bytes=_unit_bytes,
+            recompute_flops=recompute_flops,
+            on_cpu=self.offload_on_cpu,
+            staged=any(n.meta.get(node_meta.STAGE) is not None for n in info.nodes),
+        )

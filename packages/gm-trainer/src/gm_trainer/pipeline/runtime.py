@@ -85,6 +85,25 @@ class PipelineStats:
 
 
 @dataclass
+class StageActivations:
+    """What :meth:`PipelineRunner.measure` measured on this rank: activation bytes (real
+    tensors; parameters and the batch not counted) held from forward to backward."""
+
+    stages: dict[int, int] = field(default_factory=dict)
+    """Per stage of this rank: the most one micro-batch held from its forward to its
+    backward (what the stage's graph keeps for backward, as planned for that stage)."""
+    largest: dict[int, int] = field(default_factory=dict)
+    """Per stage: the largest single storage among those."""
+    peak_bytes: int = 0
+    """The most this rank held at once: the micro-batches in flight in its schedule."""
+
+    def add(self, stage: int, storages: dict[int, int]) -> None:
+        """One micro-batch's held storages (bytes by storage) after its forward."""
+        self.stages[stage] = max(self.stages.get(stage, 0), sum(storages.values()))
+        self.largest[stage] = max(self.largest.get(stage, 0), max(storages.values(), default=0))
+
+
+@dataclass
 class _Step:
     """The state of one schedule run."""
 
@@ -262,6 +281,29 @@ class PipelineRunner:
         ``weight`` x the mean micro-batch gradient (to ``.grad``, or under FSDP into the
         accumulation buffers ``extra`` gives: those of :attr:`reduction`, then the 0-d weight
         of one micro-batch, ``weight / len(micro)``)."""
+        return self._schedule(joint, micro, weight, extra, None)
+
+    def measure(
+        self, joint: JointGraph, micro: list[tuple[Any, Any]], extra: list[torch.Tensor] = ()
+    ) -> StageActivations:
+        """Run the schedule of ``joint`` as :meth:`step` does (every rank of the pipeline
+        calls it with its batch) but add no gradient anywhere (``extra``: scratch buffers
+        under FSDP) and leave :attr:`stats` alone; return the activation bytes this rank's
+        stages held from a micro-batch's forward to its backward, measured on the tensors."""
+        measured, waited = StageActivations(), self.stats.wait_s
+        self._schedule(joint, micro, 1.0, extra, measured)
+        self.stats.wait_s = waited  # the last step's, still
+        return measured
+
+    def _schedule(
+        self,
+        joint: JointGraph,
+        micro: list[tuple[Any, Any]],
+        weight: float,
+        extra: list[torch.Tensor],
+        measured: StageActivations | None,
+    ) -> torch.Tensor:
+        """:meth:`step`, or with ``measured`` :meth:`measure`."""
         self.adopt(joint)
         model = self.model
         state = dict(model.named_parameters())
@@ -284,6 +326,8 @@ class PipelineRunner:
         started = time.perf_counter()
         self.stats.wait_s = 0.0
         params = {t.untyped_storage().data_ptr() for t in state.values()}
+        if measured is not None:  # the batch is an input, not an activation
+            params |= {t.untyped_storage().data_ptr() for batch in batches for t in batch}
         held = peak = 0
         incoming = self._post_receives(actions[0], step.sizes)
         for index, action in enumerate(actions):
@@ -295,14 +339,19 @@ class PipelineRunner:
                 self._forward(step, action, received)
                 held += _bytes(step.envs[kept], params)
                 peak = max(peak, held)
+                if measured is not None:
+                    measured.add(action.stage, _storages(step.envs[kept], params))
             else:
                 held -= _bytes(step.envs[kept], params)
-                self._backward(step, action, received)
+                self._backward(step, action, received, train=measured is None)
         for work, _, transfer, m in step.pending:
             with waiting_for(partial(self._describe_send, transfer, m)):
                 work.wait()
-        self.stats.messages = len(step.pending)
         loss = self._loss(step)
+        if measured is not None:
+            measured.peak_bytes = peak
+            return loss
+        self.stats.messages = len(step.pending)
         self.stats.step_s = time.perf_counter() - started
         self.stats.peak_held_bytes = peak
         self.stats.steps += 1
@@ -318,12 +367,16 @@ class PipelineRunner:
             step.losses.append(env[program.loss].detach())
         step.envs[program.stage, m] = {k: env[k] for k in program.keep if k in env}
 
-    def _backward(self, step: _Step, action: Action, received: _Receives) -> None:
+    def _backward(
+        self, step: _Step, action: Action, received: _Receives, train: bool = True
+    ) -> None:
         program, m = self.programs[action.stage], action.microbatch
         env = {**self._slots(step, program, m), **step.envs.pop((program.stage, m))}
         self._wait(step, action, received, env)
         self._run(program, BACKWARD, env)
         self._send(step, program.transfers("send", BACKWARD), m, env)
+        if not train:  # measuring: the gradients are dropped
+            return
         sent = {t.key for t in program.sends}
         for key, fqns in program.grads.items():
             for fqn in fqns:
@@ -551,16 +604,22 @@ def _laid_out(tensor: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
     return laid_out
 
 
+def _storages(env: Env, exclude: set[int]) -> dict[int, int]:
+    """The distinct storages ``env`` holds, other than those in ``exclude``: bytes by id."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in env.values()}
+    return {ptr: n for ptr, n in storages.items() if ptr not in exclude}
+
+
 def _bytes(env: Env, exclude: set[int]) -> int:
     """Bytes of the distinct storages ``env`` holds, other than those in ``exclude``."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in env.values()}
-    return sum(n for ptr, n in storages.items() if ptr not in exclude)
+    return sum(_storages(env, exclude).values())
 
 
 __all__ = [
     "Action",
     "PipelineRunner",
     "PipelineStats",
+    "StageActivations",
     "pipeline_seed",
     "split_microbatches",
 ]

@@ -53,6 +53,15 @@ class DeferredGrads:
         self.pending = True
         return [*self.buffers, self._weight.fill_(weight)]
 
+    def scratch_args(self, reduction: DeferredReduction, weight: float) -> list[Any]:
+        """Extra inputs laid out as :meth:`args`' for a run that must not accumulate (a
+        measurement): fresh zero buffers, then the weight; this trainer's stay as they are."""
+        buffers = [
+            torch.zeros(shape, dtype=dtype, device=device)
+            for shape, dtype, device in reduction.buffers
+        ]
+        return [*buffers, torch.tensor(weight, dtype=torch.float64)]
+
     def reduce(self, model: torch.nn.Module) -> None:
         """Reduce what the micro-batches accumulated and ADD it to ``.grad``; empty the
         buffers. Nothing to do when no micro-batch accumulated since the last call."""

@@ -23,7 +23,7 @@ from gm_trainer.compile.padding import Padding
 from gm_trainer.compile.registry import STEP, Found, GraphRegistry
 from gm_trainer.optim.gradients import accumulate_grads
 from gm_trainer.parallel.topology import ResolvedRun, Topology
-from gm_trainer.pipeline.runtime import PipelineRunner, split_microbatches
+from gm_trainer.pipeline.runtime import PipelineRunner, StageActivations, split_microbatches
 from gm_trainer.step.accumulation import LastOfWindow
 from gm_trainer.step.deferred import DeferredGrads
 from gm_trainer.step.stepper import OptimizerStepper
@@ -152,6 +152,25 @@ class StepExecutor:
         module state like any other — is cut into this rank's stage programs and run. Under
         FSDP that graph accumulates (the reduction of this rank's stages runs once, in the
         stepper's step)."""
+        joint, micro = self._pipeline_graph(input, label)
+        reduction, extra = self.pipeline.reduction, []
+        if reduction is not None:
+            extra = self.deferred.args(reduction, weight / len(micro))
+        return self.pipeline.step(joint, micro, weight, extra)
+
+    def measure_pipeline(self, input: Any, label: Any) -> StageActivations:
+        """This rank's stages' held activations for one device-resident batch, measured in
+        the pipeline's schedule (every rank of the pipeline calls it); nothing accumulates
+        (under FSDP into scratch buffers)."""
+        self.resolve()
+        joint, micro = self._pipeline_graph(*self.pad(input, label))
+        reduction, extra = self.pipeline.reduction, []
+        if reduction is not None:
+            extra = self.deferred.scratch_args(reduction, 1 / len(micro))
+        return self.pipeline.measure(joint, micro, extra)
+
+    def _pipeline_graph(self, input: Any, label: Any) -> tuple[JointGraph, list[Any]]:
+        """The micro-batches of a batch and their graph, adopted by the pipeline."""
         pipeline = self.pipeline
         micro = split_microbatches(input, label, pipeline.config.pp_microbatches)
         variant = self.compiler.variant_for(accumulate=True)
@@ -162,7 +181,4 @@ class StepExecutor:
         freed = pipeline.adopt(joint)
         if freed:  # later traces must see these parameters' real shapes
             self.compiler.keep_full_shapes(freed)
-        reduction, extra = pipeline.reduction, []
-        if reduction is not None:
-            extra = self.deferred.args(reduction, weight / len(micro))
-        return pipeline.step(joint, micro, weight, extra)
+        return joint, micro

@@ -10,7 +10,8 @@ sync all happen here, in that order, once.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -97,6 +98,23 @@ class OptimizerStepper:
         if self._graph_inputs is None:
             self._graph_inputs = GraphStepInputs(self._model, self.optimizer)
         return self._graph_inputs(spec)
+
+    @contextmanager
+    def uncounted_graph_inputs(self, spec: OptimizerUpdate) -> Iterator[list[torch.Tensor]]:
+        """The inputs of a graph that takes the update, for a run that is not a step (one
+        that writes copies: ``GraphTrainer.measure_activations``): the step counts bumped for
+        its per-step scalars are taken back after. State the optimizer had not created yet
+        is created as its first step would (zeros)."""
+        if self._graph_norm is not None:
+            raise TrainingError(
+                "a graph that takes the update ran in this step and optimizer_step() has not "
+                "ended it: call optimizer_step() before measuring"
+            )
+        inputs = self.graph_inputs(spec)
+        try:
+            yield inputs
+        finally:
+            self._graph_inputs.undo()
 
     def graph_ran(self, norm: torch.Tensor) -> None:
         """A graph took (or masked) the update; ``norm``: its global gradient norm."""
