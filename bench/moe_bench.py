@@ -83,11 +83,11 @@ def run_config(rank: int, world: int, ep: int, experts: int, layers: int, steps:
             sent.append(load["all_to_all_bytes"][0])
     experts_split = expert_param_fqns(trainer.model)
     expert_names = [n for n, _ in trainer.model.named_parameters() if ".experts." in n]
-    # At rest: the local shard (FSDP rows, or this rank's experts). For compute: what the
-    # step materialises whole — every expert gathered when replicated, only the local ones
-    # under EP (never gathered).
+    # At rest: the local shard (FSDP rows, or this rank's experts, split further over the
+    # ranks holding the same experts when there are several). For compute: what the step
+    # materialises whole — every expert gathered when replicated, only the local ones under EP.
     held = sum(trainer.model.get_parameter(n).numel() * 4 for n in expert_names)
-    computed = held if experts_split else expert_bytes_whole
+    computed = expert_bytes_whole // ep if experts_split else expert_bytes_whole
     stats = trainer.pipelines[0].context.stats if trainer.pipelines else {}
     fsdp_bytes = sum(stats.get("fsdp", {}).get("bytes_per_step", {}).values())
     return {

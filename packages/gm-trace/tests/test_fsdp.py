@@ -171,3 +171,21 @@ def test_reshard_after_forward_is_exact_and_lowers_the_peak(param_dtype, dist_po
 def test_many_all_gathers_in_flight_on_gloo(dist_pool):
     ops = dist_pool(2).run(bodies.many_gathers_in_flight)
     assert ops[0] == "gm_c10d.all_gather_into_tensor.default"
+
+
+def test_a_bucket_never_mixes_groups():
+    """Expert parameters split over ``ep_replicate`` and the rest over ``fsdp``: one block's
+    consecutive parameters of one group share a bucket, a change of group starts another."""
+    from gm_trace.passes.fsdp_rewrite import ShardGroup, _ShardedParam, plan_buckets
+
+    fsdp, experts = ShardGroup("fsdp", 4, 1), ShardGroup("ep_replicate", 2, 1)
+    graph = torch.fx.Graph()
+    params = []
+    for name, group in [("a", fsdp), ("b", experts), ("c", experts), ("d", fsdp), ("e", fsdp)]:
+        node = graph.placeholder(name)
+        node.meta["val"] = torch.empty(4, 3)
+        shard = RowShard(4, group.degree, group.rank)
+        params.append(_ShardedParam(name, node, shard, (3,), None, [], group))
+    blocks = dict.fromkeys("abcde", "layers.0")
+    buckets = plan_buckets(params, blocks, cap_bytes=2**20)
+    assert [[p.fqn for p in b] for b in buckets] == [["a"], ["b", "c"], ["d", "e"]]

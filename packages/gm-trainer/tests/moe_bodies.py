@@ -5,6 +5,7 @@ the global batch."""
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import torch
@@ -115,26 +116,38 @@ OPTIMIZERS: dict[str, dict[str, Any]] = {
 
 
 def _eager_losses(
-    model: torch.nn.Module, steps: int, world: int, optimizer_name: str = "adam"
-) -> tuple[list[float], Any]:
+    model: torch.nn.Module,
+    steps: int,
+    world: int,
+    optimizer_name: str = "adam",
+    grad_clip: float | None = None,
+) -> tuple[list[float], list[float], Any]:
+    """Losses, gradient norms (before clipping) and the model after ``steps`` eager steps
+    on the global batch."""
     model = copy.deepcopy(model)
     options = OPTIMIZERS[optimizer_name]
     optimizer = getattr(torch.optim, {"adam": "Adam", "sgd": "SGD"}[optimizer_name])(
         model.parameters(), **options
     )
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
         loss = hf_loss(model, *batch(step, ROWS * world))
         loss.backward()
+        max_norm = grad_clip if grad_clip is not None else float("inf")
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses, model
+    return losses, norms, model
 
 
 def full_expert_param(trainer: GraphTrainer, fqn: str) -> torch.Tensor:
-    """An expert-parallel parameter gathered whole over the ep group (a collective)."""
-    local = trainer.model.get_parameter(fqn).detach()
+    """An expert-parallel parameter gathered whole: its rows over the ranks holding the same
+    experts (``full_parameter``, when FSDP split them), then its experts over the ep group
+    (collectives)."""
+    from gm_trace.graph.sharding_layout import full_parameter
+
+    local = full_parameter(trainer.model, fqn, trainer.sharding)
     group = trainer.topology.ep_group
     pieces = [torch.empty_like(local) for _ in range(group.size())]
     dist.all_gather(pieces, local.contiguous(), group=group)
@@ -153,15 +166,19 @@ def train_and_compare(
     accumulation: int = 1,
     in_graph: bool = False,
     optimizer: str = "adam",
+    grad_clip: float | None = None,
     **config: Any,
 ) -> dict[str, Any]:
     """Train ``steps`` Adam steps with ``ep_degree=ep`` and FSDP over the world; compare the
     losses (rtol 1e-5) and every parameter (``parity_tolerance``) with one eager process on
-    the global batch. ``optimizer``: a name of :data:`OPTIMIZERS`. ``config``: fields of
-    the tiny transformers config (e.g. another ``experts_implementation``). Returns the
-    figures."""
+    the global batch, and each step's gradient norm (clipped to ``grad_clip`` when given)
+    with eager ``clip_grad_norm_``'s. Each rank must hold ``1 / world`` of the expert
+    elements (its ep rank's experts, split over the ranks holding them) and its
+    ``torch.chunk`` rows of every other parameter. ``optimizer``: a name of
+    :data:`OPTIMIZERS`. ``config``: fields of the tiny transformers config (e.g. another
+    ``experts_implementation``). Returns the figures."""
     model = build(arch, routing=routing, **config)
-    eager_losses, reference = _eager_losses(model, steps, world, optimizer)
+    eager_losses, eager_norms, reference = _eager_losses(model, steps, world, optimizer, grad_clip)
     total = {n: p.numel() for n, p in model.named_parameters()}
     config = PassConfig(ep_degree=1 if mesh else ep)
     context = MeshContext.build(ep=ep) if mesh else None
@@ -173,16 +190,18 @@ def train_and_compare(
             "name": optimizer,
             "kwargs": OPTIMIZERS[optimizer],
             "in_graph": in_graph,
+            "grad_clip": grad_clip,
         },
         device="cpu",
         mesh_context=context,
     )
     first_load: dict[str, list[int]] = {}
+    norms: list[float] = []
     if accumulation == 1:
         losses = []
         for step in range(steps):
             loss = trainer.train_step(*_local(step, rank, world))
-            trainer.optimizer_step()
+            norms.append(trainer.optimizer_step())
             load = trainer.expert_load()
             first_load = first_load or load
             mean = loss.detach().reshape(1).clone()
@@ -198,14 +217,15 @@ def train_and_compare(
                 micro.append(({"input_ids": input["input_ids"][rows]}, label[rows]))
         records = trainer.train(micro, accumulation_steps=accumulation, log_fn=lambda r: None)
         losses = [r["loss"] for r in records]
+        norms = [r["grad_norm"] for r in records]
     if in_graph:
         assert trainer.optimizer_in_graph, trainer.compiler.in_graph_reason
     torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=0)
+    torch.testing.assert_close(norms, eager_norms, rtol=1e-5, atol=0)
 
     experts = expert_param_fqns(trainer.model)
     assert bool(experts) == (ep > 1), f"experts split: {sorted(experts)}"
-    local = sum(trainer.model.get_parameter(f).numel() for f in experts)
-    assert local * ep == sum(total[f] for f in experts), (local, ep)
+    held = _elements_held(trainer, total, experts)
     if ep == 1:
         experts = {}
     from gm_trace.graph.sharding_layout import full_parameter
@@ -226,10 +246,44 @@ def train_and_compare(
         "eager": eager_losses,
         "max_loss_rel": loss_diff,
         "max_param_abs": worst,
-        "expert_elements_local": local,
-        "expert_elements_total": sum(total[f] for f in experts),
+        **held,
+        "norms": norms,
+        "eager_norms": eager_norms,
         "summary": trainer.pass_summary() if rank == 0 else "",
         **_first_layer(first_load),
+    }
+
+
+def _elements_held(
+    trainer: GraphTrainer, total: dict[str, int], experts: dict[str, Any]
+) -> dict[str, int]:
+    """This rank's parameter elements (local storage), expert and other, checked against
+    what it must hold: ``1 / world`` of the experts exactly (the tiny models' experts split
+    evenly over ep x ep_replicate) and ``torch.chunk``'s rows of the others over the world;
+    and summed over the world, every element once."""
+    world = dist.get_world_size()
+    local = {n: p.numel() for n, p in trainer.model.named_parameters()}
+    expert_local = sum(local[f] for f in experts)
+    expert_total = sum(total[f] for f in experts)
+    assert expert_local * world == expert_total, (expert_local, world, expert_total)
+    others = [n for n in local if n not in experts]
+    other_local = sum(local[n] for n in others)
+    other_total = sum(total[n] for n in others)
+    expected, rank = 0, dist.get_rank()
+    for n in others:  # torch.chunk's rows of dim 0 (rank 0 largest, a rank may hold none)
+        inner = math.prod(trainer.model.get_parameter(n).shape[1:])
+        rows = total[n] // inner
+        chunk = -(-rows // world)
+        expected += (min(rows, (rank + 1) * chunk) - min(rows, rank * chunk)) * inner
+    assert other_local == expected, (other_local, expected)
+    summed = torch.tensor([expert_local, other_local])
+    dist.all_reduce(summed)
+    assert summed.tolist() == [expert_total, other_total], (summed, expert_total, other_total)
+    return {
+        "expert_elements_local": expert_local,
+        "expert_elements_total": expert_total,
+        "other_elements_local": other_local,
+        "other_elements_total": other_total,
     }
 
 
@@ -271,18 +325,29 @@ def _steps(trainer: GraphTrainer, rank: int, world: int, steps: range) -> None:
 def checkpoint_round_trip(rank: int, world: int, root: str) -> None:
     """Train 2 steps at EP 2 and save; load without EP (same FQNs, whole shapes), train a step,
     save; load at EP 2 again: every parameter equals the one it was saved from, and a step
-    after each load equals the step without the save."""
+    after each load equals the step without the save. On 4 ranks the 2 ranks holding the
+    same experts split them too: 6 experts, so each holds 3 and splits them 2 + 1 (uneven
+    rows of the ep piece)."""
     from pathlib import Path
 
-    from gm_trainer.checkpoint import load_checkpoint, save_checkpoint
+    from gm_trainer.checkpoint import full_model_state, load_checkpoint, save_checkpoint
 
-    ep_trainer = _trainer(build("qwen3-moe"), 2)
+    overrides = {"num_experts": 6} if world > 2 else {}
+    ep_trainer = _trainer(build("qwen3-moe", **overrides), 2)
+    if world > 2:
+        assert ep_trainer.compile(*_local(0, rank, world)) is not None
+        experts = expert_param_fqns(ep_trainer.model)
+        assert experts and all(f in ep_trainer.row_shards for f in experts), experts
     _steps(ep_trainer, rank, world, range(2))
     saved = _full_params(ep_trainer)
     save_checkpoint(ep_trainer, Path(root) / "ep2")
     keys = set(ep_trainer.state_dict()["model"])
 
-    plain = _trainer(build("qwen3-moe", seed=1), 1)
+    # The gathered state (what evaluation reads): whole tensors, as the parameters are.
+    whole = full_model_state(ep_trainer)
+    for fqn, value in saved.items():
+        torch.testing.assert_close(whole[fqn], value, rtol=0, atol=0, msg=fqn)
+    plain = _trainer(build("qwen3-moe", seed=1, **overrides), 1)
     plain.compile(*_local(0, rank, world))
     load_checkpoint(plain, Path(root) / "ep2")
     assert set(plain.state_dict()["model"]) == keys
@@ -295,7 +360,7 @@ def checkpoint_round_trip(rank: int, world: int, root: str) -> None:
         torch.testing.assert_close(value, after_ep[fqn], **parity_tolerance(1), msg=fqn)
     save_checkpoint(plain, Path(root) / "plain")
 
-    back = _trainer(build("qwen3-moe", seed=2), 2)
+    back = _trainer(build("qwen3-moe", seed=2, **overrides), 2)
     back.compile(*_local(0, rank, world))
     load_checkpoint(back, Path(root) / "plain")
     for fqn, value in _full_params(back).items():

@@ -1,7 +1,8 @@
 """Expert parallelism (``PassConfig.ep_degree``) on real gloo ranks against one eager process on
 the global batch: tiny Qwen3-MoE, Mixtral and DeepSeek-V3.
 
-The default suite runs one architecture at EP 2 on 2 ranks and the in-process checks; the
+The default suite runs one architecture at EP 2 on 2 ranks and at EP 2 x FSDP 2 on 4 (the
+experts split over the ranks holding the same experts too) and the in-process checks; the
 rest (every architecture, EP 2 x FSDP 2 on 4 ranks, the routing edge cases, accumulation,
 ``in_graph``, the mesh context, checkpoints, gm-train) runs with ``GM_MOE=all``
 (``nox -s moe``).
@@ -44,6 +45,10 @@ def test_qwen3_moe_ep2_matches_eager() -> None:
         "expert parallelism: ep 2, 2 local experts in each of 2 modules; 10 all-to-alls"
         in (first["summary"])
     ), first["summary"]
+    # One rank holds each expert: nothing left to split over the ranks holding the same ones.
+    assert (
+        "the 4 expert parameters stay whole ('ep_replicate' has one rank" in (first["summary"])
+    ), first["summary"]
     assert first["all_to_all_bytes_first_step"] > 0
 
 
@@ -75,9 +80,11 @@ def test_router_aux_loss_is_unchanged_by_ep() -> None:
 
 
 @full_only
-def test_checkpoint_moves_between_ep_and_no_ep(tmp_path) -> None:
-    """Saved at EP 2 (2 ranks), loaded without EP and back: same FQNs, full shapes, values."""
-    run_distributed(checkpoint_round_trip, 2, (str(tmp_path),), timeout=600)
+@pytest.mark.parametrize("world", [2, 4], ids=["ep2", "ep2-fsdp2"])
+def test_checkpoint_moves_between_ep_and_no_ep(tmp_path, world: int) -> None:
+    """Saved at EP 2 (on 4 ranks: x FSDP 2 over the ranks holding the same experts), loaded
+    without EP and back: same FQNs, full shapes, values."""
+    run_distributed(checkpoint_round_trip, world, (str(tmp_path),), timeout=600)
 
 
 def test_ep_degree_errors_name_both_numbers() -> None:
@@ -113,10 +120,33 @@ def test_ep2_runs_transformers_default_grouped_mm_kernel() -> None:
     assert first["expert_elements_local"] * 2 == first["expert_elements_total"]
 
 
+def _expert_params_split_over_ep_replicate(results: list[dict]) -> None:
+    """Each of the 4 ranks holds a quarter of the expert elements (2 ep ranks x 2 ranks
+    holding the same experts) and its rows of the rest, and says so in pass_summary()."""
+    for result in results:
+        assert result["expert_elements_local"] * 4 == result["expert_elements_total"], result
+    summary = results[0]["summary"]
+    assert "over 'ep_replicate' (2 ranks holding the same experts), 0 left whole" in summary, (
+        summary
+    )
+
+
+def test_qwen3_moe_ep2_fsdp2_on_4_ranks_shards_experts() -> None:
+    _expert_params_split_over_ep_replicate(_run(4, "qwen3-moe", 2))
+
+
 @full_only
-@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral", "deepseek-v3"])
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek-v3"])
 def test_ep2_fsdp2_on_4_ranks_matches_eager(arch: str) -> None:
-    _run(4, arch, 2)
+    _expert_params_split_over_ep_replicate(_run(4, arch, 2))
+
+
+@full_only
+@pytest.mark.parametrize("in_graph", [False, True], ids=["trainer", "in_graph"])
+def test_ep2_fsdp2_gradient_clipping_equals_eager(in_graph: bool) -> None:
+    # A clip below every step's norm: each step is really clipped, by the global norm.
+    results = _run(4, "qwen3-moe", 2, grad_clip=0.5, in_graph=in_graph)
+    assert all(n > 0.5 for n in results[0]["eager_norms"]), results[0]["eager_norms"]
 
 
 @full_only
@@ -125,11 +155,14 @@ def test_ep2_with_mesh_context_on_4_ranks() -> None:
 
 
 @full_only
+@pytest.mark.parametrize("world", [2, 4], ids=["ep2", "ep2-fsdp2"])
 @pytest.mark.parametrize(
     "options", [{"accumulation": 2}, {"in_graph": True}], ids=["accumulation", "in_graph"]
 )
-def test_ep2_composes(options: dict) -> None:
-    _run(2, "qwen3-moe", 2, **options)
+def test_ep2_composes(options: dict, world: int) -> None:
+    results = _run(world, "qwen3-moe", 2, **options)
+    if world == 4:
+        _expert_params_split_over_ep_replicate(results)
 
 
 # --------------------------------------------------------------------------- gm-train

@@ -235,7 +235,8 @@ class GraphTrainer:
 
     @property
     def row_shards(self) -> dict[str, RowShard]:
-        """Canonical FQN -> this rank's rows, for every parameter FSDP sharded."""
+        """Canonical FQN -> this rank's rows, for every parameter FSDP sharded (over the FSDP
+        group, or an expert-parallel one's experts over the ranks holding the same experts)."""
         if self.sharding is None:
             return {}
         return {fqn: p.shard for fqn, p in self.sharding.params.items()}

@@ -23,8 +23,8 @@ loss is unchanged. Backward mirrors the forward: the all-to-all's autograd sends
 gradients back the way the tokens came and the tokens' gradients home. An expert weight's
 gradient then holds every rank's tokens of the ep group; the ``fsdp`` pass divides it by the
 data-parallel size and sums it over the ranks that hold the same experts
-(:data:`~gm_trace.graph.experts.EP_REPLICATE_GROUP_NAME`), which gives data-parallel mean
-semantics.
+(:data:`~gm_trace.graph.experts.EP_REPLICATE_GROUP_NAME`, a reduce-scatter: those ranks
+FSDP-shard the experts), which gives data-parallel mean semantics.
 
 **Why at capture, not as a rewrite of the traced graph.** The routed computation is
 transformers' code and differs by kernel (a per-expert loop, ``batched_mm``, ``grouped_mm``):

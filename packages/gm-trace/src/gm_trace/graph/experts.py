@@ -16,8 +16,8 @@ import torch
 EP_GROUP_NAME = "ep"
 
 #: Registered name of the ranks that hold the same experts (the data-parallel ranks EP does not
-#: use): expert gradients are summed over it. One rank when ``ep_degree`` is the whole
-#: data-parallel size.
+#: use): the fsdp pass splits the experts over it and sums their gradients over it. One rank
+#: when ``ep_degree`` is the whole data-parallel size.
 EP_REPLICATE_GROUP_NAME = "ep_replicate"
 
 #: Module attribute of an experts module EP split: its :class:`ExpertShard`.

@@ -38,10 +38,20 @@ class ShardedParam:
     gather_dtype: torch.dtype
     """The dtype the all-gather moves (the compute dtype under mixed precision)."""
 
+    group: str
+    """The registered name of the group whose ranks split dim 0 (``shard.degree`` of them):
+    the FSDP group, or for a parameter expert parallelism split the ``"ep_replicate"`` group
+    (the ranks holding the same experts; dim 0 is then this rank's experts)."""
+
 
 @dataclass(frozen=True)
 class ShardingLayout:
-    """Per parameter, which piece of dim 0 this rank holds over the FSDP group."""
+    """Per parameter, which piece of dim 0 this rank holds over which group.
+
+    Every parameter is split over the FSDP group (every data-parallel rank) except those
+    expert parallelism already split over the ``"ep"`` group: they are split over the ranks
+    that hold the same experts (:attr:`ShardedParam.group`), so each rank holds
+    ``1 / (ep x ep_replicate)`` of them too."""
 
     group_name: str
     """The registered name of the FSDP process group."""
@@ -58,8 +68,9 @@ class ShardingLayout:
     buckets: tuple[tuple[str, ...], ...]
     """The parameters gathered by each all-gather, in graph order."""
 
-    replicated: tuple[str, ...]
-    """Trainable parameters left whole: their gradients are all-reduced."""
+    replicated: Mapping[str, str]
+    """Trainable parameters left whole -> the registered name of the group their gradients
+    are all-reduced over (the FSDP group; ``"ep_replicate"`` for expert parameters)."""
 
     def shard_of(self, fqn: str) -> RowShard | None:
         """This rank's rows of ``fqn``, or ``None`` when it is not sharded."""
@@ -72,9 +83,15 @@ class ShardingLayout:
 
     def same_shards(self, other: ShardingLayout) -> bool:
         """Whether ``other`` puts the same rows of the same parameters on this rank."""
-        return {f: p.shard for f, p in self.params.items()} == {
-            f: p.shard for f, p in other.params.items()
+        return {f: (p.shard, p.group) for f, p in self.params.items()} == {
+            f: (p.shard, p.group) for f, p in other.params.items()
         }
+
+    def reduce_group(self, fqn: str) -> str | None:
+        """The registered name of the group ``fqn``'s gradient is reduced over (sharded or
+        replicated), or ``None`` for a parameter without a gradient."""
+        param = self.params.get(fqn)
+        return param.group if param is not None else self.replicated.get(fqn)
 
     def apply(self, model: torch.nn.Module) -> None:
         """Replace each sharded parameter's data by this rank's rows, keeping the Parameter
@@ -97,17 +114,20 @@ def full_parameter(
     group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """The whole parameter ``fqn`` (an alias is fine) rebuilt from every rank's shard: a
-    collective over the layout's group that every rank must call. A parameter the layout does
-    not shard (or ``layout=None``) is returned as it is."""
+    collective over the group the layout splits it over (``group`` overrides it) that every
+    rank of that group must call. A parameter the layout does not shard (or ``layout=None``)
+    is returned as it is. An expert-parallel parameter comes back as the graph computes with
+    it: this rank's experts, whole (the ``"ep"`` ranks hold the others)."""
     target = model.get_parameter(fqn)
     local = target.detach()
-    shard = None
+    param = None
     if layout is not None:
         canonical = next(name for name, p in model.named_parameters() if p is target)
-        shard = layout.shard_of(canonical)
-    if shard is None:
+        param = layout.params.get(canonical)
+    if param is None:
         return local
-    group = group if group is not None else resolve_process_group(layout.group_name)
+    shard = param.shard
+    group = group if group is not None else resolve_process_group(param.group)
     padded = torch.cat([local, local.new_zeros((shard.chunk - shard.local_rows, *local.shape[1:]))])
     out = padded.new_empty((shard.padded_rows, *local.shape[1:]))
     all_gather_single(out, padded.contiguous(), group=group)

@@ -4,7 +4,15 @@ For every parameter the plan selects, the graph input becomes this rank's shard;
 all-gather after the placeholder rebuilds the full parameter for compute, and the gradient
 output is reduce-scattered back to a shard. Trainable parameters the plan leaves unsharded
 stay replicated and their gradients are all-reduced. Gradients follow data-parallel MEAN
-semantics: each is divided by the group size and summed over the group.
+semantics: each is divided by the data-parallel size and summed over the group.
+
+Expert parallelism (``PassConfig.ep_degree``) has already cut each experts module's weights
+to this rank's experts over the ``"ep"`` group; the ranks holding the same experts
+(``"ep_replicate"``, the data-parallel ranks EP does not use) split those rows further, in
+buckets of their own, so each rank keeps ``1 / (ep x ep_replicate)`` of every parameter. An
+expert gradient already sums the ep group's tokens (the all-to-all's backward): it is divided
+by the data-parallel size and reduce-scattered over ``"ep_replicate"``. With one rank per
+``"ep_replicate"`` group (``ep_degree`` = the data-parallel size) the experts stay whole.
 
 Mixed precision (``PassConfig.param_dtype``): the tracer casts each parameter where compute
 reads it; when every compute use of a sharded parameter is one such cast, the pass casts the
@@ -39,7 +47,7 @@ from gm_trace.graph.sharding import (
     select_sharded_params,
 )
 from gm_trace.graph.sharding_layout import ShardedParam, ShardingLayout, full_parameter
-from gm_trace.passes.fsdp_rewrite import Rewrite, plan_buckets
+from gm_trace.passes.fsdp_rewrite import Rewrite, ShardGroup, plan_buckets
 from gm_trace.passes.rank_agreement import (
     CollectiveMismatchError,
     check_collective_agreement,
@@ -52,11 +60,13 @@ __all__ = [
     "FSDPConfigError",
     "FSDPPass",
     "RowShard",
+    "ShardGroup",
     "ShardedParam",
     "ShardingLayout",
     "block_of",
     "check_collective_agreement",
     "collective_sequence",
+    "describe_experts",
     "full_parameter",
     "owning_modules",
     "plan_buckets",
@@ -65,9 +75,15 @@ __all__ = [
 ]
 
 
-def _experts(ctx: PassContext) -> tuple[set[str], str] | None:
-    """Expert parallelism's parameters and the group their gradients are summed over."""
-    experts = set(expert_param_fqns(ctx.model))
+def _shard_group(name: str) -> ShardGroup:
+    group = resolve_process_group(name)
+    return ShardGroup(name, group.size(), dist.get_rank(group), all_gather_op(group))
+
+
+def _experts(ctx: PassContext) -> tuple[frozenset[str], ShardGroup] | None:
+    """Expert parallelism's parameters and the group of the ranks holding the same experts,
+    over which they are split and their gradients summed."""
+    experts = frozenset(expert_param_fqns(ctx.model))
     if not experts:
         return None
     if EP_REPLICATE_GROUP_NAME not in ctx.process_groups:
@@ -76,7 +92,7 @@ def _experts(ctx: PassContext) -> tuple[set[str], str] | None:
             f"{EP_REPLICATE_GROUP_NAME!r} group is registered for their gradients; train "
             "with PassConfig.ep_degree (GraphTrainer registers it)"
         )
-    return experts, ctx.process_groups[EP_REPLICATE_GROUP_NAME]
+    return experts, _shard_group(ctx.process_groups[EP_REPLICATE_GROUP_NAME])
 
 
 class FSDPPass(GraphPass):
@@ -108,7 +124,6 @@ class FSDPPass(GraphPass):
                 "the fsdp pass needs the live model and the traced JointGraph: run it through "
                 "joint_graph.through(pipeline, model=...)"
             )
-        rank = dist.get_rank(group)
         selected = select_sharded_params(ctx.model, ctx.plan)
         replicate = None
         if "fsdp_replicate" in ctx.process_groups:
@@ -117,11 +132,8 @@ class FSDPPass(GraphPass):
         reduce_dtype = ctx.config.reduce_dtype
         rewrite = Rewrite(
             graph_module,
-            group_name,
-            degree,
-            rank,
+            _shard_group(group_name),
             replicate,
-            all_gather=all_gather_op(group),
             reduce_dtype=getattr(torch, reduce_dtype) if reduce_dtype else None,
             experts=_experts(ctx),
         )
@@ -132,3 +144,23 @@ class FSDPPass(GraphPass):
         ctx.publish(SHARDING_LAYOUT, layout)
         ctx.record(self.name, degree=degree, group=group_name, **stats)
         return PassResult(graph_module, True)
+
+
+def describe_experts(stats: dict) -> str:
+    """The ``pass_summary()`` line of the fsdp pass's statistics on expert parameters."""
+    if "expert_group" not in stats:
+        return ""
+    group, size = stats["expert_group"], stats["expert_group_size"]
+    if size == 1:
+        return (
+            f"fsdp x expert parallelism: the {stats['expert_replicated_params']} expert "
+            f"parameters stay whole ({group!r} has one rank: ep_degree is the data-parallel "
+            "size)"
+        )
+    return (
+        f"fsdp x expert parallelism: {stats['expert_sharded_params']} expert parameters split "
+        f"over {group!r} ({size} ranks holding the same experts), "
+        f"{stats['expert_replicated_params']} left whole there; this rank keeps "
+        f"{stats['expert_sharded_bytes_per_rank']} bytes of their "
+        f"{stats['expert_sharded_bytes_whole']} (its ep rank's experts)"
+    )

@@ -29,6 +29,23 @@ from gm_trace.graph.sharding import RowShard, block_of
 from gm_trace.graph.sharding_layout import ShardedParam, ShardingLayout
 
 
+@dataclass(frozen=True)
+class ShardGroup:
+    """A group the pass splits parameters over, as this rank sees it."""
+
+    name: str
+    """Its registered name (what the graph's collectives name)."""
+
+    degree: int
+    """Its ranks."""
+
+    rank: int
+    """This rank's place in it."""
+
+    all_gather: Any = c10d.all_gather_into_tensor.default
+    """The all-gather op for its backend (see gm_trace.graph.collectives: gloo needs its own)."""
+
+
 @dataclass
 class _ShardedParam:
     """One parameter the pass shards, and where its gradient leaves the graph."""
@@ -40,6 +57,8 @@ class _ShardedParam:
     grad_index: int | None
     casts: list[fx.Node]
     """The compute-side casts of the full parameter (mixed precision); empty without."""
+    group: ShardGroup
+    """The group whose ranks split dim 0."""
 
     @property
     def gather_dtype(self) -> torch.dtype:
@@ -55,7 +74,8 @@ class _ShardedParam:
 def plan_buckets(
     params: list[_ShardedParam], blocks: dict[str, Any], cap_bytes: int | None
 ) -> list[list[_ShardedParam]]:
-    """Consecutive parameters of one block, split where a bucket would pass ``cap_bytes``.
+    """Consecutive parameters of one block and one group, split where a bucket would pass
+    ``cap_bytes`` (one collective moves one group's bucket).
 
     ``cap_bytes=None``: one bucket per parameter.
     """
@@ -67,6 +87,7 @@ def plan_buckets(
         same_block = (
             buckets
             and blocks[buckets[-1][-1].fqn] == blocks[param.fqn]
+            and buckets[-1][-1].group == param.group
             and buckets[-1][-1].gather_dtype == param.gather_dtype
         )
         if cap_bytes is not None and same_block and size + nbytes <= cap_bytes:
@@ -84,29 +105,24 @@ class Rewrite:
     def __init__(
         self,
         gm: fx.GraphModule,
-        group_name: str,
-        degree: int,
-        rank: int,
+        group: ShardGroup,
         replicate: tuple[str, int] | None = None,
-        all_gather: Any = c10d.all_gather_into_tensor.default,
         reduce_dtype: torch.dtype | None = None,
-        experts: tuple[set[str], str] | None = None,
+        experts: tuple[frozenset[str], ShardGroup] | None = None,
     ) -> None:
         self.gm = gm
         self.graph = gm.graph
         self.mode = fake_mode_of(gm.graph)
-        self.group_name = group_name
-        self.all_gather = all_gather  # see gm_trace.graph.collectives: gloo needs its own op
-        self.degree = degree
-        self.rank = rank
+        self.group = group
         self.reduce_dtype = reduce_dtype
         self.replicate_name = replicate[0] if replicate else None
         # Mean over every data-parallel rank: the shard group times its replicas (HSDP).
-        self.divisor = degree * (replicate[1] if replicate else 1)
+        self.divisor = group.degree * (replicate[1] if replicate else 1)
         # Expert parallelism: (expert parameter FQNs, the group of the ranks holding the same
-        # experts). Their gradients already sum their ep group's tokens (the all-to-all's
-        # backward): divided by the data-parallel size and summed over that group.
-        self.experts, self.expert_group = experts if experts else (set(), None)
+        # experts), over which they are split instead. Their gradients already sum their ep
+        # group's tokens (the all-to-all's backward): divided by the data-parallel size and
+        # summed over that group, they are the data-parallel mean too.
+        self.experts, self.expert_group = experts if experts else (frozenset(), None)
         self.counts: dict[str, int] = {}
         self.bytes: dict[str, int] = {}
 
@@ -125,24 +141,26 @@ class Rewrite:
         aliases = joint.param_aliases
         grads = joint.grad_output_index
         sharded: list[_ShardedParam] = []
-        replicated: list[str] = []
-        expert: list[str] = []
+        replicated: dict[str, ShardGroup] = {}
         for node in self.graph.find_nodes(op="placeholder"):
             if node.meta.get(node_meta.ROLE) != "param":
                 continue
             fqn, val = node.meta[node_meta.FQN], node.meta["val"]
             names = {fqn} | {a for a, canonical in aliases.items() if canonical == fqn}
-            if fqn in self.experts:
-                if fqn in grads:
-                    expert.append(fqn)
-            elif names & selected and val.dim() >= 1:
-                shard = RowShard(val.shape[0], self.degree, self.rank)
+            group = self.expert_group if fqn in self.experts else self.group
+            # The ranks holding the same experts may be one (ep == the data-parallel size):
+            # nothing to split; the experts stay whole, reduced over that group as any other.
+            splits = group is self.group or group.degree > 1
+            if names & selected and val.dim() >= 1 and splits:
+                shard = RowShard(val.shape[0], group.degree, group.rank)
                 inner = tuple(val.shape[1:])
                 sharded.append(
-                    _ShardedParam(fqn, node, shard, inner, grads.get(fqn), _compute_casts(node))
+                    _ShardedParam(
+                        fqn, node, shard, inner, grads.get(fqn), _compute_casts(node), group
+                    )
                 )
             elif fqn in grads:
-                replicated.append(fqn)
+                replicated[fqn] = group
 
         # A bucket never spans two pipeline stages: each stage gathers only its own.
         blocks = {
@@ -159,31 +177,52 @@ class Rewrite:
             with_grads = [p for p in bucket if p.grad_index is not None]
             if with_grads:
                 self._reduce_scatter(with_grads)
-        for fqn in replicated:
-            self._all_reduce(grads[fqn])
-        for fqn in expert:
-            self._all_reduce(grads[fqn], self.expert_group, across_replicas=False)
+        for fqn, group in replicated.items():
+            self._all_reduce(grads[fqn], group)
         layout = ShardingLayout(
-            self.group_name,
-            self.degree,
-            self.rank,
+            self.group.name,
+            self.group.degree,
+            self.group.rank,
             {
-                p.fqn: ShardedParam(p.fqn, (p.shard.rows, *p.inner), p.shard, i, p.gather_dtype)
+                p.fqn: ShardedParam(
+                    p.fqn, (p.shard.rows, *p.inner), p.shard, i, p.gather_dtype, p.group.name
+                )
                 for i, bucket in enumerate(buckets)
                 for p in bucket
             },
             tuple(tuple(p.fqn for p in bucket) for bucket in buckets),
-            tuple(replicated),
+            {fqn: group.name for fqn, group in replicated.items()},
         )
         return layout, {
             "sharded_params": len(sharded),
             "replicated_params": len(replicated),
             "sharded": [p.fqn for p in sharded],
-            "replicated": replicated,
-            **({"expert_params": len(expert)} if self.experts else {}),
+            "replicated": list(replicated),
+            **(self._expert_stats(sharded, replicated) if self.experts else {}),
             "buckets": [[p.fqn for p in bucket] for bucket in buckets],
             "collectives": dict(self.counts),
             "bytes_per_step": dict(self.bytes),
+        }
+
+    def _expert_stats(
+        self, sharded: list[_ShardedParam], replicated: dict[str, ShardGroup]
+    ) -> dict[str, Any]:
+        """What expert parallelism's parameters became: split over the ranks holding the
+        same experts, or left whole there, and the bytes this rank keeps of them."""
+        experts = [p for p in sharded if p.fqn in self.experts]
+        itemsize = {p.fqn: p.placeholder.meta["val"].dtype.itemsize for p in experts}
+        return {
+            "expert_group": self.expert_group.name,
+            "expert_group_size": self.expert_group.degree,
+            "expert_sharded_params": len(experts),
+            "expert_replicated_params": sum(f in self.experts for f in replicated),
+            # This rank's experts whole, and the rows of them it keeps.
+            "expert_sharded_bytes_whole": sum(
+                p.shard.rows * math.prod(p.inner) * itemsize[p.fqn] for p in experts
+            ),
+            "expert_sharded_bytes_per_rank": sum(
+                p.shard.local_rows * math.prod(p.inner) * itemsize[p.fqn] for p in experts
+            ),
         }
 
     def _gather(self, bucket: list[_ShardedParam]) -> None:
@@ -204,17 +243,18 @@ class Rewrite:
             )
             flats.append(self._op(aten.reshape.default, padded, [-1], prologue=True))
         flat = flats[0] if len(flats) == 1 else self._op(aten.cat.default, flats, prologue=True)
+        group = bucket[0].group
         gathered = call(
             self.graph,
             self.mode,
-            self.all_gather,
+            group.all_gather,
             flat,
-            self.degree,
-            self.group_name,
+            group.degree,
+            group.name,
             **{node_meta.BUCKET: [p.fqn for p in bucket]},
         )
         self._count("all_gather", gathered)
-        grid = self._op(aten.reshape.default, self._wait(gathered), [self.degree, -1])
+        grid = self._op(aten.reshape.default, self._wait(gathered), [group.degree, -1])
         for param, piece in zip(bucket, self._split(grid, bucket, dim=1)):
             full = self._op(aten.reshape.default, piece, [param.shard.padded_rows, *param.inner])
             full = take_rows(
@@ -233,6 +273,7 @@ class Rewrite:
         """One reduce-scatter over the bucket's padded gradients laid out ``[degree, piece]``,
         issued as soon as the last of them is computed."""
         outputs = [_output_at(self.graph, p.grad_index) for p in bucket]
+        group = bucket[0].group
         order = {node: i for i, node in enumerate(self.graph.nodes)}
         last = max(outputs, key=order.__getitem__)
         with self.graph.inserting_before(last.next):
@@ -242,7 +283,7 @@ class Rewrite:
                 padded = pad_rows(
                     self.graph, self.mode, grad, param.shard.padded_rows - param.shard.rows
                 )
-                rows.append(self._op(aten.reshape.default, padded, [self.degree, -1]))
+                rows.append(self._op(aten.reshape.default, padded, [group.degree, -1]))
             grid = rows[0] if len(rows) == 1 else self._op(aten.cat.default, rows, 1)
             flat = self._op(aten.reshape.default, grid, [-1])
             scaled = call(self.graph, self.mode, aten.div.Tensor, flat, self.divisor)
@@ -252,12 +293,14 @@ class Rewrite:
                 c10d.reduce_scatter_tensor.default,
                 scaled,
                 "sum",
-                self.degree,
-                self.group_name,
+                group.degree,
+                group.name,
                 **{node_meta.BUCKET: [p.fqn for p in bucket]},
             )
             self._count("reduce_scatter", scaled)
-            reduced = self._across_replicas(self._wait(scattered))
+            reduced = self._wait(scattered)
+            if group is self.group:
+                reduced = self._across_replicas(reduced)
             for param, piece in zip(bucket, self._split(reduced, bucket, dim=0)):
                 local = self._op(aten.reshape.default, piece, [param.shard.chunk, *param.inner])
                 local = take_rows(
@@ -287,15 +330,13 @@ class Rewrite:
         role = node_meta.COMM_PROLOGUE if prologue else node_meta.COMM_EPILOGUE
         return call(self.graph, self.mode, op, *args, **{role: True})
 
-    def _all_reduce(
-        self, index: int, group_name: str | None = None, across_replicas: bool = True
-    ) -> None:
+    def _all_reduce(self, index: int, group: ShardGroup) -> None:
         output = _output_at(self.graph, index)
         with self.graph.inserting_before(output.next):
             grad = self._in_reduce_dtype(output)
             scaled = call(self.graph, self.mode, aten.div.Tensor, grad, self.divisor)
-            reduced = self._all_reduce_over(scaled, group_name or self.group_name)
-            if across_replicas:
+            reduced = self._all_reduce_over(scaled, group.name)
+            if group is self.group:
                 reduced = self._across_replicas(reduced)
             reduced = self._cast(reduced, output.meta["val"].dtype)
         _set_output_at(self.graph, index, reduced)

@@ -132,7 +132,9 @@ class OptimizerUpdate:
 
     sharded: frozenset[str] = frozenset()
     """FQNs whose gradients are disjoint shards over the FSDP group (squares summed over it);
-    the pass fills it from the fsdp pass's layout."""
+    the pass fills it from the fsdp pass's layout. Expert parameters split over the ranks
+    holding the same experts are among them: the ep group and those ranks tile the FSDP
+    group, so their shards are disjoint over it too."""
 
     group_name: str | None = None
     """The FSDP group the norm's all-reduce runs over (``None``: nothing sharded); the pass
@@ -140,8 +142,9 @@ class OptimizerUpdate:
 
     # --- expert parallelism (issue 27) ---
     experts: frozenset[str] = frozenset()
-    """FQNs of expert-parallel parameters: disjoint over the ep group, the same on the ranks
-    holding the same experts; the pass fills it from the model."""
+    """FQNs of expert-parallel parameters the fsdp pass left whole: disjoint over the ep
+    group, the same on the ranks holding the same experts; the pass fills it from the model
+    and the layout."""
 
     expert_replicas: int = 1
     """Ranks holding the same experts: the FSDP group's sum counts each expert's squares this
@@ -190,6 +193,7 @@ class OptimizerUpdatePass(GraphPass):
                 group_name=ctx.process_groups.get("fsdp", "fsdp"),
             )
         experts = frozenset(expert_param_fqns(ctx.model)) if ctx.model is not None else frozenset()
+        experts -= spec.sharded
         if experts:
             replicas = resolve_process_group(ctx.process_groups["ep_replicate"]).size()
             spec = dataclasses.replace(spec, experts=experts, expert_replicas=replicas)

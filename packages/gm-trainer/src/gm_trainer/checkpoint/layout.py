@@ -7,7 +7,9 @@ reshards on load:
 - FSDP rows: ``Shard(0)`` on the FSDP mesh (``torch.chunk``'s split, like ``RowShard``);
 - a TP split along ``d``: ``Shard(d)`` on the TP mesh (even pieces);
 - expert parallelism: ``Shard(0)`` (the expert dim) on the ep group's mesh, the same FQNs and
-  whole shapes as without EP (ranks holding the same experts write one copy);
+  whole shapes as without EP; when FSDP also splits this rank's experts over the ranks holding
+  them, ``[_StridedShard(0, split_factor=ep), Shard(0)]`` on the ``(ep_replicate, ep)`` mesh
+  (rows of the ep piece, as FSDP x TP below);
 - both: FSDP shards dim 0 of the TP piece, FSDP2's convention — ``[Shard(0), Shard(d)]`` on the
   ``(fsdp_shard, tp)`` mesh, or ``[_StridedShard(0, split_factor=tp), Shard(0)]`` when TP also
   splits dim 0.
@@ -40,7 +42,8 @@ class Piece:
     """How one tensor of this rank relates to the whole tensor."""
 
     rows: RowShard | None
-    """FSDP: this rank's rows of dim 0 (of the TP piece when TP splits too)."""
+    """FSDP: this rank's rows of dim 0 (of the TP piece when TP splits too, of the ep piece
+    over the ranks holding the same experts under expert parallelism)."""
 
     tp_dim: int | None
     """TP: the dim the TP ranks split evenly, or ``None``."""
@@ -82,6 +85,7 @@ class CheckpointLayout:
         self._ep_mesh = _lazy(
             lambda: DeviceMesh.from_group(self._ep_group, device, mesh_dim_names=("ep",))
         )
+        self._ep_rows_mesh = view.topology.ep_mesh
 
     @property
     def tp_size(self) -> int:
@@ -152,8 +156,17 @@ class CheckpointLayout:
         return value
 
     def _placement(self, piece: Piece) -> tuple[DeviceMesh, tuple[Any, ...]]:
-        if piece.experts:  # never FSDP- or TP-split as well; ep replicas write one copy
-            return self._ep_mesh(), (Shard(0),)
+        if piece.experts:  # never TP-split as well
+            if piece.rows is None:  # the ranks holding the same experts write one copy
+                return self._ep_mesh(), (Shard(0),)
+            if self._ep_rows_mesh is None:
+                raise CheckpointError(
+                    "expert parameters are split by FSDP over the ranks holding the same "
+                    "experts, but the topology has no ('ep_replicate', 'ep') mesh to lay them "
+                    "out on; train with PassConfig.ep_degree or MeshContext.build(ep=...)"
+                )
+            rows = _StridedShard(0, split_factor=self._ep_group.size())
+            return self._ep_rows_mesh, (rows, Shard(0))
         if piece.rows is None:
             return self._tp_mesh(), (Shard(piece.tp_dim),)
         if piece.tp_dim is None:

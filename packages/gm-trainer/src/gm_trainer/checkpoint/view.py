@@ -29,7 +29,8 @@ class CheckpointView:
     """Step and data position (restored through it)."""
     topology: Topology
     row_shards: Mapping[str, RowShard]
-    """Canonical FQN -> this rank's rows, for every parameter FSDP sharded."""
+    """Canonical FQN -> this rank's rows, for every parameter FSDP sharded (an expert-parallel
+    one's: rows of this rank's experts, over the ranks holding the same experts)."""
     foreign: frozenset[str] = frozenset()
     """State another pipeline stage owns: this rank neither saves nor loads it."""
     pipelined: bool = False

@@ -30,6 +30,7 @@ import torch.fx as fx
 from torch import Tensor
 
 from gm_config import ConfigError
+from gm_trace.graph.groups import resolve_process_group
 from gm_trace.graph.joint_graph import COMPILED_STEP, SHARDING_LAYOUT, JointGraph
 from gm_trace.graph.sharding_layout import ShardingLayout, full_parameter
 from gm_trace.runtime.node_values import run_node_by_node
@@ -260,7 +261,7 @@ class _Comparison:
         full = copy.deepcopy(model)
         if self.layout is not None and self.layout.degree > 1:
             for fqn in self.layout.params:  # the same order on every rank: collectives
-                full.get_parameter(fqn).data = full_parameter(model, fqn, self.layout, self.group)
+                full.get_parameter(fqn).data = full_parameter(model, fqn, self.layout)
         return full
 
     def _model_for(self, stage: _Stage) -> tuple[torch.nn.Module, ModelSnapshot]:
@@ -303,7 +304,11 @@ class _Comparison:
         for fqn in self.joint.grad_fqns:  # the same order on every rank: collectives
             grad = values[fqn].clone()
             if degree > 1:
-                dist.all_reduce(grad, group=self.group)
+                # Over the FSDP group, or for an expert-parallel parameter (whose gradient
+                # holds its ep group's tokens already) the ranks holding the same experts.
+                name = self.layout.reduce_group(fqn)
+                group = resolve_process_group(name) if name is not None else self.group
+                dist.all_reduce(grad, group=group)
                 grad = grad / degree
             shard = self.layout.shard_of(fqn)
             held[fqn] = grad[shard.start : shard.stop] if shard is not None else grad

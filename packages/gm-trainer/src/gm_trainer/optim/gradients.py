@@ -61,22 +61,27 @@ def grad_norm_tensor(
     model: torch.nn.Module, row_shards: Mapping[str, RowShard], topology: Topology
 ) -> torch.Tensor:
     """The global 2-norm of the current gradients, as on the unsharded model (float64):
-    over FSDP shards (``row_shards``), TP slices and pipeline stages."""
+    over FSDP shards (``row_shards``), TP slices, expert-parallel pieces and pipeline stages."""
     tp_group = topology.tp_group
     tp_sharded = tp_shard_dims(model) if tp_group is not None else {}
-    # (FSDP-sharded?, TP-sharded?) -> gradients
+    # (disjoint over the FSDP group?, TP-sharded?) -> gradients
     buckets: dict[tuple[bool, bool], list[torch.Tensor]] = {
         (s, t): [] for s in (True, False) for t in (True, False)
     }
     experts = expert_param_fqns(model) if topology.ep_group is not None else {}
-    expert_grads = []
+    replicas = topology.ep_replicate_group.size() if experts else 1
+    whole_experts = []
     for fqn, param in model.named_parameters():
         if param.grad is None:
             continue
-        if fqn in experts:
-            expert_grads.append(param.grad)
+        if fqn in experts and fqn not in row_shards and replicas > 1:
+            whole_experts.append(param.grad)
         else:
-            buckets[fqn in row_shards, fqn in tp_sharded].append(param.grad)
+            # An expert piece (its ep rank's experts, split further over the ranks holding
+            # them when there are several) is disjoint over the FSDP group, which the ep
+            # group and those ranks tile.
+            disjoint = fqn in row_shards or fqn in experts
+            buckets[disjoint, fqn in tp_sharded].append(param.grad)
     norm = global_grad_norm(
         buckets[True, False],
         buckets[False, False],
@@ -85,8 +90,8 @@ def grad_norm_tensor(
         replicated_tp=buckets[False, True],
         tp_group=tp_group,
     )
-    if topology.ep_group is not None:
-        norm = _with_experts(norm, expert_grads, topology)
+    if whole_experts:  # every rank has the same parameters: all take this collective or none
+        norm = _with_whole_experts(norm, whole_experts, replicas, topology)
     if topology.pp_group is None:
         return norm
     # Each stage holds its own parameters: sum the squares over the pipeline.
@@ -100,15 +105,13 @@ def grad_norm_tensor(
     return squared.sqrt()
 
 
-def _with_experts(
-    norm: torch.Tensor, grads: list[torch.Tensor], topology: Topology
+def _with_whole_experts(
+    norm: torch.Tensor, grads: list[torch.Tensor], replicas: int, topology: Topology
 ) -> torch.Tensor:
-    """``norm`` with the expert-parallel gradients' squares: disjoint over the ep group, the
-    same on each of the ``ep_replicate`` ranks, so summed over the FSDP group (all of them)
-    after dividing by the replicas (as the traced norm of ``in_graph`` does)."""
-    squared = global_grad_norm([], grads, None).square()
-    replicas = topology.ep_replicate_group.size()
-    if replicas > 1:
-        squared = squared / replicas
+    """``norm`` with the squares of expert-parallel gradients the plan left unsharded:
+    disjoint over the ep group, the same on each of the ``replicas`` ranks holding the same
+    experts, so summed over the FSDP group (all of them) after dividing by the replicas (as
+    the traced norm of ``in_graph`` does)."""
+    squared = global_grad_norm([], grads, None).square() / replicas
     dist.all_reduce(squared, group=topology.fsdp_group)
     return (norm.square() + squared).sqrt()

@@ -215,6 +215,8 @@ class ResolvedMesh:
     """The expert-parallel group (the mesh context's ``moe_mesh["ep"]``), when there is one."""
     ep_replicate_group: dist.ProcessGroup | None = None
     """The ranks holding the same experts (``moe_mesh["ep_replicate"]``)."""
+    ep_mesh: Any = None
+    """``moe_mesh["ep_replicate", "ep"]``: the mesh of those two groups."""
     # --- context parallelism (issue 29) ---
     cp_group: dist.ProcessGroup | None = None
     """The context-parallel group (the ranks that split one sequence), when the device mesh
@@ -353,16 +355,18 @@ def resolve_mesh_context(mesh_context: Any) -> ResolvedMesh:
     if "pp" in names:
         group, ranks = _ranks(fsdp_mesh, "pp")
         pp_group = group if len(ranks) > 1 else None
-    ep_group = ep_replicate_group = None
+    ep_group = ep_replicate_group = ep_mesh = None
     moe_mesh = getattr(mesh_context, "moe_mesh", None)
     if moe_mesh is not None and moe_mesh["ep"].size() > 1:
         ep_group, ep_replicate_group = (
             moe_mesh["ep"].get_group(),
             moe_mesh["ep_replicate"].get_group(),
         )
+        ep_mesh = moe_mesh["ep_replicate", "ep"]  # slicing reuses the groups: no collective
     return ResolvedMesh(
         ep_group=ep_group,
         ep_replicate_group=ep_replicate_group,
+        ep_mesh=ep_mesh,
         fsdp_group=fsdp_group,
         replicate_group=replicate_group,
         tp_group=tp_group,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from gm_config import PassConfig, PassPlan, fsdp_requested
 from gm_trace.graph.experts import EP_GROUP_NAME, EP_REPLICATE_GROUP_NAME
@@ -71,8 +71,12 @@ class Topology:
     without expert parallelism."""
 
     ep_replicate_group: dist.ProcessGroup | None = None
-    """The ranks holding the same experts, registered as ``"ep_replicate"`` (expert gradients
-    are summed over it); set with :attr:`ep_group`."""
+    """The ranks holding the same experts, registered as ``"ep_replicate"`` (the fsdp pass
+    splits the experts over it and sums their gradients over it); set with :attr:`ep_group`."""
+
+    ep_mesh: DeviceMesh | None = None
+    """The ``("ep_replicate", "ep")`` mesh of those two groups (checkpoints lay expert pieces
+    out on it); set with :attr:`ep_group`."""
 
     @property
     def ep_size(self) -> int:
@@ -166,9 +170,9 @@ def resolve_run(
     if not expert_parallel:
         return run
     if mesh is not None and mesh.ep_group is not None:
-        ep_group, ep_replicate = mesh.ep_group, mesh.ep_replicate_group
+        ep_group, ep_replicate, ep_mesh = mesh.ep_group, mesh.ep_replicate_group, mesh.ep_mesh
     else:
-        ep_group, ep_replicate = _expert_parallel_groups(
+        ep_group, ep_replicate, ep_mesh = _expert_parallel_groups(
             config.ep_degree, place.world_size, config.pp_degree
         )
     _check_ep_group_inside(ep_group, run.topology)
@@ -180,7 +184,11 @@ def resolve_run(
         "ep_replicate": EP_REPLICATE_GROUP_NAME,
     }
     topology = dataclasses.replace(
-        run.topology, ep_group=ep_group, ep_replicate_group=ep_replicate, process_groups=roles
+        run.topology,
+        ep_group=ep_group,
+        ep_replicate_group=ep_replicate,
+        ep_mesh=ep_mesh,
+        process_groups=roles,
     )
     config = dataclasses.replace(run.pass_config, ep_degree=ep_group.size())
     return dataclasses.replace(run, pass_config=config, topology=topology)
@@ -254,12 +262,12 @@ def check_ep_world(ep_degree: int, data_parallel: int, where: str = "the world")
 
 def _expert_parallel_groups(
     ep: int, world: int, pp: int = 1
-) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """``(ep group, ep replicate group)`` over the world without a mesh context (a
-    collective), ep groups of consecutive ranks; with a pipeline, within each stage's ranks
-    (rank = stage * dp + dp index, as :func:`_resolve_pipeline_mesh` lays them out), so that
-    the ranks of an ep group run the same stage. A mesh context brings its own
-    (``MeshContext.build(ep=...)``)."""
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup, DeviceMesh]:
+    """``(ep group, ep replicate group, their (ep_replicate, ep) mesh)`` over the world
+    without a mesh context (a collective), ep groups of consecutive ranks; with a pipeline,
+    within each stage's ranks (rank = stage * dp + dp index, as
+    :func:`_resolve_pipeline_mesh` lays them out), so that the ranks of an ep group run the
+    same stage. A mesh context brings its own (``MeshContext.build(ep=...)``)."""
     dp = world // pp  # checked: pp divides the world, ep divides dp
     lead = ((pp,), ("pp",)) if pp > 1 else ((), ())
     device_mesh = init_device_mesh(
@@ -267,7 +275,8 @@ def _expert_parallel_groups(
         (*lead[0], dp // ep, ep),
         mesh_dim_names=(*lead[1], "ep_replicate", "ep"),
     )
-    return device_mesh.get_group("ep"), device_mesh.get_group("ep_replicate")
+    experts_mesh = device_mesh["ep_replicate", "ep"] if pp > 1 else device_mesh
+    return device_mesh.get_group("ep"), device_mesh.get_group("ep_replicate"), experts_mesh
 
 
 def _resolve(
