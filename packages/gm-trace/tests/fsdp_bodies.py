@@ -12,6 +12,7 @@ import torch.distributed as dist
 from gm_config import PassConfig, PassPlan
 from gm_passes.graph_ops import is_collective, is_wait, op_name
 from gm_trace import run_traced_graph
+from gm_trace.graph.groups import register_process_group, resolve_process_group
 from gm_trace.passes.fsdp import (
     CollectiveMismatchError,
     FSDPConfigError,
@@ -326,3 +327,14 @@ def recompute_parity(rank: int, world: int):
             ],
         }
     return runs
+
+
+def register_a_subgroup(rank: int, world: int) -> int:
+    """Register a one-rank group as ``"fsdp"``, as a trainer of a pipeline stage does."""
+    group = dist.new_group([rank], use_local_synchronization=True)
+    register_process_group("fsdp", group)
+    return resolve_process_group("fsdp").size()
+
+
+def fsdp_group_size(rank: int, world: int) -> int:
+    return resolve_process_group("fsdp").size()

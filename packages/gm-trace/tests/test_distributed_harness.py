@@ -17,6 +17,14 @@ def test_results_come_back_by_rank_with_one_thread_each(dist_pool):
     assert dist_pool(2).run(bodies.ranks_and_threads) == [(0, 2, 1), (1, 2, 1)]
 
 
+def test_a_group_name_one_call_registers_does_not_reach_the_next(dist_pool):
+    """A pass used on its own after a trainer of a pipeline stage in the same rank resolved
+    ``"fsdp"`` to that trainer's subgroup (a wrong mean, no error)."""
+    pool = dist_pool(2)
+    assert pool.run(bodies.register_a_subgroup) == [1, 1]
+    assert pool.run(bodies.fsdp_group_size) == [2, 2]
+
+
 def test_a_failing_rank_surfaces_its_traceback_and_siblings_are_killed():
     # Rank 0 waits in a barrier that would time out only after an hour: the only way it ends
     # is being killed. Nothing here depends on how fast the machine is.

@@ -11,6 +11,9 @@ from torch._C._distributed_c10d import (
     _unregister_process_group,
 )
 
+#: The names :func:`register_process_group` registered in this process.
+_REGISTERED: set[str] = set()
+
 
 def register_process_group(name: str, group: dist.ProcessGroup | None = None) -> None:
     """Make ``group`` (default: the world) resolvable under ``name`` in graph collectives.
@@ -25,6 +28,20 @@ def register_process_group(name: str, group: dist.ProcessGroup | None = None) ->
     except RuntimeError:
         pass  # nothing registered under this name yet
     _register_process_group(name, group)
+    _REGISTERED.add(name)
+
+
+def unregister_process_groups() -> None:
+    """Forget every name :func:`register_process_group` registered in this process, so that
+    each resolves to the world again. For a process that runs one job after another (a rank
+    of :class:`gm_trace.testing.DistributedPool`): a name one job registered for its own
+    subgroup must not reach the collectives of the next."""
+    for name in sorted(_REGISTERED):
+        try:
+            _unregister_process_group(name)
+        except RuntimeError:
+            pass  # already gone
+    _REGISTERED.clear()
 
 
 def resolve_process_group(name: str) -> dist.ProcessGroup:
