@@ -402,3 +402,11 @@ def test_offload_rates_must_be_positive_numbers(field, bad):
     with pytest.raises(ConfigError, match=f"PassConfig.{field} must be a") as info:
         PassConfig(**{field: bad})
     assert repr(bad) in str(info.value)
+
+
+def test_divisors_are_the_choices_an_error_names():
+    from gm_config import divisors
+
+    assert divisors(12) == [1, 2, 3, 4, 6, 12]
+    assert divisors(7) == [1, 7]
+    assert divisors(1) == [1]

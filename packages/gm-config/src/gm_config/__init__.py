@@ -4,7 +4,7 @@ This distribution never imports torch, so configuration can be built, validated 
 serialised anywhere.
 """
 
-from gm_config.errors import ConfigError, GraphModeError, GraphModeRuntimeError
+from gm_config.errors import ConfigError, GraphModeError, GraphModeRuntimeError, divisors
 from gm_config.pass_config import PassConfig
 from gm_config.pass_plan import FSDPModuleConfig, PassPlan, fsdp_requested, reshard_requested
 from gm_config.pipeline_stages import PP_SCHEDULES
@@ -20,6 +20,7 @@ __all__ = [
     "PassConfig",
     "PassPlan",
     "create_sharding_plan_from_yaml",
+    "divisors",
     "fsdp_requested",
     "reshard_requested",
     "sharding_plan_from_dict",

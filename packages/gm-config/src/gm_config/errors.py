@@ -28,3 +28,9 @@ class ConfigError(GraphModeError, ValueError):
 
 class GraphModeRuntimeError(GraphModeError, RuntimeError):
     """Something failed while capturing, transforming, running or saving a training step."""
+
+
+def divisors(n: int) -> list[int]:
+    """The sizes that divide ``n`` (ascending): the choices an error names when a degree must
+    divide a count (ranks, experts, heads)."""
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -50,7 +50,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from gm_config import ConfigError
+from gm_config import ConfigError, divisors
 from gm_trace.graph.experts import EP_GROUP_NAME, EP_SHARD_ATTR, ExpertShard, expert_shards
 
 __all__ = [
@@ -247,11 +247,10 @@ def apply_expert_parallel(
 def check_ep_divides(num_experts: int, ep_size: int, where: str) -> None:
     """Raise :class:`ExpertParallelError` unless ``ep_size`` divides ``num_experts``."""
     if num_experts % ep_size:
-        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
         raise ExpertParallelError(
             f"PassConfig.ep_degree={ep_size} does not divide the {num_experts} experts of "
             f"{where!r}; every rank of an ep group holds num_experts / ep_degree of them "
-            f"(choose an ep_degree among {divisors})"
+            f"(choose an ep_degree among {divisors(num_experts)})"
         )
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gm_config import ConfigError
+from gm_config import ConfigError, divisors
 
 EXTRA_HINT = "install the optional extra: pip install 'gm-trainer[hf]'"
 
@@ -123,7 +123,7 @@ def check_hf_config(hf_config: Any, where: str) -> None:
             f"{key('num_key_value_heads')}={kv_heads}: grouped-query attention shares each "
             "key/value head among an equal number of query heads; make "
             f"{key('num_key_value_heads')} a divisor of {key('num_attention_heads')} "
-            f"(e.g. {max(d for d in range(1, heads + 1) if heads % d == 0 and d <= kv_heads)})"
+            f"(e.g. {max(d for d in divisors(heads) if d <= kv_heads)})"
         )
     if heads and hidden is not None and head_dim is None and hidden % heads:
         raise ConfigError(

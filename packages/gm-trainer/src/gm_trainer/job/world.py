@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gm_config import ConfigError, fsdp_requested
+from gm_config import ConfigError, divisors, fsdp_requested
 
 
 def check_world_size(job: Any, world_size: int) -> None:
@@ -24,10 +24,9 @@ def check_world_size(job: Any, world_size: int) -> None:
     t, p, replicas = job.train, job.parallel, job.dist.dp_replicate
     pp, tp = p.pp_degree, p.tp_size
     if world_size % pp:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ConfigError(
             f"parallel.pp_degree={pp} must divide the {world_size} rank(s): every pipeline "
-            f"stage runs on world_size / pp_degree ranks; use one of {divisors} (or "
+            f"stage runs on world_size / pp_degree ranks; use one of {divisors(world_size)} (or "
             f"--nproc a multiple of {pp})"
         )
     if (world_size // pp) % tp:
@@ -155,10 +154,9 @@ def _check_expert_parallel(job: Any, dp: int, replicas: int, pp: int) -> None:
             "(parallel.pp_degree does); use 1 for those"
         )
     if dp % ep:
-        divisors = [d for d in range(1, dp + 1) if dp % d == 0]
         raise ConfigError(
             f"parallel.ep_degree={ep} does not divide the {dp} data-parallel rank(s)"
             + (f" of each of the parallel.pp_degree={pp} pipeline stages" if pp > 1 else "")
-            + f"; an ep group is made of ep_degree of them (use one of {divisors}, or --nproc a "
-            f"multiple of {ep * pp})"
+            + f"; an ep group is made of ep_degree of them (use one of {divisors(dp)}, or "
+            f"--nproc a multiple of {ep * pp})"
         )

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from gm_config import PassConfig, PassPlan, fsdp_requested
+from gm_config import PassConfig, PassPlan, divisors, fsdp_requested
 from gm_trace.graph.experts import EP_GROUP_NAME, EP_REPLICATE_GROUP_NAME
 from gm_trace.graph.groups import register_process_group
 from gm_trainer.parallel.device import detect_device_type
@@ -256,7 +256,7 @@ def check_ep_world(ep_degree: int, data_parallel: int, where: str = "the world")
             f"PassConfig.ep_degree={ep_degree} does not divide the {data_parallel} "
             f"data-parallel ranks of {where}; an ep group is made of ep_degree of them "
             f"(choose an ep_degree among "
-            f"{[d for d in range(1, data_parallel + 1) if data_parallel % d == 0]})"
+            f"{divisors(data_parallel)})"
         )
 
 
@@ -314,7 +314,7 @@ def _resolve_pipeline_mesh(
         raise MeshError(
             f"PassConfig.pp_degree={pp} must divide the world size {world}; every stage runs "
             f"on world / pp_degree ranks (choose a pp_degree among "
-            f"{[d for d in range(1, world + 1) if world % d == 0]})"
+            f"{divisors(world)})"
         )
     dp = world // pp
     if dp > 1 and not fsdp_wanted:
