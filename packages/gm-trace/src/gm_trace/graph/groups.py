@@ -31,17 +31,14 @@ def register_process_group(name: str, group: dist.ProcessGroup | None = None) ->
     _REGISTERED.add(name)
 
 
-def unregister_process_groups() -> None:
-    """Forget every name :func:`register_process_group` registered in this process, so that
-    each resolves to the world again. For a process that runs one job after another (a rank
-    of :class:`gm_trace.testing.DistributedPool`): a name one job registered for its own
-    subgroup must not reach the collectives of the next."""
+def reset_process_groups() -> None:
+    """Point every name :func:`register_process_group` registered in this process back at the
+    world group, the default an unregistered name resolves to. For a process that runs one job
+    after another (a rank of :class:`gm_trace.testing.DistributedPool`): a name one job
+    registered for its own subgroup must not reach the collectives of the next, while a graph
+    compiled over the world keeps resolving its names."""
     for name in sorted(_REGISTERED):
-        try:
-            _unregister_process_group(name)
-        except RuntimeError:
-            pass  # already gone
-    _REGISTERED.clear()
+        register_process_group(name, dist.group.WORLD)
 
 
 def resolve_process_group(name: str) -> dist.ProcessGroup:

@@ -10,8 +10,8 @@ For tests and benchmarks::
 Each rank is a spawned process with one CPU thread (``threads=`` or the environment variable
 ``GM_RANK_THREADS`` give it more: other kernels, other summation orders), a ``FileStore``
 rendezvous (no port races) and a short collective timeout. A pool keeps its ranks (and their
-process group) between calls, since starting ranks costs seconds, but not the group names a
-call registered (each call starts from the world). When a rank fails, its
+process group) between calls, since starting ranks costs seconds; the group names a call
+registered point at the world again after it. When a rank fails, its
 traceback is raised in the caller, every rank is killed and the pool restarts on its next
 call; no process outlives ``close()``.
 """
@@ -59,7 +59,7 @@ def _rank_main(
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
         return
-    from gm_trace.graph.groups import unregister_process_groups
+    from gm_trace.graph.groups import reset_process_groups
 
     while (task := tasks.get()) is not None:
         fn, args = task
@@ -71,7 +71,7 @@ def _rank_main(
             results.put((rank, "ok", value))
         finally:
             # The next body starts from the world: no group name of this one carries over.
-            unregister_process_groups()
+            reset_process_groups()
     dist.destroy_process_group()
 
 
