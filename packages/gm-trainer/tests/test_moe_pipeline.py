@@ -86,6 +86,7 @@ def _check_exchanges(results: list[dict], actions_per_stage: dict[int, list]) ->
                 position += 2
 
 
+@full_only  # 4 ranks, ~1 min on 2 cores: the default suite keeps the config checks
 def test_pp2_ep2_qwen3_moe_matches_eager() -> None:
     results = _run("qwen3-moe")
     # 1F1B with 2 micro-batches: stage 0 runs F0 F1 B0 B1, stage 1 F0 B0 F1 B1

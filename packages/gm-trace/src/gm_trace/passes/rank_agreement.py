@@ -35,10 +35,15 @@ def collective_sequence(graph_module: fx.GraphModule) -> list[str]:
 
 def verify_ranks_agree(graph_module: fx.GraphModule, ctx: PassContext) -> None:
     """:func:`check_collective_agreement` over the pipeline's ``"fsdp"`` group, for passes
-    that add or reorder collectives after the fsdp pass checked them."""
+    that add or reorder collectives after the fsdp pass checked them. A run whose groups name
+    no ``"fsdp"`` role (pure TP under a mesh context, a pipeline stage without data
+    parallelism) has no ranks that must trace the same graph: nothing to compare (the world
+    would hold other stages and other TP groups)."""
+    name = ctx.process_groups.get("fsdp")
+    if name is None:
+        return
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        group = resolve_process_group(ctx.process_groups.get("fsdp", "fsdp"))
-        check_collective_agreement(graph_module, group)
+        check_collective_agreement(graph_module, resolve_process_group(name))
 
 
 def check_collective_agreement(graph_module: fx.GraphModule, group: dist.ProcessGroup) -> None:
