@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from gm_config import GraphModeRuntimeError
+from gm_config import GraphModeRuntimeError, fsdp_requested
 from gm_passes import PassContext
 from gm_passes.graph_ops import is_collective, is_wait, op_name
 from gm_trace.graph import node_meta
@@ -35,12 +35,12 @@ def collective_sequence(graph_module: fx.GraphModule) -> list[str]:
 
 def verify_ranks_agree(graph_module: fx.GraphModule, ctx: PassContext) -> None:
     """:func:`check_collective_agreement` over the pipeline's ``"fsdp"`` group, for passes
-    that add or reorder collectives after the fsdp pass checked them. A run whose groups name
-    no ``"fsdp"`` role (pure TP under a mesh context, a pipeline stage without data
-    parallelism) has no ranks that must trace the same graph: nothing to compare (the world
-    would hold other stages and other TP groups)."""
+    that add or reorder collectives after the fsdp pass checked them. A run without FSDP (pure
+    TP under a mesh context, a pipeline stage without data parallelism) has no ranks that must
+    trace the same graph: nothing to compare (an unregistered ``"fsdp"`` means the world,
+    which holds other stages and TP groups whose names differ)."""
     name = ctx.process_groups.get("fsdp")
-    if name is None:
+    if name is None or not fsdp_requested(ctx.config, ctx.plan):
         return
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         check_collective_agreement(graph_module, resolve_process_group(name))
