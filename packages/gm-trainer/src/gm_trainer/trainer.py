@@ -33,7 +33,7 @@ from gm_trace.capture.dtensor import DTensorSpec
 from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.graph.sharding import RowShard
 from gm_trace.graph.sharding_layout import ShardingLayout
-from gm_trace.runtime.activation_meter import ActivationProfile, measure_activations
+from gm_trace.runtime.activation_meter import ActivationProfile
 from gm_trainer.checkpoint.durable import replacing
 from gm_trainer.checkpoint.io import CheckpointError
 from gm_trainer.checkpoint.view import CheckpointView
@@ -249,7 +249,8 @@ class GraphTrainer:
     @property
     def pipeline(self) -> PipelineRunner | None:
         """This rank's pipeline stages (``pp_degree > 1``, after the first compile)."""
-        return self.executor.pipeline
+        runtime = self.executor.resolved_runtime
+        return runtime.pipeline if runtime is not None else None
 
     @property
     def pipelines(self) -> list[PassPipeline]:
@@ -310,28 +311,7 @@ class GraphTrainer:
         the batch: the pipeline's schedule runs once without adding gradients, and the profile
         has this rank's stages (``stages``: one micro-batch's held bytes per stage;
         ``held_bytes``: the most the rank held at once) but no per-node curves."""
-        self.executor.resolve()
-        if self.pipeline is not None:
-            return self._measure_stages(input, label)
-        joint = self.compile(input, label)
-        batch = self.device_batch(input, label)
-        if not joint.optimizer_in_graph:
-            return measure_activations(joint, self.model, *batch)
-        # The graph writes copies of the weights and optimizer state; the step count stays.
-        with self.stepper.uncounted_graph_inputs(joint.optimizer_update) as extra:
-            return measure_activations(joint, self.model, *batch, extra)
-
-    def _measure_stages(self, input: Any, label: Any) -> ActivationProfile:
-        # The pipeline runs the accumulating variant, which never takes the update.
-        measured = self.executor.measure_pipeline(*self.device_batch(input, label))
-        return ActivationProfile(
-            phases=[],
-            kept=[],
-            recomputed=[],
-            held_bytes=measured.peak_bytes,
-            largest_held=max(measured.largest.values(), default=0),
-            stages=dict(measured.stages),
-        )
+        return self.executor.measure(self._to_device(input), self._to_device(label))
 
     @property
     def compile_count(self) -> int:
@@ -430,9 +410,9 @@ class GraphTrainer:
         guards, each pass's time and whether it changed the graph, then the collective
         schedule (overlap per collective, bytes, bucket) when there is one."""
         summary = self.registry.summary()
-        if self.pipeline is not None:
-            summary += "\n\n" + self.pipeline.summary()
-        return summary
+        runtime = self.executor.resolved_runtime
+        more = runtime.summary() if runtime is not None else ""
+        return f"{summary}\n\n{more}" if more else summary
 
     def plot_step(self, path: str | Path | None, batch: tuple[Any, Any]) -> list[RankTimeline]:
         """One plain step of ``batch`` (this rank's), compute and collectives on a time line
@@ -442,11 +422,9 @@ class GraphTrainer:
         (``None``: none; needs ``pip install 'gm-trainer[plot]'``). Returns every rank's
         :class:`~gm_trainer.timeline.RankTimeline`. Changes nothing: weights, buffers, RNG and
         ``.grad`` are as before."""
-        if self.pass_config.pp_degree > 1:
-            raise ConfigError(
-                f"plot_step draws a plain step; pp_degree={self.pass_config.pp_degree} runs "
-                "pipeline stages (their schedule is in pass_summary())"
-            )
+        refusal = self.executor.runtime.plain_step_refusal
+        if refusal is not None:
+            raise ConfigError(f"plot_step draws a plain step; {refusal}")
         joint = self.compile(*batch)
         input, label = self.device_batch(*batch)
         timelines = [measure_step(joint, self.model, input, label, self.rank)]
@@ -477,15 +455,15 @@ class GraphTrainer:
                 "the shape you train on (or run a train_step) before saving or loading a "
                 "checkpoint"
             )
-        pipeline = self.pipeline
+        runtime = self.executor.runtime
         return CheckpointView(
             model=self.model,
             optimizer=self.optimizer,
             state=self.train_state,
             topology=self.topology,
             row_shards=self.row_shards,
-            foreign=pipeline.foreign_state() if pipeline is not None else frozenset(),
-            pipelined=pipeline is not None,
+            foreign=runtime.foreign_state(),
+            pipelined=runtime.pipeline is not None,
         )
 
     def state_dict(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
