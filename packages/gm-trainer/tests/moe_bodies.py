@@ -373,14 +373,14 @@ def config_errors() -> None:
     import pytest
 
     from gm_config import ConfigError
-    from gm_trace.capture.expert_parallel import apply_expert_parallel
+    from gm_trainer.parallel.live_parameters import LiveParameters
 
     with pytest.raises(ConfigError, match=r"ep_degree=3 does not divide the 4 experts"):
-        apply_expert_parallel(build("qwen3-moe"), 3, 0)
+        LiveParameters(build("qwen3-moe")).split_experts(3, 0, None)
     with pytest.raises(ConfigError, match=r"ep_degree must be an int >= 1"):
         PassConfig(ep_degree=0)
     with pytest.raises(ConfigError, match="has no experts module"):
-        apply_expert_parallel(torch.nn.Linear(2, 2), 2, 0)
+        LiveParameters(torch.nn.Linear(2, 2)).split_experts(2, 0, None)
 
 
 def bad_ep_world(rank: int, world: int) -> str:

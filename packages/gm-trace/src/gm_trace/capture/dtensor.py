@@ -5,10 +5,11 @@ make_fx does not unwrap tensor subclasses: a DTensor parameter traced as it is r
 dispatch on untracked fake local tensors, which the graph then bakes in as constants — a graph
 that "trains" fake tensors. So a graph's state is each DTensor parameter's LOCAL tensor:
 
-1. :func:`localize_dtensor_params` replaces every DTensor parameter of the model, for good, by
-   a plain ``nn.Parameter`` over its local tensor (same storage) and returns each one's
-   :class:`DTensorSpec`. The FSDP pass, the optimizer and the global norm then see local TP
-   shards, as with any TP layer (TP-sharded ones carry :data:`TP_SHARD_DIM_ATTR`).
+1. :func:`localized_dtensor_params` gives every DTensor parameter of the model a plain
+   ``nn.Parameter`` over its local tensor (same storage) and its :class:`DTensorSpec`; the
+   trainer puts them in the model for good (``gm_trainer.parallel.live_parameters``). The
+   FSDP pass, the optimizer and the global norm then see local TP shards, as with any TP
+   layer (TP-sharded ones carry :data:`TP_SHARD_DIM_ATTR`).
 2. :func:`with_dtensor_params` wraps the train_fn: inside the traced step every such parameter
    is made a DTensor again (``DTensor.from_local`` over the traced local tensor), so DTensor's
    dispatch runs on traced values and its redistributions become functional collectives of the
@@ -74,9 +75,12 @@ def dtensor_state(model: nn.Module) -> list[tuple[str, Tensor]]:
     return [(fqn, t) for fqn, t in named if isinstance(t, DTensor)]
 
 
-def localize_dtensor_params(model: nn.Module) -> dict[str, DTensorSpec]:
-    """Replace every DTensor parameter by a plain ``nn.Parameter`` over its local tensor and
-    return ``FQN -> DTensorSpec`` (every name of a tied parameter included).
+def localized_dtensor_params(
+    model: nn.Module,
+) -> tuple[dict[str, DTensorSpec], dict[str, nn.Parameter]]:
+    """For every DTensor parameter, its spec and a plain ``nn.Parameter`` over its local tensor
+    (one per Parameter object, under every name of a tied parameter): ``FQN -> DTensorSpec``
+    and ``FQN -> the local Parameter`` that replaces it. Changes nothing.
 
     Raises :class:`GraphCaptureError`, naming the parameter and its placement, for what a graph
     cannot hold: a DTensor buffer, a mesh of more than one dim, a placement other than
@@ -90,6 +94,7 @@ def localize_dtensor_params(model: nn.Module) -> dict[str, DTensorSpec]:
             )
     local_of: dict[int, tuple[nn.Parameter, DTensorSpec]] = {}
     specs: dict[str, DTensorSpec] = {}
+    locals_: dict[str, nn.Parameter] = {}
     for fqn, param in model.named_parameters(remove_duplicate=False):
         if not isinstance(param, DTensor):
             continue
@@ -99,10 +104,8 @@ def localize_dtensor_params(model: nn.Module) -> dict[str, DTensorSpec]:
             if spec.shard_dim is not None:
                 setattr(local, TP_SHARD_DIM_ATTR, spec.shard_dim)
             local_of[id(param)] = (local, spec)
-        local, specs[fqn] = local_of[id(param)]
-        owner, _, name = fqn.rpartition(".")
-        model.get_submodule(owner)._parameters[name] = local
-    return specs
+        locals_[fqn], specs[fqn] = local_of[id(param)]
+    return specs, locals_
 
 
 def _checked_spec(fqn: str, param: DTensor) -> DTensorSpec:
@@ -190,5 +193,5 @@ def check_no_fake_constants(graph_module: fx.GraphModule) -> None:
                 f"the traced graph holds a fake tensor as the constant {node.target!r}: a "
                 "tensor subclass in the model (such as a DTensor parameter) was traced without "
                 "its values; localize DTensor parameters first "
-                "(gm_trace.capture.dtensor.localize_dtensor_params, done by GraphTrainer)"
+                "(gm_trace.capture.dtensor.localized_dtensor_params, done by GraphTrainer)"
             )

@@ -55,8 +55,8 @@ from gm_trace.graph.experts import EP_GROUP_NAME, EP_SHARD_ATTR, ExpertShard, ex
 
 __all__ = [
     "ExpertParallelError",
-    "apply_expert_parallel",
     "find_experts_modules",
+    "split_expert_modules",
     "take_expert_load",
 ]
 
@@ -196,20 +196,23 @@ def find_experts_modules(model: nn.Module, patterns: Sequence[str] | None = None
     return found
 
 
-def apply_expert_parallel(
+def split_expert_modules(
     model: nn.Module, ep_size: int, ep_rank: int, patterns: Sequence[str] | None = None
-) -> dict[str, ExpertShard]:
-    """Split the experts modules of ``model`` over ``ep_size`` ranks, in place, keeping each
-    Parameter object and FQN (module docstring). Every rank must start from the same whole
-    model. Returns module FQN -> :class:`ExpertShard`; a model EP already split is returned
-    as it is.
+) -> tuple[dict[str, ExpertShard], dict[str, tuple[int, int]]]:
+    """Make the experts modules of ``model`` compute with ``ep_size`` ranks' experts (module
+    docstring): each gets its shard, its load buffers and the dispatching forward, in place.
+    Returns module FQN -> :class:`ExpertShard`, and parameter FQN -> (first expert, count):
+    the rows of each stacked weight this rank keeps, which the caller cuts (the trainer's
+    ``gm_trainer.parallel.live_parameters``: the one owner of changes to live parameters).
+    Every rank must start from the same whole model. A model EP already split is returned as
+    it is, with no rows to cut.
 
     Raises :class:`ExpertParallelError` when no experts module is found or ``ep_size`` does not
     divide a module's expert count (naming both).
     """
     done = expert_shards(model)
     if done:
-        return done
+        return done, {}
     names = find_experts_modules(model, patterns)
     if not names:
         raise ExpertParallelError(
@@ -221,15 +224,16 @@ def apply_expert_parallel(
     for name in names:
         module = model.get_submodule(name)
         check_ep_divides(module.num_experts, ep_size, name)
-    shards = {}
+    shards, rows = {}, {}
     for name in names:
         module = model.get_submodule(name)
         params = _stacked_params(module)
         shard = ExpertShard(module.num_experts, ep_size, ep_rank, params)
-        first, local = shard.first_expert, shard.local_experts
         for param_name in params:
-            param = getattr(module, param_name)
-            param.data = param.data[first : first + local].clone()
+            rows[f"{name}.{param_name}" if name else param_name] = (
+                shard.first_expert,
+                shard.local_experts,
+            )
         device = next(module.parameters()).device
         module.register_buffer(
             TOKENS_BUFFER, torch.zeros(shard.num_experts, dtype=torch.int64, device=device), False
@@ -237,11 +241,11 @@ def apply_expert_parallel(
         module.register_buffer(
             BYTES_BUFFER, torch.zeros((), dtype=torch.int64, device=device), False
         )
-        module.num_experts = local  # what the module's own kernel computes with
+        module.num_experts = shard.local_experts  # what the module's own kernel computes with
         setattr(module, EP_SHARD_ATTR, shard)
         module.__class__ = _ep_class(type(module))
         shards[name] = shard
-    return shards
+    return shards, rows
 
 
 def check_ep_divides(num_experts: int, ep_size: int, where: str) -> None:

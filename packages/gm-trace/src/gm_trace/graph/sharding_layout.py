@@ -1,8 +1,8 @@
-"""``ShardingLayout``: what the fsdp pass decided, as a value, and the one place that applies it.
+"""``ShardingLayout``: what the fsdp pass decided, as a value.
 
-The pass rewrites the graph and returns the layout; it never touches the live model. Whoever
-runs the graph (the trainer, a test) applies the layout once with :meth:`ShardingLayout.apply`,
-and everything that needs to know which piece a rank holds — the retrace, the gradient norm,
+The pass rewrites the graph and returns the layout; it never touches the live model. Whoever runs
+the graph (the trainer, a test) puts :meth:`ShardingLayout.local_rows` into the live parameters
+once, and everything that needs to know which piece a rank holds — the retrace, the gradient norm,
 checkpoints — reads the same value.
 """
 
@@ -93,9 +93,11 @@ class ShardingLayout:
         param = self.params.get(fqn)
         return param.group if param is not None else self.replicated.get(fqn)
 
-    def apply(self, model: torch.nn.Module) -> None:
-        """Replace each sharded parameter's data by this rank's rows, keeping the Parameter
-        object (optimizers and tied aliases hold it). Call once, on the unsharded model."""
+    def local_rows(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """FQN -> this rank's rows of each sharded parameter of the unsharded ``model`` (new
+        tensors; the trainer puts them in the live Parameters,
+        ``gm_trainer.parallel.live_parameters``)."""
+        rows = {}
         for fqn, param in self.params.items():
             live = model.get_parameter(fqn)
             if tuple(live.shape) != param.full_shape:
@@ -104,7 +106,8 @@ class ShardingLayout:
                     f"parameter of shape {param.full_shape}; apply a layout once, to the model "
                     "it was traced from"
                 )
-            live.data = live.data[param.shard.start : param.shard.stop].clone()
+            rows[fqn] = live.data[param.shard.start : param.shard.stop].clone()
+        return rows
 
 
 def full_parameter(

@@ -32,6 +32,7 @@ def compile_joint(
     joint = trace_model_graph(model, train_fn, *sample, **trace_options)
     pipeline = PassPipeline.from_config(config or PassConfig(), plan, passes)
     joint = joint.through(pipeline, model=model)
-    if joint.sharding is not None:
-        joint.sharding.apply(model)
+    if joint.sharding is not None:  # as the trainer's LiveParameters.shard does
+        for fqn, rows in joint.sharding.local_rows(model).items():
+            model.get_parameter(fqn).data = rows
     return joint, pipeline

@@ -22,7 +22,6 @@ from gm_config import PassConfig, PassPlan
 from gm_passes import GraphPass, PassPipeline
 from gm_passes.pipeline import AfterPass
 from gm_trace.capture.dtensor import DTensorSpec
-from gm_trace.capture.expert_parallel import apply_expert_parallel
 from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.graph.sharding_layout import ShardingLayout
 from gm_trace.passes.deferred_reduce import DeferredReducePass
@@ -31,7 +30,8 @@ from gm_trace.passes.optimizer_update import OptimizerUpdate, OptimizerUpdatePas
 from gm_trainer.compile.graph_key import ClosureWatch
 from gm_trainer.compile.registry import ACCUMULATE, LAST, STEP, GraphCache, GraphRegistry
 from gm_trainer.errors import TrainingError
-from gm_trainer.parallel.dtensor_tp import adopt_dtensor_params, trace_step
+from gm_trainer.parallel.dtensor_tp import check_dtensor_mesh, trace_step
+from gm_trainer.parallel.live_parameters import LiveParameters
 from gm_trainer.parallel.mesh import ResolvedMesh
 from gm_trainer.parallel.topology import FSDP_GROUP_NAME, ResolvedRun, Topology, resolve_run
 
@@ -81,18 +81,21 @@ class GraphCompiler:
         """Rank 0 writes the graph before and after each pass under here."""
         self.pytree_pre_hook: Callable[[], None] | None = None
         self.closure_watch: ClosureWatch | None = None
-        self._full_shapes: dict[str, tuple[int, ...]] = {}
+        self.live = LiveParameters(model)
+        """The one owner of changes to the model's parameters (TP, EP, FSDP, PP, in order)."""
 
     def resolve(self, place: Topology) -> ResolvedRun:
         """The run, resolved on the first call (a collective: every rank calls it)."""
         if self.run is None:
             self.run = resolve_run(self.pass_config, self.pass_plan, self.mesh, place)
-            self.dtensor_specs = adopt_dtensor_params(self.model, self.mesh)
+            # The parameters' changes before the first trace: TP, then EP.
+            self.dtensor_specs = self.live.localize_dtensors()
+            check_dtensor_mesh(self.dtensor_specs, self.mesh)
             topology = self.run.topology
-            if topology.ep_group is not None:  # split the experts before the first trace
+            if topology.ep_group is not None:
                 patterns = self.pass_plan.ep_experts if self.pass_plan is not None else None
-                apply_expert_parallel(
-                    self.model, topology.ep_size, dist.get_rank(topology.ep_group), patterns
+                self.live.split_experts(
+                    topology.ep_size, dist.get_rank(topology.ep_group), patterns
                 )
         return self.run
 
@@ -177,10 +180,10 @@ class GraphCompiler:
             after_pass=after_pass,
         )
 
-    def keep_full_shapes(self, shapes: dict[str, tuple[int, ...]]) -> None:
-        """Trace these state tensors at ``shapes`` from now on: their live storage was
-        freed (another pipeline stage's parameters)."""
-        self._full_shapes.update(shapes)
+    def free_foreign(self, fqns: frozenset[str]) -> None:
+        """Free the storage of these parameters (another pipeline stage's); later traces see
+        them at their whole shapes."""
+        self.live.free_foreign(fqns)
 
     # ------------------------------------------------------------------ internals
 
@@ -220,7 +223,7 @@ class GraphCompiler:
             options["dynamic_fallback"] = cache.tracing_fallback
         # After the first compile the live parameters are shards (or freed: another pipeline
         # stage's); a retrace needs their full shapes.
-        shapes = dict(self._full_shapes)
+        shapes = dict(self.live.freed_shapes)
         if self.sharding is not None:
             shapes.update(self.sharding.full_shapes())
         if shapes:
@@ -264,7 +267,7 @@ class GraphCompiler:
         """Shard the live model the first time; every later graph must expect the same."""
         if self.sharding is None:
             if layout is not None:
-                layout.apply(self.model)
+                self.live.shard(layout)
                 self.sharding = layout
             return
         if layout is None or not self.sharding.same_shards(layout):

@@ -1,10 +1,11 @@
 """Tracing the training step of a model split with torch's DTensor TP (``parallelize_module``).
 
-The trainer localizes the model's DTensor parameters once (:func:`adopt_dtensor_params`: plain
-local TP shards from then on, which FSDP shards further), and every trace wraps them back into
-DTensors inside the traced step (:func:`trace_step`), with torch's ``loss_parallel`` around it
-when the run asks for it. The TP collectives DTensor issues are renamed to the ``"tp"`` role;
-``sequence_parallel=True`` is checked against them.
+The trainer localizes the model's DTensor parameters once
+(:class:`~gm_trainer.parallel.live_parameters.LiveParameters`: plain local TP shards from then on,
+which FSDP shards further; :func:`check_dtensor_mesh` checks their mesh), and every trace wraps them
+back into DTensors inside the traced step (:func:`trace_step`), with torch's ``loss_parallel``
+around it when the run asks for it. The TP collectives DTensor issues are renamed to the ``"tp"``
+role; ``sequence_parallel=True`` is checked against them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from gm_trace.capture.dtensor import (
     DTensorSpec,
-    localize_dtensor_params,
     name_collective_groups,
     with_dtensor_params,
 )
@@ -32,14 +32,12 @@ from gm_trainer.parallel.topology import ResolvedRun
 from gm_trainer.parallel.tp import TP_GROUP_NAME
 
 
-def adopt_dtensor_params(
-    model: torch.nn.Module, mesh: ResolvedMesh | None
-) -> dict[str, DTensorSpec]:
-    """Localize the DTensor parameters of ``model`` (see :mod:`gm_trace.capture.dtensor`) after
-    checking that they live on the TP dimension of the trainer's mesh; their specs by FQN."""
-    specs = localize_dtensor_params(model)
+def check_dtensor_mesh(specs: Mapping[str, DTensorSpec], mesh: ResolvedMesh | None) -> None:
+    """Raise :class:`MeshError` unless the DTensor parameters (``specs``, localized by
+    :class:`~gm_trainer.parallel.live_parameters.LiveParameters`; see
+    :mod:`gm_trace.capture.dtensor`) live on the TP dimension of the trainer's mesh."""
     if not specs:
-        return specs
+        return
     fqn, spec = next(iter(specs.items()))
     if mesh is None or mesh.tp_group is None:
         raise MeshError(
@@ -56,7 +54,6 @@ def adopt_dtensor_params(
                 f"of the mesh context holds ranks {tp_ranks}; parallelize with "
                 "mesh_context.device_mesh['tp']"
             )
-    return specs
 
 
 def trace_step(

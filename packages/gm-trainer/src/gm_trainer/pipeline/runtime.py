@@ -229,12 +229,12 @@ class PipelineRunner:
         torch.manual_seed(self.seed)
         return self.seed
 
-    def adopt(self, joint: JointGraph) -> dict[str, tuple[int, ...]]:
-        """Cut ``joint`` into stages (once per graph); the first time, free the parameters of
-        other stages and return their shapes (a later trace needs them)."""
+    def adopt(self, joint: JointGraph) -> frozenset[str]:
+        """Cut ``joint`` into stages (once per graph); the first time, return the state other
+        stages own, whose parameters the caller frees (nothing here reads them)."""
         self.current_joint = joint
         if id(joint) in self._adopted:
-            return {}
+            return frozenset()
         config = self.config
         cut = cut_pipeline(joint, config.pp_degree * config.pp_virtual_stages)
         programs = {stage: cut.programs[stage] for stage in self.own_stages}
@@ -248,9 +248,9 @@ class PipelineRunner:
         reduction, extra = _own_reduction(joint, programs)
         self._adopted[id(joint)] = _Adopted(cut, programs, compiled, reduction, extra)
         if self._first is not None:
-            return {}
+            return frozenset()
         self._first = joint
-        return self._free_other_stages(joint)
+        return self.foreign_state(joint)
 
     def foreign_state(self, joint: JointGraph | None = None) -> frozenset[str]:
         """Canonical FQNs of the parameters and buffers that stages of other ranks own in
@@ -266,15 +266,6 @@ class PipelineRunner:
             and n.meta.get(node_meta.STAGE) is not None
             and n.meta[node_meta.STAGE] not in self.own_stages
         )
-
-    def _free_other_stages(self, joint: JointGraph) -> dict[str, tuple[int, ...]]:
-        """Drop the storage of parameters another stage owns: nothing here reads them."""
-        params = dict(self.model.named_parameters())
-        freed = {}
-        for fqn in self.foreign_state(joint) & params.keys():
-            freed[fqn] = tuple(params[fqn].shape)
-            params[fqn].data = params[fqn].data.new_empty(0)
-        return freed
 
     # ------------------------------------------------------------------ the step
 

@@ -68,6 +68,10 @@ class StepRuntime(Protocol):
     def measure(self, input: Any, label: Any) -> ActivationProfile:
         """The activations one padded batch holds, without training."""
 
+    def prepare(self, joint: JointGraph) -> None:
+        """Ready the live model to run ``joint`` as a step would (a pipeline cuts it and, the
+        first time, frees the parameters other stages own); nothing runs."""
+
     def summary(self) -> str:
         """What ``pass_summary()`` adds for this runtime ("" when nothing)."""
 
@@ -142,6 +146,9 @@ class SingleStage:
         # The graph writes copies of the weights and optimizer state; the step count stays.
         with self.stepper.uncounted_graph_inputs(joint.optimizer_update) as extra:
             return measure_activations(joint, self.model, input, label, extra)
+
+    def prepare(self, joint: JointGraph) -> None:
+        pass  # the graph runs as compiled
 
     def summary(self) -> str:
         return ""
@@ -236,10 +243,13 @@ class PipelineStages:
         if joint is None:
             joint = self.compile(*micro[0], variant)
         self.compiler.closure_watch.check()
-        freed = self.runner.adopt(joint)
-        if freed:  # later traces must see these parameters' real shapes
-            self.compiler.keep_full_shapes(freed)
+        self.prepare(joint)
         return joint, micro
+
+    def prepare(self, joint: JointGraph) -> None:
+        foreign = self.runner.adopt(joint)
+        if foreign:  # the first graph: free what other stages own
+            self.compiler.free_foreign(foreign)
 
 
 def build_runtime(
