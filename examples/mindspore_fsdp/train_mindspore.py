@@ -14,11 +14,11 @@ from pathlib import Path
 
 import mindspore as ms
 import numpy as np
-from gm_mindspore import ShardedTrainer
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.communication import get_group_size, get_rank, init
 
 from gm_config import PassConfig, create_sharding_plan_from_yaml
+from gm_mindspore import ShardedTrainer
 
 IN_DIM, HIDDEN, ODD = 8, 16, 7
 

@@ -13,10 +13,10 @@ from mindspore import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import PLAN_YAML, adam, load_example, network
-from gm_mindspore import ShardedTrainer
 from launch import worker_main
 
 from gm_config import PassConfig, create_sharding_plan_from_yaml
+from gm_mindspore import ShardedTrainer
 
 CASES = {
     "plan": (PassConfig(), create_sharding_plan_from_yaml(PLAN_YAML)),

@@ -115,9 +115,9 @@ def plan_layout(
     bucket_cap_mb: float | None,
 ) -> Layout:
     """The layout of ``params`` over ``degree`` ranks (``degree=1``: keep everything)."""
+    selected = select_sharded(params, list(module_fqns), plan)  # a bad plan fails on 1 too
     if degree == 1:
         return Layout(1, 0, {}, (), ())
-    selected = select_sharded(params, list(module_fqns), plan)
     sharded = {
         p.fqn: RowSplit(p.fqn, p.shape, degree, rank, p.trainable)
         for p in params

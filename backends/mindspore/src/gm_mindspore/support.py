@@ -69,21 +69,23 @@ def _default(field: dataclasses.Field) -> Any:
 
 
 def check_supported(config: PassConfig, plan: PassPlan | None) -> None:
-    """Raise :class:`ConfigError` for the first setting this backend cannot run: a field
+    """Raise :class:`ConfigError` naming every setting this backend cannot run: a field
     ``FIELD_SUPPORT`` refuses set away from its default, a field nobody classified yet, or a
     plan section the backend lacks (pipeline stages, experts, per-module resharding)."""
+    refused = []
     for field in dataclasses.fields(PassConfig):
         value = getattr(config, field.name)
-        default = _default(field)
         kind, what = FIELD_SUPPORT.get(field.name, (None, "a field this backend does not know"))
-        if kind in (HONOURED, NO_EFFECT) or value == default:
-            continue
-        accepted = [default, *_ALSO_ACCEPTED.get(field.name, ())]
-        if value in accepted:
-            continue
+        accepted = [_default(field), *_ALSO_ACCEPTED.get(field.name, ())]
+        if kind not in (HONOURED, NO_EFFECT) and value not in accepted:
+            refused.append(
+                f"PassConfig.{field.name}={value!r} ({what}; set it to "
+                f"{' or '.join(map(repr, accepted))})"
+            )
+    if refused:  # every one at once: a config of the torch layer may set several
         raise ConfigError(
-            f"PassConfig.{field.name}={value!r}: the MindSpore backend (gm-mindspore) does not "
-            f"support it ({what}); set it to {' or '.join(map(repr, accepted))}; {_SEE}"
+            f"{'; '.join(refused)}: the MindSpore backend (gm-mindspore) does not support "
+            f"{'them' if len(refused) > 1 else 'it'}; {_SEE}"
         )
     if plan is None:
         return
