@@ -10,6 +10,7 @@ process on the global batch. (msrun's workers run the ``python`` first on PATH.)
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import mindspore as ms
@@ -57,7 +58,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     args = parser.parse_args()
     ms.set_context(mode=ms.PYNATIVE_MODE)
-    if "MS_ROLE" in __import__("os").environ:  # started by msrun
+    if "MS_ROLE" in os.environ:  # started by msrun
         init()
     world, rank = get_group_size(), (get_rank() if get_group_size() > 1 else 0)
     ms.set_seed(0)  # the same initial weights on every worker
