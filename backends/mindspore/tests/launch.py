@@ -34,6 +34,15 @@ def _kill_group(pid: int) -> None:
         pass
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
 def _worker_pids(out: Path) -> list[int]:
     return [int(p.stem.removeprefix("worker")) for p in out.glob("worker*.pid")]
 
@@ -88,6 +97,9 @@ def run_workers(script: Path, out: Path, *args: str, nproc: int = 2, timeout: fl
         for pid in _worker_pids(out):
             _kill_group(pid)
         _kill_group(proc.pid)
+        end = time.monotonic() + 30  # SIGKILL is not instant: leave nothing running behind
+        while any(map(_alive, _worker_pids(out))) and time.monotonic() < end:
+            time.sleep(0.1)
     output = proc.communicate()[0].decode(errors="replace")
     failed = sorted(out.glob("*.error"))
     if why is None and proc.returncode != 0:

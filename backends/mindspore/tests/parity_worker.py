@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import PLAN_YAML, adam, load_example, network
 from launch import worker_main
 
-from gm_config import PassConfig, create_sharding_plan_from_yaml
+from gm_config import ConfigError, PassConfig, create_sharding_plan_from_yaml
 from gm_mindspore import ShardedTrainer
 
 CASES = {
@@ -28,6 +28,10 @@ CASES = {
 def body(rank: int, out: Path) -> None:
     data = dict(np.load(out / "inputs.npz"))
     example = load_example()
+    try:  # FSDP off on 2 workers: nothing would keep them in sync
+        ShardedTrainer(example.PlanNet(), nn.MSELoss(), adam, PassConfig(fsdp_enabled=False))
+    except ConfigError as e:
+        (out / f"rank{rank}_fsdp_off.txt").write_text(str(e))
     world = 2
     local = data["x"].shape[1] // world
     rows = slice(rank * local, (rank + 1) * local)

@@ -35,7 +35,18 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
             )
             for r in range(WORLD)
         ]
-    return {"data": data, "reference": reference(example, data), "results": results}
+    fsdp_off = [(out / f"rank{r}_fsdp_off.txt") for r in range(WORLD)]
+    return {
+        "data": data,
+        "reference": reference(example, data),
+        "results": results,
+        "fsdp_off": [p.read_text() if p.exists() else None for p in fsdp_off],
+    }
+
+
+def test_fsdp_off_on_two_workers_is_a_config_error(run: dict) -> None:
+    for message in run["fsdp_off"]:
+        assert message is not None and "PassConfig.fsdp_enabled" in message
 
 
 @pytest.mark.parametrize("case", ["plan", "unbucketed", "bucketed"])
