@@ -7,6 +7,7 @@ import dataclasses
 import re
 from pathlib import Path
 
+import mindspore as ms
 import pytest
 from common import PLAN_YAML, adam, load_example
 from mindspore import nn
@@ -119,3 +120,12 @@ def test_bad_arguments_are_config_errors() -> None:
         ShardedTrainer(net, nn.MSELoss(), adam, {"fsdp_enabled": True})
     with pytest.raises(ConfigError, match="fsdp_degree=2"):
         ShardedTrainer(net, nn.MSELoss(), adam, PassConfig(fsdp_degree=2))
+
+
+def test_graph_mode_is_a_config_error() -> None:
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        with pytest.raises(ConfigError, match="PYNATIVE"):
+            ShardedTrainer(load_example().PlanNet(), nn.MSELoss(), adam)
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
