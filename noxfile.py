@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import nox
@@ -288,4 +289,36 @@ def jobs(session: nox.Session) -> None:
         "no:cacheprovider",
         *session.posargs,
         env={"GM_JOBS": "all"},
+    )
+
+
+@nox.session(tags=["mindspore"], default=False)
+def mindspore(session: nox.Session) -> None:
+    """The MindSpore backend (issue 40) in an environment WITHOUT torch: gm-config, gm-passes,
+    gm-mindspore and the MindSpore wheel; its no-torch contract, its tests (2 CPU workers
+    under msrun) and the example that trains from the YAML plan train_torch.py reads too."""
+    backend = ROOT / "backends" / "mindspore"
+    session.install(*_paths("gm-config", "gm-passes"), str(backend), "pytest>=8")
+    session.install("import-linter>=2.6")
+    session.run("python", "-c", NO_TORCH_CHECK)
+    session.run("lint-imports", "--config", str(backend / "pyproject.toml"))
+    session.run("pytest", str(backend / "tests"), "-q", "-p", "no:cacheprovider", *session.posargs)
+    logs = Path(session.create_tmp()) / "msrun-logs"
+    session.log(f"the example's worker logs: {logs}")
+    with socket.socket() as s:  # a free port for msrun's scheduler
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # msrun's workers run the `python` first on PATH: this session's.
+    session.run(
+        "msrun",
+        "--worker_num=2",
+        "--local_worker_num=2",
+        f"--master_port={port}",
+        f"--log_dir={logs}",
+        "--join=True",
+        "--cluster_time_out=60",
+        str(ROOT / "examples" / "mindspore_fsdp" / "train_mindspore.py"),
+        "--steps",
+        "10",
+        env={"OMP_NUM_THREADS": "1"},
     )
