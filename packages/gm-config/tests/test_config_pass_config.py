@@ -42,6 +42,7 @@ DEFAULTS = {
     # context parallelism (issue 29)
     "cp_degree": 1,
     "cp_dims": None,
+    "cp_load_balance": None,
     # activation offload (issue 28)
     "activation_offload": False,
     "activation_offload_bandwidth_gbps": 25.0,
@@ -138,6 +139,7 @@ def test_valid_non_default_values_are_kept():
         "ep_degree": 2,
         "cp_degree": 2,
         "cp_dims": {"input": 1},
+        "cp_load_balance": None,
         "activation_offload": False,
         "activation_offload_bandwidth_gbps": 25.0,
         "activation_offload_device_tflops": 200.0,
@@ -375,6 +377,11 @@ def test_cp_degree_and_cp_dims_are_checked():
     for bad in ({}, [1], {"label": -1}, {"": 1}, {"label": "x"}):
         with pytest.raises(ConfigError, match=r"PassConfig.cp_dims"):
             PassConfig(cp_dims=bad)
+    assert PassConfig().cp_load_balance is None  # decided by the graph's device
+    assert PassConfig(cp_load_balance=True).cp_load_balance is True
+    for bad in (1, "yes"):
+        with pytest.raises(ConfigError, match=r"PassConfig.cp_load_balance must be None"):
+            PassConfig(cp_load_balance=bad)
 
 
 # --- activation offload (issue 28) ----------------------------------------------------------

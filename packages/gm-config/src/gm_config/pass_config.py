@@ -220,6 +220,13 @@ class PassConfig:
     ``"label"``) or a prefix of paths (``"input"``) -> dim. ``None``: dim 1 of every tensor
     leaf with two dims or more (token ids, attention mask, labels)."""
 
+    cp_load_balance: bool | None = None
+    """The load-balanced causal split: the sequence is ``2 x cp_degree`` chunks and rank ``r``
+    holds chunks ``r`` and ``2 cp - 1 - r``, so every rank has as many (query, key) pairs
+    under a causal mask. ``None``: on when the graph runs on an accelerator, whose kernels
+    skip masked blocks; off on CPU, where every score is computed and masked either way.
+    ``True`` / ``False`` force it (the sequence must then divide into ``2 x cp_degree``)."""
+
     # --- activation offload (issue 28, the memory_plan pass's third choice) ------------------
 
     activation_offload: bool = dataclasses.field(default=False, metadata=_runs("memory_plan"))
@@ -365,6 +372,11 @@ class PassConfig:
         """Context parallelism (issue 29): ``cp_degree`` and ``cp_dims``."""
         if not _is_int(self.cp_degree) or self.cp_degree < 1:
             raise ConfigError(f"PassConfig.cp_degree must be an int >= 1, got {self.cp_degree!r}")
+        if self.cp_load_balance is not None and not isinstance(self.cp_load_balance, bool):
+            raise ConfigError(
+                "PassConfig.cp_load_balance must be None (on for accelerators), true or false, "
+                f"got {self.cp_load_balance!r}"
+            )
         if self.cp_dims is None:
             return
         example = "{\"input['input_ids']\": 1, 'label': 1}"
