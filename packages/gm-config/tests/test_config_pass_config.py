@@ -24,6 +24,7 @@ DEFAULTS = {
     "param_dtype": None,
     "reduce_dtype": None,
     "backend": None,
+    "cuda_graphs": False,
     "extra_passes": (),
     "disable_passes": (),
     "dynamic_dims": None,
@@ -123,6 +124,7 @@ def test_valid_non_default_values_are_kept():
         "param_dtype": "bfloat16",
         "reduce_dtype": "float32",
         "backend": "inductor",
+        "cuda_graphs": False,
         "extra_passes": ["count_nodes"],
         "disable_passes": ["recompute"],
         "dynamic_dims": {"input": {1: "seq"}},
@@ -382,6 +384,23 @@ def test_cp_degree_and_cp_dims_are_checked():
     for bad in (1, "yes"):
         with pytest.raises(ConfigError, match=r"PassConfig.cp_load_balance must be None"):
             PassConfig(cp_load_balance=bad)
+
+
+# --- CUDA graphs (issue 39) ------------------------------------------------------------------
+
+
+def test_cuda_graphs_is_a_bool_or_auto_and_refuses_what_a_replay_cannot_hold():
+    assert PassConfig().cuda_graphs is False
+    assert PassConfig(cuda_graphs="auto").cuda_graphs == "auto"
+    for bad in (1, "on", None):
+        with pytest.raises(ConfigError, match=r"PassConfig.cuda_graphs must be true, false or"):
+            PassConfig(cuda_graphs=bad)
+    with pytest.raises(ConfigError, match=r"cuda_graphs=True with dynamic_dims=.*replays the"):
+        PassConfig(cuda_graphs=True, dynamic_dims={"input": {0: "batch"}})
+    with pytest.raises(ConfigError, match=r"cuda_graphs=True with activation_offload=True"):
+        PassConfig(cuda_graphs=True, activation_memory_budget=0.5, activation_offload=True)
+    # "auto" falls back per graph instead.
+    PassConfig(cuda_graphs="auto", dynamic_dims={"input": {0: "batch"}})
 
 
 # --- activation offload (issue 28) ----------------------------------------------------------

@@ -111,6 +111,14 @@ class PassConfig:
     """Compile the final graph with this backend, collectives kept as they are: ``"inductor"``
     or a name given to ``gm_trace.register_backend``. ``None``: run the graph as it is."""
 
+    cuda_graphs: bool | str = dataclasses.field(default=False, metadata=_runs("backend"))
+    """Capture each compiled step into a CUDA graph on its first call (static input buffers,
+    one capture per input signature) and replay it after: the ``backend`` pass, with the
+    graph as it is when ``backend`` is ``None``. ``True``: a graph that cannot be captured
+    (inputs not on CUDA, symbolic dims, a collective on a host-side backend such as gloo,
+    activation offload) is a ``ConfigError``; ``"auto"``: such a graph runs uncaptured and
+    ``pass_summary()`` says why; ``False``: off."""
+
     extra_passes: tuple[str, ...] = ()
     """Registered graph passes to run besides those the fields above switch on, by name
     (``gm_passes.register_pass`` or the entry-point group ``gm_passes.passes``). Each runs where
@@ -324,6 +332,7 @@ class PassConfig:
         if not _is_int(self.ep_degree) or self.ep_degree < 1:
             raise ConfigError(f"PassConfig.ep_degree must be an int >= 1, got {self.ep_degree!r}")
         self._validate_cp()
+        self._validate_cuda_graphs()
         if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
             raise ConfigError(
                 "PassConfig.backend must be None (run the graph as it is) or a backend name such "
@@ -366,6 +375,27 @@ class PassConfig:
             raise ConfigError(
                 "PassConfig.activation_offload=True is a choice of the activation_memory_budget "
                 "planner; set activation_memory_budget (e.g. 0.5) too"
+            )
+
+    def _validate_cuda_graphs(self) -> None:
+        """``cuda_graphs``: a bool or ``"auto"``; ``True`` with what a replay cannot hold."""
+        if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "auto"):
+            raise ConfigError(
+                f"PassConfig.cuda_graphs must be true, false or 'auto', got {self.cuda_graphs!r}"
+            )
+        if self.cuda_graphs is not True:
+            return
+        if self.dynamic_dims:
+            raise ConfigError(
+                f"PassConfig.cuda_graphs=True with dynamic_dims={self.dynamic_dims!r}: a CUDA "
+                "graph replays the sizes it captured; drop dynamic_dims (pad_to_multiple keeps "
+                "the signatures few) or set cuda_graphs='auto'"
+            )
+        if self.activation_offload:
+            raise ConfigError(
+                "PassConfig.cuda_graphs=True with activation_offload=True: the offload copies "
+                "run on the compute stream with host synchronisation (no copy stream yet), "
+                "which a CUDA graph cannot capture; set one of them to False"
             )
 
     def _validate_cp(self) -> None:
