@@ -252,6 +252,16 @@ def bench(session: nox.Session) -> None:
     session.run("python", str(ROOT / "bench" / "cp_bench.py"))
 
 
+@nox.session(tags=["gpu"], default=False)
+def gpu(session: nox.Session) -> None:
+    """The prepared device check (issue 39), one GPU, under 8 minutes: eager vs graph vs
+    graph + Inductor vs + CUDA graphs vs torch.compile (step time, peak memory, MFU, parity
+    against eager), and CP / offload planning on the device (``bench/gpu_check.py``).
+    Without a GPU it says so and exits 0. Set GM_TORCH_SPEC to pick the CUDA build."""
+    _install_layer(session, "gm-trainer", torch=True, tests=False)
+    session.run("python", str(ROOT / "bench" / "gpu_check.py"), *session.posargs)
+
+
 @nox.session(tags=["moe"], default=False)
 def moe(session: nox.Session) -> None:
     """Expert parallelism's whole acceptance on real gloo ranks (every architecture, 4 ranks,
