@@ -28,7 +28,7 @@ from gm_config import PassConfig
 from gm_passes import PassPipeline
 from gm_trace import trace_model_graph
 from gm_trace.graph.graph_build import collective_kind
-from gm_trace.graph.groups import register_process_group
+from gm_trace.graph.groups import register_process_group, reset_process_groups
 from gm_trace.passes.context_parallel import ContextParallelPass
 
 aten = torch.ops.aten
@@ -45,6 +45,7 @@ def fake_world():
     dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=2)
     register_process_group("cp", dist.group.WORLD)
     yield
+    reset_process_groups()  # no name may point at the destroyed group
     dist.destroy_process_group()
 
 

@@ -149,8 +149,9 @@ class SeqMoves:
         for value in values:
             front, perm = self._to_front(value, dim)
             shape = list(front.meta["val"].shape)
+            if not front.meta["val"].is_contiguous():  # views below need one block
+                front = _contiguous(self.emit, front)
             if len(values) > 1 or len(shape) != 2:
-                front = _contiguous(self.emit, front) if perm is not None else front
                 front = self.emit(aten.view.default, (front, [shape[0], -1]))
             fronts.append(front)
             restore.append((perm, shape[1:]))
