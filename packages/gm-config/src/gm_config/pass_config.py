@@ -378,11 +378,13 @@ class PassConfig:
             )
 
     def _validate_cuda_graphs(self) -> None:
-        """``cuda_graphs``: a bool or ``"auto"``; ``True`` with what a replay cannot hold."""
+        """``cuda_graphs``: a bool or ``"auto"``; not with what a replay cannot hold."""
         if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "auto"):
             raise ConfigError(
                 f"PassConfig.cuda_graphs must be true, false or 'auto', got {self.cuda_graphs!r}"
             )
+        if self.cuda_graphs and self.pp_degree > 1:
+            raise ConfigError("PassConfig.cuda_graphs does not capture pipeline stages yet")
         if self.cuda_graphs is not True:
             return
         if self.dynamic_dims:
