@@ -12,7 +12,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from gm_config import ConfigError, PassConfig
 from gm_trace import run_traced_graph
 from gm_trace.graph import node_meta
-from gm_trace.passes.cuda_graphs import mutated_inputs, why_not_capturable
+from gm_trace.graph.compiled_step import BackendError
+from gm_trace.passes.cuda_graphs import CudaGraphStep, mutated_inputs, why_not_capturable
 from gm_trace.testing import MLP, make_regression_batch, mse_loss
 from gm_trace.testing.compile import compile_joint
 
@@ -77,3 +78,21 @@ def test_the_inputs_a_graph_writes_are_copied_back_after_a_replay():
 
     graph_module = make_fx(step)(torch.ones(3, 3), torch.zeros(3), torch.ones(2, 3))
     assert mutated_inputs(graph_module) == [1]
+
+
+def test_a_capture_that_fails_is_an_error_under_true_and_a_fallback_under_auto():
+    """Here the capture fails for want of CUDA; on a GPU, for an op that syncs the host."""
+
+    def fn(x, y):
+        return (x * y, x + 1)
+
+    x, y = torch.ones(3), torch.full((3,), 2.0)
+    with pytest.raises(BackendError, match=r"capturing the step into a CUDA graph failed: "):
+        CudaGraphStep(fn, [], strict=True)(x, y)
+    step = CudaGraphStep(fn, [], strict=False)
+    with pytest.warns(UserWarning, match=r"CUDA graph failed: .*; it runs uncaptured"):
+        first = step(x, y)
+    assert step.fallback is not None and step.graph is None
+    second = step(x, y)  # no second attempt, no second warning
+    for got in (first, second):
+        assert torch.equal(got[0], x * y) and torch.equal(got[1], x + 1)

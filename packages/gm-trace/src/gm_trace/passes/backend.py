@@ -125,7 +125,8 @@ class BackendPass(GraphPass):
         # cuda_graphs=True refuses here (ConfigError); "auto" falls back for this graph.
         fallback = refuse_or_fall_back(graph_module, graphs) if graphs else None
         start = time.perf_counter()
-        step = compile_graph(graph_module, backend or "eager", graphs and fallback is None)
+        capture = None if not graphs or fallback is not None else graphs
+        step = compile_graph(graph_module, backend or "eager", capture)
         seconds = time.perf_counter() - start
         ctx.publish(COMPILED_STEP, step)
         collectives = [n for n in graph_module.graph.nodes if is_collective(n)]
@@ -148,12 +149,13 @@ class BackendPass(GraphPass):
 
 
 def compile_graph(
-    graph_module: fx.GraphModule, backend: str, cuda_graphs: bool = False
+    graph_module: fx.GraphModule, backend: str, cuda_graphs: bool | str | None = None
 ) -> CompiledStep:
     """``graph_module`` compiled by the backend registered as ``backend``, for example inputs
-    like its placeholders' ``meta["val"]``; with ``cuda_graphs``, captured into a CUDA graph
-    on its first call (:class:`~gm_trace.passes.cuda_graphs.CudaGraphStep`). The backend gets
-    a copy: ``graph_module`` stays as it is."""
+    like its placeholders' ``meta["val"]``. With ``cuda_graphs`` it is captured into a CUDA
+    graph on its first call (:class:`~gm_trace.passes.cuda_graphs.CudaGraphStep`; ``True``
+    or ``"auto"`` says how a failed capture ends). The backend gets a copy: ``graph_module``
+    stays as it is."""
     compile_fn = get_backend(backend)
     placeholders = graph_module.graph.find_nodes(op="placeholder")
     example_inputs = _example_inputs(placeholders)
@@ -168,7 +170,7 @@ def compile_graph(
             "graph_module.forward)"
         )
     if cuda_graphs:
-        fn = CudaGraphStep(fn, mutated_inputs(graph_module))
+        fn = CudaGraphStep(fn, mutated_inputs(graph_module), strict=cuda_graphs is True)
     return CompiledStep(
         backend,
         fn,

@@ -9,7 +9,9 @@ device; a dim is symbolic (a replay has the captured sizes); a collective runs o
 a host-side backend (gloo: the host waits for it, which a replay does not do); activation
 offload copies run on the compute stream with host synchronisation (no copy stream yet).
 ``cuda_graphs=True`` makes any of these a :class:`~gm_config.ConfigError`; ``"auto"`` runs
-that graph uncaptured and the backend pass records the reason (``pass_summary()``).
+that graph uncaptured and the backend pass records the reason (``pass_summary()``). A
+capture that fails at the first call (an op that synchronises with the host) is a
+``BackendError`` under ``True``, a warning and an uncaptured step under ``"auto"``.
 
 What a replay does, and costs: every tensor input is copied into its static buffer (the
 parameters included: one extra copy of them lives in the graph's buffers); inputs the graph
@@ -19,6 +21,7 @@ memory pool, so that a loss or gradient a caller keeps is not overwritten by the
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,6 +33,7 @@ from torch import Tensor
 from gm_config import ConfigError
 from gm_passes.graph_ops import is_collective, is_wait
 from gm_trace.graph import node_meta
+from gm_trace.graph.compiled_step import BackendError
 from gm_trace.graph.dynamic_shapes import is_symbolic
 
 __all__ = ["CudaGraphStep", "why_not_capturable"]
@@ -113,10 +117,14 @@ class CudaGraphStep:
     """``fn`` captured into a CUDA graph on its first call and replayed after (module
     docstring). Not thread-safe; one instance per compiled graph."""
 
-    def __init__(self, fn: Callable[..., Any], mutated: Sequence[int]) -> None:
+    def __init__(self, fn: Callable[..., Any], mutated: Sequence[int], strict: bool) -> None:
         self.fn = fn
         self.mutated = list(mutated)
+        #: ``cuda_graphs=True``: a capture that fails is an error; ``"auto"``: a warning, and
+        #: the step runs uncaptured from then on.
+        self.strict = strict
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.fallback: str | None = None
         self.static_inputs: list[Any] = []
         self.static_outputs: Any = None
 
@@ -147,8 +155,20 @@ class CudaGraphStep:
                 static.copy_(arg)
 
     def __call__(self, *args: Any) -> Any:
+        if self.fallback is not None:
+            return self.fn(*args)
         if self.graph is None:
-            self._capture(args)
+            try:
+                self._capture(args)
+            except Exception as exc:  # an op a capture cannot hold (a host sync, ...)
+                reason = f"capturing the step into a CUDA graph failed: {type(exc).__name__}: {exc}"
+                if self.strict:
+                    raise BackendError(
+                        f"{reason}; set PassConfig.cuda_graphs='auto' to run it uncaptured"
+                    ) from exc
+                warnings.warn(f"{reason}; it runs uncaptured", stacklevel=2)
+                self.fallback, self.static_inputs, self.static_outputs = reason, [], None
+                return self.fn(*args)
         self._copy_in(args)
         self.graph.replay()
         for i in self.mutated:
