@@ -225,8 +225,15 @@ def cp(session: nox.Session) -> None:
     _install_layer(session, "gm-trainer", torch=True)
     session.env["GM_CP"] = "all"
     tests = ROOT / "packages" / "gm-trainer" / "tests"
+    kernels = ROOT / "packages" / "gm-trace" / "tests" / "test_cp_accelerator.py"
     session.run(
-        "pytest", str(tests / "test_cp.py"), "-q", "-p", "no:cacheprovider", *session.posargs
+        "pytest",
+        str(tests / "test_cp.py"),
+        str(kernels),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        *session.posargs,
     )
 
 
@@ -244,6 +251,16 @@ def bench(session: nox.Session) -> None:
     session.run("python", str(ROOT / "bench" / "memory_bench.py"), "--model", "llama")
     session.run("python", str(ROOT / "bench" / "moe_bench.py"))
     session.run("python", str(ROOT / "bench" / "cp_bench.py"))
+
+
+@nox.session(tags=["gpu"], default=False)
+def gpu(session: nox.Session) -> None:
+    """The prepared device check (issue 39), one GPU, under 8 minutes: eager vs graph vs
+    graph + Inductor vs + CUDA graphs vs torch.compile (step time, peak memory, MFU, parity
+    against eager), and CP / offload planning on the device (``bench/gpu_check.py``).
+    Without a GPU it says so and exits 0. Set GM_TORCH_SPEC to pick the CUDA build."""
+    _install_layer(session, "gm-trainer", torch=True, tests=False)
+    session.run("python", str(ROOT / "bench" / "gpu_check.py"), *session.posargs)
 
 
 @nox.session(tags=["moe"], default=False)

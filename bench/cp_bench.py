@@ -13,7 +13,8 @@ tensors; when the first backward node is reached, the distinct storages of the f
 values a backward node still reads are summed (the values a graph keeps from forward for
 backward: the counterpart of ``pipeline_bench.py``'s bytes kept between a micro-batch's
 forward and backward). The step time is the median of ``--steps`` graph calls (forward,
-backward and the cp collectives; no optimizer), the first one left out.
+backward and the cp collectives; no optimizer), the first one left out. The collectives are
+those the graph issues per step (all-gathers, reduce-scatters, all-reduces).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.fx as fx
 
 from gm_config import PassConfig
 from gm_trace.graph import node_meta
+from gm_trace.graph.graph_build import collective_kind
 from gm_trace.graph.groups import register_process_group
 from gm_trace.runtime.run_graph import graph_args, run_traced_graph
 from gm_trace.testing.compile import compile_joint
@@ -87,7 +89,10 @@ def _rank(rank: int, world: int, seqs: list[int], rows: int, steps: int) -> dict
             interpreter = _HeldAtBackward(joint.graph_module)
             with torch.no_grad():
                 interpreter.run(*graph_args(joint, model, *batch))
+            kinds = [collective_kind(n) for n in joint.graph_module.graph.nodes]
+            collectives = sum(k is not None for k in kinds)
             runs[cp] = {"joint": joint, "model": model, "held": interpreter.held, "ms": []}
+            runs[cp]["collectives"] = collectives
         for step in range(steps + 1):  # alternate: the same noise for both
             for run in runs.values():
                 torch.distributed.barrier()
@@ -96,7 +101,11 @@ def _rank(rank: int, world: int, seqs: list[int], rows: int, steps: int) -> dict
                 if step:
                     run["ms"].append((time.perf_counter() - started) * 1e3)
         out[seq] = {
-            cp: {"held": run["held"], "step_ms": statistics.median(run["ms"])}
+            cp: {
+                "held": run["held"],
+                "step_ms": statistics.median(run["ms"]),
+                "collectives": run["collectives"],
+            }
             for cp, run in runs.items()
         }
     return out
@@ -112,9 +121,10 @@ def main() -> None:
         results = pool.run(_rank, args.seq, args.rows, args.steps, timeout=1800)
     print(f"HF Llama (tiny), {args.rows} rows, causal, 2 gloo ranks, FSDP off\n")
     print(
-        "| seq | rank | cp | held activations, measured | step ms | held vs cp 1 | step vs cp 1 |"
+        "| seq | rank | cp | held activations, measured | step ms | held vs cp 1 | step vs cp 1 "
+        "| collectives per step |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for seq in args.seq:
         for rank, result in enumerate(results):
             one = result[seq][1]
@@ -123,7 +133,7 @@ def main() -> None:
                 print(
                     f"| {seq} | {rank} | {cp} | {r['held'] / 2**20:.2f} MiB | "
                     f"{r['step_ms']:.1f} | {r['held'] / one['held']:.2f}x | "
-                    f"{r['step_ms'] / one['step_ms']:.2f}x |"
+                    f"{r['step_ms'] / one['step_ms']:.2f}x | {r['collectives']} |"
                 )
 
 

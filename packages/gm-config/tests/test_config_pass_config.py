@@ -24,6 +24,7 @@ DEFAULTS = {
     "param_dtype": None,
     "reduce_dtype": None,
     "backend": None,
+    "cuda_graphs": False,
     "extra_passes": (),
     "disable_passes": (),
     "dynamic_dims": None,
@@ -42,6 +43,7 @@ DEFAULTS = {
     # context parallelism (issue 29)
     "cp_degree": 1,
     "cp_dims": None,
+    "cp_load_balance": None,
     # activation offload (issue 28)
     "activation_offload": False,
     "activation_offload_bandwidth_gbps": 25.0,
@@ -122,6 +124,7 @@ def test_valid_non_default_values_are_kept():
         "param_dtype": "bfloat16",
         "reduce_dtype": "float32",
         "backend": "inductor",
+        "cuda_graphs": False,
         "extra_passes": ["count_nodes"],
         "disable_passes": ["recompute"],
         "dynamic_dims": {"input": {1: "seq"}},
@@ -138,6 +141,7 @@ def test_valid_non_default_values_are_kept():
         "ep_degree": 2,
         "cp_degree": 2,
         "cp_dims": {"input": 1},
+        "cp_load_balance": None,
         "activation_offload": False,
         "activation_offload_bandwidth_gbps": 25.0,
         "activation_offload_device_tflops": 200.0,
@@ -375,6 +379,30 @@ def test_cp_degree_and_cp_dims_are_checked():
     for bad in ({}, [1], {"label": -1}, {"": 1}, {"label": "x"}):
         with pytest.raises(ConfigError, match=r"PassConfig.cp_dims"):
             PassConfig(cp_dims=bad)
+    assert PassConfig().cp_load_balance is None  # decided by the graph's device
+    assert PassConfig(cp_load_balance=True).cp_load_balance is True
+    for bad in (1, "yes"):
+        with pytest.raises(ConfigError, match=r"PassConfig.cp_load_balance must be None"):
+            PassConfig(cp_load_balance=bad)
+
+
+# --- CUDA graphs (issue 39) ------------------------------------------------------------------
+
+
+def test_cuda_graphs_is_a_bool_or_auto_and_refuses_what_a_replay_cannot_hold():
+    assert PassConfig().cuda_graphs is False
+    assert PassConfig(cuda_graphs="auto").cuda_graphs == "auto"
+    for bad in (1, "on", None):
+        with pytest.raises(ConfigError, match=r"PassConfig.cuda_graphs must be true, false or"):
+            PassConfig(cuda_graphs=bad)
+    with pytest.raises(ConfigError, match=r"cuda_graphs=True with dynamic_dims=.*replays the"):
+        PassConfig(cuda_graphs=True, dynamic_dims={"input": {0: "batch"}})
+    with pytest.raises(ConfigError, match=r"cuda_graphs=True with activation_offload=True"):
+        PassConfig(cuda_graphs=True, activation_memory_budget=0.5, activation_offload=True)
+    with pytest.raises(ConfigError, match=r"does not capture pipeline stages yet"):
+        PassConfig(cuda_graphs="auto", pp_degree=2, pp_microbatches=2)
+    # "auto" falls back per graph instead.
+    PassConfig(cuda_graphs="auto", dynamic_dims={"input": {0: "batch"}})
 
 
 # --- activation offload (issue 28) ----------------------------------------------------------

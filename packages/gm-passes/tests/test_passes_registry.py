@@ -204,6 +204,7 @@ def test_settings_name_the_pass_they_ask_for_and_its_distribution():
         "reshard_after_forward": (("reshard",), "gm-trace"),
         "recompute_pointwise": (("recompute",), "gm-trace"),
         "backend": (("backend",), "gm-trace"),
+        "cuda_graphs": (("backend",), "gm-trace"),
         "pp_degree": (("pp_stages",), "gm-trace"),
         "activation_memory_budget": (("memory_plan",), "gm-trace"),
         "selective_recompute": (("memory_plan",), "gm-trace"),
@@ -223,6 +224,8 @@ def test_a_setting_asks_for_its_pass_only_when_set():
     assert not when["pp_degree"](1) and when["pp_degree"](2)
     assert not when["cp_degree"](1) and when["cp_degree"](2)
     assert when["backend"]("inductor") and not when["backend"](None)
+    assert when["cuda_graphs"]("auto") and when["cuda_graphs"](True)
+    assert not when["cuda_graphs"](False)
     assert not when["enable_overlap"](False) and when["enable_overlap"](True)
 
 

@@ -83,10 +83,13 @@ def eager_reference(model: torch.nn.Module, global_batches, dp: int) -> tuple[An
     return model, losses
 
 
-def _trainer(model, world: int, fsdp: bool) -> tuple[GraphTrainer, int]:
-    """A cp 2 x dp world/2 trainer and this rank's data-parallel index."""
+def _trainer(
+    model, world: int, fsdp: bool, balance: bool | None = None
+) -> tuple[GraphTrainer, int]:
+    """A cp 2 x dp world/2 trainer and this rank's data-parallel index (``balance``:
+    ``PassConfig.cp_load_balance``)."""
     mesh = MeshContext.build(cp=2, dp_shard=world // 2)
-    config = PassConfig(cp_degree=2, fsdp_enabled=fsdp)
+    config = PassConfig(cp_degree=2, fsdp_enabled=fsdp, cp_load_balance=balance)
     trainer = GraphTrainer(model, hf_loss, config, optimizer_config={"lr": LR}, mesh_context=mesh)
     return trainer, mesh.dp_rank
 
@@ -97,13 +100,16 @@ def _world_mean(loss: torch.Tensor) -> float:
     return mean.item() / dist.get_world_size()
 
 
-def parity(rank: int, world: int, arch: str, padded: bool, fsdp: bool) -> dict[str, Any]:
-    """cp 2 (x dp world/2) against one eager process: losses and parameters after STEPS."""
+def parity(
+    rank: int, world: int, arch: str, padded: bool, fsdp: bool, balance: bool | None = None
+) -> dict[str, Any]:
+    """cp 2 (x dp world/2) against one eager process: losses and parameters after STEPS
+    (``balance``: ``PassConfig.cp_load_balance``; on CPU its default is the contiguous split)."""
     dp = world // 2
     data = batches(ROWS * dp, padded)
     model = build(arch)
     reference, ref_losses = eager_reference(model, data, dp)
-    trainer, dp_index = _trainer(model, world, fsdp)
+    trainer, dp_index = _trainer(model, world, fsdp, balance)
     losses = []
     for input, label in data:
         losses.append(_world_mean(trainer.train_step(*_rows((input, label), dp_index))))

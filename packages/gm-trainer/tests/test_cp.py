@@ -20,26 +20,30 @@ ALL = os.environ.get("GM_CP") == "all"
 opt_in = pytest.mark.skipif(not ALL, reason="GM_CP=all (nox -s cp) runs the whole matrix")
 
 
-def _check(results) -> None:
+def _check(results, balance: bool = False) -> None:
     for result in results:
         # The helper asserted losses (rtol 1e-5) and parameters (parity_tolerance) already.
         assert result["losses"] == pytest.approx(result["reference"], rel=1e-5)
         assert result["cp"]["attention"] == 2  # both layers' sdpa split, none computed whole
         assert result["cp"]["sequence"] == bodies.SEQ
+        assert result["cp"]["load_balance"] is balance
 
 
-def test_cp2_llama_padded_matches_one_eager_process(dist_pool):
-    _check(dist_pool(2).run(bodies.parity, "llama", True, True, timeout=600))
+def test_cp2_llama_padded_load_balanced_matches_one_eager_process(dist_pool):
+    """The load-balanced split (rank r: chunks r and 3 - r), forced on CPU."""
+    _check(dist_pool(2).run(bodies.parity, "llama", True, True, True, timeout=600), True)
 
 
 @opt_in
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("padded", [False, True], ids=["causal", "padded"])
 @pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "fsdp"])
-def test_cp2_on_two_ranks(dist_pool, arch, padded, fsdp):
-    if (arch, padded, fsdp) == ("llama", True, True):
+@pytest.mark.parametrize("balance", [False, True], ids=["contiguous", "balanced"])
+def test_cp2_on_two_ranks(dist_pool, arch, padded, fsdp, balance):
+    if (arch, padded, fsdp, balance) == ("llama", True, True, True):
         pytest.skip("the default test")
-    _check(dist_pool(2).run(bodies.parity, arch, padded, fsdp, timeout=600))
+    results = dist_pool(2).run(bodies.parity, arch, padded, fsdp, balance, timeout=600)
+    _check(results, balance)
 
 
 @opt_in

@@ -34,3 +34,12 @@ def test_trainer_runs_the_user_s_pass_and_prints_the_order():
     order = [line.split()[1] for line in summary.splitlines() if line[:1].isdigit()]
     assert order == ["dce", "canonicalize", "count_nodes", "fsdp", "recompute"]
     assert "passed by the caller" in summary
+
+
+def test_cuda_graphs_auto_on_cpu_trains_uncaptured_and_the_summary_says_why():
+    """Each graph falls back on its own; ``cuda_graphs=True`` would be a ConfigError here."""
+    torch.manual_seed(0)
+    trainer = GraphTrainer(MLP(), mse_loss, PassConfig(cuda_graphs="auto"))
+    trainer.train([make_regression_batch(seed=s) for s in range(2)])
+    summary = trainer.pass_summary()
+    assert "cuda graphs: not captured: its inputs are on cpu, not only on cuda" in summary

@@ -111,6 +111,14 @@ class PassConfig:
     """Compile the final graph with this backend, collectives kept as they are: ``"inductor"``
     or a name given to ``gm_trace.register_backend``. ``None``: run the graph as it is."""
 
+    cuda_graphs: bool | str = dataclasses.field(default=False, metadata=_runs("backend"))
+    """Capture each compiled step into a CUDA graph on its first call (static input buffers,
+    one capture per input signature) and replay it after: the ``backend`` pass, with the
+    graph as it is when ``backend`` is ``None``. ``True``: a graph that cannot be captured
+    (inputs not on CUDA, symbolic dims, a collective on a host-side backend such as gloo,
+    activation offload) is a ``ConfigError``; ``"auto"``: such a graph runs uncaptured and
+    ``pass_summary()`` says why; ``False``: off."""
+
     extra_passes: tuple[str, ...] = ()
     """Registered graph passes to run besides those the fields above switch on, by name
     (``gm_passes.register_pass`` or the entry-point group ``gm_passes.passes``). Each runs where
@@ -220,6 +228,13 @@ class PassConfig:
     ``"label"``) or a prefix of paths (``"input"``) -> dim. ``None``: dim 1 of every tensor
     leaf with two dims or more (token ids, attention mask, labels)."""
 
+    cp_load_balance: bool | None = None
+    """The load-balanced causal split: the sequence is ``2 x cp_degree`` chunks and rank ``r``
+    holds chunks ``r`` and ``2 cp - 1 - r``, so every rank has as many (query, key) pairs
+    under a causal mask. ``None``: on when the graph runs on an accelerator, whose kernels
+    skip masked blocks; off on CPU, where every score is computed and masked either way.
+    ``True`` / ``False`` force it (the sequence must then divide into ``2 x cp_degree``)."""
+
     # --- activation offload (issue 28, the memory_plan pass's third choice) ------------------
 
     activation_offload: bool = dataclasses.field(default=False, metadata=_runs("memory_plan"))
@@ -317,6 +332,7 @@ class PassConfig:
         if not _is_int(self.ep_degree) or self.ep_degree < 1:
             raise ConfigError(f"PassConfig.ep_degree must be an int >= 1, got {self.ep_degree!r}")
         self._validate_cp()
+        self._validate_cuda_graphs()
         if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
             raise ConfigError(
                 "PassConfig.backend must be None (run the graph as it is) or a backend name such "
@@ -361,10 +377,38 @@ class PassConfig:
                 "planner; set activation_memory_budget (e.g. 0.5) too"
             )
 
+    def _validate_cuda_graphs(self) -> None:
+        """``cuda_graphs``: a bool or ``"auto"``; not with what a replay cannot hold."""
+        if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "auto"):
+            raise ConfigError(
+                f"PassConfig.cuda_graphs must be true, false or 'auto', got {self.cuda_graphs!r}"
+            )
+        if self.cuda_graphs and self.pp_degree > 1:
+            raise ConfigError("PassConfig.cuda_graphs does not capture pipeline stages yet")
+        if self.cuda_graphs is not True:
+            return
+        if self.dynamic_dims:
+            raise ConfigError(
+                f"PassConfig.cuda_graphs=True with dynamic_dims={self.dynamic_dims!r}: a CUDA "
+                "graph replays the sizes it captured; drop dynamic_dims (pad_to_multiple keeps "
+                "the signatures few) or set cuda_graphs='auto'"
+            )
+        if self.activation_offload:
+            raise ConfigError(
+                "PassConfig.cuda_graphs=True with activation_offload=True: the offload copies "
+                "run on the compute stream with host synchronisation (no copy stream yet), "
+                "which a CUDA graph cannot capture; set one of them to False"
+            )
+
     def _validate_cp(self) -> None:
         """Context parallelism (issue 29): ``cp_degree`` and ``cp_dims``."""
         if not _is_int(self.cp_degree) or self.cp_degree < 1:
             raise ConfigError(f"PassConfig.cp_degree must be an int >= 1, got {self.cp_degree!r}")
+        if self.cp_load_balance is not None and not isinstance(self.cp_load_balance, bool):
+            raise ConfigError(
+                "PassConfig.cp_load_balance must be None (on for accelerators), true or false, "
+                f"got {self.cp_load_balance!r}"
+            )
         if self.cp_dims is None:
             return
         example = "{\"input['input_ids']\": 1, 'label': 1}"

@@ -15,6 +15,9 @@ returns a callable taking the graph's inputs as positional arguments and returni
 outputs. It is compiled under ``torch.no_grad()``, as the graph runs: the graph already holds
 the backward ops.
 
+``PassConfig.cuda_graphs`` wraps the compiled callable (the graph as it is when no backend is
+named) in a CUDA graph captured on its first call: :mod:`gm_trace.passes.cuda_graphs`.
+
 Inductor itself, and how the graph's collectives survive it:
 :mod:`gm_trace.passes.inductor_backend`.
 """
@@ -38,6 +41,7 @@ from gm_trace.graph import node_meta
 from gm_trace.graph.compiled_step import BackendError, CompiledStep
 from gm_trace.graph.dynamic_shapes import is_symbolic, no_zero_one_specialization
 from gm_trace.graph.joint_graph import COMPILED_STEP
+from gm_trace.passes.cuda_graphs import CudaGraphStep, mutated_inputs, refuse_or_fall_back
 
 __all__ = [
     "BackendError",
@@ -105,36 +109,53 @@ class BackendPass(GraphPass):
 
     name = "backend"
     runs_after = ("*",)  # compiles the final graph
-    options = ("backend",)
+    options = ("backend", "cuda_graphs")
 
     @classmethod
     def enabled_by(cls, config: PassConfig, plan: PassPlan | None) -> str | None:
-        return "PassConfig.backend" if config.backend is not None else None
+        if config.backend is not None:
+            return "PassConfig.backend"
+        return "PassConfig.cuda_graphs" if config.cuda_graphs else None
 
     def run(self, graph_module: fx.GraphModule, ctx: PassContext) -> PassResult:
-        backend = ctx.config.backend
-        if backend is None:
+        backend, graphs = ctx.config.backend, ctx.config.cuda_graphs
+        if backend is None and not graphs:
             ctx.record(self.name, backend=None)
             return PassResult(graph_module, False)
+        # cuda_graphs=True refuses here (ConfigError); "auto" falls back for this graph.
+        fallback = refuse_or_fall_back(graph_module, graphs) if graphs else None
         start = time.perf_counter()
-        step = compile_graph(graph_module, backend)
+        capture = None if not graphs or fallback is not None else graphs
+        step = compile_graph(graph_module, backend or "eager", capture)
         seconds = time.perf_counter() - start
         ctx.publish(COMPILED_STEP, step)
         collectives = [n for n in graph_module.graph.nodes if is_collective(n)]
+        captured = {}
+        if graphs:
+            captured["cuda_graphs"] = (
+                "captured on the first call, replayed after"
+                if fallback is None
+                else f"not captured: {fallback}"
+            )
         ctx.record(
             self.name,
-            backend=backend,
+            backend=backend or "eager",
             compile_seconds=seconds,
             collectives=sum(not is_wait(n) for n in collectives),
+            **captured,
         )
         # The graph itself is unchanged: it is what dumps and schedules describe.
         return PassResult(graph_module, False)
 
 
-def compile_graph(graph_module: fx.GraphModule, backend: str) -> CompiledStep:
+def compile_graph(
+    graph_module: fx.GraphModule, backend: str, cuda_graphs: bool | str | None = None
+) -> CompiledStep:
     """``graph_module`` compiled by the backend registered as ``backend``, for example inputs
-    like its placeholders' ``meta["val"]``. The backend gets a copy: ``graph_module`` stays as
-    it is."""
+    like its placeholders' ``meta["val"]``. With ``cuda_graphs`` it is captured into a CUDA
+    graph on its first call (:class:`~gm_trace.passes.cuda_graphs.CudaGraphStep`; ``True``
+    or ``"auto"`` says how a failed capture ends). The backend gets a copy: ``graph_module``
+    stays as it is."""
     compile_fn = get_backend(backend)
     placeholders = graph_module.graph.find_nodes(op="placeholder")
     example_inputs = _example_inputs(placeholders)
@@ -148,6 +169,8 @@ def compile_graph(graph_module: fx.GraphModule, backend: str) -> CompiledStep:
             "the graph's inputs as positional arguments and returns its outputs (e.g. "
             "graph_module.forward)"
         )
+    if cuda_graphs:
+        fn = CudaGraphStep(fn, mutated_inputs(graph_module), strict=cuda_graphs is True)
     return CompiledStep(
         backend,
         fn,

@@ -41,6 +41,7 @@ data-parallel ranks (one collective, not two).
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 import torch.fx as fx
 
@@ -48,7 +49,7 @@ from gm_config import PassConfig, PassPlan, fsdp_requested
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_trace.graph.groups import resolve_process_group
 from gm_trace.graph.joint_graph import JointGraph
-from gm_trace.passes.cp_rewrite import ContextParallelError, Rewriter, Seq
+from gm_trace.passes.cp_rewrite import ContextParallelError, Rewriter, Seq, SeqLayout
 from gm_trace.passes.cp_rules import RULES
 
 __all__ = ["ContextParallelError", "ContextParallelPass", "Seq", "cp_leaf_dims"]
@@ -103,7 +104,7 @@ class ContextParallelPass(GraphPass):
     name = "cp"
     runs_after = ("canonicalize",)
     runs_before = ("fsdp", "pp_stages", "deferred_reduce", "last_micro_batch", "optimizer")
-    options = ("cp_degree", "cp_dims")
+    options = ("cp_degree", "cp_dims", "cp_load_balance")
 
     @classmethod
     def enabled_by(cls, config: PassConfig, plan: PassPlan | None) -> str | None:
@@ -128,15 +129,20 @@ class ContextParallelPass(GraphPass):
             raise ContextParallelError(
                 "the cp pass needs the traced JointGraph: run it through joint_graph.through"
             )
-        cut, seq = _cut_inputs(graph_module, ctx.graph_info, ctx.config.cp_dims, cp)
+        balance = _load_balance(ctx.config, graph_module)
+        cut, seq = _cut_inputs(graph_module, ctx.graph_info, ctx.config.cp_dims, cp, balance)
         scale = _fsdp_covers(ctx, group)
-        rewriter = Rewriter(graph_module, cp, dist.get_rank(group), group_name, seq, RULES, scale)
+        layout = SeqLayout(cp, dist.get_rank(group), seq, balance)
+        cap = ctx.config.bucket_cap_mb
+        bucket = None if cap is None else int(cap * 2**20)
+        rewriter = Rewriter(graph_module, layout, group_name, RULES, scale, bucket)
         graph_module.graph = rewriter.run(cut)
         ctx.record(
             self.name,
             degree=cp,
             group=group_name,
             sequence=seq,
+            load_balance=balance,
             attention=len(rewriter.attention),
             whole_ops=sorted(rewriter.replicated_ops),
             grads="scaled for fsdp" if rewriter.scale_partial_grads else "all-reduced",
@@ -145,8 +151,25 @@ class ContextParallelPass(GraphPass):
         return PassResult(graph_module, True)
 
 
+def _load_balance(config: PassConfig, graph_module: fx.GraphModule) -> bool:
+    """``PassConfig.cp_load_balance``; ``None``: on when the graph's inputs live on an
+    accelerator (its causal kernels skip masked blocks there), off on CPU."""
+    if config.cp_load_balance is not None:
+        return config.cp_load_balance
+    devices = {
+        n.meta["val"].device.type
+        for n in graph_module.graph.find_nodes(op="placeholder")
+        if isinstance(n.meta.get("val"), torch.Tensor)
+    }
+    return bool(devices - {"cpu", "meta"})
+
+
 def _cut_inputs(
-    graph_module: fx.GraphModule, joint: JointGraph, cp_dims: dict[str, int] | None, cp: int
+    graph_module: fx.GraphModule,
+    joint: JointGraph,
+    cp_dims: dict[str, int] | None,
+    cp: int,
+    balance: bool,
 ) -> tuple[dict[fx.Node, int], int]:
     placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
     signature = joint.input_signature
@@ -184,5 +207,11 @@ def _cut_inputs(
             f"sequence length {seq} ({', '.join(lengths)}) is not divisible by "
             f"PassConfig.cp_degree={cp} into pieces of two tokens or more; pad the sequence to a "
             f"multiple of {cp} (at least {2 * cp})"
+        )
+    if balance and seq % (2 * cp):
+        raise ContextParallelError(
+            f"sequence length {seq} ({', '.join(lengths)}) is not divisible into "
+            f"2 x PassConfig.cp_degree = {2 * cp} chunks for the load-balanced split; pad the "
+            f"sequence to a multiple of {2 * cp}, or set PassConfig.cp_load_balance=False"
         )
     return cut, seq

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,22 +22,15 @@ from gm_trace.graph import node_meta
 from gm_trace.graph.collectives import all_gather_op
 from gm_trace.graph.graph_build import fake_mode_of
 from gm_trace.graph.groups import resolve_process_group
+from gm_trace.passes.cp_layout import Seq, SeqLayout, SeqMoves
 
-__all__ = ["ContextParallelError", "P", "R", "Rewriter", "Seq"]
+__all__ = ["ContextParallelError", "P", "R", "Rewriter", "Seq", "SeqLayout"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 R = "R"
 P = "P"
-
-
-@dataclass(frozen=True)
-class Seq:
-    """Split along the sequence: global dim ``dim`` is ``outer x S x inner`` elements."""
-
-    dim: int
-    outer: int = 1
 
 
 Placement = Any  # Seq | "R" | "P" | None (not a tensor) | tuple of those
@@ -63,18 +55,10 @@ def op_name(target: Any) -> str:
     return packet.__name__ if packet is not None else str(target)
 
 
-def _val(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, fx.Node) else node
-
-
 def is_tensor_node(node: Any) -> bool:
     return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
 
 
-_SUPPORTED_ATTENTION = {
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_flash_attention_for_cpu_backward",
-}
 #: Meta that says what a node IS (an input, a gradient output), not where it comes from.
 _NOT_COPIED = {
     "val",
@@ -96,29 +80,36 @@ class Rewriter:
     def __init__(
         self,
         graph_module: fx.GraphModule,
-        cp: int,
-        rank: int,
+        layout: SeqLayout,
         group_name: str,
-        seq: int,
         rules: Mapping[str, Callable[[Rewriter, fx.Node], Any]],
         scale_partial_grads: bool = False,
+        bucket_bytes: int | None = None,
     ) -> None:
         self.rules = rules
         #: Gradients leave as ``cp x`` their partial sum (fsdp then takes the mean over a
         #: group holding the cp ranks) instead of all-reduced over cp.
         self.scale_partial_grads = scale_partial_grads
+        #: Partial gradients are all-reduced together in buckets of at most this many bytes.
+        self.bucket_bytes = bucket_bytes
         self.gm = graph_module
         self.old = graph_module.graph
         self.new = fx.Graph(owning_module=graph_module)
         self.mode = fake_mode_of(self.old)
-        self.cp, self.rank, self.group_name, self.seq = cp, rank, group_name, seq
-        self.local = seq // cp
-        self.all_gather = all_gather_op(resolve_process_group(group_name))
+        self.layout, self.group_name = layout, group_name
+        self.cp, self.rank, self.seq, self.local = layout.cp, layout.rank, layout.seq, layout.local
         self.env: dict[fx.Node, Any] = {}
         self.plc: dict[fx.Node, Placement] = {}
         self._cache: dict[tuple[Any, ...], fx.Node] = {}
         self.current: fx.Node | None = None
         self.stats = {"gathers": 0, "reduce_scatters": 0, "all_reduces": 0, "cuts": 0}
+        self.moves = SeqMoves(
+            self.emit,
+            layout,
+            group_name,
+            all_gather_op(resolve_process_group(group_name)),
+            self.stats,
+        )
         self.attention: list[str] = []
         self.replicated_ops: set[str] = set()
 
@@ -185,80 +176,27 @@ class Rewriter:
         self._cache[key] = out
         return out
 
-    def _split_view(self, shape: list[int], dim: int, outer: int) -> list[int]:
-        inner = shape[dim] // (outer * self.seq)
-        return [*shape[:dim], outer, self.seq, inner, *shape[dim + 1 :]]
-
     def _cut(self, value: fx.Node, want: Seq) -> fx.Node:
-        self.stats["cuts"] += 1
-        shape = list(_val(value).shape)
-        dim, outer = want.dim, want.outer
-        inner = shape[dim] // (outer * self.seq)
-        if outer == 1:
-            start = self.rank * self.local * inner
-            piece = self.emit(aten.slice.Tensor, (value, dim, start, start + self.local * inner))
-            return self.emit(
-                aten.clone.default, (piece,), {"memory_format": torch.contiguous_format}
-            )
-        viewed = self.emit(aten.view.default, (value, self._split_view(shape, dim, outer)))
-        start = self.rank * self.local
-        piece = self.emit(aten.slice.Tensor, (viewed, dim + 1, start, start + self.local))
-        piece = self.emit(aten.clone.default, (piece,), {"memory_format": torch.contiguous_format})
-        local = [*shape[:dim], shape[dim] // self.cp, *shape[dim + 1 :]]
-        return self.emit(aten.view.default, (piece, local))
-
-    def _to_front(self, value: fx.Node, dim: int) -> tuple[fx.Node, list[int] | None]:
-        ndim = _val(value).dim()
-        if dim == 0:
-            return value, None
-        perm = [dim, *[d for d in range(ndim) if d != dim]]
-        return self.emit(aten.permute.default, (value, perm)), perm
-
-    def _from_front(self, value: fx.Node, perm: list[int] | None) -> fx.Node:
-        if perm is None:
-            return value
-        inverse = [perm.index(d) for d in range(len(perm))]
-        moved = self.emit(aten.permute.default, (value, inverse))
-        return self.emit(aten.clone.default, (moved,), {"memory_format": torch.contiguous_format})
+        return self.moves.cut(value, want)
 
     def _gather(self, value: fx.Node, have: Seq) -> fx.Node:
-        self.stats["gathers"] += 1
-        front, perm = self._to_front(value, have.dim)
-        gathered = self.emit(self.all_gather, (front, self.cp, self.group_name))
-        gathered = self.emit(c10d.wait_tensor.default, (gathered,))
-        if have.outer > 1:  # [cp, outer, S/cp * inner, ...] -> [outer, cp, ...]
-            rest = list(_val(front).shape[1:])
-            rows = _val(front).shape[0] // have.outer
-            grid = self.emit(aten.view.default, (gathered, [self.cp, have.outer, rows, *rest]))
-            swapped = self.emit(aten.transpose.int, (grid, 0, 1))
-            swapped = self.emit(
-                aten.clone.default, (swapped,), {"memory_format": torch.contiguous_format}
-            )
-            gathered = self.emit(aten.view.default, (swapped, [self.cp * have.outer * rows, *rest]))
-        return self._from_front(gathered, perm)
+        return self.moves.gather([value], have)[0]
 
     def all_reduce(self, value: fx.Node) -> fx.Node:
         """The sum of ``value`` over the cp group."""
-        self.stats["all_reduces"] += 1
-        reduced = self.emit(c10d.all_reduce.default, (value, "sum", self.group_name))
-        return self.emit(c10d.wait_tensor.default, (reduced,))
+        return self.moves.all_reduce(value)
 
     def _reduce_scatter(self, value: fx.Node, want: Seq) -> fx.Node:
-        self.stats["reduce_scatters"] += 1
-        front, perm = self._to_front(value, want.dim)
-        shape = list(_val(front).shape)
-        rows = shape[0] // (want.outer * self.cp)
-        grid = self.emit(aten.view.default, (front, [want.outer, self.cp, rows, *shape[1:]]))
-        swapped = self.emit(aten.transpose.int, (grid, 0, 1))
-        swapped = self.emit(
-            aten.clone.default, (swapped,), {"memory_format": torch.contiguous_format}
-        )
-        flat = self.emit(aten.view.default, (swapped, shape))
-        scattered = self.emit(
-            c10d.reduce_scatter_tensor.default, (flat, "sum", self.cp, self.group_name)
-        )
-        scattered = self.emit(c10d.wait_tensor.default, (scattered,))
-        return self._from_front(scattered, perm)
+        return self.moves.reduce_scatter([value], want)[0]
+
+    def gather_together(self, olds: list[fx.Node], have: Seq) -> list[fx.Node]:
+        """The whole values of ``olds`` (each split as ``have``) in one all-gather, issued
+        again in backward like :meth:`convert`'s."""
+        key = ("together", tuple(self.env[o] for o in olds), have, self.phase())
+        if key not in self._cache:
+            values = [self.env[o] for o in olds]
+            self._cache[key] = self.moves.gather(values, have)
+        return self._cache[key]
 
     # --- the walk ---------------------------------------------------------------------------
 
@@ -294,12 +232,28 @@ class Rewriter:
 
     def _output(self, node: fx.Node) -> None:
         outs = node.args[0]
+        partial = list(
+            dict.fromkeys(
+                o
+                for o in outs[1:]
+                if isinstance(o, fx.Node) and self.plc.get(o) == P and node_meta.GRAD_OF in o.meta
+            )
+        )
+        reduced: dict[fx.Node, fx.Node] = {}
+        if partial and not self.scale_partial_grads:
+            # Few large all-reduces rather than one per parameter (latency, not bytes, is
+            # what a small model's step pays for).
+            self.current = partial[-1]
+            values = self.moves.all_reduce_many([self.env[o] for o in partial], self.bucket_bytes)
+            reduced = dict(zip(partial, values))
         new_outs = []
         for i, out in enumerate(outs):
             have = self.plc.get(out) if isinstance(out, fx.Node) else None
             if have == P and i > 0 and self.scale_partial_grads:
                 self.current = out
                 new_outs.append(self.emit(aten.mul.Tensor, (self.env[out], float(self.cp))))
+            elif out in reduced:
+                new_outs.append(reduced[out])
             else:
                 self.current = out if isinstance(out, fx.Node) else node
                 new_outs.append(self.to(out, R if have is not None else None))
@@ -327,16 +281,17 @@ class Rewriter:
             rule = self.rules.get(f"{namespace}::{name}")
             result = rule(self, node) if rule is not None else None
             return self._replicated(node) if result is None else result
-        unknown_attention = "attention" in name and name not in _SUPPORTED_ATTENTION
-        if unknown_attention or namespace not in ("aten", "prims"):
+        aten_op = namespace in ("aten", "prims")
+        rule = self.rules.get(name if aten_op else f"{namespace}::{name}")
+        if rule is None and ("attention" in name or not aten_op):
+            kernels = sorted(k for k in self.rules if "attention" in k and "backward" not in k)
             raise ContextParallelError(
                 f"the cp pass cannot split {target} in {module_of(node)}: its operands are "
                 "split along the sequence and the pass has no rule for this op (it splits "
-                "aten._scaled_dot_product_flash_attention_for_cpu and attention written as "
+                f"the attention kernels {', '.join(kernels)} and attention written as "
                 "matmul + softmax). Use F.scaled_dot_product_attention (HF attn_implementation="
                 "'sdpa' or 'eager'), or set PassConfig.cp_degree=1"
             )
-        rule = self.rules.get(name)
         if rule is None:
             return self._replicated(node)
         result = rule(self, node)

@@ -318,6 +318,9 @@ class GraphCache:
             experts = describe_fsdp_experts(stats.get("fsdp", {}))
             if experts:
                 text += f"\n{experts}"
+            graphs = stats.get("backend", {}).get("cuda_graphs")
+            if graphs:
+                text += f"\n\ncuda graphs: {graphs}"
             overlap = stats.get("overlap", {})
             if overlap.get("schedule"):
                 text += "\n\ncollective schedule:\n" + format_schedule(overlap["schedule"])
