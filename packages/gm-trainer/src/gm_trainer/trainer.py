@@ -82,7 +82,8 @@ class GraphTrainer:
             (``"skip"``, counted in ``skipped_steps``); no weight is changed either way.
         lr_scheduler: ``factory(optimizer) -> LRScheduler`` (e.g.
             :func:`gm_trainer.optim.lr_schedule.warmup_decay_factory`), built with the optimizer and
-            stepped after every optimizer step; its state is in :meth:`state_dict`.
+            stepped after every optimizer step; its state is saved and loaded with the
+            optimizer's (:meth:`state_dict`, ``save_checkpoint`` / ``load_checkpoint``).
         dynamic_dims: batch dims traced as symbols, one graph for all their sizes: path ->
             ``{dim: name}``, as ``PassConfig.dynamic_dims`` (:mod:`gm_trainer.compile.registry`).
     """
@@ -486,19 +487,18 @@ class GraphTrainer:
             row_shards=self.row_shards,
             foreign=pipeline.foreign_state() if pipeline is not None else frozenset(),
             pipelined=pipeline is not None,
+            lr_scheduler=self.lr_scheduler,
         )
 
     def state_dict(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Model, optimizer, step, data position and RNG state for ``torch.distributed.checkpoint``.
+        """Model, optimizer, LR scheduler, step, data position and RNG state for
+        ``torch.distributed.checkpoint``.
 
         Sharded tensors are DTensors (Shard(0) on the FSDP mesh) viewing the live shards. See
         :func:`gm_trainer.checkpoint.trainer_state_dict`; ``save_checkpoint`` saves atomically.
         """
         from gm_trainer.checkpoint import trainer_state_dict
-        from gm_trainer.optim.lr_schedule import scheduler_extra
 
-        if self.lr_scheduler is not None:
-            extra = scheduler_extra(self.lr_scheduler, extra)
         return trainer_state_dict(self.checkpoint_view(), extra)
 
     def load_state_dict(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -507,8 +507,5 @@ class GraphTrainer:
         See :func:`gm_trainer.checkpoint.load_trainer_state_dict`.
         """
         from gm_trainer.checkpoint import load_trainer_state_dict
-        from gm_trainer.optim.lr_schedule import restore_scheduler
 
-        extra = load_trainer_state_dict(self.checkpoint_view(), state)
-        restore_scheduler(self.lr_scheduler, self.optimizer, self.step, extra)
-        return extra
+        return load_trainer_state_dict(self.checkpoint_view(), state)
