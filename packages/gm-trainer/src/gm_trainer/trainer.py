@@ -18,8 +18,9 @@ Components, each the one owner of its state (see docs/architecture.md):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ from gm_trainer.step.deferred import DeferredGrads
 from gm_trainer.step.executor import StepExecutor
 from gm_trainer.step.expert_load import expert_load
 from gm_trainer.step.loop import train_loop
+from gm_trainer.step.snapshot import run_left_as_it_was
 from gm_trainer.step.stepper import OptimizerStepper
 from gm_trainer.step.train_state import TrainState
 from gm_trainer.timeline import RankTimeline, measure_step
@@ -304,35 +306,52 @@ class GraphTrainer:
     def measure_activations(self, input: Any, label: Any) -> ActivationProfile:
         """Run this batch's compiled graph once, node by node, and return the activation bytes
         it held (measured: :func:`gm_trace.runtime.activation_meter.measure_activations`),
-        without training: no gradient is kept, no weight or optimizer state changes (a graph
-        that takes the update, ``OptimizerConfig(in_graph=True)``, writes copies of them and
-        its step count is taken back). Every rank of an FSDP group calls it with its batch, as
-        for ``train_step``. Under ``pp_degree > 1`` every rank of the pipeline calls it with
-        the batch: the pipeline's schedule runs once without adding gradients, and the profile
-        has this rank's stages (``stages``: one micro-batch's held bytes per stage;
-        ``held_bytes``: the most the rank held at once) but no per-node curves."""
+        without training: it runs under :meth:`inspection`, so the run goes on after it as
+        without it (a graph that takes the update, ``OptimizerConfig(in_graph=True)``, writes
+        copies of the weights and optimizer state). Every rank of an FSDP group calls it with
+        its batch, as for ``train_step``. Under ``pp_degree > 1`` every rank of the pipeline
+        calls it with the batch: the pipeline's schedule runs once without adding gradients,
+        and the profile has this rank's stages (``stages``: one micro-batch's held bytes per
+        stage; ``held_bytes``: the most the rank held at once) but no per-node curves."""
         self.executor.resolve()
-        if self.pipeline is not None:
-            return self._measure_stages(input, label)
-        joint = self.compile(input, label)
         batch = self.device_batch(input, label)
-        if not joint.optimizer_in_graph:
-            return measure_activations(joint, self.model, *batch)
-        # The graph writes copies of the weights and optimizer state; the step count stays.
-        with self.stepper.uncounted_graph_inputs(joint.optimizer_update) as extra:
-            return measure_activations(joint, self.model, *batch, extra)
+        if self.pipeline is not None:
+            self.executor.pipeline_graph(*batch)  # compiled and adopted, as a first step would
+            with self.inspection():
+                measured = self.executor.measure_pipeline(*batch)
+            return ActivationProfile(
+                phases=[],
+                kept=[],
+                recomputed=[],
+                held_bytes=measured.peak_bytes,
+                largest_held=max(measured.largest.values(), default=0),
+                stages=dict(measured.stages),
+            )
+        joint = self.compile(input, label)
+        with self.inspection():
+            if not joint.optimizer_in_graph:
+                return measure_activations(joint, self.model, *batch)
+            with self.stepper.uncounted_graph_inputs(joint.optimizer_update) as extra:
+                return measure_activations(joint, self.model, *batch, extra)
 
-    def _measure_stages(self, input: Any, label: Any) -> ActivationProfile:
-        # The pipeline runs the accumulating variant, which never takes the update.
-        measured = self.executor.measure_pipeline(*self.device_batch(input, label))
-        return ActivationProfile(
-            phases=[],
-            kept=[],
-            recomputed=[],
-            held_bytes=measured.peak_bytes,
-            largest_held=max(measured.largest.values(), default=0),
-            stages=dict(measured.stages),
-        )
+    @contextlib.contextmanager
+    def inspection(self) -> Iterator[None]:
+        """A block that leaves the run as it was: on leaving it (also by an exception) the
+        parameters, buffers, ``.grad``, the optimizer's state and hyper-parameters, the LR
+        scheduler, the RNG streams (CPU and the device's, which a pipeline's stages draw from)
+        and ``step`` / ``skipped_steps`` / ``data_position`` are put back bitwise
+        (:class:`~gm_trainer.step.snapshot.RunSnapshot`). ``measure_activations``,
+        ``plot_step`` and ``gm_trainer.debug.compare_passes`` run inside one; graphs compiled
+        inside stay compiled. After the first compile (the optimizer exists then)."""
+        if self.optimizer is None:
+            raise RuntimeError(
+                "inspection() before the first compile: call trainer.compile(sample_input, "
+                "sample_label) first (the model is sharded and the optimizer built then)"
+            )
+        with run_left_as_it_was(
+            self.model, self.optimizer, self.lr_scheduler, self.train_state, self.device
+        ):
+            yield
 
     @property
     def compile_count(self) -> int:
@@ -441,8 +460,8 @@ class GraphTrainer:
         the graph run once node by node), with each collective's bytes and overlap
         (:mod:`gm_trainer.timeline`). Every rank calls it; rank 0 writes the PNG ``path``
         (``None``: none; needs ``pip install 'gm-trainer[plot]'``). Returns every rank's
-        :class:`~gm_trainer.timeline.RankTimeline`. Changes nothing: weights, buffers, RNG and
-        ``.grad`` are as before."""
+        :class:`~gm_trainer.timeline.RankTimeline`. Runs under :meth:`inspection`: the run
+        goes on after it as without it."""
         if self.pass_config.pp_degree > 1:
             raise ConfigError(
                 f"plot_step draws a plain step; pp_degree={self.pass_config.pp_degree} runs "
@@ -450,7 +469,8 @@ class GraphTrainer:
             )
         joint = self.compile(*batch)
         input, label = self.device_batch(*batch)
-        timelines = [measure_step(joint, self.model, input, label, self.rank)]
+        with self.inspection():
+            timelines = [measure_step(joint, self.model, input, label, self.rank)]
         if self.world_size > 1:  # an eager gather, outside the graph
             gathered: list[Any] = [None] * self.world_size
             dist.all_gather_object(gathered, timelines[0])

@@ -152,7 +152,7 @@ class StepExecutor:
         module state like any other — is cut into this rank's stage programs and run. Under
         FSDP that graph accumulates (the reduction of this rank's stages runs once, in the
         stepper's step)."""
-        joint, micro = self._pipeline_graph(input, label)
+        joint, micro = self.pipeline_graph(input, label)
         reduction, extra = self.pipeline.reduction, []
         if reduction is not None:
             extra = self.deferred.args(reduction, weight / len(micro))
@@ -163,14 +163,15 @@ class StepExecutor:
         the pipeline's schedule (every rank of the pipeline calls it); nothing accumulates
         (under FSDP into scratch buffers)."""
         self.resolve()
-        joint, micro = self._pipeline_graph(*self.pad(input, label))
+        joint, micro = self.pipeline_graph(*self.pad(input, label))
         reduction, extra = self.pipeline.reduction, []
         if reduction is not None:
             extra = self.deferred.scratch_args(reduction, 1 / len(micro))
         return self.pipeline.measure(joint, micro, extra)
 
-    def _pipeline_graph(self, input: Any, label: Any) -> tuple[JointGraph, list[Any]]:
-        """The micro-batches of a batch and their graph, adopted by the pipeline."""
+    def pipeline_graph(self, input: Any, label: Any) -> tuple[JointGraph, list[Any]]:
+        """The micro-batches of a device-resident, padded batch and their graph (compiled
+        when missing), adopted by the pipeline."""
         pipeline = self.pipeline
         micro = split_microbatches(input, label, pipeline.config.pp_microbatches)
         variant = self.compiler.variant_for(accumulate=True)
