@@ -97,3 +97,56 @@ def test_captured_tensors_reach_the_pipeline_stages(dist_pool):
         ours, eager = result["losses"]
         assert result["compiles"] == 1
         torch.testing.assert_close(ours, eager, rtol=1e-5, atol=1e-5)  # as test_pipeline
+
+
+# --------------------------------------------------------------------------- learnable tensors
+# An nn.Parameter of the user's own that train_fn reads from outside the model (a learned
+# temperature, uncertainty weights) gets its gradient on .grad as eager's backward gives it,
+# so an optimizer that holds it moves it as eager does (issue #41 item 3).
+
+
+def test_a_learnable_tensor_outside_the_model_trains_as_in_eager():
+    torch.manual_seed(0)
+    model, batches = bodies.MLP(), _batches()
+    eager_losses, eager_model, eager_var = bodies.learned_run(
+        copy.deepcopy(model), batches, torch.nn.Parameter(torch.tensor(0.5))
+    )
+    log_var = torch.nn.Parameter(torch.tensor(0.5))
+    losses, trainer, _ = bodies.learned_run(model, batches, log_var, {"pass_config": PassConfig()})
+    assert losses == eager_losses  # bitwise, every step
+    assert torch.equal(log_var, eager_var) and log_var.item() != 0.5
+    for a, b in zip(trainer.model.parameters(), eager_model.parameters()):
+        assert torch.equal(a, b)
+    (joint,) = trainer.registry.graphs("step")
+    assert joint.learned_paths == (
+        "closure variable 'log_var' of make_uncertainty_loss.<locals>.train_fn",
+    )
+
+
+def test_a_learnable_tensor_outside_the_model_is_refused_with_the_update_in_the_graph():
+    from gm_config import ConfigError
+
+    torch.manual_seed(0)
+    log_var = torch.nn.Parameter(torch.tensor(0.5))
+    trainer = GraphTrainer(
+        bodies.MLP(),
+        bodies.make_uncertainty_loss(log_var),
+        PassConfig(),
+        optimizer_config={"lr": bodies.LR, "in_graph": True},
+    )
+    with pytest.raises(ConfigError, match=r"log_var.*in_graph=True.*parameter of the model"):
+        trainer.train_step(*_batches()[0])
+
+
+@pytest.mark.distributed
+def test_a_learnable_tensor_outside_the_model_is_averaged_over_fsdp_ranks(dist_pool):
+    for result in dist_pool(2).run(bodies.learned_under_fsdp):
+        assert result["sharded"]
+        ours, eager = result["losses"]
+        torch.testing.assert_close(ours, eager, rtol=1.3e-6, atol=1e-5)
+        var, eager_var = result["log_var"]
+        torch.testing.assert_close(var, eager_var, rtol=1.3e-6, atol=1e-5)
+        assert var.item() != 0.5
+        assert all(torch.equal(v, var) for v in result["every_rank_var"])  # replicated
+        for a, b in result["params"]:
+            torch.testing.assert_close(a, b, rtol=1.3e-6, atol=1e-5)

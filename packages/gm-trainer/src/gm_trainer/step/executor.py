@@ -21,7 +21,7 @@ from gm_trace.graph.joint_graph import JointGraph
 from gm_trainer.compile.compiler import GraphCompiler
 from gm_trainer.compile.padding import Padding
 from gm_trainer.compile.registry import STEP, Found, GraphRegistry
-from gm_trainer.optim.gradients import accumulate_grads
+from gm_trainer.optim.gradients import accumulate_grads, add_learned_grads
 from gm_trainer.parallel.topology import ResolvedRun, Topology
 from gm_trainer.pipeline.runtime import PipelineRunner, StageActivations, split_microbatches
 from gm_trainer.step.accumulation import LastOfWindow
@@ -131,6 +131,7 @@ class StepExecutor:
             joint, input, label, leaves = found
         self.compiler.closure_watch.check()
         extra: list[Any] = []
+        learned_weight = weight  # the graph weighs only the model's gradients itself
         if joint.last_micro_batch is not None:
             if not joint.optimizer_in_graph:  # the stepper scales .grad, as after any window
                 last = last._replace(scale=1.0)
@@ -145,6 +146,8 @@ class StepExecutor:
             self.stepper.graph_ran(outputs.grad_norm)
         elif joint.deferred is None:
             accumulate_grads(self.model, joint, outputs.grads, weight)
+        if outputs.learned:  # tensors train_fn reads from outside the model
+            add_learned_grads(outputs.learned, learned_weight, self.topology)
         return outputs.loss.detach()
 
     def _run_pipeline(self, input: Any, label: Any, weight: float) -> torch.Tensor:
