@@ -150,3 +150,48 @@ def test_a_learnable_tensor_outside_the_model_is_averaged_over_fsdp_ranks(dist_p
         assert all(torch.equal(v, var) for v in result["every_rank_var"])  # replicated
         for a, b in result["params"]:
             torch.testing.assert_close(a, b, rtol=1.3e-6, atol=1e-5)
+
+
+class _WithLogVar(bodies.MLP):
+    """The same model with the uncertainty registered on it (a model parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log_var = torch.nn.Parameter(torch.tensor(0.5))
+
+
+def test_a_learnable_tensor_outside_the_model_accumulates_like_a_model_parameter():
+    """train(accumulation_steps=2) without FSDP: the micro-batch weights and the window's
+    scale reach it as they reach the model's parameters (bitwise the run where it is one).
+    SGD: Adam's update would hide a wrong scale (it divides it out)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    inside = _WithLogVar()
+    outside = copy.deepcopy(inside)
+    log_var = outside.log_var
+    del outside.log_var  # now only the closure holds it
+    batches = [make_regression_batch(4 + 2 * (s % 2), seed=s) for s in range(8)]  # uneven
+
+    def inside_fn(model, x, y):
+        return F.mse_loss(model(x), y) * torch.exp(-model.log_var) + model.log_var
+
+    runs = []
+    for model, train_fn, extra in (
+        (inside, inside_fn, []),
+        (outside, bodies.make_uncertainty_loss(log_var), [log_var]),
+    ):
+        trainer = GraphTrainer(
+            model,
+            train_fn,
+            PassConfig(),
+            optimizer_config={"factory": lambda p, e=extra: torch.optim.SGD([*p, *e], lr=0.05)},
+        )
+        records = trainer.train(batches, accumulation_steps=2, log_fn=lambda r: None)
+        runs.append([r["loss"] for r in records])
+    assert runs[0] == runs[1]
+    assert torch.equal(inside.log_var, log_var) and log_var.item() != 0.5
+    for a, b in zip(
+        outside.parameters(), [p for n, p in inside.named_parameters() if n != "log_var"]
+    ):
+        assert torch.equal(a, b)
