@@ -196,3 +196,78 @@ def captured_in_pipeline(rank: int, world: int):
         eager.append(loss.item())
     TOKEN_WEIGHTS = torch.ones(64)
     return {"losses": (losses, eager), "compiles": trainer.compile_count}
+
+
+# --------------------------------------------------------------------------- learnable tensors
+
+
+def make_uncertainty_loss(log_var: torch.nn.Parameter):
+    """A loss weighted by a learned uncertainty (Kendall et al.'s homoscedastic weighting):
+    ``log_var`` is an ``nn.Parameter`` of the user's own, read from the closure."""
+
+    def train_fn(model, x, y):
+        return F.mse_loss(model(x), y) * torch.exp(-log_var) + log_var
+
+    return train_fn
+
+
+def learned_run(model, batches, log_var, trainer_options=None, steps=STEPS):
+    """``(losses, model, log_var)`` after ``steps`` Adam steps over the model's parameters and
+    ``log_var``: eagerly when ``trainer_options`` is None, else with a GraphTrainer whose
+    optimizer factory holds ``log_var`` too."""
+    train_fn = make_uncertainty_loss(log_var)
+    if trainer_options is None:
+        optimizer = torch.optim.Adam([*model.parameters(), log_var], lr=LR)
+        losses = []
+        for x, y in batches[:steps]:
+            loss = train_fn(model, x, y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses, model, log_var
+
+    def factory(params):
+        return torch.optim.Adam([*params, log_var], lr=LR)
+
+    trainer = GraphTrainer(
+        model, train_fn, optimizer_config={"factory": factory}, **trainer_options
+    )
+    losses = []
+    for x, y in batches[:steps]:
+        losses.append(trainer.train_step(x, y).item())
+        trainer.optimizer_step()
+    return losses, trainer, log_var
+
+
+def learned_under_fsdp(rank: int, world: int):
+    """The learned-uncertainty loss on 2 ranks under FSDP (each its rows) against one eager
+    process on the global batch: losses (mean over the ranks), ``log_var`` (replicated: the
+    same bits on every rank) and every parameter, gathered whole."""
+    import torch.distributed as dist
+
+    from gm_trace.graph.sharding_layout import full_parameter
+
+    torch.manual_seed(0)
+    model = MLP()
+    batches = [make_regression_batch(4 * world, seed=step) for step in range(STEPS)]
+    local = [(x[4 * rank : 4 * rank + 4], y[4 * rank : 4 * rank + 4]) for x, y in batches]
+    eager_losses, eager_model, eager_var = learned_run(
+        copy.deepcopy(model), batches, torch.nn.Parameter(torch.tensor(0.5))
+    )
+    log_var = torch.nn.Parameter(torch.tensor(0.5))
+    losses, trainer, log_var = learned_run(model, local, log_var, {"pass_config": PassConfig()})
+    mean = torch.tensor(losses)
+    dist.all_reduce(mean)
+    every_var = [torch.empty(()) for _ in range(world)]
+    dist.all_gather(every_var, log_var.detach().clone())
+    return {
+        "sharded": trainer.sharding is not None,
+        "losses": ((mean / world).tolist(), eager_losses),
+        "log_var": (log_var.detach().clone(), eager_var.detach().clone()),
+        "every_rank_var": every_var,
+        "params": [
+            (full_parameter(trainer.model, fqn, trainer.sharding), p.detach().clone())
+            for fqn, p in eager_model.named_parameters()
+        ],
+    }

@@ -141,6 +141,34 @@ def _eager_losses(
     return losses, norms, model
 
 
+def routed_per_rank(model: torch.nn.Module, world: int) -> list[dict[str, list[int]]]:
+    """Per rank, what eager PyTorch routes in step 0 on that rank's rows: experts module FQN
+    -> (token, choice) pairs per expert, read from the ``top_k_index`` each experts module
+    gets (a forward pre-hook on a copy of the untrained model)."""
+    from gm_trace.capture.expert_parallel import find_experts_modules
+
+    model = copy.deepcopy(model)
+    seen: dict[str, list[int]] = {}
+
+    def hook(name: str, experts: int):
+        def count(module: torch.nn.Module, args: tuple) -> None:
+            routed = torch.bincount(args[1].reshape(-1), minlength=experts)
+            seen[name] = [a + b for a, b in zip(seen.get(name, [0] * experts), routed.tolist())]
+
+        return count
+
+    for name in find_experts_modules(model):
+        module = model.get_submodule(name)
+        module.register_forward_pre_hook(hook(name, module.num_experts))
+    per_rank = []
+    with torch.no_grad():
+        for rank in range(world):
+            seen.clear()
+            hf_loss(model, *_local(0, rank, world))
+            per_rank.append(dict(seen))
+    return per_rank
+
+
 def full_expert_param(trainer: GraphTrainer, fqn: str) -> torch.Tensor:
     """An expert-parallel parameter gathered whole: its rows over the ranks holding the same
     experts (``full_parameter``, when FSDP split them), then its experts over the ep group
@@ -179,6 +207,7 @@ def train_and_compare(
     ``experts_implementation``). Returns the figures."""
     model = build(arch, routing=routing, **config)
     eager_losses, eager_norms, reference = _eager_losses(model, steps, world, optimizer, grad_clip)
+    routed = routed_per_rank(model, world) if accumulation == 1 else []
     total = {n: p.numel() for n, p in model.named_parameters()}
     config = PassConfig(ep_degree=1 if mesh else ep)
     context = MeshContext.build(ep=ep) if mesh else None
@@ -251,6 +280,8 @@ def train_and_compare(
         "eager_norms": eager_norms,
         "summary": trainer.pass_summary() if rank == 0 else "",
         **_first_layer(first_load),
+        "load_first_step": {n: c for n, c in first_load.items() if n != "all_to_all_bytes"},
+        "routed_by_rank_first_step": routed,
     }
 
 

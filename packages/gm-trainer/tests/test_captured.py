@@ -97,3 +97,101 @@ def test_captured_tensors_reach_the_pipeline_stages(dist_pool):
         ours, eager = result["losses"]
         assert result["compiles"] == 1
         torch.testing.assert_close(ours, eager, rtol=1e-5, atol=1e-5)  # as test_pipeline
+
+
+# --------------------------------------------------------------------------- learnable tensors
+# An nn.Parameter of the user's own that train_fn reads from outside the model (a learned
+# temperature, uncertainty weights) gets its gradient on .grad as eager's backward gives it,
+# so an optimizer that holds it moves it as eager does (issue #41 item 3).
+
+
+def test_a_learnable_tensor_outside_the_model_trains_as_in_eager():
+    torch.manual_seed(0)
+    model, batches = bodies.MLP(), _batches()
+    eager_losses, eager_model, eager_var = bodies.learned_run(
+        copy.deepcopy(model), batches, torch.nn.Parameter(torch.tensor(0.5))
+    )
+    log_var = torch.nn.Parameter(torch.tensor(0.5))
+    losses, trainer, _ = bodies.learned_run(model, batches, log_var, {"pass_config": PassConfig()})
+    assert losses == eager_losses  # bitwise, every step
+    assert torch.equal(log_var, eager_var) and log_var.item() != 0.5
+    for a, b in zip(trainer.model.parameters(), eager_model.parameters()):
+        assert torch.equal(a, b)
+    (joint,) = trainer.registry.graphs("step")
+    assert joint.learned_paths == (
+        "closure variable 'log_var' of make_uncertainty_loss.<locals>.train_fn",
+    )
+
+
+def test_a_learnable_tensor_outside_the_model_is_refused_with_the_update_in_the_graph():
+    from gm_config import ConfigError
+
+    torch.manual_seed(0)
+    log_var = torch.nn.Parameter(torch.tensor(0.5))
+    trainer = GraphTrainer(
+        bodies.MLP(),
+        bodies.make_uncertainty_loss(log_var),
+        PassConfig(),
+        optimizer_config={"lr": bodies.LR, "in_graph": True},
+    )
+    with pytest.raises(ConfigError, match=r"log_var.*in_graph=True.*parameter of the model"):
+        trainer.train_step(*_batches()[0])
+
+
+@pytest.mark.distributed
+def test_a_learnable_tensor_outside_the_model_is_averaged_over_fsdp_ranks(dist_pool):
+    for result in dist_pool(2).run(bodies.learned_under_fsdp):
+        assert result["sharded"]
+        ours, eager = result["losses"]
+        torch.testing.assert_close(ours, eager, rtol=1.3e-6, atol=1e-5)
+        var, eager_var = result["log_var"]
+        torch.testing.assert_close(var, eager_var, rtol=1.3e-6, atol=1e-5)
+        assert var.item() != 0.5
+        assert all(torch.equal(v, var) for v in result["every_rank_var"])  # replicated
+        for a, b in result["params"]:
+            torch.testing.assert_close(a, b, rtol=1.3e-6, atol=1e-5)
+
+
+class _WithLogVar(bodies.MLP):
+    """The same model with the uncertainty registered on it (a model parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log_var = torch.nn.Parameter(torch.tensor(0.5))
+
+
+def test_a_learnable_tensor_outside_the_model_accumulates_like_a_model_parameter():
+    """train(accumulation_steps=2) without FSDP: the micro-batch weights and the window's
+    scale reach it as they reach the model's parameters (bitwise the run where it is one).
+    SGD: Adam's update would hide a wrong scale (it divides it out)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    inside = _WithLogVar()
+    outside = copy.deepcopy(inside)
+    log_var = outside.log_var
+    del outside.log_var  # now only the closure holds it
+    batches = [make_regression_batch(4 + 2 * (s % 2), seed=s) for s in range(8)]  # uneven
+
+    def inside_fn(model, x, y):
+        return F.mse_loss(model(x), y) * torch.exp(-model.log_var) + model.log_var
+
+    runs = []
+    for model, train_fn, extra in (
+        (inside, inside_fn, []),
+        (outside, bodies.make_uncertainty_loss(log_var), [log_var]),
+    ):
+        trainer = GraphTrainer(
+            model,
+            train_fn,
+            PassConfig(),
+            optimizer_config={"factory": lambda p, e=extra: torch.optim.SGD([*p, *e], lr=0.05)},
+        )
+        records = trainer.train(batches, accumulation_steps=2, log_fn=lambda r: None)
+        runs.append([r["loss"] for r in records])
+    assert runs[0] == runs[1]
+    assert torch.equal(inside.log_var, log_var) and log_var.item() != 0.5
+    for a, b in zip(
+        outside.parameters(), [p for n, p in inside.named_parameters() if n != "log_var"]
+    ):
+        assert torch.equal(a, b)

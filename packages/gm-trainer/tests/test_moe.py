@@ -38,8 +38,42 @@ def _run(world: int, arch: str, ep: int, **options):
     return results
 
 
-def test_qwen3_moe_ep2_matches_eager() -> None:
-    (first, _) = _run(2, "qwen3-moe", 2)
+@pytest.fixture(scope="module")
+def qwen3_ep2() -> list[dict]:
+    """Qwen3-MoE at EP 2 on 2 gloo ranks, 5 Adam steps against eager (one run, two tests)."""
+    return _run(2, "qwen3-moe", 2)
+
+
+@pytest.fixture(scope="module")
+def qwen3_ep2_fsdp2() -> list[dict]:
+    """The same at EP 2 x FSDP 2 on 4 ranks (the ranks holding the same experts split them)."""
+    return _run(4, "qwen3-moe", 2)
+
+
+def _assert_load_is_world_sum(results: list[dict]) -> None:
+    """What every rank reports as the world's expert load of step 0 is, per experts module,
+    the sum of what eager PyTorch routes on each rank's rows: each routed token once."""
+    per_rank = results[0]["routed_by_rank_first_step"]
+    assert len(per_rank) == len(results) and per_rank[0], per_rank
+    expected = {
+        name: [sum(rank[name][e] for rank in per_rank) for e in range(len(counts))]
+        for name, counts in per_rank[0].items()
+    }
+    assert per_rank[0] != per_rank[1], per_rank  # the ranks route differently: a real sum
+    for result in results:
+        assert result["load_first_step"] == expected, (result["load_first_step"], per_rank)
+
+
+def test_expert_load_is_the_world_sum_of_what_each_rank_routed(qwen3_ep2) -> None:
+    _assert_load_is_world_sum(qwen3_ep2)
+
+
+def test_expert_load_under_ep_replicate_counts_each_routed_token_once(qwen3_ep2_fsdp2) -> None:
+    _assert_load_is_world_sum(qwen3_ep2_fsdp2)
+
+
+def test_qwen3_moe_ep2_matches_eager(qwen3_ep2) -> None:
+    (first, _) = qwen3_ep2
     assert first["expert_elements_local"] * 2 == first["expert_elements_total"]
     assert (
         "expert parallelism: ep 2, 2 local experts in each of 2 modules; 10 all-to-alls"
@@ -131,8 +165,8 @@ def _expert_params_split_over_ep_replicate(results: list[dict]) -> None:
     )
 
 
-def test_qwen3_moe_ep2_fsdp2_on_4_ranks_shards_experts() -> None:
-    _expert_params_split_over_ep_replicate(_run(4, "qwen3-moe", 2))
+def test_qwen3_moe_ep2_fsdp2_on_4_ranks_shards_experts(qwen3_ep2_fsdp2) -> None:
+    _expert_params_split_over_ep_replicate(qwen3_ep2_fsdp2)
 
 
 @full_only

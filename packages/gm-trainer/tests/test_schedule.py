@@ -99,6 +99,41 @@ def test_resume_from_a_checkpoint_continues_the_exact_curve(tmp_path) -> None:
     assert [r["lr"] for r in third.train(batches[3:])] == [r["lr"] for r in expected[3:]]
 
 
+def _warmup(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """A user's own linear warmup over 5 steps (a plain LambdaLR, not warmup_decay_factory)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 5))
+
+
+def _warmup_trainer() -> GraphTrainer:
+    torch.manual_seed(0)
+    return GraphTrainer(
+        MLP(), mse_loss, PassConfig(), optimizer_config={"lr": LR}, lr_scheduler=_warmup
+    )
+
+
+def test_save_and_load_checkpoint_carry_the_lr_scheduler(tmp_path) -> None:
+    """The user guide's resume recipe, with nothing but save_checkpoint / load_checkpoint:
+    the schedule goes on where it stopped (lr and parameters bitwise the uninterrupted
+    run's), as the optimizer does."""
+    batches = _batches(6)
+    straight = _warmup_trainer()
+    expected = straight.train(batches)
+    assert len({r["lr"] for r in expected}) > 3  # the warmup moves the rate every step
+
+    first = _warmup_trainer()
+    first.train(batches[:2])
+    save_checkpoint(first, tmp_path / "ckpt")
+    second = _warmup_trainer()
+    second.compile(*batches[0])
+    assert load_checkpoint(second, tmp_path / "ckpt") == {}  # nothing in the caller's extra
+    assert second.lr_scheduler.last_epoch == 2
+    assert second.optimizer.param_groups[0]["lr"] == expected[1]["lr"] == LR * 3 / 5
+    resumed = second.train(batches[2:])
+    assert [(r["loss"], r["lr"]) for r in resumed] == [(r["loss"], r["lr"]) for r in expected[2:]]
+    for a, b in zip(second.model.parameters(), straight.model.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_job_config_schedule_keys_and_errors() -> None:
     config = load_config(None, ["train.lr_schedule=cosine", "train.warmup_steps=5"])
     assert config.train.lr_scheduler_factory() is not None

@@ -18,8 +18,9 @@ Components, each the one owner of its state (see docs/architecture.md):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ from gm_trainer.step.deferred import DeferredGrads
 from gm_trainer.step.executor import StepExecutor
 from gm_trainer.step.expert_load import expert_load
 from gm_trainer.step.loop import train_loop
+from gm_trainer.step.snapshot import run_left_as_it_was
 from gm_trainer.step.stepper import OptimizerStepper
 from gm_trainer.step.train_state import TrainState
 from gm_trainer.timeline import RankTimeline, measure_step
@@ -82,7 +84,8 @@ class GraphTrainer:
             (``"skip"``, counted in ``skipped_steps``); no weight is changed either way.
         lr_scheduler: ``factory(optimizer) -> LRScheduler`` (e.g.
             :func:`gm_trainer.optim.lr_schedule.warmup_decay_factory`), built with the optimizer and
-            stepped after every optimizer step; its state is in :meth:`state_dict`.
+            stepped after every optimizer step; its state is saved and loaded with the
+            optimizer's (:meth:`state_dict`, ``save_checkpoint`` / ``load_checkpoint``).
         dynamic_dims: batch dims traced as symbols, one graph for all their sizes: path ->
             ``{dim: name}``, as ``PassConfig.dynamic_dims`` (:mod:`gm_trainer.compile.registry`).
     """
@@ -304,14 +307,35 @@ class GraphTrainer:
     def measure_activations(self, input: Any, label: Any) -> ActivationProfile:
         """Run this batch's compiled graph once, node by node, and return the activation bytes
         it held (measured: :func:`gm_trace.runtime.activation_meter.measure_activations`),
-        without training: no gradient is kept, no weight or optimizer state changes (a graph
-        that takes the update, ``OptimizerConfig(in_graph=True)``, writes copies of them and
-        its step count is taken back). Every rank of an FSDP group calls it with its batch, as
-        for ``train_step``. Under ``pp_degree > 1`` every rank of the pipeline calls it with
-        the batch: the pipeline's schedule runs once without adding gradients, and the profile
-        has this rank's stages (``stages``: one micro-batch's held bytes per stage;
-        ``held_bytes``: the most the rank held at once) but no per-node curves."""
-        return self.executor.measure(self._to_device(input), self._to_device(label))
+        without training: it runs under :meth:`inspection`, so the run goes on after it as
+        without it (a graph that takes the update, ``OptimizerConfig(in_graph=True)``, writes
+        copies of the weights and optimizer state). Every rank of an FSDP group calls it with
+        its batch, as for ``train_step``. Under ``pp_degree > 1`` every rank of the pipeline
+        calls it with the batch: the pipeline's schedule runs once without adding gradients,
+        and the profile has this rank's stages (``stages``: one micro-batch's held bytes per
+        stage; ``held_bytes``: the most the rank held at once) but no per-node curves."""
+        return self.executor.measure(
+            self._to_device(input), self._to_device(label), self.inspection
+        )
+
+    @contextlib.contextmanager
+    def inspection(self) -> Iterator[None]:
+        """A block that leaves the run as it was: on leaving it (also by an exception) the
+        parameters, buffers, ``.grad``, the optimizer's state and hyper-parameters, the LR
+        scheduler, the RNG streams (CPU and the device's, which a pipeline's stages draw from)
+        and ``step`` / ``skipped_steps`` / ``data_position`` are put back bitwise
+        (:class:`~gm_trainer.step.snapshot.RunSnapshot`). ``measure_activations``,
+        ``plot_step`` and ``gm_trainer.debug.compare_passes`` run inside one; graphs compiled
+        inside stay compiled. After the first compile (the optimizer exists then)."""
+        if self.optimizer is None:
+            raise RuntimeError(
+                "inspection() before the first compile: call trainer.compile(sample_input, "
+                "sample_label) first (the model is sharded and the optimizer built then)"
+            )
+        with run_left_as_it_was(
+            self.model, self.optimizer, self.lr_scheduler, self.train_state, self.device
+        ):
+            yield
 
     @property
     def compile_count(self) -> int:
@@ -420,14 +444,15 @@ class GraphTrainer:
         the graph run once node by node), with each collective's bytes and overlap
         (:mod:`gm_trainer.timeline`). Every rank calls it; rank 0 writes the PNG ``path``
         (``None``: none; needs ``pip install 'gm-trainer[plot]'``). Returns every rank's
-        :class:`~gm_trainer.timeline.RankTimeline`. Changes nothing: weights, buffers, RNG and
-        ``.grad`` are as before."""
+        :class:`~gm_trainer.timeline.RankTimeline`. Runs under :meth:`inspection`: the run
+        goes on after it as without it."""
         refusal = self.executor.runtime.plain_step_refusal
         if refusal is not None:
             raise ConfigError(f"plot_step draws a plain step; {refusal}")
         joint = self.compile(*batch)
         input, label = self.device_batch(*batch)
-        timelines = [measure_step(joint, self.model, input, label, self.rank)]
+        with self.inspection():
+            timelines = [measure_step(joint, self.model, input, label, self.rank)]
         if self.world_size > 1:  # an eager gather, outside the graph
             gathered: list[Any] = [None] * self.world_size
             dist.all_gather_object(gathered, timelines[0])
@@ -464,19 +489,18 @@ class GraphTrainer:
             row_shards=self.row_shards,
             foreign=runtime.foreign_state(),
             pipelined=runtime.pipeline is not None,
+            lr_scheduler=self.lr_scheduler,
         )
 
     def state_dict(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Model, optimizer, step, data position and RNG state for ``torch.distributed.checkpoint``.
+        """Model, optimizer, LR scheduler, step, data position and RNG state for
+        ``torch.distributed.checkpoint``.
 
         Sharded tensors are DTensors (Shard(0) on the FSDP mesh) viewing the live shards. See
         :func:`gm_trainer.checkpoint.trainer_state_dict`; ``save_checkpoint`` saves atomically.
         """
         from gm_trainer.checkpoint import trainer_state_dict
-        from gm_trainer.optim.lr_schedule import scheduler_extra
 
-        if self.lr_scheduler is not None:
-            extra = scheduler_extra(self.lr_scheduler, extra)
         return trainer_state_dict(self.checkpoint_view(), extra)
 
     def load_state_dict(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -485,8 +509,5 @@ class GraphTrainer:
         See :func:`gm_trainer.checkpoint.load_trainer_state_dict`.
         """
         from gm_trainer.checkpoint import load_trainer_state_dict
-        from gm_trainer.optim.lr_schedule import restore_scheduler
 
-        extra = load_trainer_state_dict(self.checkpoint_view(), state)
-        restore_scheduler(self.lr_scheduler, self.optimizer, self.step, extra)
-        return extra
+        return load_trainer_state_dict(self.checkpoint_view(), state)

@@ -176,3 +176,21 @@ def _is_user_frame(filename: str) -> bool:
     return not (
         filename.startswith((_TORCH_DIR, _STDLIB_DIR, _OWN_DIR)) or filename.startswith("<")
     )
+
+
+def check_loss(loss: Any, *, any_trainable: bool) -> None:
+    if not isinstance(loss, Tensor):
+        raise GraphCaptureError(
+            f"train_fn must return the loss as a scalar Tensor, but it returned a {describe(loss)}"
+        )
+    if loss.numel() != 1 or not loss.is_floating_point():
+        raise GraphCaptureError(
+            "train_fn must return a scalar floating-point loss, but it returned a Tensor of "
+            f"shape {tuple(loss.shape)} and dtype {loss.dtype}; reduce it (e.g. .mean()) inside "
+            "train_fn"
+        )
+    if any_trainable and not loss.requires_grad:
+        raise GraphCaptureError(
+            "the loss returned by train_fn does not depend on any trainable parameter (it has no "
+            "grad_fn); was it computed under torch.no_grad() or from detached tensors?"
+        )

@@ -55,6 +55,7 @@ from gm_trace.graph.experts import EP_GROUP_NAME, EP_SHARD_ATTR, ExpertShard, ex
 
 __all__ = [
     "ExpertParallelError",
+    "expert_counter_fqns",
     "find_experts_modules",
     "split_expert_modules",
     "take_expert_load",
@@ -256,6 +257,17 @@ def check_ep_divides(num_experts: int, ep_size: int, where: str) -> None:
             f"{where!r}; every rank of an ep group holds num_experts / ep_degree of them "
             f"(choose an ep_degree among {divisors(num_experts)})"
         )
+
+
+def expert_counter_fqns(model: nn.Module) -> frozenset[str]:
+    """FQNs of the count buffers of ``model``'s EP experts modules. They are mutated by the
+    graph like BatchNorm statistics but are per-rank counters, which a buffer sync must leave
+    alone: the trainer sums them over the ranks (``gm_trainer.step.expert_load``)."""
+    return frozenset(
+        f"{name}.{buffer}" if name else buffer
+        for name in expert_shards(model)
+        for buffer in (TOKENS_BUFFER, BYTES_BUFFER)
+    )
 
 
 def take_expert_load(model: nn.Module) -> dict[str, tuple[Tensor, Tensor]]:

@@ -31,7 +31,7 @@ with a different value is a ``GraphSignatureError``, as is a different shape, dt
 
 Outputs, one flat tuple::
 
-    (loss, *grads, *mutated_state)
+    (loss, *grads, *mutated_state, *learned)
 
 - ``loss``: the scalar the train_fn returned.
 - ``grads[j]`` is the gradient of parameter ``joint.grad_fqns[j]`` - exactly one per unique
@@ -45,6 +45,9 @@ Outputs, one flat tuple::
   IN PLACE (e.g. ``aten.add_`` on the placeholder) and returns the placeholder itself, so a caller
   that passed the live tensors finds them updated; one that passed copies writes the outputs back.
   ``joint.mutated_output_index[fqn]`` is the position in the output tuple.
+- ``learned[k]`` is the gradient of the learnable tensor found at ``joint.learned_paths[k]``:
+  a leaf with ``requires_grad`` that train_fn reads from outside the model (a closure
+  ``nn.Parameter``), differentiated like the parameters (:mod:`gm_trace.graph.captured`).
 
 ``joint.output_specs[i]`` (an ``OutputSpec``) describes output ``i`` in one place. ``joint`` is
 the :class:`~gm_trace.graph.joint_graph.JointGraph` the tracer returns; the graph module itself
@@ -108,8 +111,8 @@ from torch.nn.utils.stateless import _reparametrize_module
 from gm_trace.capture.capture_errors import (
     GraphCaptureError,
     capture_failure,
+    check_loss,
     data_dependent_error,
-    describe,
     eager_failure,
 )
 from gm_trace.capture.dtensor import check_no_fake_constants, dtensor_state
@@ -117,7 +120,7 @@ from gm_trace.capture.expert_loop import eager_loop_experts, static_expert_loops
 from gm_trace.capture.mixed_precision import cast_floating, cast_inputs, keeps_own_dtype
 from gm_trace.capture.trace_context import optional_make_fx_kwargs, tracing_context
 from gm_trace.graph import dynamic_shapes
-from gm_trace.graph.captured import lift_captured
+from gm_trace.graph.captured import learnable_captured, learned_last, lift_captured
 from gm_trace.graph.experts import expert_shards
 from gm_trace.graph.graph_annotate import (
     OutputSpec,
@@ -232,8 +235,11 @@ def trace_model_graph(
 
     cast_modules = [_module_named(model, fqn, "cast_input_modules") for fqn in cast_input_modules]
     keeps_dtype = [keeps_own_dtype(model, fqn) for fqn, _ in params]
-    # Filled while tracing: which trainable parameters autograd returned a gradient for.
-    record: dict[str, list[int]] = {"grad_slots": []}
+    # Tensors train_fn reads from outside that eager's backward gives a .grad (closure
+    # nn.Parameters), and, filled while tracing, which of them and of the trainable
+    # parameters autograd returned a gradient for.
+    learnable = learnable_captured(train_fn, model)
+    record: dict[str, list[Any]] = {"grad_slots": [], "learned": []}
 
     def joint_step(*flat: Tensor) -> tuple[Tensor, ...]:
         st, io_tensors = flat[: len(state)], flat[len(state) :]
@@ -253,13 +259,16 @@ def trace_model_graph(
         mapping.update({alias: st[slot] for alias, slot in alias_slots.items()})
         with _reparametrize_module(model, mapping), cast_inputs(cast_modules, param_dtype):
             loss = train_fn(model, inp, lab)
-        _check_loss(loss, any_trainable=bool(trainable))
+        check_loss(loss, any_trainable=bool(trainable or learnable))
         mark_recorded_nodes("forward")
-        if not trainable:
+        if not (trainable or learnable):
             return (loss,)
         # Gradients of the uncast parameters: the cast's backward brings them to their dtype.
-        grads = torch.autograd.grad(loss, [flat[i] for i in trainable], allow_unused=True)
+        wrt = [flat[i] for i in trainable] + learnable
+        grads = torch.autograd.grad(loss, wrt, allow_unused=True)
         record["grad_slots"] = [i for i, g in zip(trainable, grads) if g is not None]
+        got = zip(learnable, grads[len(trainable) :])
+        record["learned"] = [t for t, g in got if g is not None]
         return (loss, *(g for g in grads if g is not None))
 
     shapes = dict(state_shapes or {})
@@ -302,6 +311,7 @@ def trace_model_graph(
     annotate(gm, state_fqns, n_params, params, signature.paths, tensor_pos)
     captured = lift_captured(gm, train_fn, model)
     mutated_fqns = append_mutated_state_outputs(gm, state_fqns)
+    captured = learned_last(gm, captured, record["learned"], 1 + len(grad_fqns))
     mark_outputs(
         gm,
         [
@@ -421,24 +431,3 @@ def unique_named(
             canonical[id(tensor)] = fqn
             unique.append((fqn, tensor))
     return unique, aliases
-
-
-# --------------------------------------------------------------------------- trace context
-
-
-def _check_loss(loss: Any, *, any_trainable: bool) -> None:
-    if not isinstance(loss, Tensor):
-        raise GraphCaptureError(
-            f"train_fn must return the loss as a scalar Tensor, but it returned a {describe(loss)}"
-        )
-    if loss.numel() != 1 or not loss.is_floating_point():
-        raise GraphCaptureError(
-            "train_fn must return a scalar floating-point loss, but it returned a Tensor of "
-            f"shape {tuple(loss.shape)} and dtype {loss.dtype}; reduce it (e.g. .mean()) inside "
-            "train_fn"
-        )
-    if any_trainable and not loss.requires_grad:
-        raise GraphCaptureError(
-            "the loss returned by train_fn does not depend on any trainable parameter (it has no "
-            "grad_fn); was it computed under torch.no_grad() or from detached tensors?"
-        )

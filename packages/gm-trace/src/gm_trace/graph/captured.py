@@ -19,6 +19,13 @@ device than traced does not fit the graph: :meth:`CapturedInputs.mismatch` says 
 trainer then traces a new graph) and :meth:`CapturedInputs.values` raises
 :class:`CapturedTensorError`.
 
+A learnable tensor found there (a leaf that requires grad and is not the model's: an
+``nn.Parameter`` of the user's own, such as a learned temperature or uncertainty weights) gets
+its gradient as eager's ``loss.backward()`` gives it: the tracer differentiates the loss with
+respect to it too (:func:`learnable_captured`), and the graph returns the gradient as an output
+after the mutated state (:meth:`CapturedInputs.learned`), which the runner adds to its
+``.grad``.
+
 A constant found on no such path (``torch.tensor(...)`` written inside ``train_fn``, made
 afresh by every trace) stays a constant. Python numbers the code reads are baked into the
 graph, as ``make_fx`` specializes on them.
@@ -97,6 +104,9 @@ class CapturedInputs:
     """The lifted tensors of one graph, in placeholder order (after the input's tensors)."""
 
     tensors: tuple[CapturedTensor, ...]
+    learned: tuple[int, ...] = ()
+    """Indices into :attr:`tensors` of the learnable ones whose gradient the graph returns
+    (its last outputs, in this order)."""
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CapturedInputs:
         # The paths lead to the user's live objects: a copy of the graph reads the same ones.
@@ -122,6 +132,10 @@ class CapturedInputs:
                 )
             values.append(value)
         return values
+
+    def learned_tensors(self) -> list[Tensor]:
+        """The learnable tensors (:attr:`learned`) as their paths hold them now."""
+        return [_looked_up(self.tensors[i]) for i in self.learned]
 
     def mismatch(self) -> str | None:
         """Why this graph cannot run with what the paths hold now (``None``: it can)."""
@@ -331,6 +345,40 @@ def _names(code: types.CodeType) -> set[str]:
 
 
 # --------------------------------------------------------------------------- the lift
+
+
+def learnable_captured(train_fn: Callable[..., Any], model: nn.Module) -> list[Tensor]:
+    """The tensors :func:`find_captured` finds that ``loss.backward()`` would give a ``.grad``
+    in eager: leaves that require grad, other than the model's own parameters and buffers."""
+    own = {id(t) for t in (*model.parameters(), *model.buffers())}
+    return [
+        t
+        for key, (t, _) in find_captured(train_fn, model).items()
+        if key not in own and t.is_leaf and t.requires_grad
+    ]
+
+
+def learned_last(
+    gm: fx.GraphModule, captured: CapturedInputs | None, learned: list[Tensor], first: int
+) -> CapturedInputs | None:
+    """Move the gradients of ``learned`` (outputs ``first ..`` of ``gm``, in that order) after
+    every other output, and record which lifted tensors they belong to."""
+    if not learned:
+        return captured
+    lifted = [c.lookup() for c in captured.tensors] if captured is not None else []
+    missing = [t for t in learned if not any(v is t for v in lifted)]
+    if missing:
+        raise GraphSignatureError(
+            f"train_fn reads {len(missing)} learnable tensor(s) from outside its arguments "
+            f"(shape {tuple(missing[0].shape)}) that the graph could not lift to an input; "
+            "make it a parameter of the model (register it on a module)"
+        )
+    output = gm.graph.output_node()
+    values = list(output.args[0])
+    grads = values[first : first + len(learned)]
+    output.args = ((*values[:first], *values[first + len(learned) :], *grads),)
+    index = tuple(next(i for i, v in enumerate(lifted) if v is t) for t in learned)
+    return CapturedInputs(captured.tensors, index)
 
 
 def lift_captured(

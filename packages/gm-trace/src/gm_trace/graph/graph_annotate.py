@@ -20,10 +20,12 @@ class OutputSpec:
 
     ``kind``: ``"loss"``, ``"grad_norm"`` (the global gradient norm, when the ``optimizer``
     pass put the update in the graph), ``"grad"`` (gradient of parameter ``fqn``) or
-    ``"mutated"`` (the new value of state tensor ``fqn``, which the graph also updated in place).
+    ``"mutated"`` (the new value of state tensor ``fqn``, which the graph also updated in place)
+    or ``"captured_grad"`` (the gradient of a learnable tensor train_fn reads from outside its
+    arguments; ``fqn`` holds where it was found).
     """
 
-    kind: Literal["loss", "grad_norm", "grad", "mutated"]
+    kind: Literal["loss", "grad_norm", "grad", "mutated", "captured_grad"]
     fqn: str | None = None
 
 

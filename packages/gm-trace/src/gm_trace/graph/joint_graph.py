@@ -47,7 +47,8 @@ class JointGraph:
     See :mod:`gm_trace.capture.tracer` for the calling convention: placeholders are the unique state
     tensors (``state_fqns``), then the tensor leaves of input and label, then the captured
     tensors (``captured``); outputs are
-    ``(loss, *grads, *mutated_state)``.
+    ``(loss, *grads, *mutated_state, *learned)``, the last the gradients of the learnable
+    captured tensors (``learned_paths``).
     """
 
     graph_module: fx.GraphModule
@@ -133,7 +134,16 @@ class JointGraph:
             *((OutputSpec("grad_norm"),) if self.optimizer_in_graph else ()),
             *(OutputSpec("grad", fqn) for fqn in self.grad_fqns),
             *(OutputSpec("mutated", fqn) for fqn in self.mutated_fqns),
+            *(OutputSpec("captured_grad", path) for path in self.learned_paths),
         )
+
+    @property
+    def learned_paths(self) -> tuple[str, ...]:
+        """Where each learnable captured tensor whose gradient the graph returns (its last
+        outputs, after the mutated state) was found (:mod:`gm_trace.graph.captured`)."""
+        if self.captured is None:
+            return ()
+        return tuple(self.captured.tensors[i].path for i in self.captured.learned)
 
     @property
     def grad_output_index(self) -> dict[str, int]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,13 +25,16 @@ class GraphOutputs:
 
     ``grads`` maps the canonical FQN of each parameter in ``JointGraph.grad_fqns`` to its
     gradient, laid out like the parameter (same strides, own storage), ready to be assigned or
-    added to ``.grad``.
+    added to ``.grad``; ``learned`` does the same for learnable captured tensors.
     """
 
     loss: Tensor
     grads: dict[str, Tensor]
     grad_norm: Tensor | None = None
     """The global gradient norm the graph computed (optimizer in the graph), else ``None``."""
+    learned: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    """``(tensor, gradient)`` for each learnable tensor train_fn reads from outside its
+    arguments (``JointGraph.learned_paths``), the tensor as its path holds it now."""
 
 
 def run_traced_graph(
@@ -82,14 +85,19 @@ def run_traced_graph(
     by_fqn = dict(zip(joint.state_fqns, live))
     grads: dict[str, Tensor] = {}
     seen: set[StorageWeakRef] = set()
+    learnable = iter(joint.captured.learned_tensors() if joint.learned_paths else ())
+    learned = []
     with torch.no_grad():
         for spec, value in zip(specs, outputs):
             if spec.kind == "grad":
                 grads[spec.fqn] = _own_grad(value, by_fqn[spec.fqn], seen)
             elif spec.kind == "mutated" and value is not by_fqn[spec.fqn]:
                 by_fqn[spec.fqn].copy_(value)
+            elif spec.kind == "captured_grad":
+                tensor = next(learnable)
+                learned.append((tensor, _own_grad(value, tensor, seen)))
     norm = outputs[1] if joint.optimizer_in_graph else None
-    return GraphOutputs(loss=outputs[0], grads=grads, grad_norm=norm)
+    return GraphOutputs(loss=outputs[0], grads=grads, grad_norm=norm, learned=learned)
 
 
 def graph_args(

@@ -17,6 +17,8 @@ What is saved (the dict :func:`trainer_state_dict` returns; DCP flattens it with
                sharded like their parameter; "param_groups": JSON of the hyperparameters
     "trainer": JSON: format, step, data_position, world_size, optimizer class name
     "rng":     "rank<r>": {"cpu": ..., "cuda": ...}: each rank saves only its own generator
+    "lr_scheduler": JSON of the LR scheduler's state_dict (a LambdaLR's functions left out:
+               the configured schedule decides them), when the run has one
     "extra":   JSON of the caller's ``extra`` dict, as rank 0 had it
 
 Supported: no FSDP, FSDP over the world, HSDP (replicas write identical chunks, which DCP
@@ -80,6 +82,7 @@ from gm_trainer.checkpoint.read import (
 )
 from gm_trainer.checkpoint.stages import own_state
 from gm_trainer.checkpoint.state import (
+    SCHEDULER,
     canonical_names,
     check_keys,
     check_optimizer,
@@ -284,7 +287,7 @@ def _load_template(view: CheckpointView, metadata: Metadata) -> dict[str, Any]:
             md, piece if per_element else WHOLE, device
         )
 
-    for key in ("trainer", "extra"):
+    for key in ("trainer", "extra", SCHEDULER):
         if (key,) in entries:
             template[key] = None  # JSON text, read as bytes
     if ("optim", "param_groups") in entries:
@@ -301,7 +304,7 @@ def _load_template(view: CheckpointView, metadata: Metadata) -> dict[str, Any]:
 
 
 # Entries of the nested state dict and how deep their paths are (see the module docstring).
-_DEPTH = {"model": 2, "trainer": 1, "extra": 1, "rng": 3}
+_DEPTH = {"model": 2, "trainer": 1, "extra": 1, SCHEDULER: 1, "rng": 3}
 _DAMAGED = "; the checkpoint is damaged or was not written by gm-trainer: load an earlier one"
 
 

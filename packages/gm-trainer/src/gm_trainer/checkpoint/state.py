@@ -19,6 +19,10 @@ from gm_trainer.checkpoint.layout import CheckpointLayout
 from gm_trainer.checkpoint.stages import gather_stages, own_state
 from gm_trainer.checkpoint.view import CheckpointView, as_view
 from gm_trainer.optim.config import initial_state
+from gm_trainer.optim.lr_schedule import EXTRA_KEY, load_scheduler_state, scheduler_state
+
+#: The entry of the LR scheduler's state (JSON), saved when the run has a scheduler.
+SCHEDULER = "lr_scheduler"
 
 
 # Not torch.distributed.checkpoint.state_dict's get_model_state_dict / get_optimizer_state_dict:
@@ -84,6 +88,8 @@ def trainer_state_dict(trainer: Any, extra: Mapping[str, Any] | None = None) -> 
         "trainer": json.dumps(header),
         "rng": {f"rank{view.topology.rank}": _rng_state(view.topology.device)},
     }
+    if view.lr_scheduler is not None:  # state of the run, beside the optimizer's
+        state[SCHEDULER] = json.dumps(scheduler_state(view.lr_scheduler))
     if view.topology.rank == 0:
         state["extra"] = extra_json
     return state
@@ -179,8 +185,12 @@ def restore(view: CheckpointView, state: Mapping[str, Any], *, copy: bool) -> di
     view.optimizer.load_state_dict(optim_sd)
     view.state.restore(header["step"], header["data_position"])
     _set_rng_state(state.get("rng", {}), view.topology.rank, view.topology.device)
-    extra = state.get("extra")
-    return json.loads(extra) if extra else {}
+    extra = json.loads(state["extra"]) if state.get("extra") else {}
+    saved = state.get(SCHEDULER)
+    # Older checkpoints carried it in the caller's extra (optim.lr_schedule.scheduler_extra).
+    scheduler = json.loads(saved) if saved else extra.get(EXTRA_KEY)
+    load_scheduler_state(view.lr_scheduler, view.optimizer, header["step"], scheduler)
+    return extra
 
 
 def _optimizer_state_dict(

@@ -1,7 +1,8 @@
 """What a checkpoint sees of a trainer: one narrow value, built by the trainer.
 
-Saving and loading read the model, the optimizer, the counters and where this rank sits; they
-restore through the same objects (the counters through :meth:`TrainState.restore`). Nothing in
+Saving and loading read the model, the optimizer and its LR scheduler, the counters and where
+this rank sits; they restore through the same objects (the counters through
+:meth:`TrainState.restore`). Nothing in
 the checkpoint modules reads a trainer's private state or imports the trainer.
 """
 
@@ -35,6 +36,10 @@ class CheckpointView:
     """State another pipeline stage owns: this rank neither saves nor loads it."""
     pipelined: bool = False
     """True under pipeline parallelism (each rank holds its stages' state only)."""
+    lr_scheduler: Any = None
+    """The optimizer's LR scheduler (``None``: none): state of the run, saved and restored
+    with the optimizer (an ``lr_scheduler`` entry, as torchtitan's ``LRSchedulersContainer``
+    is a ``Stateful`` of its own)."""
 
 
 def as_view(trainer: Any) -> CheckpointView:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from gm_config import PassConfig, PassPlan
+from gm_config import ConfigError, PassConfig, PassPlan
 from gm_passes import GraphPass, PassPipeline
 from gm_passes.pipeline import AfterPass
 from gm_trace.capture.dtensor import DTensorSpec
@@ -139,6 +139,8 @@ class GraphCompiler:
         else:
             last = [LastMicroBatchPass()] if variant == LAST else []
             joint, passes = self._with_update(joint, [*self.extra_passes, *last])
+        if joint.learned_paths:
+            self._check_learned(joint, variant)
         pipeline = PassPipeline.from_config(run.pass_config, run.pass_plan, passes)
         joint = self.run_passes(joint, pipeline, dump_dir=self._graph_dump_dir(run.topology.rank))
         self._adopt_sharding(joint.sharding)
@@ -248,6 +250,31 @@ class GraphCompiler:
             return joint, passes
         spec = self.update.plan(joint.grad_fqns)
         return joint.replace(optimizer_update=spec), [*passes, OptimizerUpdatePass()]
+
+    def _check_learned(self, joint: JointGraph, variant: str) -> None:
+        """Refuse, naming it, a learnable tensor from outside the model where its gradient
+        is not supported: it is replicated, reduced over the data-parallel ranks after each
+        plain step's graph (``gm_trainer.optim.gradients.add_learned_grads``)."""
+        run, topology = self.run, self.run.topology
+        layout = None
+        if run.pass_config.pp_degree > 1:
+            layout = f"pipeline parallelism (pp_degree={run.pass_config.pp_degree})"
+        elif topology.tp_group is not None or self.dtensor_specs:
+            layout = "tensor parallelism"
+        elif topology.cp_size > 1:
+            layout = f"context parallelism (cp_degree={topology.cp_size})"
+        elif joint.optimizer_update is not None:
+            layout = "OptimizerConfig(in_graph=True) (the graph updates the model's parameters)"
+        elif variant != STEP:
+            layout = "gradient accumulation under FSDP (train(accumulation_steps>1))"
+        if layout is not None:
+            raise ConfigError(
+                f"train_fn reads a learnable tensor from outside the model, "
+                f"{joint.learned_paths[0]}, whose gradient graph mode gives only in plain "
+                f"data-parallel steps, not with {layout}; make it a parameter of the model "
+                "(register it on a module, e.g. model.log_var = nn.Parameter(...)) or set "
+                "requires_grad=False"
+            )
 
     def _eager_update_reason(self) -> str | None:
         """Why ``OptimizerConfig(in_graph=True)``'s update cannot go in the graph (``None``:

@@ -430,6 +430,15 @@ class GraphRegistry:
         """The buffers some graph updates in place (BatchNorm statistics)."""
         return {fqn for joint in self.graphs() for fqn in joint.mutated_fqns}
 
+    def learned_tensors(self) -> list[torch.Tensor]:
+        """The learnable tensors train_fn reads from outside its arguments that some graph
+        returns a gradient for, as their paths hold them now (each once)."""
+        found: dict[int, torch.Tensor] = {}
+        for joint in self.graphs():
+            if joint.learned_paths:
+                found.update((id(t), t) for t in joint.captured.learned_tensors())
+        return list(found.values())
+
     def summary(self) -> str:
         """``GraphTrainer.pass_summary``'s graphs: the plain steps, then the variants."""
         step = self.caches[STEP]

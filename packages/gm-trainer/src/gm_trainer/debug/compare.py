@@ -12,8 +12,9 @@ the culprit; its graph and the graph before it are then run node by node, and th
 of the pass's graph that computes a value the graph before it did not is named with its
 module and source line (:mod:`gm_trainer.debug.localize`).
 
-Everything the runs touch is restored: parameters and buffers (bitwise), the RNG streams.
-The optimizer, its state, ``.grad`` and the trainer's compiled graphs are never touched.
+It runs under ``GraphTrainer.inspection()``: the run goes on after it bitwise as without it
+(parameters, buffers, ``.grad``, optimizer and LR scheduler state, RNG streams, counters).
+The trainer's compiled graphs are never touched.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from gm_trace.graph.sharding_layout import ShardingLayout, full_parameter
 from gm_trace.runtime.node_values import run_node_by_node
 from gm_trace.runtime.run_graph import graph_args, run_traced_graph
 from gm_trainer.debug.localize import NodeReport, first_changed_node
-from gm_trainer.timeline.snapshot import ModelSnapshot
+from gm_trainer.step.snapshot import ModelSnapshot
 
 if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer
@@ -152,12 +153,10 @@ def compare_passes(
     input, label = trainer.device_batch(*batch)
     trainer.compile(*batch)  # the run resolved, the model sharded, as the first step does
     _check_supported(trainer)
-    model = trainer.model
-    saved = ModelSnapshot.of(model, trainer.device)
-    try:
+    with trainer.inspection():
+        # Every replay starts from the state the run had (restored before each).
+        saved = ModelSnapshot.of(trainer.model, trainer.device)
         return _Comparison(trainer, input, label, saved, rtol, atol).run()
-    finally:
-        saved.restore(model)
 
 
 # --------------------------------------------------------------------------- the comparison

@@ -3,7 +3,7 @@ them, and take their global norm over every shard and rank."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -50,9 +50,33 @@ def add_to_grad(param: torch.Tensor, grad: torch.Tensor, weight: float) -> None:
         param.grad.add_(grad.mul_(weight) if weight != 1.0 else grad)
 
 
-def scale_grads(model: torch.nn.Module, factor: float) -> None:
-    """Multiply every existing gradient by ``factor`` in place."""
-    for param in model.parameters():
+def add_learned_grads(
+    learned: Sequence[tuple[torch.Tensor, torch.Tensor]], weight: float, topology: Topology
+) -> None:
+    """Add ``weight`` x each gradient of a learnable tensor train_fn reads from outside the
+    model (``GraphOutputs.learned``) to its ``.grad``. Such a tensor is replicated, like a
+    parameter FSDP leaves unsharded: under FSDP its gradient is first averaged over the
+    data-parallel ranks (divided by their number, then summed over the FSDP group and the
+    HSDP replicas), so that every rank holds the gradient of the mean loss. A collective."""
+    grads = [grad for _, grad in learned]
+    if topology.fsdp_active and grads:
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(topology.collective_device)
+        flat.div_(topology.data_parallel_size)
+        for group in (topology.fsdp_group, topology.replicate_group):
+            if group is not None:
+                with waiting_for("reducing the learnable captured tensors' gradients"):
+                    dist.all_reduce(flat, group=group)
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+    for (tensor, _), grad in zip(learned, grads):
+        add_to_grad(tensor, grad, weight)
+
+
+def scale_grads(model: torch.nn.Module, factor: float, extra: Sequence[torch.Tensor] = ()) -> None:
+    """Multiply every existing gradient (of ``model`` and of ``extra``) by ``factor`` in place."""
+    for param in (*model.parameters(), *extra):
         if param.grad is not None:
             param.grad.mul_(factor)
 

@@ -2,9 +2,12 @@
 
 The schedule is a pure function of the optimizer step (:class:`WarmupDecay`), run by
 ``torch.optim.lr_scheduler.LambdaLR``. ``GraphTrainer(lr_scheduler=factory)`` builds it on the
-optimizer and steps it after every optimizer step; the scheduler's state travels in a
-checkpoint's ``extra`` (:func:`scheduler_extra` / :func:`restore_scheduler`), so a resumed
-run continues the exact curve.
+optimizer and steps it after every optimizer step. The scheduler is state of the run, saved and
+loaded wherever the optimizer is: ``save_checkpoint`` / ``load_checkpoint`` and
+``trainer.state_dict()`` carry it (:func:`scheduler_state` / :func:`load_scheduler_state`, an
+entry of its own beside the optimizer's), so a resumed run continues the exact curve. A
+checkpoint that has it only in its ``extra`` (:func:`scheduler_extra`, older ones) is
+restored from there.
 """
 
 from __future__ import annotations
@@ -88,30 +91,42 @@ def warmup_decay_factory(
     return build
 
 
-def scheduler_extra(scheduler: Any, extra: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``extra`` plus ``scheduler``'s state (JSON; ``None``: no scheduler), for
-    ``save_checkpoint(extra=)``.
+def scheduler_state(scheduler: Any) -> dict[str, Any]:
+    """``scheduler``'s state as plain JSON data. The schedule's own parameters (a
+    ``LambdaLR``'s functions) are left out: on resume the configuration decides them."""
+    state = scheduler.state_dict()
+    if "lr_lambdas" in state:
+        state["lr_lambdas"] = [None] * len(state["lr_lambdas"])
+    return _plain(state)
 
-    The schedule's own parameters are left out: on resume the configuration decides them.
-    """
+
+def scheduler_extra(scheduler: Any, extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``extra`` plus ``scheduler``'s state (JSON; ``None``: no scheduler) under
+    :data:`EXTRA_KEY`. Not needed with ``save_checkpoint``, which saves the scheduler
+    itself; kept for callers that carry it in their own ``extra``."""
     out = dict(extra or {})
     if scheduler is not None:
-        state = scheduler.state_dict()
-        if "lr_lambdas" in state:
-            state["lr_lambdas"] = [None] * len(state["lr_lambdas"])
-        out[EXTRA_KEY] = _plain(state)
+        out[EXTRA_KEY] = scheduler_state(scheduler)
     return out
 
 
 def restore_scheduler(
     scheduler: Any, optimizer: torch.optim.Optimizer | None, step: int, extra: Mapping[str, Any]
 ) -> None:
-    """After ``load_checkpoint``: load the scheduler state saved in ``extra`` (or, for a
-    checkpoint without one, move the scheduler to the trainer's step), then set each group's
-    learning rate from the schedule at that step, as the uninterrupted run computed it."""
+    """Load the scheduler state saved in ``extra`` under :data:`EXTRA_KEY`; see
+    :func:`load_scheduler_state`."""
+    load_scheduler_state(scheduler, optimizer, step, extra.get(EXTRA_KEY))
+
+
+def load_scheduler_state(
+    scheduler: Any, optimizer: torch.optim.Optimizer | None, step: int, state: Any
+) -> None:
+    """After the optimizer is loaded: load ``state`` (from :func:`scheduler_state`; ``None``,
+    a checkpoint without one: move the scheduler to the trainer's ``step``), then set each
+    group's learning rate from the schedule at that step, as the uninterrupted run computed
+    it."""
     if scheduler is None:
         return
-    state = extra.get(EXTRA_KEY)
     if isinstance(state, Mapping):
         state = dict(state)
         lambdas = state.get("lr_lambdas")

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from gm_config import GraphModeError
+from gm_trace.capture.expert_parallel import expert_counter_fqns
 from gm_trainer.errors import TrainingError
 from gm_trainer.parallel.topology import Topology
 
@@ -94,9 +95,12 @@ def agree_on_digest(
 
 def sync_buffers(model: torch.nn.Module, fqns: set[str], topology: Topology) -> None:
     """Make the buffers ``fqns`` (those the graphs update: BatchNorm statistics) rank 0's on
-    every data-parallel rank, as DDP's ``broadcast_buffers`` does."""
+    every data-parallel rank, as DDP's ``broadcast_buffers`` does. Expert parallelism's
+    routed-token counters are not statistics but each rank's own counts: they stay (the
+    trainer sums them over the ranks when it reads them)."""
     if not topology.fsdp_active:
         return
+    fqns = set(fqns) - expert_counter_fqns(model)
     buffers = [b for fqn, b in model.named_buffers() if fqn in fqns]
     if buffers:
         broadcast_buffers(buffers, [topology.fsdp_group, topology.replicate_group])

@@ -24,7 +24,7 @@ from gm_trainer.compile.registry import STEP, Found, GraphRegistry
 from gm_trainer.parallel.topology import ResolvedRun, Topology
 from gm_trainer.step.accumulation import LastOfWindow
 from gm_trainer.step.deferred import DeferredGrads
-from gm_trainer.step.runtime import StepRuntime, build_runtime
+from gm_trainer.step.runtime import Inspection, StepRuntime, build_runtime
 from gm_trainer.step.stepper import OptimizerStepper
 
 
@@ -131,7 +131,7 @@ class StepExecutor:
             input, label = self.pad(input, label)
         return runtime.run(input, label, weight, variant, last, found)
 
-    def measure(self, input: Any, label: Any) -> ActivationProfile:
-        """The activations one device-resident batch holds, measured without training (every
-        rank of the run calls it, as for a step)."""
-        return self.runtime.measure(*self.pad(input, label))
+    def measure(self, input: Any, label: Any, inspection: Inspection) -> ActivationProfile:
+        """The activations one device-resident batch holds, measured inside ``inspection()``
+        (every rank of the run calls it, as for a step)."""
+        return self.runtime.measure(*self.pad(input, label), inspection)

@@ -5,6 +5,12 @@ The experts modules that expert parallelism split count, inside the graph, the (
 pairs routed to each expert and the bytes their all-to-alls sent to other ranks
 (:mod:`gm_trace.capture.expert_parallel`); :func:`expert_load` sums them over the world once
 per optimizer step (a collective) and zeroes them.
+
+Each routed token counts once: a rank counts the tokens of its own micro-batches, which no
+other data-parallel rank (of its ep group, of the ranks holding the same experts, of another
+HSDP replica) routes, and the stepper's buffer sync leaves the counters alone. Only the ranks
+of one tensor-parallel group route the same tokens: their first rank's count stands for the
+group.
 """
 
 from __future__ import annotations
@@ -26,7 +32,11 @@ def expert_load(model: torch.nn.Module, topology: Topology) -> dict[str, list[in
     if not taken:
         return {}
     names = sorted(taken)
-    flat = torch.cat([torch.cat([taken[n][0], taken[n][1].reshape(1)]) for n in names])
+    # TP ranks route the same tokens: one of them counts them (each rank's bytes are its own).
+    repeat = topology.tp_group is not None and dist.get_rank(topology.tp_group) != 0
+    flat = torch.cat(
+        [torch.cat([taken[n][0] * (not repeat), taken[n][1].reshape(1)]) for n in names]
+    )
     flat = flat.to(topology.collective_device)
     if topology.world_size > 1:
         dist.all_reduce(flat)

@@ -16,6 +16,7 @@ update), the activation measurement, the summary and the state other stages own.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
@@ -25,8 +26,8 @@ from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.runtime.activation_meter import ActivationProfile, measure_activations
 from gm_trainer.compile.compiler import GraphCompiler
 from gm_trainer.compile.registry import Found, GraphRegistry
-from gm_trainer.optim.gradients import accumulate_grads
-from gm_trainer.parallel.topology import ResolvedRun
+from gm_trainer.optim.gradients import accumulate_grads, add_learned_grads
+from gm_trainer.parallel.topology import ResolvedRun, Topology
 from gm_trainer.pipeline.runtime import PipelineRunner, split_microbatches
 from gm_trainer.step.accumulation import LastOfWindow
 from gm_trainer.step.deferred import DeferredGrads
@@ -37,6 +38,8 @@ Compile = Callable[[Any, Any, str], JointGraph]
 executor's: it also builds the optimizer on the sharded parameters after the first)."""
 Where = tuple[int, int, torch.device]
 """(rank, world size, collective device) of the ranks' agreement."""
+Inspection = Callable[[], AbstractContextManager[None]]
+"""A block that leaves the run as it was (``GraphTrainer.inspection``)."""
 
 
 class StepRuntime(Protocol):
@@ -65,8 +68,9 @@ class StepRuntime(Protocol):
     ) -> torch.Tensor:
         """Run one padded micro-batch, add ``weight`` x its gradients; its loss."""
 
-    def measure(self, input: Any, label: Any) -> ActivationProfile:
-        """The activations one padded batch holds, without training."""
+    def measure(self, input: Any, label: Any, inspection: Inspection) -> ActivationProfile:
+        """The activations one padded batch holds: its graph compiled and prepared as for a
+        step, then run inside ``inspection()``, which leaves the run as it was."""
 
     def prepare(self, joint: JointGraph) -> None:
         """Ready the live model to run ``joint`` as a step would (a pipeline cuts it and, the
@@ -93,6 +97,7 @@ class SingleStage:
         deferred: DeferredGrads,
         stepper: OptimizerStepper,
         compile: Compile,
+        topology: Topology,
     ) -> None:
         self.model = model
         self.compiler = compiler
@@ -100,6 +105,7 @@ class SingleStage:
         self.deferred = deferred
         self.stepper = stepper
         self.compile = compile
+        self.topology = topology
 
     def agree(
         self, batch: tuple[Any, Any] | None, variant: str, where: Where
@@ -123,6 +129,7 @@ class SingleStage:
             joint, input, label, leaves = found
         self.compiler.closure_watch.check()
         extra: list[Any] = []
+        learned_weight = weight  # the graph weighs only the model's gradients itself
         if joint.last_micro_batch is not None:
             if not joint.optimizer_in_graph:  # the stepper scales .grad, as after any window
                 last = last._replace(scale=1.0)
@@ -137,15 +144,18 @@ class SingleStage:
             self.stepper.graph_ran(outputs.grad_norm)
         elif joint.deferred is None:
             accumulate_grads(self.model, joint, outputs.grads, weight)
+        if outputs.learned:  # tensors train_fn reads from outside the model
+            add_learned_grads(outputs.learned, learned_weight, self.topology)
         return outputs.loss.detach()
 
-    def measure(self, input: Any, label: Any) -> ActivationProfile:
+    def measure(self, input: Any, label: Any, inspection: Inspection) -> ActivationProfile:
         joint = self.compile(input, label, self.compiler.variant_for(accumulate=False))
-        if not joint.optimizer_in_graph:
-            return measure_activations(joint, self.model, input, label)
-        # The graph writes copies of the weights and optimizer state; the step count stays.
-        with self.stepper.uncounted_graph_inputs(joint.optimizer_update) as extra:
-            return measure_activations(joint, self.model, input, label, extra)
+        with inspection():
+            if not joint.optimizer_in_graph:
+                return measure_activations(joint, self.model, input, label)
+            # The graph writes copies of the weights and optimizer state.
+            with self.stepper.uncounted_graph_inputs(joint.optimizer_update) as extra:
+                return measure_activations(joint, self.model, input, label, extra)
 
     def prepare(self, joint: JointGraph) -> None:
         pass  # the graph runs as compiled
@@ -209,15 +219,16 @@ class PipelineStages:
             extra = self.deferred.args(reduction, weight / len(micro))
         return self.runner.step(joint, micro, weight, extra)
 
-    def measure(self, input: Any, label: Any) -> ActivationProfile:
+    def measure(self, input: Any, label: Any, inspection: Inspection) -> ActivationProfile:
         """This rank's stages' held activations, measured in the pipeline's schedule (every
         rank of the pipeline calls it); nothing accumulates (under FSDP into scratch
         buffers). The accumulating variant a pipeline runs never takes the update."""
         joint, micro = self._graph(input, label, self.compiler.variant_for(accumulate=True))
         reduction, extra = self.runner.reduction, []
-        if reduction is not None:
-            extra = self.deferred.scratch_args(reduction, 1 / len(micro))
-        measured = self.runner.measure(joint, micro, extra)
+        with inspection():
+            if reduction is not None:
+                extra = self.deferred.scratch_args(reduction, 1 / len(micro))
+            measured = self.runner.measure(joint, micro, extra)
         return ActivationProfile(
             phases=[],
             kept=[],
@@ -264,7 +275,7 @@ def build_runtime(
     """The runtime of ``run``: this rank's pipeline stages under ``pp_degree > 1``, else one
     stage. The one place that decides between them."""
     if run.pass_config.pp_degree == 1:
-        return SingleStage(model, compiler, registry, deferred, stepper, compile)
+        return SingleStage(model, compiler, registry, deferred, stepper, compile, run.topology)
     runner = PipelineRunner(run, model, compiler.pass_config.backend)
     # Before anything draws from them, and before a checkpoint can restore them.
     runner.seed_generators()

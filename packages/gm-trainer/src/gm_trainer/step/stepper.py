@@ -149,7 +149,7 @@ class OptimizerStepper:
             raise nonfinite_loss_error(loss, self.state.step + 1)
         self.deferred.reduce(self._model)  # once per step, not per micro-batch
         if scale != 1.0:
-            scale_grads(self._model, scale)
+            scale_grads(self._model, scale, self._registry.learned_tensors())
         norm = self.grad_norm()
         if not math.isfinite(norm.item()):
             if self.nonfinite == "skip":
@@ -173,6 +173,7 @@ class OptimizerStepper:
         elif self._model is not None:
             for param in self._model.parameters():
                 param.grad = None
+        self._drop_learned_grads()
         self.deferred.discard()
         if self._graph_norm is not None:
             self._graph_norm = None
@@ -208,7 +209,14 @@ class OptimizerStepper:
         if norm is None:
             norm = self.grad_norm().item()  # a collective: every rank gets here
         self.optimizer.zero_grad(set_to_none=True)
+        self._drop_learned_grads()
         return self._end(norm, skipped=True)
+
+    def _drop_learned_grads(self) -> None:
+        """A dropped step drops the gradients of the learnable tensors train_fn reads from
+        outside the model too (an optimizer of the user's own may hold them)."""
+        for tensor in self._registry.learned_tensors() if self._registry is not None else ():
+            tensor.grad = None
 
     def _end(self, norm: float, *, skipped: bool = False) -> float:
         self.state.advance(skipped=skipped)

@@ -31,3 +31,12 @@ class TrainState:
     def restore(self, step: int, data_position: int) -> None:
         """Continue from a checkpoint's counters."""
         self.step, self.data_position = int(step), int(data_position)
+
+    def rewind(self, to: TrainState) -> None:
+        """Go back to the counters of ``to``, a copy taken before an inspection
+        (:mod:`gm_trainer.step.snapshot`)."""
+        self.step, self.skipped_steps, self.data_position = (
+            to.step,
+            to.skipped_steps,
+            to.data_position,
+        )

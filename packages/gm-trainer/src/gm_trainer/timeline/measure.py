@@ -9,8 +9,9 @@ match one to one. A collective's measured overlap is the compute that ran betwee
 and its wait; its exposed time is the wait's. (On CPU ranks the times are the ops' own; on an
 accelerator they are the host's launch times.)
 
-Running the step changes nothing: parameters, buffers and RNG are restored; the gradients
-it computes are dropped.
+The gradients the step computes are dropped; what else running it moves (the RNG, buffers
+the graph updates) ``GraphTrainer.plot_step`` puts back: it measures under
+``GraphTrainer.inspection()``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.passes.overlap import collective_schedule
 from gm_trace.runtime.node_values import run_node_by_node
 from gm_trace.runtime.run_graph import graph_args
-from gm_trainer.timeline.snapshot import ModelSnapshot
 
 #: The ``record_function`` label of a node: this prefix and the node's name.
 LABEL = "gm_node::"
@@ -92,7 +92,9 @@ def measure_step(
 ) -> RankTimeline:
     """Run ``joint`` (a plain step's graph, on ``model`` as it expects) once, node by node
     under ``torch.profiler``, and return its planned and measured time line. Every rank of a
-    distributed graph must call it (the graph holds collectives)."""
+    distributed graph must call it (the graph holds collectives). It draws from the RNG and
+    writes the buffers the step updates, as a step does: run it inside
+    ``GraphTrainer.inspection()`` (``plot_step`` does) to leave the run as it was."""
     if joint.optimizer_in_graph or joint.deferred is not None or joint.stages is not None:
         raise ConfigError(
             "plot_step draws a plain step's graph: this one takes the optimizer update, defers "
@@ -100,14 +102,9 @@ def measure_step(
             "OptimizerConfig(in_graph=True), accumulation or pipeline parallelism"
         )
     graph_module = joint.graph_module
-    device = next((t.device for t in model.parameters()), torch.device("cpu"))
-    snapshot = ModelSnapshot.of(model, device)
-    try:
-        args = graph_args(joint, model, input, label)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            run_node_by_node(graph_module, args, profiler_label=LABEL)
-    finally:
-        snapshot.restore(model)
+    args = graph_args(joint, model, input, label)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run_node_by_node(graph_module, args, profiler_label=LABEL)
     spans: dict[str, tuple[float, float]] = {}
     for event in prof.events():
         if event.name.startswith(LABEL):
