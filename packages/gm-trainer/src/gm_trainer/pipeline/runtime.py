@@ -161,6 +161,12 @@ class PipelineRunner:
         self.topology = run.topology
         self.model = model
         self.backend = backend
+        if self.config.pp_schedule in ("zb1p", "zbv", "dualpipev"):
+            raise ConfigError(
+                f"PassConfig.pp_schedule={self.config.pp_schedule!r} is planned "
+                "(gm_trainer.pipeline.plan_schedule) but the pipeline runtime does not run it "
+                "yet; choose gpipe, 1f1b or interleaved_1f1b"
+            )
         self.actions: list[Action] = rank_actions(
             self.config.pp_schedule,
             self.pp_index,
