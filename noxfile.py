@@ -264,6 +264,25 @@ def moe(session: nox.Session) -> None:
     )
 
 
+@nox.session(tags=["pipelines"], default=False)
+def pipelines(session: nox.Session) -> None:
+    """The zero-bubble pipeline schedules' whole acceptance (issue 38): zb1p, zbv and
+    dualpipev on 2 gloo ranks, zb1p bitwise against 1F1B, PP x FSDP on 4 ranks and a zbv
+    checkpoint resumed under 1F1B and without a pipeline (the default suite runs zbv)."""
+    _install_layer(session, "gm-trainer", torch=True)
+    tests = ROOT / "packages" / "gm-trainer" / "tests"
+    session.run(
+        "pytest",
+        str(tests / "test_pipeline_zero_bubble.py"),
+        str(tests / "test_checkpoint_pipeline.py"),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        *session.posargs,
+        env={"GM_PP": "all"},
+    )
+
+
 @nox.session(tags=["train"], default=False)
 def train(session: nox.Session) -> None:
     """The main job: ``nox -s train -- [CONFIG.yaml] [--nproc N] [section.key=value ...]``."""

@@ -432,3 +432,22 @@ def loop_parity(rank: int, world: int, accumulation: int) -> dict:
         atol=1e-6,
     )
     return {"steps": len(records)}
+
+
+def same_as_1f1b(rank: int, world: int, schedule: str) -> dict:
+    """``STEPS`` Adam steps under 1F1B and under ``schedule`` (same stages, same batches):
+    this rank's parameters that are not bitwise equal, and how many were compared."""
+    trained = []
+    for name in ("1f1b", schedule):
+        config = PassConfig(pp_degree=world, pp_microbatches=4, pp_schedule=name)
+        plan = PassPlan(pp_stages=STAGES["tinygpt"])
+        trainer = GraphTrainer(tinygpt(), lm_loss, config, plan, optimizer_config={"lr": LR})
+        for step in range(STEPS):
+            trainer.train_step(*global_batch(step, 8))
+            trainer.optimizer_step()
+        trained.append({k: p.detach().clone() for k, p in trainer.model.named_parameters()})
+    own = [k for k, p in trained[0].items() if p.numel()]
+    return {
+        "compared": len(own),
+        "differing": [k for k in own if not torch.equal(*(t[k] for t in trained))],
+    }
