@@ -27,6 +27,7 @@ from gm_trace.testing import TinyGPT, lm_loss
 from gm_trace.testing.distributed import DistributedPool
 from gm_trainer import GraphTrainer
 from gm_trainer.pipeline import plan_schedule
+from gm_trainer.pipeline.costs import planned
 from gm_trainer.pipeline.schedule import in_flight
 
 DIM, HEADS, SEQ, VOCAB = 128, 4, 64, 256
@@ -82,6 +83,7 @@ def _rank(rank: int, world: int, layers: int, microbatches: int, steps: int) -> 
             "step_ms": 1e3 * statistics.median(times[schedule]),
             "boundary": runner.cut.boundary_bytes(),
             "stash": {s: w.stash_bytes for s, w in runner.current.splits.items()},
+            "planned_flops": planned(runner.config, runner.cut).bubble_fraction,
             "params": trainer.pipeline.current_joint.stages.param_counts,
         }
     return report
@@ -103,18 +105,19 @@ def main() -> None:
     )
     print(
         "| rank | schedule | held activations, measured | estimated | bubble measured | "
-        "planned | W stash per stage | step ms |"
+        "planned, unit costs | planned, graph FLOPs | W stash per stage | step ms |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for rank, result in enumerate(results):
         for schedule in SCHEDULES:
             r = result[schedule]
-            planned = plan_schedule(schedule, 2, args.microbatches, VIRTUAL.get(schedule, 1))
+            plan = plan_schedule(schedule, 2, args.microbatches, VIRTUAL.get(schedule, 1))
             stash = ", ".join(f"{s}: {b / 2**20:.2f} MiB" for s, b in r["stash"].items()) or "-"
             print(
                 f"| {rank} | {schedule} | {r['held'] / 2**20:.2f} MiB | "
                 f"{r['estimate'] / 2**20:.2f} MiB | {r['bubble']:.0%} | "
-                f"{planned.bubble_fraction:.0%} | {stash} | {r['step_ms']:.1f} |"
+                f"{plan.bubble_fraction:.0%} | {r['planned_flops']:.0%} | {stash} | "
+                f"{r['step_ms']:.1f} |"
             )
     print()
     for stage, result in enumerate(results):

@@ -19,6 +19,7 @@ from gm_trace.graph.sharding_layout import full_parameter
 from gm_trace.testing import TinyGPT, lm_loss
 from gm_trace.testing.parity import parity_tolerance
 from gm_trainer import GraphTrainer
+from gm_trainer.pipeline.costs import planned, stage_costs
 
 STEPS, LR = 5, 1e-3
 VOCAB, SEQ = 64, 8
@@ -148,6 +149,8 @@ def parity(
     )
     stats = trainer.pipeline.stats
     return {
+        "costs": stage_costs(trainer.pipeline.cut),
+        "planned": planned(config, trainer.pipeline.cut).bubble_fraction,
         "stage": trainer.topology.pp_stage,
         "owned": sorted(owned),
         "reduction": dict(reduced),

@@ -29,6 +29,11 @@ def test_zbv_on_two_ranks_matches_eager_adam(dist_pool):
     # the V: rank 0 runs the first and the last stage
     _check(results, [[0, 3], [1, 2]])
     assert "W stash" in results[0]["summary"]
+    # the planner priced from the stages' graphs (FLOPs): every stage computes in forward,
+    # B and W, but the first, whose B nobody waits for, is empty
+    costs = results[0]["costs"]
+    assert costs["B"][0] == 0 and all(costs["B"][1:]) and all(costs["W"]) and all(costs["F"])
+    assert 0 <= results[0]["planned"] < 1  # 0: the busiest rank (embedding, head) never waits
 
 
 @full_only
