@@ -141,3 +141,24 @@ def test_pass_config_takes_the_new_schedules_with_their_stages():
         PassConfig(pp_degree=2, pp_schedule="dualpipev", pp_virtual_stages=3)
     with pytest.raises(ConfigError, match="only interleaved_1f1b"):
         PassConfig(pp_degree=2, pp_schedule="zb1p", pp_virtual_stages=2)
+
+
+def test_gm_train_plan_prints_the_simulated_bubble_of_the_configured_schedule():
+    from gm_trainer.job.config import JobConfig
+    from gm_trainer.job.plan import implied_bubble
+
+    parallel = {"pp_degree": 4, "pp_microbatches": 8, "pp_schedule": "zbv"}
+    config = JobConfig.from_dict({"parallel": {**parallel, "pp_virtual_stages": 2}})
+    assert implied_bubble(config) == plan_schedule("zbv", 4, 8, 2).bubble_fraction
+    assert implied_bubble(JobConfig.from_dict({})) == 0.0
+
+
+def test_schedule_plan_png_draws_every_rank(tmp_path):
+    pytest.importorskip("matplotlib")
+    from gm_trainer.timeline.plot import plot_schedule_plan
+
+    plan = plan_schedule("zbv", 2, 4, 2, costs={"W": 0.5})
+    assert all(plan.end[k] - plan.start[k] in (0.5, 1.0) for k in plan.start)
+    path = tmp_path / "schedule.png"
+    plot_schedule_plan(plan, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

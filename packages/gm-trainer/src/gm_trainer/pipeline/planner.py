@@ -70,6 +70,8 @@ class SchedulePlan:
     """Per rank, in order: its compute actions with the sends and receives they need."""
     start: Mapping[tuple[int, Action], float]
     """(rank, compute action) -> when it starts in the simulation."""
+    end: Mapping[tuple[int, Action], float]
+    """(rank, compute action) -> when it ends."""
     busy: tuple[float, ...]
     """Per rank: the time it computes."""
     makespan: float
@@ -124,6 +126,7 @@ def plan_schedule(
         stage_ranks=placement,
         actions=tuple(tuple(_with_transfers(o, r, placement)) for r, o in enumerate(orders)),
         start=start,
+        end={(r, a): finish[a._replace(overlap=False)] for r, a in start},
         busy=busy,
         makespan=max(finish.values(), default=0.0),
         peak_inflight=inflight,
