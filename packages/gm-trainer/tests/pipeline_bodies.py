@@ -204,7 +204,7 @@ def collectives_per_step(rank: int, world: int, pp: int, microbatches: int = 4) 
     }
 
 
-def dynamic_parity(rank: int, world: int) -> dict:
+def dynamic_parity(rank: int, world: int, schedule: str = "1f1b") -> dict:
     """PP 2 x FSDP over ``world // 2`` with the sequence length changing every step: declared
     symbolic (``dynamic_dims``; the data-parallel ranks even get different lengths) and found
     by automatic dynamic (the same length on every rank). Each against eager Adam on the same
@@ -222,7 +222,7 @@ def dynamic_parity(rank: int, world: int) -> dict:
         trainer = GraphTrainer(
             model,
             lm_loss,
-            PassConfig(pp_degree=2, pp_microbatches=2),
+            PassConfig(pp_degree=2, pp_microbatches=2, pp_schedule=schedule),
             PassPlan(pp_stages=STAGES["tinygpt"]),
             optimizer_config={"lr": LR},
             dynamic_dims=seq_dims if declared else None,
@@ -390,7 +390,7 @@ def tp_parity(rank: int, world: int, automatic: bool = False) -> dict:
     return {"stage": trainer.topology.pp_stage, "owned": len(owned), "tp": dict(tp_collectives)}
 
 
-def loop_parity(rank: int, world: int, accumulation: int) -> dict:
+def loop_parity(rank: int, world: int, accumulation: int, schedule: str = "1f1b") -> dict:
     """``trainer.train()`` of PP 2 x FSDP 2 with ``reshard_after_forward`` (the tied embedding
     is re-gathered for the head's backward on the other stage), global-norm clipping and
     ``accumulation`` micro-batches per optimizer step == eager with ``clip_grad_norm_``."""
@@ -411,7 +411,9 @@ def loop_parity(rank: int, world: int, accumulation: int) -> dict:
         optimizer.zero_grad()
         expected_losses.append(total)
         expected_norms.append(norm.item())
-    config = PassConfig(pp_degree=2, pp_microbatches=4, reshard_after_forward=True)
+    config = PassConfig(
+        pp_degree=2, pp_microbatches=4, reshard_after_forward=True, pp_schedule=schedule
+    )
     trainer = GraphTrainer(
         model,
         lm_loss,

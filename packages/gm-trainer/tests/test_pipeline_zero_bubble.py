@@ -63,3 +63,14 @@ def test_zero_bubble_pp2_fsdp2_matches_eager(schedule, dist_pool):
     )
     assert [r["stage"] for r in results] == [0, 0, 1, 1]
     assert all(r["reduction"] for r in results)  # FSDP reduces each stage's buffers once
+
+
+@full_only
+def test_zb1p_with_dynamic_dims_and_the_train_loop_matches_eager(dist_pool):
+    """What runs under 1F1B runs under zb1p: PP 2 x FSDP 2 with the sequence length changing
+    every step (declared and automatic dynamic), and ``train()`` with re-gathers for
+    backward, global-norm clipping and accumulation over 2 batches."""
+    results = dist_pool(4).run(bodies.dynamic_parity, "zb1p", timeout=600)
+    assert all(r == {"declared": 1, "automatic": 2} for r in results)
+    results = dist_pool(4).run(bodies.loop_parity, 2, "zb1p", timeout=600)
+    assert all(r == {"steps": 3} for r in results)
