@@ -296,31 +296,61 @@ def _limits(name: str, rank: int, n_ranks: int) -> _Limits:
     return _Limits(forwards=held, weights=held, total=held)
 
 
+@dataclass
+class _RankState:
+    """What one rank of the list scheduling has run so far."""
+
+    next_mb: dict[tuple[str, int], int]
+    """(phase, stage) -> its next micro-batch: each stage runs each phase in micro-batch
+    order (so weight gradients accumulate in 1F1B's order)."""
+    free: float = 0.0
+    forwards: int = 0
+    """Forwards run whose B has not."""
+    stash: int = 0
+    """B run whose W has not."""
+    last: str | None = None
+    """The last forward or B run (W aside)."""
+
+    def candidates(self, microbatches: int) -> list[Action]:
+        return [Action(ph, m, s) for (ph, s), m in self.next_mb.items() if m < microbatches]
+
+    def ran(self, action: Action) -> None:
+        key = (action.phase, action.stage)
+        self.next_mb[key] += 1
+        if action.phase == FORWARD:
+            self.forwards += 1
+        elif action.phase == INPUT_GRAD:
+            self.forwards, self.stash = self.forwards - 1, self.stash + 1
+        else:
+            self.stash -= 1
+        if action.phase != WEIGHT_GRAD:
+            self.last = action.phase
+
+
 def _list_schedule(
     name: str, placement: tuple[int, ...], microbatches: int, cost: Callable[[Action], float]
 ) -> list[list[Action]]:
     """Orders by list scheduling in simulated time (see module docstring)."""
     n_stages, n_ranks = len(placement), max(placement) + 1
-    todo = [
-        {
-            Action(phase, m, s)
-            for phase in (FORWARD, INPUT_GRAD, WEIGHT_GRAD)
-            for m in range(microbatches)
-            for s in range(n_stages)
-            if placement[s] == rank
-        }
+    ranks = [
+        _RankState(
+            {
+                (phase, s): 0
+                for phase in (FORWARD, INPUT_GRAD, WEIGHT_GRAD)
+                for s in range(n_stages)
+                if placement[s] == rank
+            }
+        )
         for rank in range(n_ranks)
     ]
     limits = [_limits(name, r, n_ranks) for r in range(n_ranks)]
     finish: dict[Action, float] = {}
-    free = [0.0] * n_ranks
     orders: list[list[Action]] = [[] for _ in range(n_ranks)]
-    while any(todo):
+    total = 3 * microbatches * n_stages
+    while len(finish) < total:
         best = None
-        for rank in range(n_ranks):
-            found = _next(
-                name, todo[rank], orders[rank], limits[rank], finish, free[rank], n_stages
-            )
+        for rank, state in enumerate(ranks):
+            found = _next(name, state, microbatches, limits[rank], finish, n_stages)
             if found is not None and (best is None or found[0] < best[0]):
                 best = (found[0], rank, found[1])
         if best is None:
@@ -329,26 +359,24 @@ def _list_schedule(
         for a in block:
             t += cost(a)
             finish[a._replace(overlap=False)] = t
-            todo[rank].discard(a._replace(overlap=False))
+            ranks[rank].ran(a)
             orders[rank].append(a)
-        free[rank] = t
+        ranks[rank].free = t
     return orders
 
 
 def _next(
     name: str,
-    todo: set[Action],
-    order: list[Action],
+    state: _RankState,
+    microbatches: int,
     limit: _Limits,
     finish: Mapping[Action, float],
-    free: float,
     n_stages: int,
 ) -> tuple[float, list[Action]] | None:
     """When rank's next action starts and which (a pair for an overlapped step)."""
-    ready = {a: _ready_at(a, finish, n_stages) for a in todo}
+    free, forwards, stash = state.free, state.forwards, state.stash
+    ready = {a: _ready_at(a, finish, n_stages) for a in state.candidates(microbatches)}
     times = sorted({max(free, t) for t in ready.values() if t is not None})
-    forwards = sum(a.phase == FORWARD for a in order) - sum(a.phase == INPUT_GRAD for a in order)
-    stash = sum(a.phase == INPUT_GRAD for a in order) - sum(a.phase == WEIGHT_GRAD for a in order)
     held = forwards + stash
     for t in times:  # the earliest time at which the rank may run something
         now = [a for a, r in ready.items() if r is not None and max(free, r) <= t]
@@ -363,8 +391,7 @@ def _next(
         if name == "dualpipev" and grads and fwds and room and stash + 1 < limit.weights:
             return t, [fwds[0], grads[0]._replace(overlap=True)]
         # Both ready: alternate with the last one run (1F1B's steady state), B first.
-        last = next((a.phase for a in reversed(order) if a.phase != WEIGHT_GRAD), None)
-        if fwds and room and (last == INPUT_GRAD or not grads or stash >= limit.weights):
+        if fwds and room and (state.last == INPUT_GRAD or not grads or stash >= limit.weights):
             return t, [fwds[0]]
         if grads and stash < limit.weights:
             return t, [grads[0]]
