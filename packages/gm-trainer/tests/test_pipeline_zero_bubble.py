@@ -18,6 +18,7 @@ full_only = pytest.mark.skipif(not FULL, reason="GM_PP=all (nox -s pipelines)")
 
 
 def _check(results: list[dict], stages: list[list[int]]) -> None:
+    print(f"worst |param diff| after 5 Adam steps: {max(r['worst'] for r in results):.2e}")
     assert [r["stages"] for r in results] == stages
     assert results[0]["losses"] == results[1]["losses"]
     owned = [set(r["owned"]) for r in results]
