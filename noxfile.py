@@ -270,18 +270,24 @@ def moe(session: nox.Session) -> None:
     """Expert parallelism's whole acceptance on real gloo ranks (every architecture, 4 ranks,
     accumulation, in_graph, checkpoints, gm-train, EP inside pipeline stages); the default
     suite runs one of each file."""
+    _opt_in_trainer_tests(session, ("test_moe.py", "test_moe_pipeline.py"), {"GM_MOE": "all"})
+
+
+def _opt_in_trainer_tests(session: nox.Session, files: tuple[str, ...], env: dict) -> None:
+    """gm-trainer's test ``files`` with the opt-in flags ``env`` set (the whole matrix)."""
     _install_layer(session, "gm-trainer", torch=True)
     tests = ROOT / "packages" / "gm-trainer" / "tests"
-    session.run(
-        "pytest",
-        str(tests / "test_moe.py"),
-        str(tests / "test_moe_pipeline.py"),
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        *session.posargs,
-        env={"GM_MOE": "all"},
-    )
+    paths = [str(tests / name) for name in files]
+    session.run("pytest", *paths, "-q", "-p", "no:cacheprovider", *session.posargs, env=env)
+
+
+@nox.session(tags=["pipelines"], default=False)
+def pipelines(session: nox.Session) -> None:
+    """The zero-bubble pipeline schedules' whole acceptance (issue 38): zb1p, zbv and
+    dualpipev on 2 gloo ranks, zb1p bitwise against 1F1B, PP x FSDP on 4 ranks and a zbv
+    checkpoint resumed under 1F1B and without a pipeline (the default suite runs zbv)."""
+    files = ("test_pipeline_zero_bubble.py", "test_checkpoint_pipeline.py")
+    _opt_in_trainer_tests(session, files, {"GM_PP": "all"})
 
 
 @nox.session(tags=["train"], default=False)

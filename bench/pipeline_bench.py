@@ -1,4 +1,5 @@
-"""Pipeline parallelism: GPipe, 1F1B and interleaved 1F1B on the same model, data and ranks.
+"""Pipeline parallelism: GPipe, 1F1B, interleaved 1F1B and the zero-bubble schedules (zb1p,
+zbv, dualpipev) on the same model, data and ranks.
 
 Run: ``python bench/pipeline_bench.py [--layers 4] [--microbatches 8] [--steps 6]``.
 
@@ -7,8 +8,11 @@ each schedule trains on the same batches with fresh weights, in turn (GPipe, 1F1
 so machine noise hits them alike. Per rank it prints the activations held at peak (measured:
 the distinct storages kept between a micro-batch's forward and backward; estimated: from the
 traced shapes), the measured bubble (time waiting for the other stage / step time) and the
-median step time, then the ratios to GPipe. Interleaved 1F1B runs 4 stages (balanced
-automatically), 2 per rank. The first step (trace, passes, cut) is left out.
+median step time, then the ratios to GPipe; beside the measured bubble, the bubble the
+planner simulates for the schedule at unit costs (``plan_schedule``), and under the zero-bubble
+schedules the W stash per stage (bytes held from a micro-batch's B to its W). Interleaved
+1F1B, zbv and dualpipev run 4 stages (balanced automatically), 2 per rank. The first step
+(trace, passes, cut) is left out.
 """
 
 from __future__ import annotations
@@ -22,10 +26,13 @@ from gm_config import PassConfig, PassPlan
 from gm_trace.testing import TinyGPT, lm_loss
 from gm_trace.testing.distributed import DistributedPool
 from gm_trainer import GraphTrainer
+from gm_trainer.pipeline import plan_schedule
+from gm_trainer.pipeline.costs import planned
 from gm_trainer.pipeline.schedule import in_flight
 
 DIM, HEADS, SEQ, VOCAB = 128, 4, 64, 256
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb1p", "zbv", "dualpipev")
+VIRTUAL = {"interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}
 
 
 def _batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,7 +45,7 @@ def _trainer(layers: int, schedule: str, microbatches: int) -> GraphTrainer:
     torch.manual_seed(0)
     model = TinyGPT(vocab_size=VOCAB, dim=DIM, n_layers=layers, n_heads=HEADS, max_seq_len=SEQ)
     half = layers // 2
-    if schedule == "interleaved_1f1b":  # 4 stages, 2 per rank, balanced automatically
+    if schedule in VIRTUAL:  # 4 stages, 2 per rank, balanced automatically
         config = PassConfig(
             pp_degree=2, pp_microbatches=microbatches, pp_schedule=schedule, pp_virtual_stages=2
         )
@@ -75,6 +82,8 @@ def _rank(rank: int, world: int, layers: int, microbatches: int, steps: int) -> 
             "bubble": statistics.median(bubbles[schedule]),
             "step_ms": 1e3 * statistics.median(times[schedule]),
             "boundary": runner.cut.boundary_bytes(),
+            "stash": {s: w.stash_bytes for s, w in runner.current.splits.items()},
+            "planned_flops": planned(runner.config, runner.cut).bubble_fraction,
             "params": trainer.pipeline.current_joint.stages.param_counts,
         }
     return report
@@ -94,14 +103,21 @@ def main() -> None:
         f"{args.microbatches} micro-batches of 2 rows; parameters per stage {first['params']}, "
         f"{first['boundary'][0]:,} bytes cross the boundary per micro-batch\n"
     )
-    print("| rank | schedule | held activations, measured | estimated | bubble | step ms |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| rank | schedule | held activations, measured | estimated | bubble measured | "
+        "planned, unit costs | planned, graph FLOPs | W stash per stage | step ms |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for rank, result in enumerate(results):
         for schedule in SCHEDULES:
             r = result[schedule]
+            plan = plan_schedule(schedule, 2, args.microbatches, VIRTUAL.get(schedule, 1))
+            stash = ", ".join(f"{s}: {b / 2**20:.2f} MiB" for s, b in r["stash"].items()) or "-"
             print(
                 f"| {rank} | {schedule} | {r['held'] / 2**20:.2f} MiB | "
-                f"{r['estimate'] / 2**20:.2f} MiB | {r['bubble']:.0%} | {r['step_ms']:.1f} |"
+                f"{r['estimate'] / 2**20:.2f} MiB | {r['bubble']:.0%} | "
+                f"{plan.bubble_fraction:.0%} | {r['planned_flops']:.0%} | {stash} | "
+                f"{r['step_ms']:.1f} |"
             )
     print()
     for stage, result in enumerate(results):

@@ -145,3 +145,30 @@ def _files_by_key(ckpt: Path) -> dict[str, set[str]]:
         if path[0] == "model":
             files.setdefault(path[1], set()).add(info.relative_path)
     return files
+
+
+V_STAGES = [["tok_emb", "pos_emb"], ["layers.0"], ["layers.1"], ["norm", "lm_head"]]
+
+
+def zbv_resumes_under_1f1b_and_without_pipeline(rank: int, world: int, root: str) -> dict:
+    """Train under ``zbv`` (4 stages in a V on 2 ranks: rank 0 holds the first and the last,
+    the tied embedding with them), save at SAVE_AT, train on. A 1F1B trainer (2 stages) and
+    a trainer without pipeline parallelism load the checkpoint and train the same steps:
+    their losses, next to the uninterrupted run's."""
+    dp = world // 2
+    ckpt = Path(root) / "zbv"
+    config = PassConfig(pp_degree=2, pp_microbatches=MICRO, pp_schedule="zbv", pp_virtual_stages=2)
+    straight = GraphTrainer(gpt(0), lm_loss, config, PassPlan(pp_stages=V_STAGES), OPTIM)
+    _steps(straight, range(SAVE_AT), rank, world, dp)
+    stages = list(straight.pipeline.own_stages)
+    save_checkpoint(straight, ckpt)
+    rest = _steps(straight, range(SAVE_AT, STEPS), rank, world, dp)
+    one_f = pipeline_trainer(1)
+    one_f.compile(*[t[: ROWS // MICRO] for t in batch(0, rank, dp)])
+    load_checkpoint(one_f, ckpt)
+    under_1f1b = _steps(one_f, range(SAVE_AT, STEPS), rank, world, dp)
+    flat = GraphTrainer(gpt(2), lm_loss, PassConfig(), optimizer_config=OPTIM)
+    flat.compile(*flat_batch(0, rank, world, dp))
+    load_checkpoint(flat, ckpt)
+    without = _steps(flat, range(SAVE_AT, STEPS), rank, world, dp, flat=True)
+    return {"stages": stages, "rest": rest, "1f1b": under_1f1b, "flat": without}

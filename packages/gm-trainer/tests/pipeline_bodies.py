@@ -19,6 +19,7 @@ from gm_trace.graph.sharding_layout import full_parameter
 from gm_trace.testing import TinyGPT, lm_loss
 from gm_trace.testing.parity import parity_tolerance
 from gm_trainer import GraphTrainer
+from gm_trainer.pipeline.costs import planned, stage_costs
 
 STEPS, LR = 5, 1e-3
 VOCAB, SEQ = 64, 8
@@ -148,6 +149,8 @@ def parity(
     )
     stats = trainer.pipeline.stats
     return {
+        "costs": stage_costs(trainer.pipeline.cut),
+        "planned": planned(config, trainer.pipeline.cut).bubble_fraction,
         "stage": trainer.topology.pp_stage,
         "owned": sorted(owned),
         "reduction": dict(reduced),
@@ -201,7 +204,7 @@ def collectives_per_step(rank: int, world: int, pp: int, microbatches: int = 4) 
     }
 
 
-def dynamic_parity(rank: int, world: int) -> dict:
+def dynamic_parity(rank: int, world: int, schedule: str = "1f1b") -> dict:
     """PP 2 x FSDP over ``world // 2`` with the sequence length changing every step: declared
     symbolic (``dynamic_dims``; the data-parallel ranks even get different lengths) and found
     by automatic dynamic (the same length on every rank). Each against eager Adam on the same
@@ -219,7 +222,7 @@ def dynamic_parity(rank: int, world: int) -> dict:
         trainer = GraphTrainer(
             model,
             lm_loss,
-            PassConfig(pp_degree=2, pp_microbatches=2),
+            PassConfig(pp_degree=2, pp_microbatches=2, pp_schedule=schedule),
             PassPlan(pp_stages=STAGES["tinygpt"]),
             optimizer_config={"lr": LR},
             dynamic_dims=seq_dims if declared else None,
@@ -387,7 +390,7 @@ def tp_parity(rank: int, world: int, automatic: bool = False) -> dict:
     return {"stage": trainer.topology.pp_stage, "owned": len(owned), "tp": dict(tp_collectives)}
 
 
-def loop_parity(rank: int, world: int, accumulation: int) -> dict:
+def loop_parity(rank: int, world: int, accumulation: int, schedule: str = "1f1b") -> dict:
     """``trainer.train()`` of PP 2 x FSDP 2 with ``reshard_after_forward`` (the tied embedding
     is re-gathered for the head's backward on the other stage), global-norm clipping and
     ``accumulation`` micro-batches per optimizer step == eager with ``clip_grad_norm_``."""
@@ -408,7 +411,9 @@ def loop_parity(rank: int, world: int, accumulation: int) -> dict:
         optimizer.zero_grad()
         expected_losses.append(total)
         expected_norms.append(norm.item())
-    config = PassConfig(pp_degree=2, pp_microbatches=4, reshard_after_forward=True)
+    config = PassConfig(
+        pp_degree=2, pp_microbatches=4, reshard_after_forward=True, pp_schedule=schedule
+    )
     trainer = GraphTrainer(
         model,
         lm_loss,
@@ -432,3 +437,22 @@ def loop_parity(rank: int, world: int, accumulation: int) -> dict:
         atol=1e-6,
     )
     return {"steps": len(records)}
+
+
+def same_as_1f1b(rank: int, world: int, schedule: str) -> dict:
+    """``STEPS`` Adam steps under 1F1B and under ``schedule`` (same stages, same batches):
+    this rank's parameters that are not bitwise equal, and how many were compared."""
+    trained = []
+    for name in ("1f1b", schedule):
+        config = PassConfig(pp_degree=world, pp_microbatches=4, pp_schedule=name)
+        plan = PassPlan(pp_stages=STAGES["tinygpt"])
+        trainer = GraphTrainer(tinygpt(), lm_loss, config, plan, optimizer_config={"lr": LR})
+        for step in range(STEPS):
+            trainer.train_step(*global_batch(step, 8))
+            trainer.optimizer_step()
+        trained.append({k: p.detach().clone() for k, p in trainer.model.named_parameters()})
+    own = [k for k, p in trained[0].items() if p.numel()]
+    return {
+        "compared": len(own),
+        "differing": [k for k in own if not torch.equal(*(t[k] for t in trained))],
+    }

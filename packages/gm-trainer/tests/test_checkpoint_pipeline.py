@@ -3,6 +3,8 @@ resumes on PP bitwise, loads into a trainer without pipeline parallelism and exp
 
 from __future__ import annotations
 
+import os
+
 import checkpoint_pipeline_bodies as bodies
 import pytest
 import torch
@@ -49,3 +51,14 @@ def test_pipeline_checkpoint_resumes_bitwise_and_loads_without_pipeline(tmp_path
     assert set(exported) == set(full)
     for key, value in full.items():
         assert torch.equal(exported[key], value), key
+
+
+@pytest.mark.skipif(os.environ.get("GM_PP") != "all", reason="GM_PP=all (nox -s pipelines)")
+def test_a_zbv_checkpoint_resumes_under_1f1b_and_without_pipeline(tmp_path, dist_pool):
+    results = dist_pool(2).run(
+        bodies.zbv_resumes_under_1f1b_and_without_pipeline, str(tmp_path), timeout=300
+    )
+    assert [r["stages"] for r in results] == [[0, 3], [1, 2]]
+    for r in results:  # another stage layout or none: other reduction orders, the same run
+        torch.testing.assert_close(torch.tensor(r["1f1b"]), torch.tensor(r["rest"]))
+        torch.testing.assert_close(torch.tensor(r["flat"]), torch.tensor(r["rest"]))

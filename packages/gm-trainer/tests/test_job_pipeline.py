@@ -13,6 +13,7 @@ from test_job_plan import assert_peak_estimated
 
 from gm_trainer.checkpoint import export_full_state_dict
 from gm_trainer.job.builtin_model import GPT
+from gm_trainer.pipeline import plan_schedule
 
 PIPELINE = [
     *TINY,
@@ -72,6 +73,8 @@ def test_a_pipeline_job_trains_evaluates_and_resumes_bitwise(tmp_path: Path) -> 
     assert_peak_estimated(tmp_path / "straight")  # PP 2: the plan's estimate vs the measured
     summary = json.loads((tmp_path / "straight" / "summary.json").read_text())
     assert (summary["world_size"], summary["pp_degree"], summary["steps"]) == (2, 2, 4)
+    # schedule.png of a pipeline run: the planner's schedule, its bubble in the summary
+    assert summary["schedule_planned_bubble"] == plan_schedule("gpipe", 2, 2).bubble_fraction
     passes = (tmp_path / "straight" / "passes.txt").read_text()
     assert "pipeline: 2 stages on 2 ranks, 2 micro-batches, schedule gpipe" in passes
     # The whole model, gathered from both stages' files, loads into the job's model.

@@ -164,14 +164,22 @@ class PassConfig:
     pp_schedule: str = "1f1b"
     """The pipeline schedule: ``"gpipe"`` (every forward, then every backward), ``"1f1b"``
     (one forward, one backward once the pipeline is full: a stage holds at most ``pp_degree``
-    micro-batches' activations instead of all of them) or ``"interleaved_1f1b"`` (each rank
+    micro-batches' activations instead of all of them), ``"interleaved_1f1b"`` (each rank
     runs ``pp_virtual_stages`` stages, ``pp_degree`` apart: a smaller bubble for more
-    point-to-point traffic)."""
+    point-to-point traffic), or a zero-bubble schedule, whose backward is split into the
+    input gradient ``B`` and the weight gradients ``W`` run later in what would be idle
+    time: ``"zb1p"`` (ZB-H1: 1F1B's memory, about a third of its bubble), ``"zbv"`` (ZB-V:
+    ``pp_virtual_stages=2`` stages per rank in a V, the first and the last on rank 0) and
+    ``"dualpipev"`` (DeepSeek's DualPipe in V form: the V stages, a forward and a backward
+    of two micro-batches run as one overlapped pair). ``gm_trainer.pipeline.plan_schedule``
+    shows each one's order, bubble and micro-batches in flight."""
 
     pp_virtual_stages: int = 1
     """Stages per pipeline rank: the model is cut into ``pp_degree x pp_virtual_stages``
-    stages and rank ``r`` of a pipeline runs stages ``r, r + pp_degree, ...``. More than 1
-    only with ``pp_schedule="interleaved_1f1b"``, which needs at least 2."""
+    stages and rank ``r`` of a pipeline runs stages ``r, r + pp_degree, ...`` (under ``zbv``
+    and ``dualpipev``: ``r`` and ``2 x pp_degree - 1 - r``). More than 1 only with
+    ``pp_schedule="interleaved_1f1b"`` (at least 2), ``"zbv"`` or ``"dualpipev"`` (exactly
+    2)."""
 
     # ----------------------------------------------------- activation memory (memory_plan)
 
@@ -322,13 +330,7 @@ class PassConfig:
                 f"PassConfig.pp_schedule must be one of {list(PP_SCHEDULES)}, "
                 f"got {self.pp_schedule!r}"
             )
-        interleaved = self.pp_schedule == "interleaved_1f1b"
-        if interleaved != (self.pp_virtual_stages > 1):
-            raise ConfigError(
-                f"PassConfig.pp_virtual_stages={self.pp_virtual_stages} with pp_schedule="
-                f"{self.pp_schedule!r}: interleaved_1f1b runs 2 or more stages per rank, the "
-                "other schedules one; set both together"
-            )
+        self._validate_virtual_stages()
         if not _is_int(self.ep_degree) or self.ep_degree < 1:
             raise ConfigError(f"PassConfig.ep_degree must be an int >= 1, got {self.ep_degree!r}")
         self._validate_cp()
@@ -340,6 +342,26 @@ class PassConfig:
             )
         self._validate_memory_plan()
         self._validate_offload()
+
+    def _validate_virtual_stages(self) -> None:
+        schedule, virtual = self.pp_schedule, self.pp_virtual_stages
+        if schedule in ("zbv", "dualpipev") and virtual != 2:
+            raise ConfigError(
+                f"PassConfig.pp_schedule={schedule!r} runs 2 stages per rank in a V (rank r "
+                f"runs stages r and 2 x pp_degree - 1 - r), but pp_virtual_stages={virtual}; "
+                "set pp_virtual_stages=2"
+            )
+        if schedule not in ("interleaved_1f1b", "zbv", "dualpipev") and virtual > 1:
+            raise ConfigError(
+                f"PassConfig.pp_virtual_stages={virtual} with pp_schedule={schedule!r}: only "
+                "interleaved_1f1b (2 or more), zbv and dualpipev (2) run several stages per "
+                "rank; set pp_virtual_stages=1 or choose one of those schedules"
+            )
+        if schedule == "interleaved_1f1b" and virtual < 2:
+            raise ConfigError(
+                f"PassConfig.pp_virtual_stages={virtual} with pp_schedule='interleaved_1f1b', "
+                "which runs 2 or more stages per rank; set pp_virtual_stages to 2 or more"
+            )
 
     def _validate_memory_plan(self) -> None:
         budget = self.activation_memory_budget

@@ -17,7 +17,7 @@ from typing import Any
 from gm_config.errors import ConfigError
 
 #: The schedules the pipeline runtime implements.
-PP_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
+PP_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zb1p", "zbv", "dualpipev")
 
 _RANGE = re.compile(r"^(?P<prefix>.*?)(?P<first>\d+)-(?P<last>\d+)$")
 

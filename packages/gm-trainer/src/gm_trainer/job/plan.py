@@ -14,7 +14,8 @@ compiled graphs (:func:`estimate_rank`):
   batch in it; under pipeline parallelism the activations a stage holds per micro-batch times
   the micro-batches in flight that its schedule implies, plus one half's peak;
 - the collectives of one optimizer step, by kind and group, with their bytes;
-- the bubble the schedule implies, ``(p - 1) / (v * m + p - 1)``;
+- the bubble of the schedule, simulated at unit costs
+  (:func:`gm_trainer.pipeline.planner.plan_schedule`);
 - whether the peak fits the device memory given (``--device-memory``) or detected.
 
 A real run writes the same report, from its own compiled graphs, to ``plan.json`` in its run
@@ -88,12 +89,15 @@ def _placeholder_bytes(graph_module: Any) -> int:
 
 
 def implied_bubble(config: JobConfig) -> float:
-    """The idle fraction of a step that the pipeline schedule implies (0 without one)."""
+    """The idle fraction of a step that the pipeline schedule implies (0 without one): the
+    planner's simulated bubble at unit costs."""
+    from gm_trainer.pipeline.planner import plan_schedule
+
     p = config.parallel
     if p.pp_degree == 1:
         return 0.0
-    work = p.pp_virtual_stages * p.pp_microbatches
-    return (p.pp_degree - 1) / (work + p.pp_degree - 1)
+    plan = plan_schedule(p.pp_schedule, p.pp_degree, p.pp_microbatches, p.pp_virtual_stages)
+    return plan.bubble_fraction
 
 
 def estimate_rank(trainer: GraphTrainer, config: JobConfig, joint: Any) -> dict[str, Any]:

@@ -379,9 +379,11 @@ def _plot_schedule(
     """``schedule.png`` and ``schedule.json``: one step of the first batch, planned and
     measured, on every rank (every rank runs it: the graph holds collectives; rank 0 writes).
     Returns what the summary records: the collectives per rank, or why there is no plot."""
+    if config.parallel.pp_degree > 1:  # the pipeline's schedule, as the planner times it
+        return _plot_pipeline_schedule(config, folder)
     # The picture is of the plain step's graph: a run that never compiles one (accumulation,
-    # pipeline stages, the update in the graph) would compile it only for this.
-    if config.parallel.pp_degree > 1 or config.train.accumulation > 1 or trainer.optimizer_in_graph:
+    # the update in the graph) would compile it only for this.
+    if config.train.accumulation > 1 or trainer.optimizer_in_graph:
         return {
             "schedule_plot_skipped": "the job runs no plain step's graph (pipeline stages, "
             "accumulation or the update in the graph)"
@@ -395,6 +397,25 @@ def _plot_schedule(
     found: dict[str, Any] = {"schedule_collectives": [len(t.collectives) for t in timelines]}
     if missing is not None:
         found["schedule_plot_skipped"] = f"{missing}; to draw it: {PLOT_INSTALL}"
+    return found
+
+
+def _plot_pipeline_schedule(config: JobConfig, folder: RunFolder | None) -> dict[str, Any]:
+    """``schedule.png`` of a pipeline run: every rank's F, B and W as the planner times
+    them at unit costs (rank 0 writes)."""
+    from gm_trainer.pipeline import plan_schedule
+
+    p = config.parallel
+    plan = plan_schedule(p.pp_schedule, p.pp_degree, p.pp_microbatches, p.pp_virtual_stages)
+    found: dict[str, Any] = {"schedule_planned_bubble": plan.bubble_fraction}
+    missing = plot_unavailable()
+    if missing is not None:
+        found["schedule_plot_skipped"] = f"{missing}; to draw it: {PLOT_INSTALL}"
+    elif folder is not None:
+        from gm_trainer.timeline.plot import plot_schedule_plan
+
+        with replacing(folder.path / SCHEDULE_PNG) as tmp:
+            plot_schedule_plan(plan, tmp)
     return found
 
 

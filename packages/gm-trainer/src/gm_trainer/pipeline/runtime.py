@@ -58,11 +58,19 @@ from gm_trace.passes.stage_cut import (
     Transfer,
     cut_pipeline,
 )
+from gm_trace.passes.stage_weight_split import WeightSplit, split_weight_grads
 from gm_trainer.errors import TrainingError
 from gm_trainer.optim.gradients import add_to_grad
 from gm_trainer.parallel.ranks import waiting_for
 from gm_trainer.parallel.topology import ResolvedRun
-from gm_trainer.pipeline.schedule import Action, in_flight, rank_actions
+from gm_trainer.pipeline.planner import schedule_orders
+from gm_trainer.pipeline.schedule import (
+    INPUT_GRAD,
+    WEIGHT_GRAD,
+    Action,
+    in_flight,
+    stage_ranks,
+)
 
 Env = dict[str, Any]
 """Key -> value of one stage and micro-batch: tensors, and the ints of data-dependent sizes
@@ -146,6 +154,9 @@ class _Adopted:
     extra: tuple[int, ...] = ()
     """The positions (after the batch) of the inputs :attr:`PipelineRunner.step`'s ``extra``
     fills, in its order: this rank's buffers, then the weight."""
+    splits: dict[int, WeightSplit] = field(default_factory=dict)
+    """Per stage of this rank, under a zero-bubble schedule: its backward as ``B`` and
+    ``W``."""
 
 
 class PipelineRunner:
@@ -161,14 +172,16 @@ class PipelineRunner:
         self.topology = run.topology
         self.model = model
         self.backend = backend
-        self.actions: list[Action] = rank_actions(
-            self.config.pp_schedule,
-            self.pp_index,
-            self.config.pp_degree,
-            self.config.pp_microbatches,
-            self.config.pp_virtual_stages,
-        )
-        """This rank's schedule: the order of its forward and backward halves."""
+        config = self.config
+        self.placement = stage_ranks(config.pp_schedule, config.pp_degree, config.pp_virtual_stages)
+        """Stage -> the place in the pipeline of the rank that runs it."""
+        self.actions: list[Action] = schedule_orders(
+            config.pp_schedule, config.pp_degree, config.pp_microbatches, config.pp_virtual_stages
+        )[self.pp_index]
+        """This rank's schedule: the order of its forward and backward halves (input and
+        weight gradients apart under a zero-bubble schedule)."""
+        self.split = any(a.phase == WEIGHT_GRAD for a in self.actions)
+        """Whether this schedule runs each backward as ``B`` then ``W``."""
         self.stats = PipelineStats()
         self._adopted: dict[int, _Adopted] = {}
         """id(graph) -> its cut; the registry keeps the graphs alive."""
@@ -186,10 +199,9 @@ class PipelineRunner:
         return self.topology.pp_stage
 
     @property
-    def own_stages(self) -> range:
+    def own_stages(self) -> tuple[int, ...]:
         """The stages this rank runs."""
-        config = self.config
-        return range(self.pp_index, config.pp_degree * config.pp_virtual_stages, config.pp_degree)
+        return tuple(s for s, place in enumerate(self.placement) if place == self.pp_index)
 
     @property
     def current(self) -> _Adopted | None:
@@ -245,8 +257,24 @@ class PipelineRunner:
                 for stage, program in programs.items()
                 for phase in (FORWARD, BACKWARD)
             }
+        splits = {}
+        if self.split:  # the zero-bubble schedules: each backward as B, then W
+            splits = {
+                stage: split_weight_grads(program.backward, set(program.grads))
+                for stage, program in programs.items()
+            }
+            if self.backend is not None:
+                compiled.update(
+                    {
+                        (stage, phase): compile_graph(
+                            getattr(split, phase).graph_module, self.backend
+                        )
+                        for stage, split in splits.items()
+                        for phase in (INPUT_GRAD, WEIGHT_GRAD)
+                    }
+                )
         reduction, extra = _own_reduction(joint, programs)
-        self._adopted[id(joint)] = _Adopted(cut, programs, compiled, reduction, extra)
+        self._adopted[id(joint)] = _Adopted(cut, programs, compiled, reduction, extra, splits)
         if self._first is not None:
             return frozenset()
         self._first = joint
@@ -343,6 +371,8 @@ class PipelineRunner:
             else:
                 held -= _bytes(step.envs[kept], params)
                 self._backward(step, action, received, train=measured is None)
+                if kept in step.envs:  # B ran: W's values stay until it runs
+                    held += _bytes(step.envs[kept], params)
         for work, _, transfer, m in step.pending:
             with waiting_for(partial(self._describe_send, transfer, m)):
                 work.wait()
@@ -369,11 +399,20 @@ class PipelineRunner:
     def _backward(
         self, step: _Step, action: Action, received: _Receives, train: bool = True
     ) -> None:
-        program, m = self.programs[action.stage], action.microbatch
+        """The whole backward, its ``B`` (kept: what its ``W`` reads) or its ``W``."""
+        program, m, phase = self.programs[action.stage], action.microbatch, action.phase
         env = {**self._slots(step, program, m), **step.envs.pop((program.stage, m))}
-        self._wait(step, action, received, env)
-        self._run(program, BACKWARD, env)
-        self._send(step, program.transfers("send", BACKWARD), m, env)
+        if phase != WEIGHT_GRAD:
+            self._wait(step, action, received, env)
+        self._run(program, phase, env)
+        if phase != WEIGHT_GRAD:
+            self._send(step, program.transfers("send", BACKWARD), m, env)
+        if phase == INPUT_GRAD:
+            wanted = {*self.current.splits[program.stage].weight_grad.inputs, *program.grads}
+            step.envs[program.stage, m] = {
+                k: env[k] for k in wanted if k in env and k not in program.slots
+            }
+            return
         if not train:  # measuring: the gradients are dropped
             return
         sent = {t.key for t in program.sends}
@@ -384,7 +423,10 @@ class PipelineRunner:
                 add_to_grad(self.model.get_parameter(fqn), grad, step.weight)
 
     def _run(self, program: StageProgram, phase: str, env: Env) -> None:
-        half = getattr(program, phase)
+        if phase in (INPUT_GRAD, WEIGHT_GRAD):
+            half = getattr(self.current.splits[program.stage], phase)
+        else:
+            half = getattr(program, phase)
         args = [env[k] for k in half.inputs]
         compiled = self.compiled.get((program.stage, phase))
         with torch.no_grad():
@@ -408,7 +450,7 @@ class PipelineRunner:
 
     def _peer(self, stage: int) -> int:
         """The global rank running ``stage`` in this rank's pipeline."""
-        return self.topology.pp_ranks[stage % self.config.pp_degree]
+        return self.topology.pp_ranks[self.placement[stage]]
 
     def _tag(self, transfer: Transfer, m: int) -> int:
         return m * len(self.cut.transfers) + transfer.tag
@@ -427,7 +469,10 @@ class PipelineRunner:
     def _post_receives(self, action: Action, sizes: dict[Any, int] | None) -> _Receives:
         """Post the receives ``action`` needs; their buffers fill in the background."""
         posted: _Receives = []
-        for t in self.programs[action.stage].transfers("receive", action.phase):
+        if action.phase == WEIGHT_GRAD:  # reads only what its B kept
+            return posted
+        phase = FORWARD if action.phase == FORWARD else BACKWARD
+        for t in self.programs[action.stage].transfers("receive", phase):
             shape, stride = t.layout(sizes)
             if t.src in self.programs:  # from a stage of this rank: taken when it runs
                 posted.append((t, None, (t.tag, action.microbatch), stride))
@@ -519,6 +564,13 @@ class PipelineRunner:
                 f"  gradients (FSDP): accumulated per micro-batch into {len(reduction.buffers)} "
                 f"buffers of this rank's stages ({nbytes:,} bytes), reduced once per optimizer "
                 "step"
+            )
+        splits = self.current.splits
+        if splits:
+            stash = ", ".join(f"stage {s}: {w.stash_bytes:,}" for s, w in splits.items())
+            lines.append(
+                f"  backward split into B and W ({config.pp_schedule}): W stash held from B "
+                f"to W per micro-batch, bytes {stash}"
             )
         flight = in_flight(self.actions)
         estimate = flight * max(p.held_bytes for p in self.programs.values())

@@ -20,23 +20,55 @@ from typing import NamedTuple
 from gm_config import PP_SCHEDULES, ConfigError
 from gm_trace.passes.stage_cut import BACKWARD, FORWARD
 
+INPUT_GRAD, WEIGHT_GRAD = "input_grad", "weight_grad"
+"""The two parts of a split backward: ``B`` (the gradient of the stage's input, which the
+previous stage waits for) and ``W`` (its weight gradients, which nobody waits for)."""
+SEND, RECEIVE = "send", "receive"
+"""A value to or from the stage ``Action.peer`` of another rank (activations when the peer
+is a later stage, gradients when it is an earlier one)."""
+
+V_SCHEDULES = ("zbv", "dualpipev")
+"""Schedules whose two stages per rank lie in a V: rank ``r`` runs ``r`` and ``2n - 1 - r``."""
+
 
 class Action(NamedTuple):
-    """Run the ``phase`` (``"forward"`` / ``"backward"``) half of ``stage`` for ``microbatch``."""
+    """Run the ``phase`` (``"forward"``, ``"backward"`` — the whole backward —,
+    ``"input_grad"``, ``"weight_grad"``, ``"send"``, ``"receive"``) of ``stage`` for
+    ``microbatch``."""
 
     phase: str
     microbatch: int
     stage: int
+    peer: int | None = None
+    """The other rank's stage a send goes to or a receive comes from."""
+    overlap: bool = False
+    """A backward overlapped with the forward before it (dualpipev's pairs)."""
+
+
+def stage_ranks(schedule: str, n_ranks: int, virtual: int = 1) -> tuple[int, ...]:
+    """Stage -> the pipeline rank that runs it: ``s % n_ranks``, or in a V for
+    :data:`V_SCHEDULES` (rank ``r`` runs stages ``r`` and ``2 n_ranks - 1 - r``)."""
+    n_stages = n_ranks * virtual
+    if schedule in V_SCHEDULES:
+        return tuple(s if s < n_ranks else n_stages - 1 - s for s in range(n_stages))
+    return tuple(s % n_ranks for s in range(n_stages))
 
 
 def rank_actions(
     schedule: str, rank: int, n_ranks: int, n_microbatches: int, virtual: int = 1
 ) -> list[Action]:
-    """The actions of pipeline rank ``rank`` under ``schedule``, in order."""
+    """The actions of pipeline rank ``rank`` under ``schedule`` (GPipe, 1F1B, interleaved
+    1F1B; the zero-bubble schedules come from :mod:`gm_trainer.pipeline.planner`), in
+    order."""
     if schedule == "interleaved_1f1b":
         return interleaved_actions(n_ranks, virtual, n_microbatches)[rank]
     if schedule not in PP_SCHEDULES:
         raise ConfigError(f"unknown pipeline schedule {schedule!r}; choose one of {PP_SCHEDULES}")
+    if schedule not in ("gpipe", "1f1b"):
+        raise ConfigError(
+            f"pipeline schedule {schedule!r} is planned in simulated time: use "
+            "gm_trainer.pipeline.planner.schedule_orders"
+        )
     forwards = [Action(FORWARD, m, rank) for m in range(n_microbatches)]
     backwards = [Action(BACKWARD, m, rank) for m in range(n_microbatches)]
     if schedule == "gpipe":
@@ -107,10 +139,13 @@ def _tick(todo, held, limits, ready, urgency) -> list[tuple[int, Action]]:
 
 
 def in_flight(actions: list[Action]) -> int:
-    """The most micro-batch stages whose forward ran and whose backward did not, at any
-    point."""
+    """The most micro-batch stages whose forward ran and whose backward (its ``W`` when
+    split) did not, at any point."""
     live = peak = 0
     for action in actions:
-        live += 1 if action.phase == FORWARD else -1
+        if action.phase == FORWARD:
+            live += 1
+        elif action.phase in (BACKWARD, WEIGHT_GRAD):
+            live -= 1
         peak = max(peak, live)
     return peak

@@ -1,4 +1,5 @@
-"""``schedule.png``: each rank's step, planned (node order) above measured (milliseconds).
+"""``schedule.png``: each rank's step, planned (node order) above measured (milliseconds);
+under pipeline parallelism, each rank's schedule as the planner times it (F, B, W).
 
 Needs matplotlib (``pip install 'gm-trainer[plot]'``); drawn on an Agg canvas (no display,
 no global backend), like the run folder's ``loss.png``.
@@ -8,8 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gm_trainer.timeline.measure import RankTimeline
+
+if TYPE_CHECKING:
+    from gm_trainer.pipeline.planner import SchedulePlan
 
 #: Lane and colour per collective kind; others get the last lane's colour.
 _KINDS = (
@@ -84,4 +89,42 @@ def plot_timelines(timelines: Sequence[RankTimeline], path: str | Path) -> None:
     fig.savefig(path, format="png")
 
 
-__all__ = ["plot_timelines"]
+#: Colour and letter per compute phase of a pipeline schedule.
+_PHASES = {
+    "forward": ("tab:blue", "F"),
+    "backward": ("tab:orange", "B"),  # the whole backward: B and W together
+    "input_grad": ("tab:orange", "B"),
+    "weight_grad": ("tab:green", "W"),
+}
+
+
+def plot_schedule_plan(plan: SchedulePlan, path: str | Path) -> None:
+    """Draw ``plan`` (:func:`gm_trainer.pipeline.plan_schedule`) into the PNG ``path``: one
+    lane per rank, each action a bar from its simulated start to its end (F blue, B — or a
+    whole backward — orange, W green), labelled with its micro-batch (and stage, with
+    several per rank)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(max(8.0, plan.makespan / 4), 0.6 * plan.pp_degree + 1.2), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    for rank in range(plan.pp_degree):
+        for action in plan.compute_actions(rank):
+            colour, letter = _PHASES[action.phase]
+            start = plan.start[rank, action]
+            width = plan.end[rank, action] - start
+            ax.broken_barh([(start, width)], (rank - 0.4, 0.8), color=colour, alpha=0.8)
+            label = f"{letter}{action.microbatch}" + (
+                f".{action.stage}" if plan.virtual_stages > 1 else ""
+            )
+            ax.text(start + 0.05, rank, label, fontsize=6, va="center")
+    ax.set_yticks(range(plan.pp_degree), [f"rank {r}" for r in range(plan.pp_degree)])
+    ax.invert_yaxis()
+    ax.set_xlabel("simulated time (the plan's costs)", fontsize=8)
+    ax.set_title(plan.summary(), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+
+
+__all__ = ["plot_schedule_plan", "plot_timelines"]
