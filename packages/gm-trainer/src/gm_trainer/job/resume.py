@@ -31,7 +31,12 @@ from gm_trainer.checkpoint import (
 from gm_trainer.checkpoint.io import set_aside
 from gm_trainer.job.config import JobConfig, apply_overrides
 from gm_trainer.job.files import RunFolderError
-from gm_trainer.job.run_folder import CHECKPOINTS_DIR, run_folder_of, step_folders
+from gm_trainer.job.run_folder import (
+    CHECKPOINTS_DIR,
+    earlier_sessions,
+    run_folder_of,
+    step_folders,
+)
 
 #: The settings that decide which tokens the training windows are cut from. When they are the
 #: same as the saved run's, a different fingerprint means the corpus itself changed.
@@ -288,6 +293,8 @@ def find_resume_point(path: str | Path, *, set_aside_damaged: bool = False) -> R
             interrupted = sorted(p.name for p in root.glob("*.tmp") if p.is_dir())
             why = f"; {', '.join(interrupted)}: interrupted save(s)" if interrupted else ""
             why += "".join(f"; {d.describe()}" for d in damaged)
+            run = root.parent if root.name == CHECKPOINTS_DIR else root
+            why += "".join(f"; {line}" for line in earlier_sessions(run))
             raise ConfigError(
                 f"--resume {path}: no complete checkpoint in {root} (a checkpoint is a folder "
                 f"step-XXXXXXXX holding the commit marker {MARKER_NAME}){why}"
