@@ -213,7 +213,7 @@ def test_a_corpus_rewritten_in_place_is_refused_on_resume_unless_allowed(
     now = load_config(None, [a for a in command if "=" in a])
 
     def fingerprint() -> dict[str, Any]:
-        return load_job_data(now.data, now.model.seq_len, run).train.fingerprint()
+        return load_job_data(now.data, now.model.seq_len, run).fingerprint()
 
     original, stat = corpus.read_text(), corpus.stat()
     try:
@@ -235,7 +235,7 @@ def test_a_corpus_rewritten_in_place_is_refused_on_resume_unless_allowed(
         # Allowed: it goes on at the saved position, and says so.
         allowed = [*command, "data.allow_changed_corpus=true"]
         result = ok(gm_train(*allowed, cwd=root, timeout=240))
-        assert "was changed in place" in result.stdout, result.stdout
+        assert "was rewritten in place" in result.stdout, result.stdout
         assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6]
     finally:
         corpus.write_text(original)

@@ -229,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.print_config:  # read and tokenise the data now: errors before any rank
             job_data = prepare_data(config)
             if resume is not None:
-                fingerprint = job_data.train.fingerprint()
+                fingerprint = job_data.fingerprint()
                 check_same_data(config, fingerprint, extra, resume.checkpoint)
         config.logging.run_dir = str(
             choose_run_dir(

@@ -238,6 +238,12 @@ class JobData:
     tokenizer: Tokenizer
     documents_from: str
 
+    def fingerprint(self) -> dict[str, Any]:
+        """What a checkpoint records of the training data (compared on resume): the train
+        windows' :meth:`Windows.fingerprint` and the tokenizer's, so that a resume can tell a
+        rewritten tokenizer from a rewritten corpus."""
+        return {**self.train.fingerprint(), "tokenizer": self.tokenizer.fingerprint}
+
 
 def load_job_data(data: DataConfig, seq_len: int, run_dir: str | Path) -> JobData:
     """Read (or take from the cache) the job's corpus and its held-out split."""
