@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from gm_trace.graph.profiler_output import quiet_profiler
 from gm_trainer.flops import (
     TransformerShape,
     device_peak_flops,
@@ -89,6 +90,7 @@ class StepProfiler:
         self.path = run_dir / "profile" / f"rank{rank}.json"
         self.first_step = first_step
         self._profiler: Any = None
+        self._quiet: Any = None
 
     def wrap(self, batches: Iterable[T], accumulation: int) -> Iterator[T]:
         """Yield ``batches``; start the profiler before step ``start``, stop after ``end``."""
@@ -111,6 +113,8 @@ class StepProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._quiet = quiet_profiler()  # the profiler's own start / stop lines
+        self._quiet.__enter__()
         self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
         self._profiler.__enter__()
 
@@ -122,6 +126,9 @@ class StepProfiler:
         if self._profiler is None:
             return
         profiler, self._profiler = self._profiler, None
-        profiler.__exit__(None, None, None)
+        try:
+            profiler.__exit__(None, None, None)
+        finally:
+            self._quiet.__exit__(None, None, None)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(self.path))
