@@ -11,6 +11,7 @@ checkpoint (the micro-batches consumed) gives the ``(epoch, offset)`` to continu
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -84,10 +85,13 @@ def token_stream(
     if not ids:
         raise ConfigError(f"data.corpus: no documents read from {corpus}")
     tokens = torch.tensor(ids, dtype=torch.int32)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with replacing(path) as tmp:  # atomic: ranks of torchrun may write it at once
-            torch.save(tokens, tmp)
+    # A cache that cannot be written (read-only data.cache_dir) only costs the next run the
+    # tokenising again.
+    with contextlib.suppress(OSError):
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with replacing(path) as tmp:  # atomic: ranks of torchrun may write it at once
+                torch.save(tokens, tmp)
     return tokens.long()
 
 
