@@ -341,10 +341,10 @@ def set_aside_metrics(run_dir: str | Path) -> Path | None:
 
 
 def earlier_sessions(run_dir: str | Path, known: Collection[Path] = ()) -> list[str]:
-    """What a run folder kept of its sessions before the current one, one line each: the
-    records set aside when a fresh start followed damaged checkpoints
-    (:func:`set_aside_metrics`), and the checkpoints set aside as damaged (but those in
-    ``known``: reported already)."""
+    """What a run folder kept of its sessions before a fresh start, one line each: the
+    records set aside when it followed damaged checkpoints (:func:`set_aside_metrics`) and,
+    then, the checkpoints set aside as damaged (but those in ``known``: reported already).
+    Empty for a folder that never started afresh."""
     run = Path(run_dir)
     lines = []
     for kept in sorted(run.glob(f"metrics.jsonl{EARLIER_SUFFIX}*")):
@@ -360,6 +360,8 @@ def earlier_sessions(run_dir: str | Path, known: Collection[Path] = ()) -> list[
             "intact, so --resume auto started the run afresh at step 1 (metrics.jsonl holds "
             "the records since)"
         )
+    if not lines:
+        return lines  # a fallback past a damaged checkpoint was reported when it happened
     reported = {Path(p).name for p in known}
     damaged = sorted(
         p.name
