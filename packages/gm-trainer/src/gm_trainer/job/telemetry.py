@@ -14,7 +14,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from gm_trace.graph.profiler_output import quiet_profiler
 from gm_trainer.flops import (
     TransformerShape,
     device_peak_flops,
@@ -90,7 +89,6 @@ class StepProfiler:
         self.path = run_dir / "profile" / f"rank{rank}.json"
         self.first_step = first_step
         self._profiler: Any = None
-        self._quiet: Any = None
 
     def wrap(self, batches: Iterable[T], accumulation: int) -> Iterator[T]:
         """Yield ``batches``; start the profiler before step ``start``, stop after ``end``."""
@@ -113,8 +111,6 @@ class StepProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self._quiet = quiet_profiler()  # the profiler's own start / stop lines
-        self._quiet.__enter__()
         self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
         self._profiler.__enter__()
 
@@ -126,9 +122,6 @@ class StepProfiler:
         if self._profiler is None:
             return
         profiler, self._profiler = self._profiler, None
-        try:
-            profiler.__exit__(None, None, None)
-        finally:
-            self._quiet.__exit__(None, None, None)
+        profiler.__exit__(None, None, None)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(self.path))
