@@ -281,3 +281,19 @@ def test_inductor_not_importable_says_so(monkeypatch):
     assert "needs torch._inductor" in message and "cannot import" in message
     assert "PassConfig.backend=None to run the graph as it is" in message
     _no_deep_traceback(info.value)
+
+
+def test_a_cache_directory_inductor_cannot_write_is_named_not_the_backend(monkeypatch, tmp_path):
+    """Issue #41 item 6: Inductor failing to write its cache (a lock, generated code) is a
+    folder to fix; the error names it, never "set PassConfig.backend=None". A path under a
+    regular file refuses every user, root too."""
+    (tmp_path / "a-file").write_text("")
+    blocked = tmp_path / "a-file" / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(blocked))
+    model, train_fn, batch = mlp()
+    with pytest.raises(BackendError) as info:
+        compile_graph(model, train_fn, batch(0), "inductor")
+    message = str(info.value)
+    assert f"Inductor cannot write its cache directory {blocked}" in message, message
+    assert "NotADirectoryError" in message and "TORCHINDUCTOR_CACHE_DIR" in message
+    assert "backend=None" not in message

@@ -127,6 +127,24 @@ def test_compare_passes_trains_nothing_and_names_the_pass(
         assert "no pass changes the loss or a gradient" in report
 
 
+def test_a_run_shorter_than_the_logging_interval_records_its_first_and_last_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Issue #41 item 8: the first and the last step are logged whatever logging.interval
+    says, and the console carries no line of torch's profiler (which measures the peak memory
+    of step 2 and draws schedule.png), on the file descriptors themselves."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["--nproc", "1", *TINY, "train.steps=3", "logging.run_dir=run"]) == 0
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 3]  # interval 10
+    out, err = capfd.readouterr()
+    assert [line.split(" |")[0] for line in out.splitlines() if line.startswith("step ")] == [
+        "step 1/3",
+        "step 3/3",
+    ], out
+    assert "profiler_start" not in err and "profiler_stop" not in err, err
+    assert "CPUAllocator" not in err, err
+
+
 def test_bad_config_returns_2_and_names_the_key(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--nproc", "2", "train.stepz=3"]) == 2
     err = capsys.readouterr().err

@@ -39,3 +39,17 @@ def test_a_restart_reuses_the_compiled_graphs_and_a_change_says_why(tmp_path: Pa
     tampered = _run(tmp_path, "tampered", "parallel.enable_overlap=false")
     assert "compile cache: mismatch" in tampered and "does not match its checksum" in tampered
     assert "recompiling" in tampered
+
+
+@JOBS
+@pytest.mark.inductor
+def test_a_compile_cache_that_cannot_be_written_never_stops_the_run(tmp_path: Path) -> None:
+    """Issue #41 item 6: the cache's folder cannot be made (a path under a regular file
+    refuses root too): the job compiles in a private folder, warns once naming the setting,
+    and trains."""
+    (tmp_path / "a-file").write_text("")
+    err = _run(tmp_path, "blocked", f"data.cache_dir={tmp_path / 'a-file' / 'cache'}")
+    warnings = [line for line in err.splitlines() if "compile cache: warning:" in line]
+    assert len(warnings) == 1 and "train.compile_cache" in warnings[0], err
+    assert "BackendError" not in err and "in a private folder" in err
+    assert (tmp_path / "blocked" / "checkpoints" / "step-00000001").is_dir()

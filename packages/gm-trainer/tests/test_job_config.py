@@ -14,6 +14,7 @@ import yaml
 from extras import PLOT
 
 from gm_config import ConfigError, PassConfig
+from gm_config.combinations import UNSUPPORTED, Unsupported
 from gm_trainer.checkpoint import MARKER_NAME
 from gm_trainer.job.config import (
     DEFAULT_CONFIG_PATH,
@@ -38,6 +39,7 @@ from gm_trainer.job.run_folder import (
     summarize,
 )
 from gm_trainer.job.sources import build_model
+from gm_trainer.job.world import JOB_KEYS
 from gm_trainer.logs import console_logger
 
 
@@ -616,3 +618,16 @@ def test_cp_degree_is_checked_against_the_world_and_the_sequence() -> None:
         load_config(None, ["parallel.cp_degree=2", "parallel.pp_degree=2"]).check_world_size(4)
     with pytest.raises(ConfigError, match=r"shards over all 4 rank"):
         load_config(None, ["parallel.cp_degree=2", "parallel.fsdp_degree=2"]).check_world_size(4)
+
+
+@pytest.mark.parametrize("entry", UNSUPPORTED, ids=lambda e: "x".join(e.dims))
+def test_gm_train_refuses_every_combination_of_the_table_in_its_words(entry: Unsupported) -> None:
+    """Issue #41 item 9: the user guide's list of refused combinations is generated from the
+    table (gm-config's test_config_combinations.py); here the job refuses each entry, before
+    any rank starts, naming the values and the table's words."""
+    job = load_config(None, [f"{JOB_KEYS[dim]}=2" for dim in entry.dims])
+    with pytest.raises(ConfigError) as info:
+        job.check_world_size(2 ** len(entry.dims))
+    message = str(info.value)
+    assert f"{entry.what} is not supported" in message, message
+    assert all(f"{JOB_KEYS[dim]}=2" in message for dim in entry.dims), message

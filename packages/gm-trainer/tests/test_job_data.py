@@ -13,10 +13,11 @@ from extras import TOKENIZERS
 from test_job_cli import gm_train, metrics
 
 from gm_config import ConfigError
-from gm_trainer.checkpoint import checkpoint_info
+from gm_trainer.checkpoint import checkpoint_extra, checkpoint_info
 from gm_trainer.job.cli import main
 from gm_trainer.job.config import load_config
 from gm_trainer.job.dataset import PackedBatches, Windows, load_job_data, position_of
+from gm_trainer.job.resume import check_same_data
 from gm_trainer.job.tokenize import load_tokenizer
 
 WORDS = [
@@ -31,12 +32,12 @@ def sentences(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) for _ in range(n)]
 
 
-def make_tokenizer(folder: Path, extra_words: int = 0) -> Path:
-    """A WordLevel tokenizer over :data:`WORDS` (plus ``extra_words`` dummies), EOS ``<eos>``,
+def make_tokenizer(folder: Path, extra_words: int = 0, words: list[str] = WORDS) -> Path:
+    """A WordLevel tokenizer over ``words`` (plus ``extra_words`` dummies), EOS ``<eos>``,
     saved as a HF tokenizer folder."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {w: i for i, w in enumerate(["<unk>", "<eos>", *WORDS])}
+    vocab = {w: i for i, w in enumerate(["<unk>", "<eos>", *words])}
     for i in range(extra_words):
         vocab[f"w{i}"] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -271,3 +272,36 @@ def test_jsonl_resume_continues_with_the_next_window_bitwise(tmp_path: Path) -> 
     # 6 steps of 8 windows stay inside epoch 0, so the runs saw 48 distinct windows
     windows = load_job_data(load_config(None, job[2:]).data, 16, tmp_path / "x").train.count
     assert windows >= 48
+
+
+@TOKENIZERS
+def test_a_tokenizer_rewritten_in_place_is_named_on_resume_not_the_corpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue #41 item 7: the refusal says what changed (the tokenizer, the corpus, or which
+    data setting)."""
+    monkeypatch.chdir(tmp_path)
+    tok = make_tokenizer(tmp_path / "tok")
+    corpus = make_jsonl(tmp_path / "c.jsonl", sentences(60))
+    job = [
+        "model.vocab_size=32", "model.dim=32", "model.n_layers=1", "model.n_heads=2",
+        "model.seq_len=16", f"data.corpus={corpus}", "data.format=jsonl",
+        f"data.tokenizer={tok}", "train.global_batch_size=4", "logging.run_dir=run",
+    ]  # fmt: skip
+    assert main(["--nproc", "1", *job, "train.steps=1"]) == 0  # saves step-00000001
+    capsys.readouterr()
+    make_tokenizer(tok, words=WORDS[::-1])  # the same folder: other ids for the same words
+    assert main(["--nproc", "1", "--resume", "run", "train.steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert "the tokenizer gives other token ids than the checkpoint's" in err, err
+    assert f"data.tokenizer {tok} was rewritten in place" in err, err
+    assert "Restore the tokenizer the run was trained with" in err
+    assert "corpus's content" not in err and f"{corpus} was rewritten" not in err
+    # Another tokenizer folder named in the config is deliberate: a warning naming the key.
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000001"
+    other = make_tokenizer(tmp_path / "other", words=WORDS[::-1])
+    now = load_config(None, [*job, f"data.tokenizer={other}"])
+    fingerprint = load_job_data(now.data, 16, tmp_path / "run").fingerprint()
+    (line,) = check_same_data(now, fingerprint, checkpoint_extra(checkpoint), checkpoint)
+    assert line.startswith("warning: the training tokens differ from the checkpoint's"), line
+    assert line.endswith(", as data.tokenizer changed"), line

@@ -113,6 +113,30 @@ def test_resume_auto_falls_back_past_a_damaged_checkpoint_and_saves_its_step_aga
     assert "damaged" not in again.stderr
 
 
+def test_a_fresh_start_after_every_checkpoint_was_damaged_keeps_the_earlier_records(
+    base: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue #41 item 5: ``--resume auto`` with no intact checkpoint starts afresh, but the
+    earlier session's records stay in the run folder, and a later ``--resume`` says so."""
+    run = copy_run(base, "all-damaged")
+    for step in ("step-00000002", "step-00000004"):
+        _flip_byte(run / "checkpoints" / step / "__0_0.distcp")
+    earlier = (run / "metrics.jsonl").read_bytes()
+    assert main(job(run, base["corpus"])) == 0  # the same command, in this process
+    err = capsys.readouterr().err
+    kept = run / "metrics.jsonl.earlier"
+    assert "no intact checkpoint is left: starting fresh" in err, err
+    assert f"the earlier session's records are kept in {kept}" in err, err
+    assert kept.read_bytes() == earlier  # every earlier record, as it was
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]  # the fresh run's own
+    # --resume of the folder explains what it holds (before it finds nothing left to train).
+    assert main(["--nproc", "1", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"note: {kept} holds the records of steps 1..4 of an earlier session" in err, err
+    assert "started the run afresh at step 1" in err
+    assert "step-00000002.damaged, step-00000004.damaged" in err, err
+
+
 def test_an_older_checkpoint_resumed_by_name_moves_an_unreadable_newer_one_out_of_the_way(
     base: dict[str, Any],
 ) -> None:
@@ -189,7 +213,7 @@ def test_a_corpus_rewritten_in_place_is_refused_on_resume_unless_allowed(
     now = load_config(None, [a for a in command if "=" in a])
 
     def fingerprint() -> dict[str, Any]:
-        return load_job_data(now.data, now.model.seq_len, run).train.fingerprint()
+        return load_job_data(now.data, now.model.seq_len, run).fingerprint()
 
     original, stat = corpus.read_text(), corpus.stat()
     try:
@@ -211,7 +235,7 @@ def test_a_corpus_rewritten_in_place_is_refused_on_resume_unless_allowed(
         # Allowed: it goes on at the saved position, and says so.
         allowed = [*command, "data.allow_changed_corpus=true"]
         result = ok(gm_train(*allowed, cwd=root, timeout=240))
-        assert "was changed in place" in result.stdout, result.stdout
+        assert "was rewritten in place" in result.stdout, result.stdout
         assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6]
     finally:
         corpus.write_text(original)

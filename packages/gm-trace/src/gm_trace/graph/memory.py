@@ -18,6 +18,7 @@ import torch.fx as fx
 from gm_passes.graph_ops import is_wait, mutates_an_input, op_name
 from gm_trace.graph import node_meta
 from gm_trace.graph.graph_build import tensor_bytes
+from gm_trace.graph.profiler_output import quiet_profiler
 
 #: Ops whose result shares its input's storage.
 VIEW_OPS = frozenset(
@@ -172,7 +173,7 @@ def peak_allocated_bytes(fn: Callable[[], Any], device: torch.device | str = "cp
         return torch.cuda.max_memory_allocated(device) - start
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = sorted(
         (event.start_ns(), event.nbytes())

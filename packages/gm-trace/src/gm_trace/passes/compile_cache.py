@@ -8,6 +8,11 @@ signature (shapes, strides, dtypes, devices), the torch and Python versions, and
 the run gives (pass configuration, world layout, rank). Inductor compiles with that directory
 as its cache directory (``torch._inductor.runtime.cache_dir_utils.temporary_cache_dir``).
 
+A cache that cannot be written (a read-only folder, a path under a file, another user's
+entries) never stops a run: its verified entries are still read (copied into a private
+temporary folder, where Inductor may write its locks), the rest compiles in that folder, and
+one warning per cache names the setting that chose it.
+
 Integrity, as for checkpoints: after a compile the entry gets ``manifest.json`` (every file's
 size and SHA-256, and the fingerprint's parts), written atomically. Before Inductor may read an
 entry, every file is checked against the manifest and no file may be missing or added; an entry
@@ -17,6 +22,7 @@ since the graph's last compile in the same slot (``context["slot"]``).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import json
@@ -66,11 +72,20 @@ def _write_atomic(path: Path, text: str) -> None:
             os.unlink(tmp)
 
 
+def _write_probe(folder: Path) -> None:
+    """Raise :class:`OSError` unless a file can be created in ``folder`` (permissions alone do
+    not tell: root writes through them, a read-only mount refuses everyone)."""
+    fd, name = tempfile.mkstemp(prefix=".write-probe.", dir=folder)
+    os.close(fd)
+    os.unlink(name)
+
+
 class CompileCache:
     """Compiled artifacts under ``root``, one verified directory per fingerprint.
 
     ``context``: what the run adds to every fingerprint (plain JSON data: pass configuration,
-    world size, rank, ...); ``log``: where hit / miss / mismatch lines go.
+    world size, rank, ...); ``log``: where hit / miss / mismatch lines go; ``setting``: what
+    chose this cache, named by the warning when it cannot be written.
     """
 
     def __init__(
@@ -78,13 +93,17 @@ class CompileCache:
         root: str | Path,
         context: Mapping[str, Any] | None = None,
         log: Callable[[str], None] | None = None,
+        setting: str = "the compile cache",
     ) -> None:
         self.root = Path(root)
         self.context = dict(context or {})
         self.log = log or (lambda line: print(line, file=sys.stderr))
+        self.setting = setting
         self.events: list[tuple[str, str]] = []
         """``(status, reason)`` of each lookup: ``hit``, ``miss`` or ``mismatch``."""
         self._compiles = 0
+        self._private: Path | None = None
+        """Where this process compiles once ``root`` proved unwritable (``None``: it is not)."""
 
     def parts(self, graph_module: fx.GraphModule, example_inputs: list[Any]) -> dict[str, Any]:
         """What the fingerprint covers, by name."""
@@ -106,35 +125,73 @@ class CompileCache:
     def entry(self, graph_module: fx.GraphModule, example_inputs: list[Any]) -> Iterator[str]:
         """Inductor's cache directory for this graph while the body compiles; yields the
         lookup's status. A verified entry is a hit; anything else compiles into a fresh
-        entry, which gets its manifest when the body returns."""
+        entry, which gets its manifest when the body returns. When the cache cannot be
+        written, a hit is a private copy of the entry and the rest compiles privately."""
         parts = self.parts(graph_module, example_inputs)
         key = self.fingerprint(parts)
         folder = self.root / key
         slot = str(self.context.get("slot", "graph")) + f"-{self._compiles}"
         self._compiles += 1
         status, reason = self._lookup(folder, parts, slot)
+        where = folder / "inductor"
+        if self._private is None:
+            try:
+                where.mkdir(parents=True, exist_ok=True)
+                _write_probe(where)
+            except OSError as exc:
+                self._cannot_write(exc)
+        if self._private is not None:
+            where = self._private / key / "inductor"
+            if status == "hit" and not where.is_dir():  # what is there, read where it lies
+                try:
+                    shutil.copytree(folder / "inductor", where)
+                except OSError as exc:
+                    shutil.rmtree(where, ignore_errors=True)
+                    status, reason = "miss", f"the entry cannot be read ({exc}); compiling"
+            where.mkdir(parents=True, exist_ok=True)
+            if status != "hit":
+                reason += " in a private folder (the cache cannot be written)"
         self.events.append((status, reason))
         self.log(f"compile cache: {status} {key[:12]}: {reason}")
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
-        (folder / "inductor").mkdir(parents=True, exist_ok=True)
-        with temporary_cache_dir(str(folder / "inductor")):
+        with temporary_cache_dir(str(where)):
             yield status
+        if self._private is not None:
+            return
         # What this process's compile left, from a verified entry or a fresh one (Inductor
         # also writes on a hit).
-        self._seal(folder, parts)
-        (self.root / _LAST).mkdir(parents=True, exist_ok=True)
-        _write_atomic(self.root / _LAST / f"{slot}.json", json.dumps(parts, sort_keys=True))
+        try:
+            self._seal(folder, parts)
+            (self.root / _LAST).mkdir(parents=True, exist_ok=True)
+            _write_atomic(self.root / _LAST / f"{slot}.json", json.dumps(parts, sort_keys=True))
+        except OSError as exc:  # compiled: only the cache is not kept
+            self._cannot_write(exc)
+
+    def _cannot_write(self, exc: OSError) -> None:
+        """Go on in a private temporary folder (removed at exit); warn once."""
+        if self._private is not None:
+            return
+        self._private = Path(tempfile.mkdtemp(prefix="gm-compile-cache-"))
+        atexit.register(shutil.rmtree, self._private, ignore_errors=True)
+        self.log(
+            f"compile cache: warning: {self.root} cannot be written ({type(exc).__name__}: "
+            f"{exc}); its verified entries are still read, and what is not there compiles in "
+            f"the private folder {self._private} (removed at exit), so a restart compiles it "
+            f"again. Make the folder writable, give {self.setting} another place, or switch "
+            "it off"
+        )
 
     def _lookup(self, folder: Path, parts: Mapping[str, Any], slot: str) -> tuple[str, str]:
         if (folder / MANIFEST).is_file():
             problem = self.verify(folder)
             if problem is None:
                 return "hit", "verified entry reused"
-            shutil.rmtree(folder)
+            if not self._remove(folder):
+                return "mismatch", f"{problem}; the entry cannot be removed, recompiling"
             return "mismatch", f"{problem}; the entry was removed, recompiling"
         if folder.exists():  # a compile that never sealed its entry (killed)
-            shutil.rmtree(folder)
+            self._remove(folder)
         last = self.root / _LAST / f"{slot}.json"
         changed: list[str] = []
         with contextlib.suppress(OSError, ValueError):
@@ -143,6 +200,16 @@ class CompileCache:
         if changed:
             return "miss", f"changed since the last compile: {', '.join(changed)}; compiling"
         return "miss", "no entry for this graph yet; compiling"
+
+    def _remove(self, folder: Path) -> bool:
+        """Remove a damaged or unsealed entry; False (and the warning) when it cannot be."""
+        if self._private is None:
+            try:
+                shutil.rmtree(folder)
+                return True
+            except OSError as exc:
+                self._cannot_write(exc)
+        return False
 
     def verify(self, folder: Path) -> str | None:
         """``None`` when every file of ``folder`` is as its manifest says, else what is not."""

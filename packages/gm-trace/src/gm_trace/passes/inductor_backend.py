@@ -19,6 +19,8 @@ pass put it); that changes nothing between ranks.
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -74,6 +76,9 @@ def compile_with_inductor(
         from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import compile_fx
     except Exception as exc:  # ImportError, or a broken optional dependency
+        unwritable = _unwritable_cache(exc)
+        if unwritable is not None:
+            raise unwritable from None
         raise BackendError(
             f"PassConfig.backend='inductor' needs torch._inductor, which this torch "
             f"({torch.__version__}) cannot import: {type(exc).__name__}: {exc}. Set "
@@ -187,9 +192,34 @@ def _check_cpp_compiler() -> None:
         ) from None
 
 
+#: The errors of a write that the folder refuses (not a missing program or file).
+_CANNOT_WRITE = frozenset(
+    (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.ENOSPC, errno.EDQUOT)
+)
+
+
+def _unwritable_cache(exc: BaseException) -> BackendError | None:
+    """The error for a file Inductor could not write in its cache directory (its locks, its
+    generated code), or ``None`` for another failure: that is a folder to fix, not a backend
+    to switch off."""
+    root = _root(exc)
+    if not isinstance(root, OSError) or root.errno not in _CANNOT_WRITE:
+        return None  # e.g. a compiler that is not there: FileNotFoundError
+    where = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's default cache directory")
+    return BackendError(
+        f"Inductor cannot write its cache directory {where} ({type(root).__name__}: "
+        f"{root}). Make that folder writable, or point TORCHINDUCTOR_CACHE_DIR at one that is "
+        "(a gm_trace.passes.compile_cache.CompileCache that cannot be written compiles in a "
+        "private folder instead: gm-train's train.compile_cache, under data.cache_dir)"
+    )
+
+
 def _inductor_failure(exc: BaseException) -> BackendError:
     from torch._inductor.exc import InvalidCxxCompiler
 
+    unwritable = _unwritable_cache(exc)
+    if unwritable is not None:
+        return unwritable
     root = _root(exc)
     if isinstance(root, InvalidCxxCompiler):
         return BackendError(

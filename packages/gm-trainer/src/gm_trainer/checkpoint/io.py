@@ -145,12 +145,13 @@ def commit(
     shutil.rmtree(old, ignore_errors=True)
 
 
-def set_aside(path: Path) -> Path:
+def set_aside(path: Path, suffix: str = DAMAGED_SUFFIX) -> Path:
     """Rename the damaged checkpoint ``path`` to ``<path>.damaged`` (``.damaged-2``, ... when
     taken) and return the new name: out of discovery's way, its step free to save again, and
-    nothing deleted."""
+    nothing deleted. ``suffix``: another ending than ``.damaged`` (a file kept for the same
+    reason, such as the records of a run whose checkpoints were all damaged)."""
     for n in itertools.count(1):
-        target = path.with_name(f"{path.name}{DAMAGED_SUFFIX}{'' if n == 1 else f'-{n}'}")
+        target = path.with_name(f"{path.name}{suffix}{'' if n == 1 else f'-{n}'}")
         if not target.exists():
             try:
                 os.rename(path, target)

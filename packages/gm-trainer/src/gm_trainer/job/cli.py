@@ -34,7 +34,13 @@ from gm_trainer.job.resume import (
     find_resume_point,
     set_aside_later_steps,
 )
-from gm_trainer.job.run_folder import CHECKPOINTS_DIR, resolve_run_dir, step_checkpoints
+from gm_trainer.job.run_folder import (
+    CHECKPOINTS_DIR,
+    earlier_sessions,
+    resolve_run_dir,
+    set_aside_metrics,
+    step_checkpoints,
+)
 
 if TYPE_CHECKING:
     from gm_trainer.job.dataset import JobData
@@ -223,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.print_config:  # read and tokenise the data now: errors before any rank
             job_data = prepare_data(config)
             if resume is not None:
-                fingerprint = job_data.train.fingerprint()
+                fingerprint = job_data.fingerprint()
                 check_same_data(config, fingerprint, extra, resume.checkpoint)
         config.logging.run_dir = str(
             choose_run_dir(
@@ -234,6 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ignore=[d.path for d in damaged],
             )
         )
+        _keep_history(config.logging.run_dir, resume, damaged, reporter, writer and auto)
     except (ConfigError, RunFolderError, CheckpointError) as e:
         if reporter:
             print(f"gm-train: error: {e}", file=sys.stderr)
@@ -302,7 +309,12 @@ def prepare_data(config: JobConfig) -> JobData:
 
 
 def _report_damaged(damaged: Sequence[Damaged], resume: ResumePoint | None, reporter: bool) -> None:
-    """Say which damaged checkpoints discovery passed over, and where it went instead."""
+    """Say which damaged checkpoints discovery passed over, and where it went instead; and,
+    resuming a run folder, what it kept of earlier sessions (:func:`earlier_sessions`)."""
+    if reporter and resume is not None and resume.run_folder is not None:
+        moved = [d.moved_to for d in damaged if d.moved_to is not None]
+        for line in earlier_sessions(resume.run_folder, moved):
+            print(f"gm-train: note: {line}", file=sys.stderr)
     if not reporter or not damaged:
         return
     for found in damaged:
@@ -313,6 +325,22 @@ def _report_damaged(damaged: Sequence[Damaged], resume: ResumePoint | None, repo
         else "no intact checkpoint is left: starting fresh"
     )
     print(f"gm-train: warning: {then}", file=sys.stderr)
+
+
+def _keep_history(
+    run_dir: str, resume: ResumePoint | None, damaged: Sequence[Damaged], reporter: bool, auto: bool
+) -> None:
+    """A fresh start after damaged checkpoints (``auto``, on the writer) keeps the earlier
+    records (:func:`set_aside_metrics`). After :func:`choose_run_dir`: the folder is this
+    job's, and no other job runs in it."""
+    if auto and resume is None and damaged:
+        kept = set_aside_metrics(run_dir)
+        if kept is not None and reporter:
+            print(
+                f"gm-train: warning: the earlier session's records are kept in {kept}; "
+                "metrics.jsonl starts afresh",
+                file=sys.stderr,
+            )
 
 
 def check_run_config(path: Path) -> None:

@@ -155,7 +155,8 @@ class LoggingConfig(Section):
     section: ClassVar[str] = "logging"
 
     interval: int = 10
-    """Log (print, and append to ``metrics.jsonl``) every this many optimizer steps."""
+    """Log (print, and append to ``metrics.jsonl``) every this many optimizer steps, and the
+    first and the last step of the run."""
 
     run_dir: str = "runs/{timestamp}"
     """Run folder; ``{timestamp}`` becomes the start time (``YYYYmmdd-HHMMSS``)."""

@@ -11,6 +11,7 @@ checkpoint (the micro-batches consumed) gives the ``(epoch, offset)`` to continu
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -84,10 +85,13 @@ def token_stream(
     if not ids:
         raise ConfigError(f"data.corpus: no documents read from {corpus}")
     tokens = torch.tensor(ids, dtype=torch.int32)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with replacing(path) as tmp:  # atomic: ranks of torchrun may write it at once
-            torch.save(tokens, tmp)
+    # A cache that cannot be written (read-only data.cache_dir) only costs the next run the
+    # tokenising again.
+    with contextlib.suppress(OSError):
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with replacing(path) as tmp:  # atomic: ranks of torchrun may write it at once
+                torch.save(tokens, tmp)
     return tokens.long()
 
 
@@ -237,6 +241,12 @@ class JobData:
     eval: Windows | None
     tokenizer: Tokenizer
     documents_from: str
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a checkpoint records of the training data (compared on resume): the train
+        windows' :meth:`Windows.fingerprint` and the tokenizer's, so that a resume can tell a
+        rewritten tokenizer from a rewritten corpus."""
+        return {**self.train.fingerprint(), "tokenizer": self.tokenizer.fingerprint}
 
 
 def load_job_data(data: DataConfig, seq_len: int, run_dir: str | Path) -> JobData:

@@ -125,7 +125,7 @@ def job_compile_cache(config: JobConfig, rank: int, world_size: int) -> CompileC
         "slot": f"rank{rank}",
     }
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if rank == 0 else (lambda _: None)
-    return CompileCache(root, context, log)
+    return CompileCache(root, context, log, setting="train.compile_cache")
 
 
 def layout_note(pp: int, tp: int, dp: int) -> str:

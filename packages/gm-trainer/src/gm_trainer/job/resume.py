@@ -31,13 +31,19 @@ from gm_trainer.checkpoint import (
 from gm_trainer.checkpoint.io import set_aside
 from gm_trainer.job.config import JobConfig, apply_overrides
 from gm_trainer.job.files import RunFolderError
-from gm_trainer.job.run_folder import CHECKPOINTS_DIR, run_folder_of, step_folders
+from gm_trainer.job.run_folder import (
+    CHECKPOINTS_DIR,
+    earlier_sessions,
+    run_folder_of,
+    step_folders,
+)
 
-#: The settings that decide which tokens the training windows are cut from. When they are the
-#: same as the saved run's, a different fingerprint means the corpus itself changed.
+#: The ``data`` settings that decide which tokens the training windows are cut from. When
+#: they are the same as the saved run's, a different fingerprint means the corpus or the
+#: tokenizer itself changed (the fingerprint's ``tokenizer`` tells which).
 TOKEN_KEYS = (
-    ("data", ("corpus", "format", "field", "tokenizer", "glob", "max_bytes")),
-    ("data", ("eval_fraction", "eval_files")),
+    *("corpus", "format", "field", "tokenizer", "glob", "max_bytes"),
+    *("eval_fraction", "eval_files"),
 )
 
 
@@ -119,45 +125,82 @@ def check_same_data(
     extra: Mapping[str, Any],
     checkpoint: str | Path,
 ) -> list[str]:
-    """Compare this run's corpus with the one the checkpoint was trained on; the lines to
-    print. Raises :class:`ConfigError` when the data settings are the same but the content
-    is not (a corpus rewritten in place: the saved position means another stream), unless
-    ``data.allow_changed_corpus``.
+    """Compare this run's training tokens with those the checkpoint was trained on; the lines
+    to print. Raises :class:`ConfigError` when the data settings are the same but the tokens
+    are not (the corpus or the tokenizer rewritten in place: the saved position means another
+    stream), naming which of the two changed, unless ``data.allow_changed_corpus``.
 
-    A change of the settings themselves is deliberate and only warned about (see
+    A change of the settings themselves is deliberate and only warned about, naming them (see
     :func:`gm_trainer.job.runner._reconcile`); a checkpoint without a fingerprint (saved
     before they existed, or by a script) is not compared.
     """
     data = extra.get("data")
     was = data.get("fingerprint") if isinstance(data, Mapping) else None
-    if not isinstance(was, Mapping) or dict(was) == dict(fingerprint):
-        return []
+    if not isinstance(was, Mapping) or all(was.get(k) == fingerprint.get(k) for k in _TOKENS):
+        return []  # the same tokens (a tokenizer file rewritten to the same ids changes none)
+    counts = (
+        f"(fingerprint: {was.get('tokens')} tokens, sha256 {str(was.get('sha256'))[:12]}... "
+        f"then; {fingerprint['tokens']} tokens, sha256 {fingerprint['sha256'][:12]}... now)"
+    )
     saved = extra.get("config")
+    if not isinstance(saved, Mapping):
+        return [f"warning: the training tokens differ from the checkpoint's {counts}"]
     now = config.to_dict()
-    same_settings = isinstance(saved, Mapping) and all(
-        isinstance(saved.get(section), Mapping) and saved[section].get(key) == now[section][key]
-        for section, keys in TOKEN_KEYS
-        for key in keys
-    )
-    change = (
-        f"the corpus's content differs from the checkpoint's (fingerprint: "
-        f"{was.get('tokens')} tokens, sha256 {str(was.get('sha256'))[:12]}... then; "
-        f"{fingerprint['tokens']} tokens, sha256 {fingerprint['sha256'][:12]}... now)"
-    )
-    if not same_settings:
-        return [f"warning: {change}, as the data settings changed"]
-    corpus = config.data.corpus if config.data.corpus is not None else "the default corpus"
+    settings = [
+        f"data.{key}"
+        for key in TOKEN_KEYS
+        if not isinstance(saved.get("data"), Mapping) or saved["data"].get(key) != now["data"][key]
+    ]
+    if settings:
+        return [
+            f"warning: the training tokens differ from the checkpoint's {counts}, as "
+            f"{', '.join(settings)} changed"
+        ]
+    what, rewritten, restore = _what_changed(config, was, fingerprint, counts)
     if config.data.allow_changed_corpus:
         return [
-            f"warning: {change} with the same data settings: {corpus} was changed in place; "
-            "training goes on at the saved position of another stream "
-            "(data.allow_changed_corpus: true)"
+            f"warning: {what}, with the same data settings: {rewritten}; training goes on at "
+            "the saved position of another stream (data.allow_changed_corpus: true)"
         ]
     raise ConfigError(
-        f"--resume {checkpoint}: {change}, with the same data settings: {corpus} was "
-        "rewritten since the checkpoint was saved, so its saved position points into another "
-        "stream. Restore the corpus the run was trained on, or set "
+        f"--resume {checkpoint}: {what}, with the same data settings: {rewritten}, so its "
+        f"saved position points into another stream. Restore {restore}, or set "
         "data.allow_changed_corpus=true to go on with this one anyway"
+    )
+
+
+#: The fingerprint's keys that describe the tokens themselves ("tokenizer" names what made
+#: them; checkpoints saved before it was recorded lack it).
+_TOKENS = ("tokens", "sha256", "sampled")
+
+
+def _what_changed(
+    config: JobConfig, was: Mapping[str, Any], now: Mapping[str, Any], counts: str
+) -> tuple[str, str, str]:
+    """(what differs, what was rewritten, what to restore) when the settings are the same but
+    the tokens are not: the tokenizer when its fingerprint changed, else the corpus."""
+    corpus = config.data.corpus if config.data.corpus is not None else "the default corpus"
+    spec, then = config.data.tokenizer, was.get("tokenizer")
+    since = "since the checkpoint was saved"
+    if then is not None and now.get("tokenizer") not in (None, then):
+        return (
+            f"the tokenizer gives other token ids than the checkpoint's (tokenizer "
+            f"fingerprint {then} then, {now.get('tokenizer')} now)",
+            f"data.tokenizer {spec} was rewritten in place {since} (the corpus may have "
+            "changed too)",
+            "the tokenizer the run was trained with",
+        )
+    if then is None and spec != "bytes":  # saved before tokenizers were fingerprinted
+        return (
+            f"the training tokens differ from the checkpoint's {counts}",
+            f"{corpus} or data.tokenizer {spec} was rewritten in place {since} (the "
+            "checkpoint records no tokenizer fingerprint to tell which)",
+            "the corpus and the tokenizer the run was trained with",
+        )
+    return (
+        f"the corpus's content differs from the checkpoint's {counts}",
+        f"{corpus} was rewritten in place {since}",
+        "the corpus the run was trained on",
     )
 
 
@@ -288,6 +331,8 @@ def find_resume_point(path: str | Path, *, set_aside_damaged: bool = False) -> R
             interrupted = sorted(p.name for p in root.glob("*.tmp") if p.is_dir())
             why = f"; {', '.join(interrupted)}: interrupted save(s)" if interrupted else ""
             why += "".join(f"; {d.describe()}" for d in damaged)
+            run = root.parent if root.name == CHECKPOINTS_DIR else root
+            why += "".join(f"; {line}" for line in earlier_sessions(run))
             raise ConfigError(
                 f"--resume {path}: no complete checkpoint in {root} (a checkpoint is a folder "
                 f"step-XXXXXXXX holding the commit marker {MARKER_NAME}){why}"

@@ -15,7 +15,10 @@ checkpoints/    step-XXXXXXXX/ distributed checkpoints (written by every rank)
 model.pt        the final model as one plain state_dict (checkpoint.export_full)
 
 A resumed run continues in the folder of its checkpoint: ``metrics.jsonl`` keeps the records
-up to the checkpoint's step and the new ones are appended.
+up to the checkpoint's step and the new ones are appended. When ``--resume auto`` finds every
+checkpoint damaged and starts the run afresh, the earlier records move aside to
+``metrics.jsonl.earlier`` (``-2``, ...) and the checkpoints to ``step-N.damaged``: nothing of
+the earlier session is deleted, and a later ``--resume`` of the folder says so.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import shutil
 import statistics
 import time
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,7 @@ from gm_trainer.checkpoint import (
     checkpoint_info,
 )
 from gm_trainer.checkpoint.durable import replacing, write_atomic
+from gm_trainer.checkpoint.io import DAMAGED_SUFFIX, set_aside
 from gm_trainer.job.files import (
     RUN_MARKER,
     RunFolderError,
@@ -53,6 +57,9 @@ from gm_trainer.logs import console_logger
 CHECKPOINTS_DIR = "checkpoints"
 #: The graphs of a resume in progress; they replace ``graphs/`` once the checkpoint loaded.
 STAGED_GRAPHS = "graphs.resume"
+#: What :func:`set_aside_metrics` appends to ``metrics.jsonl``: the records of a session whose
+#: checkpoints were all damaged, kept when ``--resume auto`` starts the run afresh.
+EARLIER_SUFFIX = ".earlier"
 _STEP_DIR = re.compile(r"step-(\d+)")
 
 
@@ -321,6 +328,52 @@ def read_metrics(path: str | Path, up_to_step: int | None = None) -> list[dict[s
         if up_to_step is None or record["step"] <= up_to_step:
             records.append(record)
     return records
+
+
+def set_aside_metrics(run_dir: str | Path) -> Path | None:
+    """Move the ``metrics.jsonl`` of ``run_dir`` aside to ``metrics.jsonl.earlier`` (``-2``,
+    ... when taken) when it holds anything, before a fresh start would replace it; return
+    where it went (``None``: nothing to keep). Run it on the job's writer only."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if path.is_symlink() or not path.is_file() or path.stat().st_size == 0:
+        return None
+    return set_aside(path, EARLIER_SUFFIX)
+
+
+def earlier_sessions(run_dir: str | Path, known: Collection[Path] = ()) -> list[str]:
+    """What a run folder kept of its sessions before a fresh start, one line each: the
+    records set aside when it followed damaged checkpoints (:func:`set_aside_metrics`) and,
+    then, the checkpoints set aside as damaged (but those in ``known``: reported already).
+    Empty for a folder that never started afresh."""
+    run = Path(run_dir)
+    lines = []
+    for kept in sorted(run.glob(f"metrics.jsonl{EARLIER_SUFFIX}*")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", MetricsWarning)
+            try:
+                steps = [r["step"] for r in read_metrics(kept)]
+            except (RunFolderError, OSError):
+                steps = []
+        held = f"the records of steps {steps[0]}..{steps[-1]}" if steps else "the records"
+        lines.append(
+            f"{kept} holds {held} of an earlier session of this run: no checkpoint of it was "
+            "intact, so --resume auto started the run afresh at step 1 (metrics.jsonl holds "
+            "the records since)"
+        )
+    if not lines:
+        return lines  # a fallback past a damaged checkpoint was reported when it happened
+    reported = {Path(p).name for p in known}
+    damaged = sorted(
+        p.name
+        for p in (run / CHECKPOINTS_DIR).glob(f"*{DAMAGED_SUFFIX}*")
+        if p.name not in reported
+    )
+    if damaged:
+        lines.append(
+            f"{run / CHECKPOINTS_DIR} keeps the damaged checkpoint(s) {', '.join(damaged)}, "
+            "set aside (never deleted) when a resume passed over them"
+        )
+    return lines
 
 
 class MetricsWarning(UserWarning):

@@ -137,7 +137,7 @@ def _train(
     model = built.model
     n_params = sum(p.numel() for p in model.parameters())  # before sharding
     job_data = load_job_data(d, m.seq_len, run_dir)  # the CLI has tokenised it: a cache hit
-    fingerprint = job_data.train.fingerprint()  # saved with each checkpoint, compared on resume
+    fingerprint = job_data.fingerprint()  # saved with each checkpoint, compared on resume
     micro = t.global_batch_size // t.accumulation
     pp, tp = config.parallel.pp_degree, config.parallel.tp_size
     cp = config.parallel.cp_degree
@@ -242,6 +242,10 @@ def _train(
     )
 
     def log_fn(rec: dict[str, Any]) -> None:
+        # Every logging.interval-th step and the first and the last, as torchtitan and the HF
+        # Trainer log them: a run shorter than the interval still leaves its records.
+        if rec["step"] % config.logging.interval and rec["step"] not in (1, t.steps):
+            return
         if progress is not None and folder is not None and telemetry is not None:
             telemetry.annotate(rec)
             telemetry.write(rec)
@@ -272,7 +276,7 @@ def _train(
                     trainer.train(
                         data,
                         max_steps=target - trainer.step,
-                        log_interval=config.logging.interval,
+                        log_interval=1,  # log_fn keeps the steps logging.interval asks for
                         log_fn=log_fn,
                         accumulation_steps=t.accumulation,
                     )

@@ -95,14 +95,31 @@ def _eos_token(folder: Path) -> str | None:
     return eos if isinstance(eos, str) else None
 
 
-@functools.lru_cache(maxsize=8)
 def load_tokenizer(spec: str) -> Tokenizer:
-    """``bytes`` or a HF tokenizer folder; :class:`ConfigError` when it is neither."""
+    """``bytes`` or a HF tokenizer folder; :class:`ConfigError` when it is neither. A folder
+    is read once per version of its files (a tokenizer rewritten in place is read again)."""
     if spec == "bytes":
-        return Tokenizer("bytes", 256, 0, "bytes")  # NUL never occurs in text: the separator
+        return _BYTES
     folder = Path(spec)
     if not folder.is_dir():
         raise ConfigError(
             f"data.tokenizer: {spec!r} is neither bytes nor a tokenizer folder (not found)"
         )
-    return HFTokenizer(folder)
+    return _load_folder(spec, tuple(_stamp(folder / name) for name in TOKENIZER_FILES[:2]))
+
+
+#: The byte-level tokenizer: NUL never occurs in text, so it separates documents.
+_BYTES = Tokenizer("bytes", 256, 0, "bytes")
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
+@functools.lru_cache(maxsize=8)
+def _load_folder(spec: str, stamps: tuple[tuple[int, int] | None, ...]) -> Tokenizer:
+    return HFTokenizer(Path(spec))

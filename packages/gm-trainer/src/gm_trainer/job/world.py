@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from gm_config import ConfigError, divisors, fsdp_requested
+from gm_config.combinations import refused
 
 
 def check_world_size(job: Any, world_size: int) -> None:
@@ -35,20 +36,11 @@ def check_world_size(job: Any, world_size: int) -> None:
             f"stage ({world_size} / parallel.pp_degree={pp}): the ranks of a stage form groups "
             f"of tp_size; use --nproc a multiple of {pp * tp}"
         )
+    _check_combination(job)
     _check_cp(job, world_size)
     cp = p.cp_degree
-    if tp > 1 and cp > 1:
-        raise ConfigError(
-            f"parallel.tp_size={tp} does not combine with parallel.cp_degree={cp} in gm-train "
-            "yet; use 1 for one of them"
-        )
     # Ranks that read different rows (a pipeline, a TP group and a cp group read the same).
     dp = world_size // (pp * tp * cp)
-    if pp > 1 and replicas > 1:
-        raise ConfigError(
-            f"dist.dp_replicate={replicas} does not combine with parallel.pp_degree={pp} "
-            "yet (a pipeline stage shards over all its data-parallel ranks); use 1"
-        )
     if t.global_batch_size % (dp * t.accumulation):
         ranks = "world_size"
         if pp > 1:
@@ -105,20 +97,46 @@ def check_world_size(job: Any, world_size: int) -> None:
         )
 
 
+#: gm-train's key of each dimension of :data:`gm_config.combinations.UNSUPPORTED`.
+JOB_KEYS = {
+    "ep": "parallel.ep_degree",
+    "cp": "parallel.cp_degree",
+    "pp": "parallel.pp_degree",
+    "tp": "parallel.tp_size",
+    "dp_replicate": "dist.dp_replicate",
+}
+
+
+def _check_combination(job: Any) -> None:
+    """Raise :class:`ConfigError` for a combination of parallel dimensions gm-train refuses
+    (:data:`gm_config.combinations.UNSUPPORTED`, the one list the user guide shows)."""
+    p = job.parallel
+    degrees = {
+        "ep": p.ep_degree,
+        "cp": p.cp_degree,
+        "pp": p.pp_degree,
+        "tp": p.tp_size,
+        "dp_replicate": job.dist.dp_replicate,
+    }
+    entry = refused(degrees, gm_train=True)
+    if entry is None:
+        return
+    first, *others = (f"{JOB_KEYS[d]}={degrees[d]}" for d in entry.dims)
+    raise ConfigError(
+        f"{first} does not combine with {' and '.join(others)} yet: {entry.what} is not "
+        "supported (docs/user-guide.md, Limitations); use 1 for one of them"
+    )
+
+
 def _check_cp(job: Any, world_size: int) -> None:
     """Context parallelism (issue 29): ``parallel.cp_degree`` ranks split each sequence."""
-    p, cp = job.parallel, job.parallel.cp_degree
+    cp = job.parallel.cp_degree
     if cp == 1:
         return
     if world_size % cp:
         raise ConfigError(
             f"parallel.cp_degree={cp} must divide the {world_size} rank(s): each sequence is "
             f"split over cp_degree ranks (use --nproc a multiple of {cp})"
-        )
-    if p.pp_degree > 1 or job.dist.dp_replicate > 1:
-        raise ConfigError(
-            f"parallel.cp_degree={cp} does not combine with parallel.pp_degree / "
-            "dist.dp_replicate yet; use 1 for those"
         )
     seq = job.model.seq_len
     if seq % cp:
@@ -131,8 +149,8 @@ def _check_cp(job: Any, world_size: int) -> None:
 # --- expert parallelism (issue 27) ---
 def _check_expert_parallel(job: Any, dp: int, replicas: int, pp: int) -> None:
     """``parallel.ep_degree``: an HF mixture-of-experts model, ep groups of data-parallel
-    ranks (of each pipeline stage, with ``parallel.pp_degree``; no HSDP, TP or cp), an
-    ep_degree that divides those ranks and the experts."""
+    ranks (of each pipeline stage, with ``parallel.pp_degree``), an ep_degree that divides
+    those ranks and the experts (the combinations refused: :func:`_check_combination`)."""
     ep = job.parallel.ep_degree
     if ep == 1:
         return
@@ -141,17 +159,6 @@ def _check_expert_parallel(job: Any, dp: int, replicas: int, pp: int) -> None:
             f"parallel.ep_degree={ep} splits the experts of a mixture-of-experts model, and "
             "gm-train's builtin model has none; use model.source=hf with an MoE config "
             "(Mixtral, Qwen3-MoE, DeepSeek-V3, ...) or parallel.ep_degree=1"
-        )
-    others = {
-        "parallel.tp_size": job.parallel.tp_size,
-        "parallel.cp_degree": job.parallel.cp_degree,
-        "dist.dp_replicate": replicas,
-    }
-    refused = [f"{name}={value}" for name, value in others.items() if value > 1]
-    if refused:
-        raise ConfigError(
-            f"parallel.ep_degree={ep} does not combine with {' and '.join(refused)} yet "
-            "(parallel.pp_degree does); use 1 for those"
         )
     if dp % ep:
         raise ConfigError(

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from gm_config import ConfigError, PassConfig
+from gm_config.combinations import CP_PP, EP_CP, EP_HSDP
 from gm_trace.graph.groups import register_process_group
 from gm_trainer.parallel.device import detect_device_type
 from gm_trainer.parallel.tp import TP_GROUP_NAME
@@ -135,10 +136,7 @@ class MeshContext:
         )
         register_process_group(TP_GROUP_NAME, device_mesh["tp"].get_group())
         if ep != 1 and cp != 1:
-            raise MeshError(
-                f"ep={ep} with cp={cp}: expert parallelism with context parallelism is not "
-                "supported yet; use cp=1"
-            )
+            raise MeshError(f"ep={ep} with cp={cp}: {EP_CP.what} is not supported yet; use cp=1")
         moe_mesh = _moe_mesh(device_type, lead, dp_replicate, dp_shard * cp, tp, ep)
         return cls(
             device_mesh=device_mesh,
@@ -181,8 +179,8 @@ def _moe_mesh(
         )
     if dp_replicate > 1:
         raise MeshError(
-            f"ep={ep} with dp_replicate={dp_replicate}: expert parallelism under HSDP is not "
-            "supported yet; use dp_replicate=1"
+            f"ep={ep} with dp_replicate={dp_replicate}: {EP_HSDP.what} is not supported yet; "
+            "use dp_replicate=1"
         )
     return init_device_mesh(
         device_type,
@@ -302,8 +300,8 @@ class ResolvedMesh:
             )
         if self.cp_size > 1 and pp > 1:
             raise MeshError(
-                f"context parallelism (cp={self.cp_size}) with a pipeline (pp={pp}) is not "
-                "supported yet; build the mesh with cp=1 or pp=1"
+                f"cp={self.cp_size} with pp={pp}: {CP_PP.what} is not supported yet; build the "
+                "mesh with cp=1 or pp=1"
             )
         return {"cp_degree": self.cp_size}
 

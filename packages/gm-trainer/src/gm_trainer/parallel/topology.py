@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from gm_config import PassConfig, PassPlan, divisors, fsdp_requested
+from gm_config.combinations import CP_PP, EP_CP, EP_PP_TP
 from gm_trace.graph.experts import EP_GROUP_NAME, EP_REPLICATE_GROUP_NAME
 from gm_trace.graph.groups import register_process_group
 from gm_trainer.parallel.device import detect_device_type
@@ -208,15 +209,14 @@ def _check_expert_parallel(
         )
     if config.cp_degree > 1:
         raise MeshError(
-            f"PassConfig.ep_degree={ep} with cp_degree={config.cp_degree}: "
-            "expert parallelism with context parallelism is not supported yet"
+            f"PassConfig.ep_degree={ep} with cp_degree={config.cp_degree}: {EP_CP.what} is "
+            "not supported yet"
         )
     tp = mesh.tp_size if mesh is not None else 1  # TP needs a mesh context
     if config.pp_degree > 1 and tp > 1:
         raise MeshError(
             f"PassConfig.ep_degree={ep} with pp_degree={config.pp_degree} and tp_size={tp}: "
-            "expert parallelism inside the pipeline stages of a tensor-parallel mesh is not "
-            "supported yet; use tp 1 (EP x PP) or pp_degree 1"
+            f"{EP_PP_TP.what} is not supported yet; use tp 1 (EP x PP) or pp_degree 1"
         )
     if not fsdp_wanted:
         raise MeshError(
@@ -393,7 +393,7 @@ def _context_parallel_mesh(config: PassConfig, place: Topology) -> ResolvedMesh:
     if config.pp_degree > 1:
         raise MeshError(
             f"PassConfig.cp_degree={config.cp_degree} with pp_degree={config.pp_degree}: "
-            "context parallelism under a pipeline is not supported yet"
+            f"{CP_PP.what} is not supported yet"
         )
     if place.world_size % config.cp_degree:
         raise MeshError(

@@ -25,6 +25,7 @@ import torch.fx as fx
 from gm_config import ConfigError
 from gm_passes.graph_ops import is_collective
 from gm_trace.graph.joint_graph import JointGraph
+from gm_trace.graph.profiler_output import quiet_profiler
 from gm_trace.passes.overlap import collective_schedule
 from gm_trace.runtime.node_values import run_node_by_node
 from gm_trace.runtime.run_graph import graph_args
@@ -103,7 +104,8 @@ def measure_step(
         )
     graph_module = joint.graph_module
     args = graph_args(joint, model, input, label)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with quiet_profiler(), torch.profiler.profile(activities=cpu) as prof:
         run_node_by_node(graph_module, args, profiler_label=LABEL)
     spans: dict[str, tuple[float, float]] = {}
     for event in prof.events():
