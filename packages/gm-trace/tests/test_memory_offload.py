@@ -18,8 +18,8 @@ from gm_passes import PassPipeline
 from gm_trace import run_traced_graph, trace_model_graph
 from gm_trace.graph import node_meta
 from gm_trace.graph.graph_build import tensor_bytes
-from gm_trace.graph.memory import estimate_activation_bytes
-from gm_trace.passes.memory_plan import MemoryPlanPass, node_flops
+from gm_trace.memory.cost import estimate_activation_bytes
+from gm_trace.memory.memory_plan import MemoryPlanPass, node_flops
 from gm_trace.runtime.activation_meter import measure_activations
 from gm_trace.testing import REFERENCE_MODELS, TinyGPT, lm_loss, make_lm_batch
 

@@ -12,8 +12,8 @@ import torch
 from gm_config import PassConfig
 from gm_passes import PassPipeline
 from gm_trace import run_traced_graph, trace_model_graph
-from gm_trace.graph.memory import is_view, peak_allocated_bytes
-from gm_trace.passes.recompute import RecomputePass
+from gm_trace.memory.cost import is_view, peak_allocated_bytes
+from gm_trace.memory.recompute import RecomputePass
 from gm_trace.testing import (
     REFERENCE_MODELS,
     TinyGPT,

@@ -61,7 +61,7 @@ RECOMPUTED = "gm_recomputed"
 """A copy of a forward op the recompute pass placed in backward (``True``)."""
 
 OFFLOADED = "gm_offloaded"
-"""A copy the activation offload (:mod:`gm_trace.passes.memory_offload`) made of a saved
+"""A copy the activation offload (:mod:`gm_trace.memory.offload`) made of a saved
 activation: ``"host"`` (in forward, to host memory) or ``"device"`` (in backward, back to the
 device, read by backward in place of the saved value)."""
 

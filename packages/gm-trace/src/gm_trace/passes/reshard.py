@@ -21,7 +21,7 @@ from gm_config import PassConfig, PassPlan, reshard_requested
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_trace.graph import node_meta
 from gm_trace.graph.graph_build import is_all_gather, tensor_bytes
-from gm_trace.graph.memory import is_view
+from gm_trace.memory.cost import is_view
 from gm_trace.passes.fsdp import verify_ranks_agree
 
 

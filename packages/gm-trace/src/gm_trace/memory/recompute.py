@@ -27,7 +27,7 @@ from gm_passes.graph_ops import is_collective, mutates_an_input
 from gm_trace.graph import node_meta
 from gm_trace.graph.aliasing import storage_of, written_storages
 from gm_trace.graph.graph_build import tensor_bytes
-from gm_trace.graph.memory import estimate_peak_memory, is_view
+from gm_trace.memory.cost import estimate_peak_memory, is_view
 
 #: Longest chain copied for one saved value: a few ops, not a second forward.
 MAX_CHAIN = 8

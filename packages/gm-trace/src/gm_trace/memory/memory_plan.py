@@ -43,7 +43,7 @@ recomputed during the head's backward), the forward one, which then lives until 
 (``MemoryPlan.weights_held`` names them: parameter memory traded for activation memory).
 Under pipeline parallelism each stage's graph is planned on its own. With
 ``PassConfig.activation_offload`` the budget planner may offload a saved value to host memory
-instead of recomputing it (:mod:`gm_trace.passes.memory_offload`: accelerators only, off on
+instead of recomputing it (:mod:`gm_trace.memory.offload`: accelerators only, off on
 CPU and under pipeline parallelism; not measured on an accelerator yet).
 
 Runs after ``fsdp``, ``reshard`` and ``recompute`` (which it replaces when a budget is set),
@@ -70,9 +70,9 @@ from gm_trace.graph import node_meta
 from gm_trace.graph.aliasing import storage_of
 from gm_trace.graph.dynamic_shapes import concrete_int
 from gm_trace.graph.graph_build import tensor_bytes
-from gm_trace.graph.memory import batch_dependent, estimate_peak_memory, is_view
-from gm_trace.passes.memory_offload import OffloadPlan, apply_offload, plan_offload
-from gm_trace.passes.recompute import is_recomputable, written_between
+from gm_trace.memory.cost import batch_dependent, estimate_peak_memory, is_view
+from gm_trace.memory.offload import OffloadPlan, apply_offload, plan_offload
+from gm_trace.memory.recompute import is_recomputable, written_between
 
 #: Ops whose outputs the selective preset keeps (their recompute costs multiply-adds).
 MATMUL_OPS = frozenset(
@@ -173,7 +173,7 @@ class MemoryPlan:
     """FLOPs of the recompute copies the pass added to backward."""
     peak_bytes_before: int = 0
     peak_bytes_after: int = 0
-    """The static peak estimate (:func:`gm_trace.graph.memory.estimate_peak_memory`) of the
+    """The static peak estimate (:func:`gm_trace.memory.cost.estimate_peak_memory`) of the
     whole graph, parameters and gradients included, before and after the pass."""
     recomputed: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)

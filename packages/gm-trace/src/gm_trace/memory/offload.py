@@ -1,7 +1,7 @@
 """Activation offload for the ``memory_plan`` pass: move a saved activation to host memory
 after forward is done with it and bring it back before backward needs it.
 
-The planner (:mod:`gm_trace.passes.memory_plan`) decides per saved value keep / recompute;
+The planner (:mod:`gm_trace.memory.memory_plan`) decides per saved value keep / recompute;
 with ``PassConfig.activation_offload`` it asks :func:`plan_offload` which values to offload
 instead, and :func:`apply_offload` rewrites the graph for them:
 
@@ -54,7 +54,7 @@ from gm_config import PassConfig
 from gm_trace.graph import node_meta
 from gm_trace.graph.aliasing import storage_of
 from gm_trace.graph.graph_build import tensor_bytes
-from gm_trace.passes.recompute import written_between
+from gm_trace.memory.recompute import written_between
 
 #: Where offloaded values go.
 HOST = torch.device("cpu")
