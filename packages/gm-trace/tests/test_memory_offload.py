@@ -18,8 +18,9 @@ from gm_passes import PassPipeline
 from gm_trace import run_traced_graph, trace_model_graph
 from gm_trace.graph import node_meta
 from gm_trace.graph.graph_build import tensor_bytes
-from gm_trace.memory.cost import estimate_activation_bytes
-from gm_trace.memory.memory_plan import MemoryPlanPass, node_flops
+from gm_trace.memory.cost import estimate_activation_bytes, node_flops
+from gm_trace.memory.memory_plan import MemoryPlanPass
+from gm_trace.memory.offload import data_dependent_size
 from gm_trace.runtime.activation_meter import measure_activations
 from gm_trace.testing import REFERENCE_MODELS, TinyGPT, lm_loss, make_lm_batch
 
@@ -265,3 +266,21 @@ def test_on_an_accelerator_graph_offload_is_on_and_the_host_copies_leave_the_dev
         return estimate_activation_bytes(graph_module)[loss]
 
     assert at_the_loss(graph_module) == at_the_loss(plain) - plan.offloaded_bytes
+
+
+def test_a_value_of_a_routed_size_is_not_offloaded_and_the_rest_trains_bitwise():
+    """Tokens routed to an expert have a data-dependent (unbacked) count: whether such a value
+    is empty cannot be asked before the step runs. It stays on the device (never a raw
+    GuardOnDataDependentSymNode); the rest is offloaded and the step is eager's, bitwise."""
+    from test_expert_loop import RoutedModel, _batch, mse
+
+    torch.manual_seed(0)
+    model, batch = RoutedModel(), _batch(0)
+    joint = trace_model_graph(model, mse, *batch)
+    graph, plan = planned(joint, model, activation_memory_budget=0.0, **FAST)
+    nodes = {n.name: n for n in joint.graph_module.graph.nodes}
+    routed = [n for n in nodes.values() if data_dependent_size(n) and n.meta.get("gm_phase")]
+    assert routed, "the per-expert loop traces no routed size: the test tests nothing"
+    assert plan.offloaded and not any(data_dependent_size(nodes[name]) for name in plan.offloaded)
+    assert "of a data-dependent size are not offloaded" in plan.describe()
+    assert same_step(run_traced_graph(graph, model, *batch), run_traced_graph(joint, model, *batch))

@@ -15,7 +15,8 @@ from gm_passes import PassPipeline
 from gm_trace import run_traced_graph, trace_model_graph
 from gm_trace.graph.aliasing import storage_of
 from gm_trace.memory.cost import estimate_activation_bytes
-from gm_trace.memory.memory_plan import MATMUL_OPS, MemoryPlanPass, block_of
+from gm_trace.memory.memory_plan import MemoryPlanPass
+from gm_trace.memory.policy import MATMUL_OPS, block_of
 from gm_trace.runtime.activation_meter import measure_activations
 from gm_trace.testing import REFERENCE_MODELS, TinyGPT, lm_loss, make_lm_batch
 
