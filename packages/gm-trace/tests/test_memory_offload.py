@@ -32,6 +32,7 @@ def planned(joint, model, force=True, **config):
     pipeline = PassPipeline([MemoryPlanPass(offload_on_cpu=force)], PassConfig(**config))
     own = joint.replace(graph_module=copy.deepcopy(joint.graph_module))
     graph = own.through(pipeline, model=model)
+    assert not any("gm_memory" in n.meta for n in graph.graph_module.graph.nodes)  # consumed
     return graph, pipeline.context.stats["memory_plan"]["plan"]
 
 

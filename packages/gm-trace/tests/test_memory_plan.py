@@ -27,6 +27,8 @@ def planned(joint, model, **config):
     pipeline = PassPipeline([MemoryPlanPass()], PassConfig(**config))
     own = joint.replace(graph_module=copy.deepcopy(joint.graph_module))
     graph = own.through(pipeline, model=model)
+    # The policy's tags are instructions the rewrites consume: none is left behind.
+    assert not any("gm_memory" in n.meta for n in graph.graph_module.graph.nodes)
     return graph, pipeline.context.stats["memory_plan"]["plan"]
 
 

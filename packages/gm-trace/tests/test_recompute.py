@@ -30,6 +30,7 @@ def _recomputed(model, train_fn, batch):
     pipeline = PassPipeline([RecomputePass()], PassConfig())
     own_copy = plain.replace(graph_module=copy.deepcopy(plain.graph_module))
     graph = own_copy.through(pipeline, model=model)
+    assert not any("gm_memory" in n.meta for n in graph.graph_module.graph.nodes)  # consumed
     return plain, graph, pipeline.context.stats["recompute"]
 
 

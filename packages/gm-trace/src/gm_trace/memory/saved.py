@@ -48,6 +48,7 @@ class SavedValues:
         self.nodes = list(graph.nodes)
         self.order = {node: i for i, node in enumerate(self.nodes)}
         self.on_batch = batch_dependent(graph)
+        """The nodes whose value depends on the batch: the activations and what reads them."""
         # A view of an input (the labels reshaped) holds nothing the step does not hold anyway.
         inputs = {storage_of(n) for n in self.nodes if n.op == "placeholder"} - {None}
         self.saved = [
@@ -83,8 +84,6 @@ class SavedValues:
         self.returned = {storage_of(n) for n in graph.output_node().all_input_nodes} - {None}
         self.written = written_between(self.nodes)
         self.last = self.nodes[-1]
-
-    backward_readers = staticmethod(backward_readers)
 
     def stage_of(self, nodes: Iterable[fx.Node]) -> Any:
         """The pipeline stage whose backward reads ``nodes`` (the first by name when several
