@@ -198,7 +198,7 @@ def distributed_config(rank: int, world: int, n_layers: int, steps: int, config:
 
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from gm_trace.graph.memory import peak_allocated_bytes
+    from gm_trace.memory.cost import peak_allocated_bytes
     from gm_trainer import GraphTrainer
 
     gc.collect()

@@ -6,7 +6,7 @@ Run: ``python bench/gpu_bench.py [--layers 12] [--dim 1024] [--steps 12] [--out 
 Every configuration trains its own copy of the same model on the same batches; the trainers
 step in turn (eager, graph, graph+inductor, ...), so clock and thermal drift hit all alike.
 Reported per configuration: median step time (CUDA-synchronised), peak allocated memory of one
-step above the memory held before it (``gm_trace.graph.memory.peak_allocated_bytes``), and the first
+step above the memory held before it (``gm_trace.memory.cost.peak_allocated_bytes``), and the first
 step's time (trace + passes + compile). Without installed entry points (a bare checkout on
 ``PYTHONPATH``) the graph passes are registered in-process.
 """
@@ -26,7 +26,7 @@ import torch
 from fsdp_bench import _eager_step, _graph_step  # bench/ is sys.path[0]
 
 from gm_config import PassConfig
-from gm_trace.graph.memory import peak_allocated_bytes
+from gm_trace.memory.cost import peak_allocated_bytes
 from gm_trace.testing import TinyGPT, lm_loss, make_lm_batch
 
 CONFIGS: dict[str, dict | None] = {
@@ -44,10 +44,10 @@ def _register_passes_if_missing() -> None:
 
     if "dce" in available_passes():
         return
+    from gm_trace.memory.recompute import RecomputePass
     from gm_trace.passes.backend import BackendPass
     from gm_trace.passes.fsdp import FSDPPass
     from gm_trace.passes.overlap import AutoOverlapPass
-    from gm_trace.passes.recompute import RecomputePass
     from gm_trace.passes.reshard import ReshardAfterForwardPass
 
     for cls in (DeadCodeElimination, CanonicalizeGraph, FSDPPass, ReshardAfterForwardPass):

@@ -10,8 +10,8 @@ from torch import nn
 from gm_config import ConfigError, PassConfig
 from gm_trace import GraphCaptureError, run_traced_graph, trace_model_graph
 from gm_trace.graph.dynamic_shapes import DynamicShapeError
-from gm_trace.graph.memory import estimate_peak_memory
 from gm_trace.graph.signature import GraphSignatureError
+from gm_trace.memory.cost import estimate_peak_memory
 from gm_trace.testing import MLP, TinyGPT, lm_loss, make_lm_batch, make_regression_batch, mse_loss
 from gm_trace.testing.compile import compile_joint
 

@@ -10,6 +10,8 @@ import copy
 
 import pytest
 import torch
+from test_expert_loop import RoutedModel, mse
+from test_expert_loop import _batch as routed_batch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -18,8 +20,9 @@ from gm_passes import PassPipeline
 from gm_trace import run_traced_graph, trace_model_graph
 from gm_trace.graph import node_meta
 from gm_trace.graph.graph_build import tensor_bytes
-from gm_trace.graph.memory import estimate_activation_bytes
-from gm_trace.passes.memory_plan import MemoryPlanPass, node_flops
+from gm_trace.memory.cost import estimate_activation_bytes, node_flops
+from gm_trace.memory.memory_plan import MemoryPlanPass
+from gm_trace.memory.offload import data_dependent_size
 from gm_trace.runtime.activation_meter import measure_activations
 from gm_trace.testing import REFERENCE_MODELS, TinyGPT, lm_loss, make_lm_batch
 
@@ -31,6 +34,7 @@ def planned(joint, model, force=True, **config):
     pipeline = PassPipeline([MemoryPlanPass(offload_on_cpu=force)], PassConfig(**config))
     own = joint.replace(graph_module=copy.deepcopy(joint.graph_module))
     graph = own.through(pipeline, model=model)
+    assert not any("gm_memory" in n.meta for n in graph.graph_module.graph.nodes)  # consumed
     return graph, pipeline.context.stats["memory_plan"]["plan"]
 
 
@@ -265,3 +269,26 @@ def test_on_an_accelerator_graph_offload_is_on_and_the_host_copies_leave_the_dev
         return estimate_activation_bytes(graph_module)[loss]
 
     assert at_the_loss(graph_module) == at_the_loss(plain) - plan.offloaded_bytes
+
+
+def test_a_value_of_a_routed_size_is_not_offloaded_and_the_rest_trains_bitwise():
+    """Tokens routed to an expert have a data-dependent (unbacked) count: whether such a value
+    is empty cannot be asked before the step runs. It stays on the device (never a raw
+    GuardOnDataDependentSymNode); the rest is offloaded and the step is bitwise the
+    unplanned graph's (which is eager's: test_expert_loop)."""
+    torch.manual_seed(0)
+    model, batch = RoutedModel(), routed_batch(0)
+    joint = trace_model_graph(model, mse, *batch)
+    graph, plan = planned(joint, model, activation_memory_budget=0.0, **FAST)
+    nodes = {n.name: n for n in joint.graph_module.graph.nodes}
+    saved_routed = [
+        n
+        for n in nodes.values()
+        if data_dependent_size(n)
+        and n.meta.get("gm_phase") == "forward"
+        and any(u.meta.get("gm_phase") == "backward" for u in n.users)
+    ]
+    assert saved_routed, "the per-expert loop saves no routed size: the test tests nothing"
+    assert plan.offloaded and not any(data_dependent_size(nodes[name]) for name in plan.offloaded)
+    assert "of a data-dependent size are not offloaded" in plan.describe()
+    assert same_step(run_traced_graph(graph, model, *batch), run_traced_graph(joint, model, *batch))

@@ -14,8 +14,9 @@ from gm_config import ConfigError, PassConfig
 from gm_passes import PassPipeline
 from gm_trace import run_traced_graph, trace_model_graph
 from gm_trace.graph.aliasing import storage_of
-from gm_trace.graph.memory import estimate_activation_bytes
-from gm_trace.passes.memory_plan import MATMUL_OPS, MemoryPlanPass, block_of
+from gm_trace.memory.cost import estimate_activation_bytes
+from gm_trace.memory.memory_plan import MemoryPlanPass
+from gm_trace.memory.policy import MATMUL_OPS, block_of
 from gm_trace.runtime.activation_meter import measure_activations
 from gm_trace.testing import REFERENCE_MODELS, TinyGPT, lm_loss, make_lm_batch
 
@@ -26,6 +27,8 @@ def planned(joint, model, **config):
     pipeline = PassPipeline([MemoryPlanPass()], PassConfig(**config))
     own = joint.replace(graph_module=copy.deepcopy(joint.graph_module))
     graph = own.through(pipeline, model=model)
+    # The policy's tags are instructions the rewrites consume: none is left behind.
+    assert not any("gm_memory" in n.meta for n in graph.graph_module.graph.nodes)
     return graph, pipeline.context.stats["memory_plan"]["plan"]
 
 

@@ -12,8 +12,8 @@ import torch
 from gm_config import PassConfig
 from gm_passes import PassPipeline
 from gm_trace import run_traced_graph, trace_model_graph
-from gm_trace.graph.memory import is_view, peak_allocated_bytes
-from gm_trace.passes.recompute import RecomputePass
+from gm_trace.memory.cost import is_view, peak_allocated_bytes
+from gm_trace.memory.recompute import RecomputePass
 from gm_trace.testing import (
     REFERENCE_MODELS,
     TinyGPT,
@@ -30,6 +30,7 @@ def _recomputed(model, train_fn, batch):
     pipeline = PassPipeline([RecomputePass()], PassConfig())
     own_copy = plain.replace(graph_module=copy.deepcopy(plain.graph_module))
     graph = own_copy.through(pipeline, model=model)
+    assert not any("gm_memory" in n.meta for n in graph.graph_module.graph.nodes)  # consumed
     return plain, graph, pipeline.context.stats["recompute"]
 
 

@@ -21,10 +21,10 @@ from gm_trace.graph.guards import ShapeGuard, ShapeGuards
 from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.graph.sharding_layout import ShardedParam, ShardingLayout, full_parameter
 from gm_trace.graph.signature import GraphSignatureError, InputSignature
+from gm_trace.memory.recompute import RecomputePass
 from gm_trace.passes.backend import BackendError, BackendPass, available_backends, register_backend
 from gm_trace.passes.fsdp import CollectiveMismatchError, FSDPConfigError, FSDPPass, RowShard
 from gm_trace.passes.overlap import AutoOverlapPass
-from gm_trace.passes.recompute import RecomputePass
 from gm_trace.passes.reshard import ReshardAfterForwardPass
 from gm_trace.runtime.run_graph import GraphOutputs, run_traced_graph
 

@@ -73,7 +73,7 @@ class ShapeGuards:
 
     def at(self, sizes: Mapping[str, int]) -> dict[sympy.Symbol, int]:
         """``{"seq": 128}`` as the symbol -> size mapping that
-        :func:`~gm_trace.graph.memory.estimate_peak_memory` and ``concrete_int`` evaluate at."""
+        :func:`~gm_trace.memory.cost.estimate_peak_memory` and ``concrete_int`` evaluate at."""
         by_name = {dim.name: dim.symbol for dim in self.dims}
         unknown = sorted(set(sizes) - set(by_name))
         if unknown:

@@ -57,11 +57,19 @@ STAGE = "gm_stage"
 needs it computes it — the batch, constants and ops on them alone). Nodes later passes insert
 have none and are placed by :func:`gm_trace.passes.stage_split.derive_stages`."""
 
+MEMORY = "gm_memory"
+"""A memory policy's decision for a forward value (:mod:`gm_trace.memory.policy`):
+``"save"`` (backward reads it as it is), ``"recompute"`` (copied again before its backward
+readers, :func:`gm_trace.memory.remat.apply_recompute`) or ``"offload"`` (to host memory and
+back, :func:`gm_trace.memory.offload.apply_offload`). An instruction for the rewrite that
+applies it, which removes it: no graph leaves a memory pass with this key."""
+
 RECOMPUTED = "gm_recomputed"
-"""A copy of a forward op the recompute pass placed in backward (``True``)."""
+"""A copy of a forward op the recompute mechanism (:mod:`gm_trace.memory.remat`) placed in
+backward (``True``)."""
 
 OFFLOADED = "gm_offloaded"
-"""A copy the activation offload (:mod:`gm_trace.passes.memory_offload`) made of a saved
+"""A copy the activation offload (:mod:`gm_trace.memory.offload`) made of a saved
 activation: ``"host"`` (in forward, to host memory) or ``"device"`` (in backward, back to the
 device, read by backward in place of the saved value)."""
 

@@ -25,7 +25,7 @@ from gm_passes import GraphPass, PassContext, PassResult
 from gm_passes.graph_ops import is_collective, is_wait
 from gm_trace.graph import node_meta
 from gm_trace.graph.graph_build import collective_kind, is_all_gather, tensor_bytes
-from gm_trace.graph.memory import estimate_peak_memory
+from gm_trace.memory.cost import estimate_peak_memory
 from gm_trace.passes.fsdp import verify_ranks_agree
 
 

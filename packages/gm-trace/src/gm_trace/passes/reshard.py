@@ -13,15 +13,15 @@ same on every rank, in the same order.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch.fx as fx
 
 from gm_config import PassConfig, PassPlan, reshard_requested
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_trace.graph import node_meta
 from gm_trace.graph.graph_build import is_all_gather, tensor_bytes
-from gm_trace.graph.memory import is_view
+from gm_trace.memory.cost import is_view
+from gm_trace.memory.remat import copy_nodes
+from gm_trace.memory.saved import backward_readers
 from gm_trace.passes.fsdp import verify_ranks_agree
 
 
@@ -64,22 +64,24 @@ def _regather_for_backward(gather: fx.Node, order: dict[fx.Node, int]) -> bool:
     derived = [
         v for full in chain if node_meta.FULL_PARAM in full.meta for v in _forward_views(full)
     ]
-    readers = {
-        node: [u for u in node.users if u.meta.get(node_meta.PHASE) == "backward"]
-        for node in derived
-    }
+    readers = {node: backward_readers(node) for node in derived}
     all_readers = [u for users in readers.values() for u in users]
     if not all_readers:
         return False
-    copies: dict[fx.Node, Any] = {}
-    with gather.graph.inserting_before(min(all_readers, key=order.__getitem__)):
-        for node in sorted({*chain, *derived}, key=order.__getitem__):
-            # Inputs outside the chain (the shard placeholders) are shared, not copied.
-            copies[node] = gather.graph.node_copy(node, lambda n: copies.get(n, n))
-            copies[node].meta[node_meta.REGATHER] = True
-    for node, users in readers.items():
-        for user in users:
-            user.replace_input_with(node, copies[node])
+    # The recompute mechanism's copy step (remat.copy_nodes), placed otherwise: remat puts
+    # each copy before its own first reader and never copies communication; a re-gather is
+    # one collective per bucket, so the whole chain — prologue, all-gather, wait, epilogue and
+    # every view, read or not (a recompute copy may read a weight backward does not) — runs
+    # as one block before the bucket's first backward reader. Inputs outside the chain (the
+    # shard placeholders) are shared, not copied; the copies keep the forward phase.
+    first = min(all_readers, key=order.__getitem__)
+    copy_nodes(
+        gather.graph,
+        sorted({*chain, *derived}, key=order.__getitem__),
+        lambda _: first,
+        {node_meta.REGATHER: True},
+        [(user, node) for node, users in readers.items() for user in users],
+    )
     return True
 
 

@@ -2,12 +2,12 @@
 
 :func:`measure_activations` runs a joint graph node by node (each value freed after its last
 reader, as the generated code does) and, before every node, sums the storages of the live
-real tensors that are activations (:func:`gm_trace.graph.memory.is_activation`: forward
+real tensors that are activations (:func:`gm_trace.memory.cost.is_activation`: forward
 values computed from the batch, and their recompute copies in backward), each storage once,
 parameter and input storages never. The copies an activation offload keeps in host memory
-(:func:`gm_trace.graph.memory.on_host`) are counted apart, as ``offloaded``.
+(:func:`gm_trace.memory.cost.on_host`) are counted apart, as ``offloaded``.
 The same on every device: it counts tensors, not allocator statistics (for those,
-:func:`gm_trace.graph.memory.peak_allocated_bytes`). Measuring does not train: what the graph
+:func:`gm_trace.memory.cost.peak_allocated_bytes`). Measuring does not train: what the graph
 writes in place (a graph that takes the optimizer update writes the parameters and the
 optimizer state) it writes into copies.
 """
@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from gm_trace.graph import node_meta
 from gm_trace.graph.aliasing import storage_of, written_storages
 from gm_trace.graph.joint_graph import JointGraph
-from gm_trace.graph.memory import batch_dependent, is_activation, on_host
+from gm_trace.memory.cost import batch_dependent, is_activation, on_host
 from gm_trace.runtime.node_values import run_node_by_node
 from gm_trace.runtime.run_graph import graph_args
 

@@ -10,7 +10,7 @@ compiled graphs (:func:`estimate_rank`):
 - parameter and gradient bytes: this rank's local pieces (TP slice, FSDP shard, own stage);
 - optimizer-state bytes: the optimizer's state after one update of zero gradients;
 - activation bytes at peak: the graphs' static liveness peak
-  (:func:`gm_trace.graph.memory.estimate_peak_memory`) less the parameters, gradients and
+  (:func:`gm_trace.memory.cost.estimate_peak_memory`) less the parameters, gradients and
   batch in it; under pipeline parallelism the activations a stage holds per micro-batch times
   the micro-batches in flight that its schedule implies, plus one half's peak;
 - the collectives of one optimizer step, by kind and group, with their bytes;
@@ -103,7 +103,7 @@ def implied_bubble(config: JobConfig) -> float:
 def estimate_rank(trainer: GraphTrainer, config: JobConfig, joint: Any) -> dict[str, Any]:
     """The estimate of one rank from its compiled graph ``joint`` (after the optimizer state
     exists: one update ran)."""
-    from gm_trace.graph.memory import estimate_peak_memory
+    from gm_trace.memory.cost import estimate_peak_memory
 
     model = trainer.model
     params = [p for p in model.parameters() if p.numel()]
@@ -303,7 +303,7 @@ class MemoryProbe:
 
     Measured as the project measures memory: what the rank holds when the step starts
     (:func:`persistent_bytes`) plus the peak allocated while it runs
-    (:func:`gm_trace.graph.memory.peak_allocated_bytes`: the accelerator's allocator
+    (:func:`gm_trace.memory.cost.peak_allocated_bytes`: the accelerator's allocator
     statistics, on CPU the profiler's allocation events).
     """
 
@@ -317,7 +317,7 @@ class MemoryProbe:
         if not measure or trainer.step != self.step - 1:
             train()
             return
-        from gm_trace.graph.memory import peak_allocated_bytes
+        from gm_trace.memory.cost import peak_allocated_bytes
 
         before = persistent_bytes(trainer)
         self.measured = before + peak_allocated_bytes(train, trainer.device)

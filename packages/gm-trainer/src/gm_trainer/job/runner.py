@@ -498,7 +498,7 @@ def _activation_memory(trainer: GraphTrainer, config: JobConfig, batch: tuple[An
     activation estimate per node and, when a memory plan ran (``parallel.
     activation_memory_budget`` or a preset), the bytes measured on one more run of it (the
     first batch; nothing trains). ``None`` under pipeline parallelism (stage graphs)."""
-    from gm_trace.graph.memory import estimate_activation_bytes
+    from gm_trace.memory.cost import estimate_activation_bytes
 
     parallel = config.parallel
     graphs = trainer.registry.graphs(STEP)

@@ -1,22 +1,30 @@
-"""A static peak-memory estimate of a graph: liveness of the tensors its nodes produce.
+"""What memory and compute a graph costs: static estimates, measurement, and the prices the
+memory policies weigh.
 
-Each node that allocates holds its bytes from the node that creates it until the last node
-that reads it or any view of it; views, waits and in-place ops allocate nothing. Inputs
-(parameters, buffers, batch) are live for the whole graph; so are outputs from their
-creation. An estimate for comparing schedules, not a promise about an allocator.
+- Liveness (:func:`estimate_live_bytes`, :func:`estimate_peak_memory`,
+  :func:`estimate_activation_bytes`): each node that allocates holds its bytes from the node
+  that creates it until the last node that reads it or any view of it; views, waits and
+  in-place ops allocate nothing. Inputs (parameters, buffers, batch) are live for the whole
+  graph; so are outputs from their creation. An estimate for comparing schedules, not a
+  promise about an allocator. :func:`peak_allocated_bytes` measures instead.
+- Prices: :func:`node_flops` (what running an op again costs), :func:`storage_groups` and
+  :func:`group_bytes` (what keeping a saved value costs: a view keeps its base alive).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import sympy
 import torch
 import torch.fx as fx
+from torch.utils.flop_counter import flop_registry
 
 from gm_passes.graph_ops import is_wait, mutates_an_input, op_name
 from gm_trace.graph import node_meta
+from gm_trace.graph.aliasing import storage_of
+from gm_trace.graph.dynamic_shapes import concrete_int
 from gm_trace.graph.graph_build import tensor_bytes
 from gm_trace.graph.profiler_output import quiet_profiler
 
@@ -49,13 +57,63 @@ VIEW_OPS = frozenset(
 )
 
 
+def op_base(node: fx.Node) -> str:
+    """The op's name without namespace and overload: ``mm`` for ``aten.mm.default``."""
+    parts = op_name(node).split(".")
+    return parts[-2] if len(parts) >= 2 else parts[-1]
+
+
 def is_view(node: fx.Node) -> bool:
     """True for an op whose result shares its (first) input's storage."""
     if node.op != "call_function" or not node.all_input_nodes:
         return False
-    name = op_name(node).split(".")
-    base = name[-2] if len(name) >= 2 else name[-1]
-    return base in VIEW_OPS or name[-1] == "getitem"
+    return op_base(node) in VIEW_OPS or op_name(node).split(".")[-1] == "getitem"
+
+
+def node_flops(node: fx.Node) -> int:
+    """The FLOPs one run of ``node`` costs: torch's flop counter for matmuls, convolutions and
+    attention (multiply-adds), the elements it produces for any other op, 0 for views."""
+    if node.op != "call_function" or is_view(node):
+        return 0
+    val = node.meta.get("val")
+    packet = getattr(node.target, "overloadpacket", None)
+    if op_base(node) == "_scaled_dot_product_flash_attention_for_cpu":
+        q, k = node.args[0].meta["val"], node.args[1].meta["val"]  # (batch, heads, seq, dim)
+        *lead, length, dim = q.shape
+        count = 4 * length * k.shape[-2] * dim
+        for size in lead:
+            count = count * size
+        return concrete_int(count)
+    if packet in flop_registry:
+
+        def meta(x: Any) -> Any:
+            return x.meta.get("val") if isinstance(x, fx.Node) else x
+
+        args = torch.utils._pytree.tree_map(meta, node.args)
+        kwargs = torch.utils._pytree.tree_map(meta, node.kwargs)
+        try:
+            return concrete_int(flop_registry[packet](*args, **kwargs, out_val=val))
+        except Exception:  # a counter that cannot read these arguments: count elements
+            pass
+    values = val if isinstance(val, (list, tuple)) else [val]
+    return sum(concrete_int(v.numel()) for v in values if isinstance(v, torch.Tensor))
+
+
+def storage_groups(saved: Sequence[fx.Node]) -> dict[Any, list[fx.Node]]:
+    """Saved values by storage: a view and its base are kept or freed together."""
+    groups: dict[Any, list[fx.Node]] = {}
+    for node in saved:
+        key = storage_of(node)
+        groups.setdefault(key if key is not None else node, []).append(node)
+    return groups
+
+
+def group_bytes(nodes: list[fx.Node]) -> int:
+    """The bytes a storage group (:func:`storage_groups`) holds: its whole storage."""
+    val = nodes[0].meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return concrete_int(val.untyped_storage().nbytes())
+    return max(tensor_bytes(n) for n in nodes)
 
 
 def _aliases_input(node: fx.Node) -> bool:

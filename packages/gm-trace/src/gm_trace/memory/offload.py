@@ -1,0 +1,165 @@
+"""Activation offload: move a saved activation to host memory after forward is done with it
+and bring it back before backward needs it.
+
+The budget policy (:func:`gm_trace.memory.policy.tag_offload`, ``PassConfig.activation_offload``)
+tags the values to offload ``"offload"``; :func:`apply_offload` rewrites the graph for them:
+
+- in forward, right after the value's last forward reader, ``aten._to_copy(v, device="cpu",
+  non_blocking=True)``: from an accelerator, ``_to_copy`` with ``non_blocking`` allocates the
+  host tensor in pinned memory, so the copy is asynchronous; the device value then dies;
+- in backward, ``aten._to_copy(host, device=<v's device>, non_blocking=True)`` issued a lead
+  before the first backward reader, and every backward reader (recompute copies included)
+  reads that copy. The lead: the backward nodes before the first reader whose FLOPs take as
+  long, at ``activation_offload_device_tflops``, as the transfer takes at
+  ``activation_offload_bandwidth_gbps`` (at least one node; never before backward starts).
+
+Both copies run on the current stream. That is correct without any event: the device-to-host
+copy, the host-to-device copy and the readers are ordered by the stream, the caching allocator
+reuses the freed device block only for work queued after the copy on that stream, and the
+pinned host block is released only after the copy that reads it has run (the host allocator
+records an event on it). It does not overlap the transfers with compute, so the policy
+prices them as time on the critical path, and the lead buys no overlap yet: it is where a
+side stream would issue the copy back, and the device copy is held from there to its reader
+(a few backward nodes' worth of memory). Copies on a side stream (issued after an event,
+waited on before the readers) would hide the transfers behind compute; they are not
+implemented.
+
+Decision, per saved value (a storage group) the budget would free: offload it when its
+transfer, out and back, ``2 * bytes / bandwidth``, takes less time than recomputing it,
+``FLOPs / device rate``; and when the values the budget could recompute do not bring the
+kept bytes down to it (ops that draw random numbers, values written in place, ...), offload
+kept ones, largest first, until they do. Only values :func:`is_offloadable` accepts move: a
+copy keeps their layout (non-overlapping and dense: the copy has the same strides, so
+backward computes bitwise the same), nothing writes their storage in place after forward,
+and their size is known before the step runs — a size that depends on the data (tokens
+routed to an expert) stays on the device.
+
+Where: only when the graph's activations live on an accelerator (``cuda``, ``xpu``, ...).
+On CPU host memory *is* device memory, so the policy never offloads there and the summary
+says why. For tests, ``MemoryPlanPass(offload_on_cpu=True)`` applies the same rewrite on
+CPU: the copies are real and run, but they move no bytes off the device (the measured
+activations do not go down). Under pipeline parallelism offload is off (not implemented).
+Offload was implemented and tested on CPU only; it was not measured on an accelerator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch._prims_common import is_non_overlapping_and_dense_or_false
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+from gm_config import PassConfig
+from gm_trace.graph import node_meta
+from gm_trace.graph.aliasing import storage_of
+from gm_trace.graph.graph_build import tensor_bytes
+from gm_trace.memory.cost import node_flops
+from gm_trace.memory.remat import OFFLOAD, tagged
+from gm_trace.memory.saved import SavedValues, phase
+
+#: Where offloaded values go.
+HOST = torch.device("cpu")
+
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+@dataclass
+class OffloadPlan:
+    """Which saved values go to host memory, and why (or why none do)."""
+
+    units: list[list[fx.Node]] = field(default_factory=list)
+    """Storage groups to offload: each node of a group gets its own pair of copies."""
+    freed_bytes: int = 0
+    """Device bytes the offloaded groups no longer hold from forward into backward."""
+    note: str = ""
+    """One line for the summary: on, off and why, or forced on CPU."""
+
+    @property
+    def nodes(self) -> set[fx.Node]:
+        return {n for unit in self.units for n in unit}
+
+
+def accelerator(nodes: Iterable[fx.Node]) -> torch.device | None:
+    """The accelerator the graph's tensors live on; None when they are on the CPU."""
+    for node in nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.device.type not in ("cpu", "meta"):
+            return val.device
+    return None
+
+
+def data_dependent_size(node: fx.Node) -> bool:
+    """A tensor whose size depends on the data (an unbacked symbol: tokens routed to an
+    expert): its bytes are not known until the step runs."""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and bool(free_unbacked_symbols(val))
+
+
+def is_offloadable(facts: SavedValues, node: fx.Node) -> bool:
+    """Whether a saved value can be copied out and back: a tensor of a size known before the
+    step runs, whose copy keeps its strides, not what the graph returns, its storage not
+    written in place after forward."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.is_sparse or data_dependent_size(node):
+        return False  # a data-dependent size cannot be asked whether it is 0 (no guard)
+    if not val.numel() or not is_non_overlapping_and_dense_or_false(val):
+        return False
+    storage = storage_of(node)
+    return storage not in facts.returned and storage not in facts.written(node, facts.last)
+
+
+def _lead_flops(node: fx.Node, config: PassConfig) -> float:
+    seconds = tensor_bytes(node) / (config.activation_offload_bandwidth_gbps * 1e9)
+    return seconds * config.activation_offload_device_tflops * 1e12
+
+
+def apply_offload(graph: fx.Graph, config: PassConfig) -> list[tuple[fx.Node, fx.Node]]:
+    """Apply the ``"offload"`` tags of ``graph`` (module doc) and remove them; returns the
+    (to host, to device) copies per offloaded value, in graph order."""
+    nodes = list(graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
+    phases = [phase(n) for n in nodes]
+    start = phases.index("backward") if "backward" in phases else len(nodes)
+    pairs = []
+    values = tagged(nodes, OFFLOAD)
+    for value in values:
+        del value.meta[node_meta.MEMORY]
+    for value in values:
+        val = value.meta["val"]
+        forward = [u for u in value.users if phase(u) == "forward"]
+        backward = sorted((u for u in value.users if phase(u) == "backward"), key=order.get)
+        with graph.inserting_after(max(forward, key=order.__getitem__, default=value)):
+            host = graph.call_function(_TO_COPY, (value,), {"device": HOST, "non_blocking": True})
+        host.meta.update(
+            {
+                "val": _TO_COPY(val, device=HOST, non_blocking=True),
+                node_meta.PHASE: "forward",
+                node_meta.OFFLOADED: "host",
+            }
+        )
+        if "nn_module_stack" in value.meta:
+            host.meta["nn_module_stack"] = value.meta["nn_module_stack"]
+        # The lead: the backward nodes before the first reader that take the transfer's time.
+        first = order[backward[0]]
+        at, lead = first, _lead_flops(value, config)
+        while at - 1 >= max(start, order[value] + 1) and (lead > 0 or at == first):
+            at -= 1
+            lead -= node_flops(nodes[at])
+        with graph.inserting_before(nodes[at]):
+            back = graph.call_function(
+                _TO_COPY, (host,), {"device": val.device, "non_blocking": True}
+            )
+        back.meta.update(
+            {
+                "val": _TO_COPY(host.meta["val"], device=val.device, non_blocking=True),
+                node_meta.PHASE: "backward",
+                node_meta.OFFLOADED: "device",
+            }
+        )
+        for reader in backward:
+            reader.replace_input_with(value, back)
+        pairs.append((host, back))
+    return pairs
