@@ -107,7 +107,7 @@ def _peak_tflops(args) -> float | None:
 
 
 def run_steps(args, base: torch.nn.Module, batches) -> dict[str, dict]:
-    from gm_trace.graph.memory import peak_allocated_bytes
+    from gm_trace.memory.cost import peak_allocated_bytes
 
     steps, rows, models = {}, {}, {}
     for name, kind in _configs().items():

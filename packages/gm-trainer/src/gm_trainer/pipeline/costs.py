@@ -1,7 +1,7 @@
 """The costs of a pipeline's stages, measured from their graphs, for the schedule planner.
 
 :func:`stage_costs` prices each stage's forward, input gradient ``B`` and weight gradients
-``W`` by the FLOPs of the nodes in its graphs (:func:`gm_trace.passes.memory_plan.node_flops`:
+``W`` by the FLOPs of the nodes in its graphs (:func:`gm_trace.memory.cost.node_flops`:
 torch's flop counter for matmuls, convolutions and attention, the elements produced for other
 ops); ``B`` and ``W`` come from the same split the zero-bubble schedules run
 (:func:`~gm_trace.passes.stage_weight_split.split_weight_grads`), so a schedule without the
@@ -12,7 +12,7 @@ split is charged ``B + W``, its whole backward. :func:`planned` hands them to
 from __future__ import annotations
 
 from gm_config import PassConfig
-from gm_trace.passes.memory_plan import node_flops
+from gm_trace.memory.cost import node_flops
 from gm_trace.passes.stage_cut import HalfGraph, PipelineCut
 from gm_trace.passes.stage_weight_split import split_weight_grads
 from gm_trainer.pipeline.planner import SchedulePlan, plan_schedule
