@@ -92,12 +92,11 @@ def test_ep_degree_errors_name_both_numbers() -> None:
 
 
 def test_ep_world_check_names_both_numbers() -> None:
-    from gm_config import ConfigError
-    from gm_trainer.parallel.topology import check_ep_world
+    from gm_config import ConfigError, ParallelPlan
 
-    check_ep_world(2, 4)
-    with pytest.raises(ConfigError, match=r"ep_degree=3 does not divide the 4 data-parallel"):
-        check_ep_world(3, 4)
+    ParallelPlan(ep=2).for_world(4)
+    with pytest.raises(ConfigError, match=r"ep=3 .*does not divide the 4 data-parallel"):
+        ParallelPlan(ep=3).for_world(4)
 
 
 @full_only

@@ -107,16 +107,13 @@ def test_pp2_ep2_qwen3_moe_matches_eager() -> None:
 
 
 def test_pp_ep_stage_check_names_both_numbers() -> None:
-    from gm_config import ConfigError
-    from gm_trainer.parallel.topology import check_ep_world
+    from gm_config import ConfigError, ParallelPlan
 
-    check_ep_world(2, 2, "each pipeline stage")
+    ParallelPlan(ep=2, pp=2).for_world(4)
     with pytest.raises(
-        ConfigError,
-        match=r"ep_degree=2 does not divide the 1 data-parallel "
-        r"ranks of each pipeline stage",
+        ConfigError, match=r"ep=2 .*does not divide the 1 data-parallel ranks of a stage"
     ):
-        check_ep_world(2, 1, "each pipeline stage")
+        ParallelPlan(ep=2, pp=2).for_world(2)
 
 
 @full_only

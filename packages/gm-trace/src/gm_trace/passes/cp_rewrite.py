@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -22,7 +23,6 @@ from gm_config import ConfigError
 from gm_trace.graph import node_meta
 from gm_trace.graph.collectives import all_gather_op
 from gm_trace.graph.graph_build import fake_mode_of
-from gm_trace.graph.groups import resolve_process_group
 
 __all__ = ["ContextParallelError", "P", "R", "Rewriter", "Seq"]
 
@@ -97,8 +97,7 @@ class Rewriter:
         self,
         graph_module: fx.GraphModule,
         cp: int,
-        rank: int,
-        group_name: str,
+        group: dist.ProcessGroup,
         seq: int,
         rules: Mapping[str, Callable[[Rewriter, fx.Node], Any]],
         scale_partial_grads: bool = False,
@@ -111,9 +110,14 @@ class Rewriter:
         self.old = graph_module.graph
         self.new = fx.Graph(owning_module=graph_module)
         self.mode = fake_mode_of(self.old)
-        self.cp, self.rank, self.group_name, self.seq = cp, rank, group_name, seq
+        self.cp, self.rank, self.group_name, self.seq = (
+            cp,
+            dist.get_rank(group),
+            group.group_name,
+            seq,
+        )
         self.local = seq // cp
-        self.all_gather = all_gather_op(resolve_process_group(group_name))
+        self.all_gather = all_gather_op(group)
         self.env: dict[fx.Node, Any] = {}
         self.plc: dict[fx.Node, Placement] = {}
         self._cache: dict[tuple[Any, ...], fx.Node] = {}
