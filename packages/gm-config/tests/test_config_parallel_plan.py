@@ -108,7 +108,7 @@ def test_for_world_fills_dp_shard_with_the_ranks_left_over():
         ({"pp": 2, "tp": 3}, 8, r"tp=3 .*must divide the 4 ranks 8 / pp 2 leaves; .*\[1, 2, 4\]"),
         ({"tp": 2, "cp": 3}, 8, r"cp=3 .*the 4 ranks 8 / tp 2 leaves"),
         ({"dp_replicate": 3}, 4, r"dp_replicate=3 .*must divide the world size 4"),
-        ({"dp_shard": 3}, 8, r"dp_shard=3 x cp=1 x tp=1 = 3, but the world has 8 ranks.*8 here"),
+        ({"dp_shard": 3}, 8, r"dp_shard=3 x cp=1 x tp=1 = 3, but the world has 8 ranks.*dp_shard=8 \(PassConfig.fsdp_degree=8\), or None"),
         ({"ep": 3}, 4, r"ep=3 .*does not divide the 4 data-parallel ranks.*\[1, 2, 4\]"),
         ({"ep": 2, "pp": 2}, 2, r"ep=2 .*does not divide the 1 data-parallel ranks"),
     ],

@@ -219,8 +219,8 @@ class ParallelPlan:
             )
             raise MeshError(
                 f"{product} = {self.world_size}, but the world has {world_size} ranks; choose "
-                f"degrees whose product is the world size (dp_shard None fills in the rest: "
-                f"{left} here)"
+                f"degrees whose product is the world size: here dp_shard={left} "
+                f"(PassConfig.fsdp_degree={left * self.cp}), or None to fill it in"
             )
         return self
 
