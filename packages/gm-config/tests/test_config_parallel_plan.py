@@ -128,7 +128,7 @@ def test_taking_a_mesh_fills_what_was_left_open_and_refuses_disagreement():
     mesh = ParallelPlan(dp_replicate=2, dp_shard=2, tp=2, cp=1)
     assert ParallelPlan().taking(mesh) == mesh
     assert ParallelPlan(dp_shard=2, tp=2).taking(mesh) == mesh
-    with pytest.raises(MeshError, match=r"FSDP group has 4 ranks but the mesh's has 2"):
+    with pytest.raises(MeshError, match=r"fsdp_degree=4 \(dp_shard=4 x cp=1\) but the FSDP group of the mesh has 2 ranks"):
         ParallelPlan(dp_shard=4).taking(mesh)
     with pytest.raises(MeshError, match=r"tp=4 .* but the mesh has tp=2; .*build\(tp=4"):
         ParallelPlan(tp=4).taking(mesh)

@@ -69,12 +69,13 @@ def test_bad_meshes_and_configs_have_clear_errors(dist_pool):
         "no_fsdp_dim": r"device_mesh has dims \('pp', 'tp'\); .*'fsdp_shard'.*'dp'",
         "tp_mismatch": r"rank 0: device_mesh\['tp'\] holds ranks \[0, 1\] but "
         r"fsdp_non_moe_mesh\['tp'\] holds ranks \[0, 2\]",
-        "fsdp_degree": r"fsdp_degree=4 but the mesh's 'fsdp_shard' dim has 2 ranks",
-        "tp_size": r"tp_size=4 but the mesh's 'tp' dim has 2 ranks",
+        "fsdp_degree": r"fsdp_degree=4 \(dp_shard=4 x cp=1\) but the FSDP group of the mesh "
+        r"has 2 ranks",
+        "tp_size": r"tp=4 \(PassConfig.tp_size.*\) but the mesh has tp=2",
         "sequence_parallel": r"sequence_parallel=True but the mesh context has",
-        "cp": r"cp_degree=4 but the mesh's 'cp' dim has 2 rank\(s\)",
+        "cp": r"cp=4 \(PassConfig.cp_degree.*\) but the mesh has cp=2",
         "no_mesh": r"has neither a fsdp_non_moe_mesh nor a device_mesh",
-        "sizes": r"dp_replicate=1 x dp_shard=1 x tp=3 x cp=1 = 3, but the world has 4 ranks",
+        "sizes": r"tp=3 \(PassConfig.tp_size.*\) must divide the world size 4",
     }
     for case, pattern in expected.items():
         assert re.search(pattern, results[0][case]), (case, results[0][case])

@@ -157,7 +157,7 @@ def test_bad_pipeline_configurations_are_clear_errors(dist_pool):
     assert "pp_microbatches=3 must divide dim 0" in errors["microbatches"]
     assert "input has shape (4, 8)" in errors["microbatches"]
     assert errors["mesh without pp"].startswith("MeshError: pp=2 (PassConfig.pp_degree")
-    assert "but the mesh (its 'fsdp_shard' dim) has 1 pipeline" in errors["mesh without pp"]
+    assert "but the mesh has 1 pipeline stage(s)" in errors["mesh without pp"]
     assert "MeshContext.build(pp=2" in errors["mesh without pp"]
 
 

@@ -230,9 +230,9 @@ class ParallelPlan:
         same. Raise :class:`MeshError` naming both sizes otherwise."""
         if self.dp_shard is not None and self.fsdp != actual.fsdp:
             raise MeshError(
-                f"{_named('dp_shard', self.dp_shard)}: the FSDP group has {self.fsdp} ranks but "
-                f"{where}'s has {actual.fsdp}; leave PassConfig.fsdp_degree None (taken from "
-                f"{where}) or set it to {actual.fsdp}"
+                f"PassConfig.fsdp_degree={self.fsdp} (dp_shard={self.dp_shard} x cp={self.cp}) "
+                f"but the FSDP group of {where} has {actual.fsdp} ranks; leave fsdp_degree None "
+                f"(taken from {where}) or set it to {actual.fsdp}"
             )
         for name in ("tp", "cp", "ep"):
             mine, theirs = getattr(self, name), getattr(actual, name)

@@ -176,7 +176,7 @@ class ResolvedMesh:
     """The process groups ``GraphTrainer`` takes from a mesh context (this rank's view)."""
 
     fsdp_group: dist.ProcessGroup
-    """The FSDP shard group (``fsdp_shard`` or ``dp``), registered as ``"fsdp"``."""
+    """The FSDP shard group (``fsdp_shard`` or ``dp``): the run's ``Role.FSDP``."""
     replicate_group: dist.ProcessGroup | None
     """The HSDP replicate group, when it has more than one rank."""
     tp_group: dist.ProcessGroup | None
@@ -230,7 +230,7 @@ class ResolvedMesh:
         ``loss_parallel`` (informational) take the mesh context's when the config leaves them
         False.
         """
-        plan = config.parallel.taking(self.parallel, f"the mesh (its {self.fsdp_dim!r} dim)")
+        plan = config.parallel.taking(self.parallel)
         filled: dict[str, Any] = {
             "fsdp_degree": plan.fsdp,
             "tp_size": plan.tp,
