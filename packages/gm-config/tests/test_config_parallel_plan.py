@@ -108,7 +108,12 @@ def test_for_world_fills_dp_shard_with_the_ranks_left_over():
         ({"pp": 2, "tp": 3}, 8, r"tp=3 .*must divide the 4 ranks 8 / pp 2 leaves; .*\[1, 2, 4\]"),
         ({"tp": 2, "cp": 3}, 8, r"cp=3 .*the 4 ranks 8 / tp 2 leaves"),
         ({"dp_replicate": 3}, 4, r"dp_replicate=3 .*must divide the world size 4"),
-        ({"dp_shard": 3}, 8, r"dp_shard=3 x cp=1 x tp=1 = 3, but the world has 8 ranks.*dp_shard=8 \(PassConfig.fsdp_degree=8\), or None"),
+        (
+            {"dp_shard": 3},
+            8,
+            r"dp_shard=3 x cp=1 x tp=1 = 3, but the world has 8 ranks"
+            r".*dp_shard=8 \(PassConfig.fsdp_degree=8\), or None",
+        ),
         ({"ep": 3}, 4, r"ep=3 .*does not divide the 4 data-parallel ranks.*\[1, 2, 4\]"),
         ({"ep": 2, "pp": 2}, 2, r"ep=2 .*does not divide the 1 data-parallel ranks"),
     ],
@@ -128,7 +133,10 @@ def test_taking_a_mesh_fills_what_was_left_open_and_refuses_disagreement():
     mesh = ParallelPlan(dp_replicate=2, dp_shard=2, tp=2, cp=1)
     assert ParallelPlan().taking(mesh) == mesh
     assert ParallelPlan(dp_shard=2, tp=2).taking(mesh) == mesh
-    with pytest.raises(MeshError, match=r"fsdp_degree=4 \(dp_shard=4 x cp=1\) but the FSDP group of the mesh has 2 ranks"):
+    with pytest.raises(
+        MeshError,
+        match=r"fsdp_degree=4 \(dp_shard=4 x cp=1\) but the FSDP group of the mesh has 2 ranks",
+    ):
         ParallelPlan(dp_shard=4).taking(mesh)
     with pytest.raises(MeshError, match=r"tp=4 .* but the mesh has tp=2; .*build\(tp=4"):
         ParallelPlan(tp=4).taking(mesh)
