@@ -45,6 +45,18 @@ def test_training_equals_eager_on_the_global_batch(tp, dp_replicate, dist_pool):
     # Every rank holds 1/(tp x fsdp) of each TP-split weight (asserted per parameter in the
     # body) and 1/fsdp of the rest: the attention and MLP linears of both blocks are split.
     assert len(first["split"]) == (14 if tp > 1 else 0)
+    # The passes got the mesh's groups by role, and only the roles the layout has (issue 37).
+    fsdp = 4 // (tp * dp_replicate)
+    for r in results:
+        roles = {"fsdp": fsdp > 1, "replicate": dp_replicate > 1, "tp": tp > 1}
+        assert list(r["groups"]) == [role for role, has in roles.items() if has]
+        if tp > 1:
+            assert r["groups"]["tp"] == r["mesh groups"]["tp"]
+        if dp_replicate > 1:
+            assert r["groups"]["replicate"] == r["mesh groups"]["replicate"]
+        if fsdp > 1:
+            assert len(r["groups"]["fsdp"]) == fsdp
+            assert not set(r["groups"]["fsdp"]) & (set(r["mesh groups"]["tp"]) - {r["rank"]})
 
 
 @pytest.mark.distributed
