@@ -377,7 +377,7 @@ def config_errors() -> None:
 
     with pytest.raises(ConfigError, match=r"ep_degree=3 does not divide the 4 experts"):
         apply_expert_parallel(build("qwen3-moe"), 3, 0)
-    with pytest.raises(ConfigError, match=r"ep_degree must be an int >= 1"):
+    with pytest.raises(ConfigError, match=r"PassConfig.ep_degree.*must be an int >= 1"):
         PassConfig(ep_degree=0)
     with pytest.raises(ConfigError, match="has no experts module"):
         apply_expert_parallel(torch.nn.Linear(2, 2), 2, 0)

@@ -9,6 +9,7 @@ import warnings
 from collections import Counter
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from eager_reference import world_mean_losses
 from hf_configs import tiny_llama
@@ -332,7 +333,9 @@ def hsdp_parity(rank: int, world: int) -> dict:
     torch.testing.assert_close(
         torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-5
     )
-    return {"stage": trainer.topology.pp_stage, "dp_rank": mesh.dp_rank}
+    groups = trainer.topology.groups
+    ranks = {str(r): dist.get_process_group_ranks(groups.get(r)) for r in groups.roles}
+    return {"stage": trainer.topology.pp_stage, "dp_rank": mesh.dp_rank, "groups": ranks}
 
 
 def _tp_mesh():

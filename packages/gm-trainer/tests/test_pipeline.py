@@ -116,6 +116,13 @@ def test_interleaved_1f1b_with_two_stages_per_rank_matches_eager(dist_pool):
 def test_pp2_hsdp_replicas_match_eager_and_fsdp_off_is_refused(dist_pool):
     results = dist_pool(4).run(bodies.hsdp_parity, timeout=600)
     assert [(r["stage"], r["dp_rank"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # The passes got the mesh's groups by role (issue 37): rank = stage * 2 + replica.
+    for rank, r in enumerate(results):
+        assert r["groups"] == {
+            "fsdp": [rank],  # dp_shard 1: each shard group is the rank itself
+            "replicate": [r["stage"] * 2, r["stage"] * 2 + 1],
+            "pp": [rank % 2, rank % 2 + 2],
+        }
     error = dist_pool(4).run(bodies.fsdp_off)[0]
     assert error.startswith("MeshError: pp=2 (PassConfig.pp_degree")
     assert "on 4 ranks leaves 2" in error
