@@ -251,6 +251,11 @@ def train_and_compare(
         "eager_norms": eager_norms,
         "summary": trainer.pass_summary() if rank == 0 else "",
         **_first_layer(first_load),
+        # What the passes got: each role's group, as ranks (issue 37).
+        "groups": {
+            str(r): dist.get_process_group_ranks(trainer.topology.groups.get(r))
+            for r in trainer.topology.groups.roles
+        },
     }
 
 

@@ -131,7 +131,17 @@ def _expert_params_split_over_ep_replicate(results: list[dict]) -> None:
 
 
 def test_qwen3_moe_ep2_fsdp2_on_4_ranks_shards_experts() -> None:
-    _expert_params_split_over_ep_replicate(_run(4, "qwen3-moe", 2))
+    results = _run(4, "qwen3-moe", 2)
+    _expert_params_split_over_ep_replicate(results)
+    # The passes got groups by role (issue 37): ep groups of consecutive ranks, the ranks
+    # holding the same experts across them, FSDP over every rank.
+    for rank, result in enumerate(results):
+        pair = rank // 2 * 2
+        assert result["groups"] == {
+            "fsdp": [0, 1, 2, 3],
+            "ep": [pair, pair + 1],
+            "ep_replicate": [rank % 2, rank % 2 + 2],
+        }
 
 
 @full_only
