@@ -29,7 +29,10 @@ def _check(results) -> None:
 
 
 def test_cp2_llama_padded_matches_one_eager_process(dist_pool):
-    _check(dist_pool(2).run(bodies.parity, "llama", True, True, timeout=600))
+    results = dist_pool(2).run(bodies.parity, "llama", True, True, timeout=600)
+    _check(results)
+    # The passes got the cp group and an fsdp group spanning it (dp_shard 1 x cp 2).
+    assert all(r["groups"] == {"fsdp": 2, "cp": 2} for r in results)
 
 
 @opt_in
