@@ -271,19 +271,20 @@ def _equal(actual: dict, expected: dict, **tolerance: float) -> None:
 
 def config_error(rank: int, world: int, mesh: dict | None = None, **config: Any) -> str:
     """The ConfigError a PP x EP configuration that cannot work raises at the first compile
-    (``mesh``: ``MeshContext.build``'s sizes), before any trace."""
+    (``mesh``: ``MeshContext.build``'s sizes, whose degrees ``ParallelPlan`` checks as the
+    mesh is built), before any trace."""
     from gm_config import ConfigError
 
-    context = MeshContext.build(**mesh) if mesh is not None else None
-    trainer = GraphTrainer(
-        build("qwen3-moe"),
-        hf_loss,
-        PassConfig(**config),
-        optimizer_config={"lr": LR},
-        device="cpu",
-        mesh_context=context,
-    )
     try:
+        context = MeshContext.build(**mesh) if mesh is not None else None
+        trainer = GraphTrainer(
+            build("qwen3-moe"),
+            hf_loss,
+            PassConfig(**config),
+            optimizer_config={"lr": LR},
+            device="cpu",
+            mesh_context=context,
+        )
         trainer.compile(*_rows(0, rank, 1, 2))
     except ConfigError as exc:
         return str(exc)
