@@ -163,8 +163,8 @@ def render(results: dict[tuple[str, ...], dict[str, Any]]) -> str:
     ran = {frozenset(cell) for cell in results}
     missing = [cell for cell in bodies.cells() if frozenset(cell) not in ran]
     if missing:  # "-" above
-        out += [f"Not run for this page ({len(missing)} cells, `-` above): "]
-        out[-1] += ", ".join(bodies.cell_name(cell) for cell in missing) + ".", ""
+        names = ", ".join(bodies.cell_name(cell) for cell in missing)
+        out += [f"Not run for this page ({len(missing)} cells, `-` above): {names}.", ""]
     if numbered:
         out += ["## Outcomes other than a plain match", ""]
         for cell in numbered:
