@@ -598,10 +598,12 @@ def not_engaged(setup: Setup, summary: str) -> list[str]:
     if "offload" not in setup.features:
         return []
     offloaded = re.findall(r"offloaded (\d+\.\d+) MiB", summary)
-    if any(float(mib) > 0 for mib in offloaded):
+    said = [line.strip() for line in summary.splitlines() if "offload:" in line]
+    off = [line for line in said if not line.startswith("offload: on")]
+    if any(float(mib) > 0 for mib in offloaded) and not off:
         return []
-    said = next((line.strip() for line in summary.splitlines() if "offload:" in line), "")
-    return [f"activation offload did not engage (offloaded nothing): {said or 'no offload line'}"]
+    why = (off or said or ["no offload line"])[0]
+    return [f"activation offload did not engage in every graph: {why}"]
 
 
 def trainer_stepped(trainer: GraphTrainer | None) -> bool:
