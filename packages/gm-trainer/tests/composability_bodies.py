@@ -21,7 +21,7 @@ A cell (:func:`run_cell`, a rank body) ends in one outcome:
 - ``broken``: any other exception, a refusal after training began, a hang, or a difference.
 
 Features and what each adds (the parallel ones each add a mesh dim of 2 ranks, so a cell runs
-on 1, 2 or 4 ranks; without any the cell runs on one rank):
+on 1, 2, 4 or 8 ranks; without any the cell runs on one rank):
 
 ==================  ===============================================================
 ``fsdp``            FSDP over 2 ranks (``dp_shard=2``)
@@ -35,7 +35,25 @@ on 1, 2 or 4 ranks; without any the cell runs on one rank):
 ``bf16``            ``PassConfig(param_dtype="bfloat16")``
 ``inductor``        ``PassConfig(backend="inductor")``
 ``resume``          save after 2 of 4 steps, load into a fresh trainer, train on
+``ep``              ``ep_degree=2``: the experts split over 2 data-parallel ranks (an ep
+                    group is made of FSDP shard ranks, as torchtitan's borrows dp_shard):
+                    with ``fsdp`` over its 2 ranks, without it the cell gets them
+                    (``dp_shard=2``, the fsdp pass EP needs), so EP x FSDP is EP's own layout
+``cp``              ``cp_degree=2`` (``MeshContext.build(cp=2)``), the sequence split; every
+                    rank of a cp group passes the same batch; FSDP (on by default) shards
+                    over dp x cp
+``budget``          ``PassConfig(activation_memory_budget=0.5)``
+``offload``         ``activation_offload`` forced on CPU (``MemoryPlanPass(offload_on_cpu=
+                    True)``, a host link of 1e9 GB/s) at budget 0 (0.5 with ``budget``)
+``expert_loop``     the MoE model with ``experts_implementation="eager"`` (transformers'
+                    per-expert Python loop) instead of ``batched_mm``
 ==================  ===============================================================
+
+Models (composability_models.py, one per cell): TinyGPT; with TP or CP a tiny HF Llama; with
+EP or the per-expert loop a tiny HF Qwen3-MoE for the whole cell, its router's load-balancing
+loss in the loss. That loss is a statistic of the batch, so for the MoE model eager computes
+each step's loss per data-parallel rank and micro-batch (the pipeline's and accumulation's)
+and averages them, as DDP does.
 """
 
 from __future__ import annotations
@@ -43,19 +61,19 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import re
 import traceback
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import composability_models as models
 import torch
 import torch.distributed as dist
-from dtensor_bodies import llama_loss, llama_plan
-from hf_configs import tiny_llama
 from torch.distributed.tensor import DTensor
 
-from gm_trace.testing import TinyGPT, lm_loss
+from gm_trace.passes.memory_plan import MemoryPlanPass
 from gm_trace.testing.parity import parity_tolerance
 from gm_trainer import (
     ConfigError,
@@ -79,8 +97,15 @@ FEATURES: dict[str, str] = {
     "bf16": "bf16",
     "inductor": "Inductor",
     "resume": "checkpoint resume",
+    "ep": "EP",
+    "cp": "CP",
+    "budget": "memory budget",
+    "offload": "activation offload",
+    "expert_loop": "per-expert loop",
 }
-PARALLEL = ("fsdp", "hsdp", "tp", "pp")
+PARALLEL = ("fsdp", "hsdp", "tp", "pp", "cp")
+#: The features added by issue 37 (``--feature`` runs the cells holding one of them).
+NEW = ("ep", "cp", "budget", "offload", "expert_loop")
 
 #: Triples beside every pair: where two runtimes or two graph variants meet.
 TRIPLES: tuple[tuple[str, ...], ...] = (
@@ -97,7 +122,16 @@ TRIPLES: tuple[tuple[str, ...], ...] = (
     ("pp", "fsdp", "resume"),
     ("tp", "fsdp", "resume"),
     ("tp", "fsdp", "bf16"),
+    ("ep", "fsdp", "pp"),
+    ("ep", "tp", "pp"),
+    ("cp", "fsdp", "tp"),
+    ("cp", "pp", "fsdp"),
+    ("ep", "cp", "fsdp"),
 )
+
+#: Layouts of four parallel dims on 8 ranks (EP borrows the data-parallel ranks, so dp 2 x tp
+#: 2 x pp 2 with the experts split over dp; CP would add a dim: 16 ranks).
+LAYOUTS: tuple[tuple[str, ...], ...] = (("fsdp", "tp", "pp", "ep"),)
 
 #: Combinations that cannot mean anything, and why: a refusal of one of them is the right
 #: answer. A refusal of any other combination is a missing capability (the table says so).
@@ -105,7 +139,11 @@ MEANINGLESS: dict[frozenset[str], str] = {}
 
 #: A feature that changes nothing in a cell without these, and why (the cell still runs).
 INERT: dict[str, tuple[tuple[str, ...], str]] = {
-    "reshard": (("fsdp",), "nothing is sharded without FSDP: reshard_after_forward frees nothing"),
+    # EP brings its own FSDP ranks; CP's FSDP shards over dp x cp
+    "reshard": (
+        ("fsdp", "ep", "cp"),
+        "nothing is sharded without FSDP: reshard_after_forward frees nothing",
+    ),
 }
 
 STEPS, SAVE_AT = 4, 2
@@ -121,11 +159,20 @@ OPTIMIZER = {"name": "sgd", "lr": 0.5, "grad_clip": 0.5, "kwargs": {"momentum": 
 LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-5
 
 
-def cells(full: bool = True) -> list[tuple[str, ...]]:
-    """Every pair of :data:`FEATURES`, then :data:`TRIPLES`; without ``full`` the Inductor
-    cells are left out (seconds per compile)."""
-    found = [*itertools.combinations(FEATURES, 2), *TRIPLES]
-    return [cell for cell in found if full or "inductor" not in cell]
+def cells(full: bool = True, having: Iterable[str] = ()) -> list[tuple[str, ...]]:
+    """Every pair of :data:`FEATURES`, then :data:`TRIPLES` and :data:`LAYOUTS`; without
+    ``full`` the Inductor cells are left out (seconds per compile); with ``having`` only the
+    cells holding one of those features."""
+    having = set(having)
+    unknown = having - set(FEATURES)
+    if unknown:
+        raise ValueError(f"unknown features {sorted(unknown)}; known: {list(FEATURES)}")
+    found = [*itertools.combinations(FEATURES, 2), *TRIPLES, *LAYOUTS]
+    return [
+        cell
+        for cell in found
+        if (full or "inductor" not in cell) and (not having or having & set(cell))
+    ]
 
 
 def cell_name(cell: Iterable[str]) -> str:
@@ -141,6 +188,8 @@ class Setup:
     dp_replicate: int
     dp_shard: int
     tp: int
+    cp: int
+    ep: int
 
     @classmethod
     def of(cls, cell: Iterable[str]) -> Setup:
@@ -148,12 +197,13 @@ class Setup:
         unknown = f - set(FEATURES)
         if unknown:
             raise ValueError(f"unknown features {sorted(unknown)}; known: {list(FEATURES)}")
-        two = {name: 2 if name in f else 1 for name in PARALLEL}
-        return cls(f, two["pp"], two["hsdp"], two["fsdp"], two["tp"])
+        two = {name: 2 if name in f else 1 for name in (*PARALLEL, "ep")}
+        shard = 2 if "ep" in f else two["fsdp"]  # EP's groups are FSDP shard ranks
+        return cls(f, two["pp"], two["hsdp"], shard, two["tp"], two["cp"], two["ep"])
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp * self.cp
 
     @property
     def dp(self) -> int:
@@ -165,8 +215,20 @@ class Setup:
 
     @property
     def uses_mesh(self) -> bool:
-        """HSDP and TP need a MeshContext; FSDP and PP alone take the trainer's defaults."""
-        return "hsdp" in self.features or "tp" in self.features
+        """HSDP, TP and CP need a MeshContext; FSDP, EP and PP alone take the trainer's
+        defaults."""
+        return bool(self.features & {"hsdp", "tp", "cp"})
+
+    @property
+    def moe(self) -> bool:
+        return models.kind(self.features) == "moe"
+
+    @property
+    def loss_slices(self) -> int:
+        """Pieces of a global micro-batch each computing its own loss (DDP semantics), where
+        the loss holds a batch statistic (the MoE router's): data-parallel ranks x the
+        pipeline's micro-batches; else 1 (a token mean is the same over the whole)."""
+        return self.dp * (PP_MICROBATCHES if self.pp > 1 else 1) if self.moe else 1
 
     @property
     def bf16(self) -> bool:
@@ -183,7 +245,24 @@ class Setup:
             fields["param_dtype"] = "bfloat16"
         if "inductor" in f:
             fields["backend"] = "inductor"
+        if "ep" in f:
+            fields["ep_degree"] = 2
+        if "cp" in f:
+            fields["cp_degree"] = 2
+        if "budget" in f:
+            fields["activation_memory_budget"] = 0.5
+        if "offload" in f:
+            fields |= {
+                "activation_memory_budget": 0.5 if "budget" in f else 0.0,
+                "activation_offload": True,
+                "activation_offload_bandwidth_gbps": 1e9,  # offload what it would recompute
+            }
         return PassConfig(**fields)
+
+    def passes(self) -> list[Any]:
+        """Offload forced on CPU (where host memory is device memory it moves nothing, but
+        its copies run)."""
+        return [MemoryPlanPass(offload_on_cpu=True)] if "offload" in self.features else []
 
     def optimizer(self) -> dict[str, Any]:
         return {**OPTIMIZER, "in_graph": "in_graph" in self.features}
@@ -211,16 +290,9 @@ class Setup:
 
 
 def _model(setup: Setup, seed: int) -> tuple[torch.nn.Module, Callable[..., torch.Tensor]]:
-    """TinyGPT (tied embedding), or with TP a tiny HF Llama that DTensor can split."""
+    """The cell's model (composability_models.py) with weights from ``seed``."""
     torch.manual_seed(seed)
-    if "tp" not in setup.features:
-        model = TinyGPT(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, max_seq_len=SEQ)
-        return model, lm_loss
-    import transformers
-
-    config = tiny_llama(vocab_size=VOCAB)
-    config._attn_implementation = "sdpa"
-    return transformers.LlamaForCausalLM(config), llama_loss
+    return models.build(setup.features, VOCAB, SEQ)
 
 
 def _batch(setup: Setup, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,8 +328,13 @@ def eager_reference(setup: Setup, model: torch.nn.Module, train_fn) -> dict[str,
     losses, norms = [], []
     for step in range(STEPS):
         total = 0.0
+        n = setup.loss_slices
         for micro in range(k):
-            loss = fn(model, *_batch(setup, step, micro)).float() / k
+            input, label = _batch(setup, step, micro)
+            per = input.shape[0] // n
+            pieces = [fn(model, input[i * per : (i + 1) * per], label[i * per : (i + 1) * per])
+                      for i in range(n)]  # fmt: skip
+            loss = (pieces[0] if n == 1 else sum(pieces) / n).float() / k
             loss.backward()
             total += loss.item()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIMIZER["grad_clip"])
@@ -280,17 +357,21 @@ class _Run:
         self.mesh = None
         if setup.uses_mesh:
             self.mesh = MeshContext.build(
-                pp=setup.pp, dp_replicate=setup.dp_replicate, dp_shard=setup.dp_shard, tp=setup.tp
+                pp=setup.pp,
+                dp_replicate=setup.dp_replicate,
+                dp_shard=setup.dp_shard,
+                tp=setup.tp,
+                cp=setup.cp,
+                ep=setup.ep,
             )
-        # the data-parallel index: rank = stage * dp + index without a mesh (FSDP, PP)
+        # the data-parallel index: rank = stage * dp + index without a mesh (FSDP, EP, PP)
         self.dp_index = self.mesh.dp_rank if self.mesh is not None else rank % setup.dp
 
     def trainer(self, model: torch.nn.Module, train_fn) -> GraphTrainer:
         if "tp" in self.setup.features:
             from torch.distributed.tensor.parallel import parallelize_module
 
-            layers = model.config.num_hidden_layers
-            parallelize_module(model, self.mesh.device_mesh["tp"], llama_plan(layers, False))
+            parallelize_module(model, self.mesh.device_mesh["tp"], models.tp_plan(model))
         return GraphTrainer(
             model,
             train_fn,
@@ -298,6 +379,7 @@ class _Run:
             optimizer_config=self.setup.optimizer(),
             mesh_context=self.mesh,
             dynamic_dims=self.setup.dynamic_dims(),
+            passes=self.setup.passes(),
         )
 
     def local(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -486,6 +568,7 @@ def run_cell(rank: int, world: int, cell: tuple[str, ...], root: str) -> dict[st
             found, figures = compare(setup, losses, norms, params, initial, reference)
             problems = found + problems
             result["figures"] = figures | {"compiles": trainer.compile_count}
+            result["notes"] += not_engaged(setup, trainer.pass_summary())
         except Exception as exc:
             refused = (
                 isinstance(exc, ConfigError) and phase != "resume" and not trainer_stepped(trainer)
@@ -507,6 +590,20 @@ def run_cell(rank: int, world: int, cell: tuple[str, ...], root: str) -> dict[st
         return result
     result |= {"outcome": "match", "detail": ""}
     return result
+
+
+def not_engaged(setup: Setup, summary: str) -> list[str]:
+    """Why a feature the cell asked for did nothing, from ``pass_summary()`` (a silent no-op
+    is not a match of that feature): offload that offloaded no bytes."""
+    if "offload" not in setup.features:
+        return []
+    offloaded = re.findall(r"offloaded (\d+\.\d+) MiB", summary)
+    said = [line.strip() for line in summary.splitlines() if "offload:" in line]
+    off = [line for line in said if not line.startswith("offload: on")]
+    if any(float(mib) > 0 for mib in offloaded) and not off:
+        return []
+    why = (off or said or ["no offload line"])[0]
+    return [f"activation offload did not engage in every graph: {why}"]
 
 
 def trainer_stepped(trainer: GraphTrainer | None) -> bool:

@@ -4,8 +4,14 @@
 
     python packages/gm-trainer/tests/composability_report.py --out docs/composability.md
     python packages/gm-trainer/tests/composability_report.py --cell pp,in_graph --cell tp,bf16
+    python packages/gm-trainer/tests/composability_report.py --feature ep --feature cp \
+        --merge docs/composability.md
 
-Each cell runs on a world of local gloo ranks (1, 2 or 4), kept between cells; a cell that does
+``--feature`` runs only the cells holding one of the features named; ``--merge`` reads the
+table a run wrote before (:func:`parse`) and rewrites it with the new cells' rows in place of
+(or beside) the old ones, so that a new feature does not rerun every cell.
+
+Each cell runs on a world of local gloo ranks (1, 2, 4 or 8), kept between cells; a cell that does
 not match runs again on fresh ranks and that outcome counts, so that what an earlier cell left
 in a process (process groups, meshes, a collective a failed cell left pending) decides no
 outcome and the table does not depend on the order of its cells.
@@ -14,6 +20,7 @@ outcome and the table does not depend on the order of its cells.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
 import time
@@ -38,8 +45,11 @@ def _run_cell(pool: DistributedPool, cell: tuple[str, ...]) -> dict[str, Any]:
             return {"outcome": "broken", "detail": lines[0], "notes": []}  # a hang, a dead rank
 
 
-def run_cells(cells: list[tuple[str, ...]], log=print) -> dict[tuple[str, ...], dict[str, Any]]:
-    """Every cell's merged outcome (and its wall time in ``seconds``).
+def run_cells(
+    cells: list[tuple[str, ...]], log=print, after=None
+) -> dict[tuple[str, ...], dict[str, Any]]:
+    """Every cell's merged outcome (and its wall time in ``seconds``); ``after(results)``, when
+    given, is called after each cell with the results so far.
 
     Ranks are kept between cells (starting one costs seconds); a cell that does not match runs
     again on fresh ranks, whose outcome counts, so that nothing an earlier cell left in the
@@ -69,6 +79,8 @@ def run_cells(cells: list[tuple[str, ...]], log=print) -> dict[tuple[str, ...], 
                 f"{bodies.cell_name(cell)} ({world} ranks, {outcome['seconds']:.0f} s): "
                 f"{outcome['outcome']} {outcome.get('detail', '')}".rstrip()
             )
+            if after is not None:
+                after(results)
     finally:
         for pool in pools.values():
             pool.close()
@@ -86,10 +98,22 @@ Every pair of features, and the triples listed below, trained through the public
 (`GraphTrainer`, `PassConfig`, `OptimizerConfig`, `MeshContext`, `train_step` /
 `optimizer_step` / `train`, `state_dict`, `save_checkpoint` / `load_checkpoint`) on real gloo
 ranks — each parallel feature adds a mesh dim of 2 ranks (FSDP `dp_shard=2`, HSDP
-`dp_replicate=2`, DTensor TP 2, PP 2 stages split automatically with 2 micro-batches); a cell
-without one runs on one rank. TinyGPT (tied embedding), or with TP a tiny HF Llama split by
-`parallelize_module`; {steps} SGD-momentum steps with global-norm clipping against eager PyTorch
-on the same weights and the global batch:
+`dp_replicate=2`, DTensor TP 2, PP 2 stages split automatically with 2 micro-batches, CP
+`cp_degree=2`); a cell without one runs on one rank. EP (`ep_degree=2`) splits the experts over
+2 data-parallel ranks, FSDP shard ranks (as torchtitan's EP borrows dp_shard): with FSDP over
+its 2 ranks, without it the cell gets them (`dp_shard=2`; EP needs the fsdp pass), so the
+EP x FSDP cell is EP's own layout. The memory budget is `activation_memory_budget=0.5`;
+activation offload is forced on CPU (`MemoryPlanPass(offload_on_cpu=True)`, the copies run
+but move nothing) at budget 0 (0.5 with the budget); the per-expert loop is
+`experts_implementation="eager"` (transformers' Python loop over the experts).
+
+Models, one per cell: TinyGPT (tied embedding); with TP or CP a tiny HF Llama (split by
+`parallelize_module` under TP); with EP or the per-expert loop a tiny HF Qwen3-MoE (4 experts,
+top 2) for every feature of the cell, its router's load-balancing loss (weight 0.1) in the
+loss, TP splitting its attention. That loss is a statistic of the batch, so for the MoE model
+eager computes it per data-parallel rank and micro-batch and averages (DDP semantics).
+{steps} SGD-momentum steps with global-norm clipping against eager PyTorch on the same weights
+and the global batch:
 
 - **match**: each step's loss within rtol 1e-5, the global gradient norm within rtol 1e-5,
   every parameter (gathered whole from `state_dict()`) within `parity_tolerance({steps})`.
@@ -132,10 +156,15 @@ def render(results: dict[tuple[str, ...], dict[str, Any]]) -> str:
         out.append(f"| {bodies.FEATURES[row]} | " + " | ".join(marks) + " |")
     triples = [cell for cell in results if len(cell) > 2]
     if triples:
-        out += ["", "## Triples", ""]
+        out += ["", "## Triples and the 4-D layout", ""]
         out += [f"- {bodies.cell_name(c)}: {_mark(results[c], number.get(c))}" for c in triples]
     counts = {kind: sum(r["outcome"] == kind for r in results.values()) for kind in bodies.SEVERITY}
     out += ["", f"{len(results)} cells: " + ", ".join(f"{n} {k}" for k, n in counts.items()), ""]
+    ran = {frozenset(cell) for cell in results}
+    missing = [cell for cell in bodies.cells() if frozenset(cell) not in ran]
+    if missing:  # "-" above
+        names = ", ".join(bodies.cell_name(cell) for cell in missing)
+        out += [f"Not run for this page ({len(missing)} cells, `-` above): {names}.", ""]
     if numbered:
         out += ["## Outcomes other than a plain match", ""]
         for cell in numbered:
@@ -178,6 +207,56 @@ def _describe(cell: tuple[str, ...], r: dict[str, Any]) -> str:
     return text
 
 
+_OUTCOME = {mark: kind for kind, mark in MARKS.items()} | {"BROKEN": "broken"}
+_LINE = re.compile(
+    r"^\d+\. \*\*(?P<name>.+?)\*\* \((?P<world>\d+) ranks\): (?P<mark>match, eager update|"
+    r"match|refused|BROKEN)(?:: `(?P<detail>.*?)`)?(?: \(raised from (?P<where>\S*), "
+    r"(?P<phase>\w*)\))?(?P<rest>.*)$"
+)
+
+
+def parse(text: str) -> dict[tuple[str, ...], dict[str, Any]]:
+    """The results a page of :func:`render` shows, for the cells of :func:`bodies.cells`
+    (``seconds`` is not on the page): what ``--merge`` keeps of an earlier run."""
+    by_name = {bodies.cell_name(cell): cell for cell in bodies.cells()}
+    results: dict[tuple[str, ...], dict[str, Any]] = {}
+    for line in text.splitlines():
+        row = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(row) == 6 and row[0] in by_name:
+            loss, norm, param, compiles = row[2], row[3], row[4].split()[0], row[5]
+            figures = {"loss": float(loss), "norm": float(norm), "param": float(param)}
+            results[by_name[row[0]]] = {
+                "outcome": "match",
+                "detail": "",
+                "notes": [],
+                "where": "",
+                "world": int(row[1]),
+                "figures": figures | {"compiles": int(compiles)},
+            }
+    for line in text.splitlines():
+        found = _LINE.match(line)
+        if found is None or found["name"] not in by_name:
+            continue
+        rest = found["rest"].split("; note: ")
+        result = results.setdefault(by_name[found["name"]], {"figures": {}})
+        result |= {
+            "outcome": _OUTCOME[found["mark"]],
+            "detail": found["detail"] or "",
+            "where": found["where"] or "",
+            "phase": found["phase"] or "",
+            "world": int(found["world"]),
+            "notes": rest[1:],
+        }
+    return combine(results)
+
+
+def combine(*runs: dict[tuple[str, ...], dict[str, Any]]) -> dict[tuple[str, ...], dict[str, Any]]:
+    """The cells of :func:`bodies.cells` (in its order) that any of ``runs`` has, each from
+    the last run that has it; a cell named in another order (``--cell ep,fsdp``) counts."""
+    latest = {frozenset(cell): result for run in runs for cell, result in run.items()}
+    return {cell: latest[frozenset(cell)] for cell in bodies.cells() if frozenset(cell) in latest}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the Markdown table here")
@@ -185,15 +264,42 @@ def main(argv: list[str] | None = None) -> int:
         "--cell", action="append", default=[], help="only these cells (comma-separated features)"
     )
     parser.add_argument("--no-inductor", action="store_true", help="leave the Inductor cells out")
+    parser.add_argument(
+        "--feature",
+        action="append",
+        default=[],
+        help="only the cells holding one of these features (e.g. --feature ep --feature cp)",
+    )
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        help="read this table (an earlier run's), put the new cells' rows in and write it back",
+    )
     args = parser.parse_args(argv)
-    cells = [tuple(c.split(",")) for c in args.cell] or bodies.cells(full=not args.no_inductor)
+    cells = [tuple(c.split(",")) for c in args.cell] or bodies.cells(
+        full=not args.no_inductor, having=args.feature
+    )
     started = time.monotonic()
-    results = run_cells(cells)
+    earlier = parse(args.merge.read_text()) if args.merge is not None else {}
+
+    def write(results: dict[tuple[str, ...], dict[str, Any]]) -> None:
+        # after every cell: a run stopped halfway keeps the cells it finished
+        if args.merge is not None:
+            _write(args.merge, render(combine(earlier, results)))
+        if args.out is not None:
+            _write(args.out, render(results))
+
+    results = run_cells(cells, after=write)
     print(f"{len(results)} cells in {time.monotonic() - started:.0f} s")
-    if args.out is not None:
-        args.out.write_text(render(results))
-        print(f"wrote {args.out}")
     return 0
+
+
+def _write(path: Path, text: str) -> None:
+    """Atomically (a table half written is no table)."""
+    partial = path.with_suffix(path.suffix + ".partial")
+    partial.write_text(text)
+    partial.replace(path)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

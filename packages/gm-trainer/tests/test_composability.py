@@ -69,10 +69,57 @@ def test_pair_matches_eager(cell, dist_pool, tmp_path):
     assert result["outcome"] == expected, (result["outcome"], result["detail"], result["where"])
 
 
-def test_every_pair_and_triple_is_a_cell_on_2_or_4_ranks_or_1():
+def test_every_pair_triple_and_layout_is_a_cell_on_1_2_4_or_8_ranks():
     cells = bodies.cells()
     assert len(cells) == len(set(cells))
     pairs = [c for c in cells if len(c) == 2]
     assert len(pairs) == len(bodies.FEATURES) * (len(bodies.FEATURES) - 1) // 2
-    assert {bodies.Setup.of(c).world for c in cells} == {1, 2, 4}
+    assert {bodies.Setup.of(c).world for c in cells} == {1, 2, 4, 8}
+    assert all(bodies.Setup.of(c).world == 8 and len(c) == 4 for c in bodies.LAYOUTS)
     assert all("inductor" not in c for c in bodies.cells(full=False))
+
+
+def test_every_new_feature_has_its_cells_and_the_tables_name_real_features():
+    for feature in bodies.NEW:
+        mine = bodies.cells(having=[feature])
+        assert {f for c in mine for f in c} == set(bodies.FEATURES), feature  # every pair
+        assert all(feature in c for c in mine)
+    for cell in bodies.MEANINGLESS:
+        assert cell <= set(bodies.FEATURES), cell
+    for feature, (needs, _) in bodies.INERT.items():
+        assert {feature, *needs} <= set(bodies.FEATURES), feature
+    with pytest.raises(ValueError, match="unknown features"):
+        bodies.cells(having=["zero_bubble"])
+
+
+def test_ep_borrows_the_data_parallel_ranks_and_cp_adds_a_dim():
+    assert bodies.Setup.of(("ep", "accumulation")).world == 2
+    assert bodies.Setup.of(("ep", "fsdp")).world == 2
+    assert bodies.Setup.of(("ep", "hsdp")).world == 4
+    assert bodies.Setup.of(("cp", "fsdp")).world == 4
+    assert bodies.Setup.of(("cp", "fsdp")).dp == 2  # cp ranks pass the same batch
+    assert bodies.Setup.of(("ep", "pp")).loss_slices == 4  # 2 dp ranks x 2 micro-batches
+    assert bodies.Setup.of(("tp", "pp")).loss_slices == 1  # a token mean: one piece
+
+
+def test_a_page_reads_back_as_the_results_it_shows():
+    """``--merge`` keeps an earlier run's rows: what the page shows of each cell reads back."""
+    report = pytest.importorskip("composability_report")
+    results = {
+        ("fsdp", "ep"): {"outcome": "match", "detail": "", "notes": [], "where": "", "world": 2,
+                         "figures": {"loss": 1.2e-07, "norm": 0.0, "param": 3e-08, "compiles": 1}},
+        ("ep", "cp"): {"outcome": "refused", "detail": "MeshError: ep=2 with cp=2: no",
+                       "where": "gm_trainer/parallel/mesh.py:137", "phase": "setup",
+                       "notes": [], "world": 4, "figures": {}},
+        ("hsdp", "reshard"): {"outcome": "match", "detail": "", "where": "", "world": 2,
+                              "notes": ["nothing is sharded"],
+                              "figures": {"loss": 0.0, "norm": 1.2e-07, "param": 2.2e-08,
+                                          "compiles": 1}},
+    }  # fmt: skip
+    results = report.combine(results)  # the table's order, in which it numbers its notes
+    page = report.render(results)
+    assert report.render(report.parse(page)) == page
+    newer = {("ep", "fsdp"): {**results[("fsdp", "ep")], "outcome": "broken", "detail": "x"}}
+    combined = report.combine(report.parse(page), newer)
+    assert list(combined) == [c for c in bodies.cells() if c in results]  # the table's order
+    assert combined[("fsdp", "ep")]["outcome"] == "broken"
