@@ -73,7 +73,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from gm_trace.passes.memory_plan import MemoryPlanPass
+from gm_trace.memory.memory_plan import MemoryPlanPass
 from gm_trace.testing.parity import parity_tolerance
 from gm_trainer import (
     ConfigError,
