@@ -18,6 +18,15 @@ pytestmark = pytest.mark.distributed
 #: Cells broken today, with what breaks: remove the entry when the cell matches.
 BROKEN: dict[tuple[str, ...], str] = {}
 
+#: Cells whose outcome depends on the machine: broken here, not on every machine (xfail, not
+#: strict). PP x resume: the first resumed step's global gradient norm differs from the
+#: uninterrupted run's in its last bits (1.0155356508788416 vs ...418; losses and every other
+#: step equal) on this CI machine, also on the main of e767c1a; resume under PP is not yet
+#: bitwise on every CPU (see docs/composability.md).
+MACHINE_DEPENDENT: dict[tuple[str, ...], str] = {
+    ("pp", "resume"): "the first resumed step's grad norm differs in its last bits on some CPUs",
+}
+
 #: Cells that match eager with the update run eagerly (``in_graph`` falls back, warning why).
 EAGER_UPDATE = {
     ("pp", "in_graph"): "no graph of a pipeline holds every stage's gradients (the global "
@@ -57,6 +66,11 @@ def _run(dist_pool, cell: tuple[str, ...], tmp_path) -> dict:
             id="-".join(cell),
             marks=[
                 *([pytest.mark.xfail(strict=True, reason=BROKEN[cell])] if cell in BROKEN else []),
+                *(
+                    [pytest.mark.xfail(strict=False, reason=MACHINE_DEPENDENT[cell])]
+                    if cell in MACHINE_DEPENDENT
+                    else []
+                ),
                 *([HF] if "tp" in cell else []),  # TP cells train a transformers Llama
             ],
         )
