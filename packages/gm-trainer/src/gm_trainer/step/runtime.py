@@ -182,7 +182,6 @@ class PipelineStages:
         deferred: DeferredGrads,
         compile: Compile,
     ) -> None:
-        self.pipeline: PipelineRunner | None = runner
         self.runner = runner
         self.model = model
         self.compiler = compiler
@@ -193,6 +192,10 @@ class PipelineStages:
             f"pp_degree={runner.config.pp_degree} runs pipeline stages, not one plain-step "
             "graph (their schedule is in pass_summary())"
         )
+
+    @property
+    def pipeline(self) -> PipelineRunner | None:
+        return self.runner
 
     def agree(
         self, batch: tuple[Any, Any] | None, variant: str, where: Where
