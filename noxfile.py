@@ -172,6 +172,24 @@ def wheels(session: nox.Session) -> None:
         session.log(f"{wheel.name}: {wheel.stat().st_size / 1024:.1f} KiB")
 
 
+@nox.session(tags=["full"], default=False)
+def full(session: nox.Session) -> None:
+    """The torch layers' whole suites: the default run plus every test a package's
+    ``tests/full_only.txt`` leaves out of it (multi-rank jobs, resumes, parity grids; tens of
+    minutes on 2 cores)."""
+    _install_layer(session, "gm-trainer", torch=True)
+    for dist in ("gm-trace", "gm-trainer"):
+        session.run(
+            "pytest",
+            str(ROOT / "packages" / dist / "tests"),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            *session.posargs,
+            env={"GM_FULL": "1"},
+        )
+
+
 @nox.session(tags=["zoo"], default=False)
 def zoo(session: nox.Session) -> None:
     """The whole model zoo (every architecture, every row); rewrites docs/zoo.md."""
