@@ -92,7 +92,7 @@ def _install_layer(
         session.install(*TEST_DEPS[dist])
 
 
-def _pytest(session: nox.Session, dist: str) -> None:
+def _pytest(session: nox.Session, dist: str, env: dict[str, str] | None = None) -> None:
     session.run(
         "pytest",
         str(ROOT / "packages" / dist / "tests"),
@@ -100,6 +100,7 @@ def _pytest(session: nox.Session, dist: str) -> None:
         "-p",
         "no:cacheprovider",
         *session.posargs,
+        env=env,
     )
 
 
@@ -179,15 +180,7 @@ def full(session: nox.Session) -> None:
     minutes on 2 cores)."""
     _install_layer(session, "gm-trainer", torch=True)
     for dist in ("gm-trace", "gm-trainer"):
-        session.run(
-            "pytest",
-            str(ROOT / "packages" / dist / "tests"),
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            *session.posargs,
-            env={"GM_FULL": "1"},
-        )
+        _pytest(session, dist, env={"GM_FULL": "1"})
 
 
 @nox.session(tags=["zoo"], default=False)
