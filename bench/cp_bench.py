@@ -26,10 +26,10 @@ import time
 import torch
 import torch.fx as fx
 
-from gm_config import PassConfig
+from gm_config import PassConfig, Role
+from gm_trace import ParallelGroups
 from gm_trace.graph import node_meta
 from gm_trace.graph.graph_build import collective_kind
-from gm_trace.graph.groups import register_process_group
 from gm_trace.runtime.run_graph import graph_args, run_traced_graph
 from gm_trace.testing.compile import compile_joint
 from gm_trace.testing.distributed import DistributedPool
@@ -76,7 +76,6 @@ class _HeldAtBackward(fx.Interpreter):
 
 
 def _rank(rank: int, world: int, seqs: list[int], rows: int, steps: int) -> dict:
-    register_process_group("cp", torch.distributed.group.WORLD)
     out = {}
     for seq in seqs:
         ids = torch.randint(0, 61, (rows, seq), generator=torch.Generator().manual_seed(seq))
@@ -85,7 +84,9 @@ def _rank(rank: int, world: int, seqs: list[int], rows: int, steps: int) -> dict
         for cp in (1, 2):
             model = zoo_llama(seq)
             config = PassConfig(cp_degree=cp, fsdp_enabled=False, enable_overlap=False)
-            joint, _ = compile_joint(model, _loss, batch, config)
+            world = torch.distributed.group.WORLD
+            groups = ParallelGroups({Role.CP: world}) if cp > 1 else ParallelGroups()
+            joint, _ = compile_joint(model, _loss, batch, config, groups=groups)
             interpreter = _HeldAtBackward(joint.graph_module)
             with torch.no_grad():
                 interpreter.run(*graph_args(joint, model, *batch))

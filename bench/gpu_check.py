@@ -158,9 +158,9 @@ def plan_on_device(args, base: torch.nn.Module, batch) -> dict[str, str]:
     import torch.distributed as dist
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (the "fake" backend)
 
-    from gm_config import PassConfig
+    from gm_config import PassConfig, Role
     from gm_trace.graph.graph_build import collective_kind
-    from gm_trace.graph.groups import register_process_group
+    from gm_trace.graph.groups import ParallelGroups
     from gm_trace.testing import lm_loss
     from gm_trace.testing.compile import compile_joint
 
@@ -173,9 +173,11 @@ def plan_on_device(args, base: torch.nn.Module, batch) -> dict[str, str]:
         out["offload"] = "failed: " + _error()
     dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=2)
     try:
-        register_process_group("cp", dist.group.WORLD)
         config = PassConfig(cp_degree=2, fsdp_enabled=False)
-        joint, pipeline = compile_joint(copy.deepcopy(base).to(DEVICE), lm_loss, batch, config)
+        groups = ParallelGroups({Role.CP: dist.group.WORLD})
+        joint, pipeline = compile_joint(
+            copy.deepcopy(base).to(DEVICE), lm_loss, batch, config, groups=groups
+        )
         stats = pipeline.context.stats["cp"]
         kinds = [collective_kind(n) for n in joint.graph_module.graph.nodes]
         kernels = sorted(

@@ -10,7 +10,7 @@ from gm_config.yaml_plan import sharding_plan_from_dict
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True, "2"])
 def test_ep_degree_must_be_a_positive_int(bad):
-    with pytest.raises(ConfigError, match=r"PassConfig.ep_degree must be an int >= 1"):
+    with pytest.raises(ConfigError, match=r"PassConfig.ep_degree.*must be an int >= 1"):
         PassConfig(ep_degree=bad)
 
 

@@ -26,11 +26,11 @@ PARAMS = {
 @pytest.mark.parametrize(
     ("field", "value", "says"),
     [
-        ("pp_degree", 0, "pp_degree must be an int >= 1"),
-        ("pp_degree", True, "pp_degree must be an int >= 1"),
+        ("pp_degree", 0, "PassConfig.pp_degree.*must be an int >= 1"),
+        ("pp_degree", True, "PassConfig.pp_degree.*must be an int >= 1"),
         ("pp_microbatches", 2.0, "pp_microbatches must be an int >= 1"),
         ("pp_schedule", "zb", "pp_schedule must be one of ['gpipe', '1f1b', 'interleaved_1f1b'"),
-        ("pp_virtual_stages", 0, "pp_virtual_stages must be an int >= 1"),
+        ("pp_virtual_stages", 0, "PassConfig.pp_virtual_stages.*must be an int >= 1"),
         ("pp_virtual_stages", 2, "pp_virtual_stages=2 with pp_schedule='1f1b'"),
         ("pp_schedule", "interleaved_1f1b", "pp_virtual_stages=1 with pp_schedule='interleaved"),
     ],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gm_config import ConfigError, PassConfig, PassPlan
+from gm_config import ConfigError, MissingGroupError, PassConfig, PassPlan, Role
 from gm_passes import (
     CanonicalizeGraph,
     DeadCodeElimination,
@@ -191,13 +191,14 @@ def test_run_shares_one_context(trace_passes, dead_code_graph):
     plan = PassPlan().add_pattern("layers.*")
     model = object()
     pipeline = PassPipeline.from_config(config, plan)
-    pipeline.run(dead_code_graph, model=model, fsdp_group_name="fsdp_shard")
+    groups = _Groups()
+    pipeline.run(dead_code_graph, model=model, groups=groups)
     ctx = pipeline.context
     assert isinstance(ctx, PassContext)
     assert ctx.config is config
     assert ctx.plan is plan
     assert ctx.model is model
-    assert ctx.process_groups == {"fsdp": "fsdp_shard"}
+    assert ctx.groups is groups
     assert all(c is ctx for _, _, c in trace_passes.calls)
     assert set(ctx.stats) == {"dce", "canonicalize", "fsdp"}
 
@@ -206,7 +207,10 @@ def test_run_defaults_for_model_and_group(trace_passes, dead_code_graph):
     pipeline = PassPipeline.from_config(PassConfig())
     pipeline.run(dead_code_graph)
     assert pipeline.context.model is None
-    assert pipeline.context.process_groups == {"fsdp": "fsdp"}
+    # No groups given: every role is missing, never the world.
+    with pytest.raises(MissingGroupError, match=r"no 'fsdp' process group; its roles are: none"):
+        pipeline.context.groups.get(Role.FSDP)
+    assert Role.FSDP not in pipeline.context.groups
 
 
 def test_context_record_merges():
@@ -214,7 +218,34 @@ def test_context_record_merges():
     ctx.record("p", a=1)
     ctx.record("p", b=2, a=3)
     assert ctx.stats == {"p": {"a": 3, "b": 2}}
-    assert PassContext(config=PassConfig()).process_groups == {"fsdp": "fsdp"}
+    assert PassContext(config=PassConfig()).groups.roles == ()
+
+
+class _Groups:
+    """A torch-free stand-in for gm-trace's ParallelGroups (the Protocol's three members)."""
+
+    roles = ("fsdp",)
+
+    def __contains__(self, role: object) -> bool:
+        return role in self.roles
+
+    def get(self, role: str) -> str:
+        return f"group of {role}"
+
+
+def test_verify_runs_once_after_the_last_pass_and_names_itself(trace_passes, dead_code_graph):
+    seen = []
+
+    def agree(graph_module, ctx):
+        seen.append((graph_module, [r.name for r in pipeline.records]))
+        raise MissingGroupError("tp", ("fsdp",))
+
+    pipeline = PassPipeline.from_config(PassConfig())
+    with pytest.raises(MissingGroupError) as caught:
+        pipeline.run(dead_code_graph, groups=_Groups(), verify=agree)
+    assert len(seen) == 1 and seen[0][1] == pipeline.names  # after every pass ran
+    assert "raised by the pipeline's check 'agree' after its passes" in caught.value.__notes__
+    assert "'tp'" in str(caught.value) and "'fsdp'" in str(caught.value)
 
 
 def test_a_pass_may_return_a_new_graph_module(fx, dead_code_graph):

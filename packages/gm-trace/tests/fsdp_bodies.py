@@ -9,10 +9,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from gm_config import PassConfig, PassPlan
+from gm_config import PassConfig, PassPlan, Role
 from gm_passes.graph_ops import is_collective, is_wait, op_name
-from gm_trace import run_traced_graph
-from gm_trace.graph.groups import register_process_group, resolve_process_group
+from gm_trace import ParallelGroups, run_traced_graph
 from gm_trace.passes.fsdp import (
     CollectiveMismatchError,
     FSDPConfigError,
@@ -64,9 +63,12 @@ def _local(batch: tuple[torch.Tensor, torch.Tensor], rank: int, world: int):
     return tuple(t[rank * per : (rank + 1) * per] for t in batch)
 
 
-def compile_fsdp(model, train_fn, sample, config: PassConfig, plan: PassPlan | None = None):
+def compile_fsdp(
+    model, train_fn, sample, config: PassConfig | None = None, plan: PassPlan | None = None, **kw
+):
+    config = config or PassConfig()
     dtype = getattr(torch, config.param_dtype) if config.param_dtype else None
-    return compile_joint(model, train_fn, sample, config, plan, param_dtype=dtype)
+    return compile_joint(model, train_fn, sample, config, plan, param_dtype=dtype, **kw)
 
 
 def parity(
@@ -285,9 +287,8 @@ def many_gathers_in_flight(rank: int, world: int):
     """40 all-gathers in flight while compute runs, 30 times: the pattern that corrupts the
     heap through torch 2.13's functional gloo all-gather. Values are checked, too."""
     from gm_trace.graph.collectives import all_gather_op
-    from gm_trace.graph.groups import resolve_process_group
 
-    group = resolve_process_group("fsdp")
+    group = dist.group.WORLD
     gather = all_gather_op(group)
     wait = torch.ops._c10d_functional.wait_tensor.default
     params = [torch.full((64, 128), float(rank * 100 + i)) for i in range(40)]
@@ -329,12 +330,54 @@ def recompute_parity(rank: int, world: int):
     return runs
 
 
-def register_a_subgroup(rank: int, world: int) -> int:
-    """Register a one-rank group as ``"fsdp"``, as a trainer of a pipeline stage does."""
-    group = dist.new_group([rank], use_local_synchronization=True)
-    register_process_group("fsdp", group)
-    return resolve_process_group("fsdp").size()
+def compile_over_a_subgroup(rank: int, world: int) -> int:
+    """Compile over a one-rank fsdp group, as a trainer of a pipeline stage does."""
+    model, train_fn, batch = build("mlp", world)
+    groups = ParallelGroups({Role.FSDP: dist.new_group([rank], use_local_synchronization=True)})
+    joint, _ = compile_fsdp(model, train_fn, _local(batch(0), rank, world), groups=groups)
+    return joint.sharding.degree
 
 
-def fsdp_group_size(rank: int, world: int) -> int:
-    return resolve_process_group("fsdp").size()
+def compile_over_the_world(rank: int, world: int) -> int:
+    model, train_fn, batch = build("mlp", world)
+    joint, _ = compile_fsdp(model, train_fn, _local(batch(0), rank, world))
+    return joint.sharding.degree
+
+
+# --- groups as values (issue 37) -------------------------------------------------------------
+
+
+def ask_for_missing_roles(rank: int, world: int) -> dict[str, str]:
+    """A role the run does not have is an error naming it and the roles there are: from the
+    groups themselves, and from a pass whose role is missing (never the world instead)."""
+    from gm_config import MissingGroupError
+
+    said = {}
+    groups = ParallelGroups.over_world()
+    try:
+        groups.get(Role.CP)
+    except MissingGroupError as exc:
+        said["groups"] = str(exc)
+    model, train_fn, batch = build("mlp", world)
+    try:
+        compile_fsdp(model, train_fn, _local(batch(0), rank, world), groups=ParallelGroups())
+    except MissingGroupError as exc:
+        said["fsdp pass"] = str(exc)
+    return said
+
+
+def roles_of_group_names(rank: int, world: int) -> dict[str, object]:
+    """Graph collectives carry torch's own group names, which differ between the groups of one
+    role on different ranks; the groups map each back to its role (by name, or by ranks for
+    another group object over the same ranks)."""
+    own = dist.new_group([rank], use_local_synchronization=True)
+    same_ranks = dist.new_group([rank], use_local_synchronization=True)
+    groups = ParallelGroups({Role.FSDP: dist.group.WORLD, Role.TP: own})
+    return {
+        "world": groups.role_of(dist.group.WORLD.group_name),
+        "own": groups.role_of(own.group_name),
+        "same ranks": groups.role_of(same_ranks.group_name),
+        "unknown": groups.role_of("no such group"),
+        "names differ": own.group_name != same_ranks.group_name,
+        "roles": [str(r) for r in groups.roles],
+    }

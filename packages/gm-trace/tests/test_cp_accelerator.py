@@ -24,11 +24,11 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from gm_config import PassConfig
+from gm_config import PassConfig, Role
 from gm_passes import PassPipeline
 from gm_trace import trace_model_graph
 from gm_trace.graph.graph_build import collective_kind
-from gm_trace.graph.groups import register_process_group, reset_process_groups
+from gm_trace.graph.groups import ParallelGroups
 from gm_trace.passes.context_parallel import ContextParallelPass
 
 aten = torch.ops.aten
@@ -39,13 +39,11 @@ _CPU_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.defaul
 
 @pytest.fixture
 def fake_world():
-    """Rank 0 of 2 on the ``fake`` backend (collectives do nothing), the group named "cp"."""
+    """Rank 0 of 2 on the ``fake`` backend (collectives do nothing)."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
 
     dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=2)
-    register_process_group("cp", dist.group.WORLD)
     yield
-    reset_process_groups()  # no name may point at the destroyed group
     dist.destroy_process_group()
 
 
@@ -180,7 +178,9 @@ def _rewritten(kernel: str | None, padded: bool, balance: bool | None = None):
         joint = joint.replace(graph_module=_to_cuda_kernels(joint.graph_module, kernel))
     config = PassConfig(cp_degree=2, fsdp_enabled=False, cp_load_balance=balance)
     pipeline = PassPipeline([ContextParallelPass()], config)
-    graph_module = pipeline.run(joint.graph_module, graph_info=joint)
+    graph_module = pipeline.run(
+        joint.graph_module, graph_info=joint, groups=ParallelGroups({Role.CP: dist.group.WORLD})
+    )
     return graph_module, pipeline.context.stats["cp"]
 
 

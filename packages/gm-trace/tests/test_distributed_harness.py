@@ -17,12 +17,13 @@ def test_results_come_back_by_rank_with_one_thread_each(dist_pool):
     assert dist_pool(2).run(bodies.ranks_and_threads) == [(0, 2, 1), (1, 2, 1)]
 
 
-def test_a_group_name_one_call_registers_does_not_reach_the_next(dist_pool):
-    """A pass used on its own after a trainer of a pipeline stage in the same rank resolved
-    ``"fsdp"`` to that trainer's subgroup (a wrong mean, no error)."""
+def test_the_groups_of_one_call_do_not_reach_the_next(dist_pool):
+    """Groups are values handed to each compile: a pass used on its own after a compile over
+    a pipeline stage's subgroup in the same rank shards over the world it is given (no
+    process-global name that the first call could have pointed at its subgroup)."""
     pool = dist_pool(2)
-    assert pool.run(bodies.register_a_subgroup) == [1, 1]
-    assert pool.run(bodies.fsdp_group_size) == [2, 2]
+    assert pool.run(bodies.compile_over_a_subgroup) == [1, 1]
+    assert pool.run(bodies.compile_over_the_world) == [2, 2]
 
 
 def test_a_failing_rank_surfaces_its_traceback_and_siblings_are_killed():

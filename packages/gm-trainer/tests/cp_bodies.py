@@ -117,7 +117,15 @@ def parity(
     torch.testing.assert_close(losses, ref_losses, rtol=RTOL, atol=0)
     worst = assert_full_params_close(trainer.model, reference, trainer.sharding, steps=STEPS)
     cp_stats = next(r.stats for r in trainer.pipelines[0].records if r.name == "cp")
-    return {"losses": losses, "reference": ref_losses, "worst_param": worst, "cp": cp_stats}
+    groups = trainer.topology.groups  # what the passes got, by role (issue 37)
+    sizes = {str(r): groups.size(r) for r in groups.roles}
+    return {
+        "losses": losses,
+        "reference": ref_losses,
+        "worst_param": worst,
+        "cp": cp_stats,
+        "groups": sizes,
+    }
 
 
 def _full(trainer: GraphTrainer) -> dict[str, torch.Tensor]:

@@ -156,9 +156,11 @@ def parity(rank: int, world: int, case: str, tp: int) -> dict:
         torch.testing.assert_close(actual, expected.detach(), **parity_tolerance(STEPS), msg=fqn)
         worst = max(worst, (actual - expected).abs().max().item())
     (joint,) = trainer.registry.graphs("step")
-    # phase (traced ones; "pass": inserted by the fsdp pass) / op / group
+    # phase (traced ones; "pass": inserted by the fsdp pass) / op / group role (the graph
+    # carries torch's group names, which the run's groups map back to their roles)
+    role_of = trainer.topology.groups.role_of
     kinds = Counter(
-        f"{node.meta.get('gm_phase', 'pass')}/{collective_kind(node)}/{node.args[-1]}"
+        f"{node.meta.get('gm_phase', 'pass')}/{collective_kind(node)}/{role_of(node.args[-1])}"
         for node in joint.graph_module.graph.nodes
         if collective_kind(node) is not None
     )

@@ -132,11 +132,19 @@ def parity(rank: int, world: int, tp: int, dp_replicate: int) -> dict:
             actual, expected.detach(), rtol=RTOL, atol=ATOL, msg=lambda m, fqn=fqn: f"{fqn}: {m}"
         )
         weight_diff = max(weight_diff, (actual - expected).abs().max().item())
+    groups = trainer.topology.groups
     return {
         "max_loss_diff": max(loss_diffs),
         "max_norm_rel_diff": max(norm_rel_diffs),
         "max_weight_diff": weight_diff,
         "split": sorted(split),
+        "rank": rank,
+        # What the passes got: each role's group, as ranks (issue 37).
+        "groups": {str(r): dist.get_process_group_ranks(groups.get(r)) for r in groups.roles},
+        "mesh groups": {
+            "tp": dist.get_process_group_ranks(tp_group),
+            "replicate": dist.get_process_group_ranks(replicate_group),
+        },
     }
 
 

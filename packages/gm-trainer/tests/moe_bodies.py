@@ -282,6 +282,11 @@ def train_and_compare(
         **_first_layer(first_load),
         "load_first_step": {n: c for n, c in first_load.items() if n != "all_to_all_bytes"},
         "routed_by_rank_first_step": routed,
+        # What the passes got: each role's group, as ranks (issue 37).
+        "groups": {
+            str(r): dist.get_process_group_ranks(trainer.topology.groups.get(r))
+            for r in trainer.topology.groups.roles
+        },
     }
 
 
@@ -407,11 +412,11 @@ def config_errors() -> None:
     from gm_trainer.parallel.live_parameters import LiveParameters
 
     with pytest.raises(ConfigError, match=r"ep_degree=3 does not divide the 4 experts"):
-        LiveParameters(build("qwen3-moe")).split_experts(3, 0, None)
-    with pytest.raises(ConfigError, match=r"ep_degree must be an int >= 1"):
+        LiveParameters(build("qwen3-moe")).split_experts(3, 0, None, "")
+    with pytest.raises(ConfigError, match=r"PassConfig.ep_degree.*must be an int >= 1"):
         PassConfig(ep_degree=0)
     with pytest.raises(ConfigError, match="has no experts module"):
-        LiveParameters(torch.nn.Linear(2, 2)).split_experts(2, 0, None)
+        LiveParameters(torch.nn.Linear(2, 2)).split_experts(2, 0, None, "")
 
 
 def bad_ep_world(rank: int, world: int) -> str:

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from moe_bodies import LR, SEQ, batch, build, full_expert_param, hf_loss
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gm_trace.graph.experts import EP_GROUP_NAME, expert_param_fqns
+from gm_config import Role
+from gm_trace.graph.experts import expert_param_fqns
 from gm_trace.graph.sharding_layout import full_parameter
 from gm_trace.testing.parity import parity_tolerance
 from gm_trainer import GraphTrainer, MeshContext, PassConfig, PassPlan
@@ -89,10 +90,11 @@ class _AllToAlls(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[list[int], list[int]]] = []
+        self.group_name: str | None = None  # the run's ep group (torch's name)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if str(func).startswith("_c10d_functional.all_to_all_single") and args[-1] == (
-            EP_GROUP_NAME
+            self.group_name
         ):
             self.calls.append(([int(s) for s in args[1]], [int(s) for s in args[2]]))
         return func(*args, **(kwargs or {}))
@@ -127,6 +129,7 @@ def pipeline_parity(
     recorder = _AllToAlls()
     for step in range(steps):
         if step == steps - 1:  # compiled: record what a step runs
+            recorder.group_name = trainer.topology.groups.name(Role.EP)
             with recorder:
                 loss = trainer.train_step(*_rows(step, rank, dp, rows))
         else:
@@ -268,19 +271,20 @@ def _equal(actual: dict, expected: dict, **tolerance: float) -> None:
 
 def config_error(rank: int, world: int, mesh: dict | None = None, **config: Any) -> str:
     """The ConfigError a PP x EP configuration that cannot work raises at the first compile
-    (``mesh``: ``MeshContext.build``'s sizes), before any trace."""
+    (``mesh``: ``MeshContext.build``'s sizes, whose degrees ``ParallelPlan`` checks as the
+    mesh is built), before any trace."""
     from gm_config import ConfigError
 
-    context = MeshContext.build(**mesh) if mesh is not None else None
-    trainer = GraphTrainer(
-        build("qwen3-moe"),
-        hf_loss,
-        PassConfig(**config),
-        optimizer_config={"lr": LR},
-        device="cpu",
-        mesh_context=context,
-    )
     try:
+        context = MeshContext.build(**mesh) if mesh is not None else None
+        trainer = GraphTrainer(
+            build("qwen3-moe"),
+            hf_loss,
+            PassConfig(**config),
+            optimizer_config={"lr": LR},
+            device="cpu",
+            mesh_context=context,
+        )
         trainer.compile(*_rows(0, rank, 1, 2))
     except ConfigError as exc:
         return str(exc)

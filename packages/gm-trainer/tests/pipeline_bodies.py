@@ -9,11 +9,12 @@ import warnings
 from collections import Counter
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from eager_reference import world_mean_losses
 from hf_configs import tiny_llama
 
-from gm_config import PassConfig, PassPlan
+from gm_config import PassConfig, PassPlan, Role
 from gm_trace.graph.graph_build import collective_kind
 from gm_trace.graph.sharding_layout import full_parameter
 from gm_trace.testing import TinyGPT, lm_loss
@@ -193,7 +194,9 @@ def collectives_per_step(rank: int, world: int, pp: int, microbatches: int = 4) 
     per_kind: Counter = Counter()
     nbytes: Counter = Counter()
     for call in steps[1]:
-        if call.group == "fsdp" or call.kind == "reduce_scatter_tensor":
+        if call.group == trainer.topology.groups.name(Role.FSDP) or (
+            call.kind == "reduce_scatter_tensor"
+        ):
             per_kind[call.kind] += 1
             nbytes[call.kind] += call.nbytes
     return {
@@ -333,7 +336,9 @@ def hsdp_parity(rank: int, world: int) -> dict:
     torch.testing.assert_close(
         torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-5
     )
-    return {"stage": trainer.topology.pp_stage, "dp_rank": mesh.dp_rank}
+    groups = trainer.topology.groups
+    ranks = {str(r): dist.get_process_group_ranks(groups.get(r)) for r in groups.roles}
+    return {"stage": trainer.topology.pp_stage, "dp_rank": mesh.dp_rank, "groups": ranks}
 
 
 def _tp_mesh():
@@ -385,7 +390,7 @@ def tp_parity(rank: int, world: int, automatic: bool = False) -> dict:
         for program in trainer.pipeline.programs.values()
         for half in (program.forward, program.backward)
         for n in half.graph_module.graph.nodes
-        if collective_kind(n) is not None and n.args[-1] == "tp"
+        if collective_kind(n) is not None and n.args[-1] == trainer.topology.groups.name(Role.TP)
     )
     return {"stage": trainer.topology.pp_stage, "owned": len(owned), "tp": dict(tp_collectives)}
 

@@ -31,7 +31,10 @@ def _check(results, balance: bool = False) -> None:
 
 def test_cp2_llama_padded_load_balanced_matches_one_eager_process(dist_pool):
     """The load-balanced split (rank r: chunks r and 3 - r), forced on CPU."""
-    _check(dist_pool(2).run(bodies.parity, "llama", True, True, True, timeout=600), True)
+    results = dist_pool(2).run(bodies.parity, "llama", True, True, True, timeout=600)
+    _check(results, True)
+    # The passes got the cp group and an fsdp group spanning it (dp_shard 1 x cp 2).
+    assert all(r["groups"] == {"fsdp": 2, "cp": 2} for r in results)
 
 
 @opt_in

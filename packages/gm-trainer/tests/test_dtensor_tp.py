@@ -18,7 +18,7 @@ def test_tp2_matches_eager_with_clipping(case, dist_pool):
     first = results[0]
     print(f"{case} tp2: worst |param diff| {max(r['worst_param'] for r in results):.2e}")
     assert all(r["losses"] == first["losses"] for r in results)  # one loss on every TP rank
-    # Every TP collective is on the group registered as "tp" on every rank.
+    # Every TP collective is on the run's TP group (its role "tp"; the graph holds its name).
     assert first["collectives"] and all(k.endswith("/tp") for k in first["collectives"])
     # MLP: fc1's weight and bias, fc2's weight (its bias is replicated); Llama: q, k, v, o,
     # gate, up, down of both layers.

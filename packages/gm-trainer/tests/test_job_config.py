@@ -229,7 +229,7 @@ def test_unknown_key_in_a_sharding_entry(tmp_path: Path) -> None:
         ("checkpoint.at_end=maybe", "checkpoint.at_end must be true or false"),
         ("checkpoint.export_full=1", "checkpoint.export_full must be true or false"),
         ("checkpoint=[]", "checkpoint must be a mapping"),
-        ("parallel.tp_size=0", "parallel: PassConfig.tp_size must be an int >= 1"),
+        ("parallel.tp_size=0", "parallel: tp (PassConfig.tp_size, gm-train parallel.tp_size) must"),
         ("parallel.enable_overlap=maybe", "parallel: PassConfig.enable_overlap must be a bool"),
         ("sharding.fsdp.enabled=yes please", "fsdp.enabled must be true or false"),
         ("train=3", "train must be a mapping"),
@@ -290,9 +290,13 @@ def test_hsdp_replicas_must_divide_the_world() -> None:
     assert JobConfig().dist.dp_replicate == 1
     job = load_config(None, ["dist.dp_replicate=2"])
     job.check_world_size(4)  # 2 replicas x 2 shards
-    with pytest.raises(ConfigError, match=r"dist.dp_replicate=3 does not divide the 4 rank"):
+    with pytest.raises(
+        ConfigError, match=r"dp_replicate=3 \(.*dist.dp_replicate\) must divide the world size 4"
+    ):
         load_config(None, ["dist.dp_replicate=3"]).check_world_size(4)
-    with pytest.raises(ConfigError, match=r"shards over 2 rank\(s\) \(4 / dist.dp_replicate=2\)"):
+    with pytest.raises(
+        ConfigError, match=r"dp_replicate=2 x dp_shard=4 .*here dp_shard=2 \(PassConfig"
+    ):
         load_config(None, ["dist.dp_replicate=2", "parallel.fsdp_degree=4"]).check_world_size(4)
     assert "dist.dp_replicate must be > 0" in error_of(["dist.dp_replicate=0"])
 
@@ -349,11 +353,12 @@ def test_global_batch_must_divide_over_ranks_and_micro_batches() -> None:
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (["parallel.fsdp_degree=1"], "gm-train shards over all 2 rank(s)"),
+        (["parallel.fsdp_degree=1"], "here dp_shard=2 (PassConfig.fsdp_degree=2), or None"),
         # TP 2 on 2 ranks leaves one data-parallel rank to shard over
         (
             ["parallel.tp_size=2", "parallel.fsdp_degree=2"],
-            "shards over the 1 data-parallel rank(s) of each pipeline stage and TP group",
+            "tp=2 = 4, but the world has 2 ranks; choose degrees whose product is the world "
+            "size: here dp_shard=1 (PassConfig.fsdp_degree=1), or None",
         ),
         (["parallel.fsdp_enabled=false"], "only the fsdp pass keeps them in sync"),
         (["sharding.fsdp.enabled=false"], "only the fsdp pass keeps them in sync"),
@@ -382,14 +387,18 @@ def test_pipeline_ranks_of_one_pipeline_read_the_same_rows() -> None:
 @pytest.mark.parametrize(
     ("overrides", "world", "expected"),
     [
-        ([], 3, r"parallel.pp_degree=2 must divide the 3 rank\(s\).*use one of \[1, 3\]"),
+        ([], 3, r"parallel.pp_degree\) must divide the world size 3; choose pp among \[1, 3\]"),
         (
             ["parallel.pp_microbatches=4", "train.global_batch_size=12"],
             4,
             r"parallel.pp_microbatches=4 must divide the 6 rows each pipeline reads",
         ),
         (["dist.dp_replicate=2"], 4, r"dist.dp_replicate=2 does not combine with parallel.pp"),
-        (["parallel.fsdp_degree=4"], 4, r"the 2 rank\(s\) of each pipeline stage.*use null or 2"),
+        (
+            ["parallel.fsdp_degree=4"],
+            4,
+            r"world has 4 ranks; .*dp_shard=2 \(PassConfig.fsdp_degree=2\), or None",
+        ),
         (["parallel.fsdp_enabled=false"], 4, r"with 2 data-parallel ranks.*--nproc 2"),
     ],
 )
@@ -610,13 +619,13 @@ def test_cp_degree_is_checked_against_the_world_and_the_sequence() -> None:
     assert job.parallel.cp_degree == 2 and JobConfig().parallel.cp_degree == 1
     job.check_world_size(2)  # one cp group: both ranks read the same rows
     job.check_world_size(4)  # 2 data-parallel ranks x cp 2, FSDP over all 4
-    with pytest.raises(ConfigError, match=r"parallel.cp_degree=2 must divide the 3 rank"):
+    with pytest.raises(ConfigError, match=r"parallel.cp_degree\) must divide the world size 3"):
         job.check_world_size(3)
     with pytest.raises(ConfigError, match=r"model.seq_len=63 must be divisible by parallel.cp"):
         load_config(None, ["parallel.cp_degree=2", "model.seq_len=63"]).check_world_size(2)
-    with pytest.raises(ConfigError, match=r"does not combine with parallel.pp_degree"):
+    with pytest.raises(ConfigError, match=r"cp=2 .* with pp=2 .*under a pipeline is not supported"):
         load_config(None, ["parallel.cp_degree=2", "parallel.pp_degree=2"]).check_world_size(4)
-    with pytest.raises(ConfigError, match=r"shards over all 4 rank"):
+    with pytest.raises(ConfigError, match=r"PassConfig.fsdp_degree=4\), or None"):
         load_config(None, ["parallel.cp_degree=2", "parallel.fsdp_degree=2"]).check_world_size(4)
 
 

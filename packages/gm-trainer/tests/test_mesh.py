@@ -45,6 +45,18 @@ def test_training_equals_eager_on_the_global_batch(tp, dp_replicate, dist_pool):
     # Every rank holds 1/(tp x fsdp) of each TP-split weight (asserted per parameter in the
     # body) and 1/fsdp of the rest: the attention and MLP linears of both blocks are split.
     assert len(first["split"]) == (14 if tp > 1 else 0)
+    # The passes got the mesh's groups by role, and only the roles the layout has (issue 37).
+    fsdp = 4 // (tp * dp_replicate)
+    for r in results:
+        roles = {"fsdp": fsdp > 1, "replicate": dp_replicate > 1, "tp": tp > 1}
+        assert list(r["groups"]) == [role for role, has in roles.items() if has]
+        if tp > 1:
+            assert r["groups"]["tp"] == r["mesh groups"]["tp"]
+        if dp_replicate > 1:
+            assert r["groups"]["replicate"] == r["mesh groups"]["replicate"]
+        if fsdp > 1:
+            assert len(r["groups"]["fsdp"]) == fsdp
+            assert not set(r["groups"]["fsdp"]) & (set(r["mesh groups"]["tp"]) - {r["rank"]})
 
 
 @pytest.mark.distributed
@@ -69,12 +81,13 @@ def test_bad_meshes_and_configs_have_clear_errors(dist_pool):
         "no_fsdp_dim": r"device_mesh has dims \('pp', 'tp'\); .*'fsdp_shard'.*'dp'",
         "tp_mismatch": r"rank 0: device_mesh\['tp'\] holds ranks \[0, 1\] but "
         r"fsdp_non_moe_mesh\['tp'\] holds ranks \[0, 2\]",
-        "fsdp_degree": r"fsdp_degree=4 but the mesh's 'fsdp_shard' dim has 2 ranks",
-        "tp_size": r"tp_size=4 but the mesh's 'tp' dim has 2 ranks",
+        "fsdp_degree": r"fsdp_degree=4 \(dp_shard=4 x cp=1\) but the FSDP group of the mesh "
+        r"has 2 ranks",
+        "tp_size": r"tp=4 \(PassConfig.tp_size.*\) but the mesh has tp=2",
         "sequence_parallel": r"sequence_parallel=True but the mesh context has",
-        "cp": r"cp_degree=4 but the mesh's 'cp' dim has 2 rank\(s\)",
+        "cp": r"cp=4 \(PassConfig.cp_degree.*\) but the mesh has cp=2",
         "no_mesh": r"has neither a fsdp_non_moe_mesh nor a device_mesh",
-        "sizes": r"dp_replicate=1 x dp_shard=1 x tp=3 x cp=1 = 3, but the world has 4 ranks",
+        "sizes": r"tp=3 \(PassConfig.tp_size.*\) must divide the world size 4",
     }
     for case, pattern in expected.items():
         assert re.search(pattern, results[0][case]), (case, results[0][case])

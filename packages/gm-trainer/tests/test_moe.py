@@ -126,18 +126,17 @@ def test_ep_degree_errors_name_both_numbers() -> None:
 
 
 def test_ep_world_check_names_both_numbers() -> None:
-    from gm_config import ConfigError
-    from gm_trainer.parallel.topology import check_ep_world
+    from gm_config import ConfigError, ParallelPlan
 
-    check_ep_world(2, 4)
-    with pytest.raises(ConfigError, match=r"ep_degree=3 does not divide the 4 data-parallel"):
-        check_ep_world(3, 4)
+    ParallelPlan(ep=2).for_world(4)
+    with pytest.raises(ConfigError, match=r"ep=3 .*does not divide the 4 data-parallel"):
+        ParallelPlan(ep=3).for_world(4)
 
 
 @full_only
 def test_ep_degree_not_dividing_the_world_is_a_config_error() -> None:
     results = run_distributed(bad_ep_world, 2, (), timeout=120)
-    assert all("ep_degree=3" in r and "2 data-parallel ranks" in r for r in results), results
+    assert all("ep=3 (PassConfig.ep_degree" in r and "2 data-parallel ranks" in r for r in results)
 
 
 @full_only
@@ -167,6 +166,15 @@ def _expert_params_split_over_ep_replicate(results: list[dict]) -> None:
 
 def test_qwen3_moe_ep2_fsdp2_on_4_ranks_shards_experts(qwen3_ep2_fsdp2) -> None:
     _expert_params_split_over_ep_replicate(qwen3_ep2_fsdp2)
+    # The passes got groups by role (issue 37): ep groups of consecutive ranks, the ranks
+    # holding the same experts across them, FSDP over every rank.
+    for rank, result in enumerate(qwen3_ep2_fsdp2):
+        pair = rank // 2 * 2
+        assert result["groups"] == {
+            "fsdp": [0, 1, 2, 3],
+            "ep": [pair, pair + 1],
+            "ep_replicate": [rank % 2, rank % 2 + 2],
+        }
 
 
 @full_only
@@ -237,7 +245,7 @@ def test_gm_train_ep_degree_is_checked_before_any_rank_starts() -> None:
         _job(ep_degree=3)
     job = _job(ep_degree=2)
     job.check_world_size(2)
-    with pytest.raises(ConfigError, match=r"ep_degree=2 does not divide the 1 data-parallel"):
+    with pytest.raises(ConfigError, match=r"ep=2 .*does not divide the 1 data-parallel"):
         job.check_world_size(1)
     with pytest.raises(ConfigError, match="builtin model has none"):
         JobConfig.from_dict({"parallel": {"ep_degree": 2}}).check_world_size(2)

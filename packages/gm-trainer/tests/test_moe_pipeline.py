@@ -107,16 +107,13 @@ def test_pp2_ep2_qwen3_moe_matches_eager() -> None:
 
 
 def test_pp_ep_stage_check_names_both_numbers() -> None:
-    from gm_config import ConfigError
-    from gm_trainer.parallel.topology import check_ep_world
+    from gm_config import ConfigError, ParallelPlan
 
-    check_ep_world(2, 2, "each pipeline stage")
+    ParallelPlan(ep=2, pp=2).for_world(4)
     with pytest.raises(
-        ConfigError,
-        match=r"ep_degree=2 does not divide the 1 data-parallel "
-        r"ranks of each pipeline stage",
+        ConfigError, match=r"ep=2 .*does not divide the 1 data-parallel ranks of a stage"
     ):
-        check_ep_world(2, 1, "each pipeline stage")
+        ParallelPlan(ep=2, pp=2).for_world(2)
 
 
 @full_only
@@ -129,12 +126,14 @@ def test_pp_ep_configs_that_cannot_work_are_config_errors() -> None:
         return run_distributed(body, world, (), timeout=300)
 
     for message in errors(2, pp_degree=2, pp_microbatches=1, ep_degree=2):
-        assert "ep_degree=2 does not divide the 1 data-parallel ranks of each pipeline" in (
-            message
+        assert "does not divide the 1 data-parallel ranks of a stage" in message, message
+        assert message.startswith("MeshError: ep=2 (PassConfig.ep_degree") or (
+            "ep=2 (PassConfig.ep_degree" in message
         ), message
     mesh = {"pp": 2, "tp": 2, "ep": 2}
     for message in errors(8, mesh, pp_degree=2, pp_microbatches=1):
-        assert "ep_degree=2 with pp_degree=2 and tp_size=2" in message, message
+        assert "ep=2 (PassConfig.ep_degree" in message, message
+        assert "with pp=2 (PassConfig.pp_degree" in message and "and tp=2 (" in message
 
 
 @full_only
@@ -155,8 +154,8 @@ def test_gm_train_accepts_ep_with_pp() -> None:
     job.check_world_size(4)
     with pytest.raises(
         ConfigError,
-        match=r"ep_degree=2 does not divide the 1 data-parallel "
-        r"rank\(s\) of each of the parallel.pp_degree=2 pipeline stages",
+        match=r"ep=2 \(PassConfig.ep_degree.*\) does not divide the 1 data-parallel ranks of "
+        r"a stage",
     ):
         job.check_world_size(2)
 

@@ -116,8 +116,16 @@ def test_interleaved_1f1b_with_two_stages_per_rank_matches_eager(dist_pool):
 def test_pp2_hsdp_replicas_match_eager_and_fsdp_off_is_refused(dist_pool):
     results = dist_pool(4).run(bodies.hsdp_parity, timeout=600)
     assert [(r["stage"], r["dp_rank"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # The passes got the mesh's groups by role (issue 37): rank = stage * 2 + replica.
+    for rank, r in enumerate(results):
+        assert r["groups"] == {
+            "fsdp": [rank],  # dp_shard 1: each shard group is the rank itself
+            "replicate": [r["stage"] * 2, r["stage"] * 2 + 1],
+            "pp": [rank % 2, rank % 2 + 2],
+        }
     error = dist_pool(4).run(bodies.fsdp_off)[0]
-    assert error.startswith("MeshError: PassConfig.pp_degree=2 on 4 ranks leaves 2")
+    assert error.startswith("MeshError: pp=2 (PassConfig.pp_degree")
+    assert "on 4 ranks leaves 2" in error
     assert "turn FSDP on" in error
 
 
@@ -151,10 +159,12 @@ def test_bad_pipeline_configurations_are_clear_errors(dist_pool):
     assert "stage 1 (lm_head) holds no parameters" in errors["no parameters"]
     assert errors["against the flow"].startswith("PipelineSplitError")
     assert "from the later stage 1" in errors["against the flow"]
-    assert "pp_degree=3 must divide the world size 2" in errors["pp does not divide"]
+    assert "pp=3 (PassConfig.pp_degree" in errors["pp does not divide"]
+    assert "must divide the world size 2" in errors["pp does not divide"]
     assert "pp_microbatches=3 must divide dim 0" in errors["microbatches"]
     assert "input has shape (4, 8)" in errors["microbatches"]
-    assert errors["mesh without pp"].startswith("MeshError: PassConfig.pp_degree=2 but the mesh")
+    assert errors["mesh without pp"].startswith("MeshError: pp=2 (PassConfig.pp_degree")
+    assert "but the mesh has 1 pipeline stage(s)" in errors["mesh without pp"]
     assert "MeshContext.build(pp=2" in errors["mesh without pp"]
 
 

@@ -5,6 +5,7 @@ serialised anywhere.
 """
 
 from gm_config.errors import ConfigError, GraphModeError, GraphModeRuntimeError, divisors
+from gm_config.parallel_plan import Axis, MeshError, MissingGroupError, ParallelPlan, Role
 from gm_config.pass_config import PassConfig
 from gm_config.pass_plan import FSDPModuleConfig, PassPlan, fsdp_requested, reshard_requested
 from gm_config.pipeline_stages import PP_SCHEDULES
@@ -13,12 +14,17 @@ from gm_config.yaml_plan import LEGACY_KEYS, create_sharding_plan_from_yaml, sha
 __all__ = [
     "LEGACY_KEYS",
     "PP_SCHEDULES",
+    "Axis",
     "ConfigError",
     "FSDPModuleConfig",
     "GraphModeError",
     "GraphModeRuntimeError",
+    "MeshError",
+    "MissingGroupError",
+    "ParallelPlan",
     "PassConfig",
     "PassPlan",
+    "Role",
     "create_sharding_plan_from_yaml",
     "divisors",
     "fsdp_requested",

@@ -14,6 +14,7 @@ from typing import Any
 
 from gm_config.dynamic_dims import check_dynamic_dims, check_pad_to_multiple, check_pad_values
 from gm_config.errors import ConfigError
+from gm_config.parallel_plan import MeshError, ParallelPlan
 from gm_config.pipeline_stages import PP_SCHEDULES
 
 #: The floating dtypes a mixed-precision policy may name (torch attribute names).
@@ -59,12 +60,13 @@ class PassConfig:
     leaving the graph untouched, when torch.distributed is not initialised or the world is 1."""
 
     fsdp_degree: int | None = None
-    """Size of the FSDP group. ``None`` is filled in at run time: from the mesh's shard dimension
-    when a mesh context is given, else the world size."""
+    """Size of the FSDP group (:attr:`parallel`'s ``dp_shard x cp``). ``None`` is filled in at
+    run time: from the mesh's shard dimension when a mesh context is given, else the world."""
 
     tp_size: int = 1
-    """Tensor-parallel size, filled in from the mesh context. The TP collectives come from the
-    model (DTensor ``parallelize_module`` or ``gm_trainer.parallel.tp`` layers), not from a pass."""
+    """Tensor-parallel size (:attr:`parallel`'s ``tp``), filled in from the mesh context. The
+    TP collectives come from the model (DTensor ``parallelize_module`` or
+    ``gm_trainer.parallel.tp`` layers), not from a pass."""
 
     sequence_parallel: bool = False
     """The TP plan splits activations along the sequence (``SequenceParallel``). For a DTensor
@@ -264,6 +266,28 @@ class PassConfig:
     def __post_init__(self) -> None:
         self.validate()
 
+    @property
+    def parallel(self) -> ParallelPlan:
+        """The degree fields as one :class:`~gm_config.ParallelPlan` (validated; ``fsdp_degree``
+        is its ``dp_shard x cp``, ``dp_replicate`` comes from a mesh context)."""
+        shard, cp = self.fsdp_degree, self.cp_degree
+        if _is_int(shard) and _is_int(cp) and shard >= 1 and cp >= 1:
+            if shard % cp:
+                raise MeshError(
+                    f"PassConfig.fsdp_degree={shard} with cp_degree={cp}: the FSDP group spans "
+                    "dp_shard x cp ranks, so fsdp_degree must be a multiple of cp_degree "
+                    f"(e.g. {cp * max(1, shard // cp)}); or leave it None"
+                )
+            shard //= cp
+        return ParallelPlan(
+            dp_shard=shard,
+            tp=self.tp_size,
+            pp=self.pp_degree,
+            pp_virtual_stages=self.pp_virtual_stages,
+            cp=cp,
+            ep=self.ep_degree,
+        )
+
     def validate(self) -> None:
         """Raise :class:`ConfigError` (a ``ValueError``) naming the first bad field."""
         for field in dataclasses.fields(self):
@@ -276,13 +300,7 @@ class PassConfig:
             # misleading message) and break the passes far from the key.
             if "float" in str(field.type) and isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"PassConfig.{field.name} must be a finite number, got {value!r}")
-        if not _is_int(self.tp_size) or self.tp_size < 1:
-            raise ConfigError(f"PassConfig.tp_size must be an int >= 1, got {self.tp_size!r}")
-        if self.fsdp_degree is not None and (not _is_int(self.fsdp_degree) or self.fsdp_degree < 1):
-            raise ConfigError(
-                "PassConfig.fsdp_degree must be None (fill in at run time) or a positive int, "
-                f"got {self.fsdp_degree!r}"
-            )
+        _ = self.parallel  # the degrees' rules are ParallelPlan's (one copy of each)
 
         if self.bucket_cap_mb is not None and (
             isinstance(self.bucket_cap_mb, bool)
@@ -321,18 +339,16 @@ class PassConfig:
             self.pad_to_multiple, self.dynamic_dims, "PassConfig.pad_to_multiple"
         )
         self.pad_values = check_pad_values(self.pad_values, "PassConfig.pad_values")
-        for name in ("pp_degree", "pp_microbatches", "pp_virtual_stages"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                raise ConfigError(f"PassConfig.{name} must be an int >= 1, got {value!r}")
+        if not _is_int(self.pp_microbatches) or self.pp_microbatches < 1:
+            raise ConfigError(
+                f"PassConfig.pp_microbatches must be an int >= 1, got {self.pp_microbatches!r}"
+            )
         if self.pp_schedule not in PP_SCHEDULES:
             raise ConfigError(
                 f"PassConfig.pp_schedule must be one of {list(PP_SCHEDULES)}, "
                 f"got {self.pp_schedule!r}"
             )
         self._validate_virtual_stages()
-        if not _is_int(self.ep_degree) or self.ep_degree < 1:
-            raise ConfigError(f"PassConfig.ep_degree must be an int >= 1, got {self.ep_degree!r}")
         self._validate_cp()
         self._validate_cuda_graphs()
         if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
@@ -423,9 +439,8 @@ class PassConfig:
             )
 
     def _validate_cp(self) -> None:
-        """Context parallelism (issue 29): ``cp_degree`` and ``cp_dims``."""
-        if not _is_int(self.cp_degree) or self.cp_degree < 1:
-            raise ConfigError(f"PassConfig.cp_degree must be an int >= 1, got {self.cp_degree!r}")
+        """Context parallelism (issue 29): ``cp_load_balance`` and ``cp_dims`` (``cp_degree`` is
+        the plan's)."""
         if self.cp_load_balance is not None and not isinstance(self.cp_load_balance, bool):
             raise ConfigError(
                 "PassConfig.cp_load_balance must be None (on for accelerators), true or false, "

@@ -4,7 +4,7 @@ Never imports torch. Passes that need torch live in other distributions and are 
 name through the entry-point group ``gm_passes.passes``.
 """
 
-from gm_passes.base import GraphPass, PassContext, PassResult
+from gm_passes.base import GraphPass, NoProcessGroups, PassContext, PassResult, ProcessGroups
 from gm_passes.base_passes import CanonicalizeGraph, DeadCodeElimination
 from gm_passes.graph_diff import GraphChange, GraphOutline
 from gm_passes.pipeline import (
@@ -35,11 +35,13 @@ __all__ = [
     "GraphOutline",
     "GraphPass",
     "GraphPassError",
+    "NoProcessGroups",
     "PassContext",
     "PassNotFoundError",
     "PassPipeline",
     "PassRecord",
     "PassResult",
+    "ProcessGroups",
     "available_passes",
     "get_pass",
     "order_passes",

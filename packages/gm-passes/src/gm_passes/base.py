@@ -8,10 +8,11 @@ the torch-free passes need).
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, Protocol
 
-from gm_config import PassConfig, PassPlan
+from gm_config import MissingGroupError, PassConfig, PassPlan
 
 
 class PassResult(NamedTuple):
@@ -19,6 +20,38 @@ class PassResult(NamedTuple):
 
     graph_module: Any
     modified: bool
+
+
+class ProcessGroups(Protocol):
+    """What passes read of the run's process groups (gm-trace's ``ParallelGroups``): a group
+    per role (``gm_config.Role``); asking for a role the run does not have raises
+    :class:`~gm_config.MissingGroupError`, never answers with the world."""
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The roles this run has, in ``Role`` order."""
+        ...
+
+    def __contains__(self, role: object) -> bool: ...
+
+    def get(self, role: str) -> Any:
+        """The group of ``role``; :class:`~gm_config.MissingGroupError` when there is none."""
+        ...
+
+
+class NoProcessGroups:
+    """The groups of a run without parallel groups: every role is missing."""
+
+    roles: tuple[str, ...] = ()
+
+    def __contains__(self, role: object) -> bool:
+        return False
+
+    def __iter__(self) -> Iterable[str]:
+        return iter(())
+
+    def get(self, role: str) -> Any:
+        raise MissingGroupError(role, ())
 
 
 @dataclass
@@ -34,8 +67,9 @@ class PassContext:
     model: Any = None
     """The live ``nn.Module`` whose state the graph's leading placeholders mirror."""
 
-    process_groups: dict[str, str] = field(default_factory=lambda: {"fsdp": "fsdp"})
-    """Role -> name under which the process group was registered (``"fsdp"`` -> ``"fsdp"``)."""
+    groups: ProcessGroups = field(default_factory=NoProcessGroups)
+    """The run's process groups by role (gm-trace's ``ParallelGroups``); a pass asks
+    ``ctx.groups.get(Role.FSDP)`` and gets the group or a ``MissingGroupError``."""
 
     graph_info: Any = None
     """The calling convention of the graph, from whoever produced it (gm-trace's

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from gm_config import ConfigError, GraphModeError, GraphModeRuntimeError, PassConfig, PassPlan
-from gm_passes.base import GraphPass, PassContext
+from gm_passes.base import GraphPass, PassContext, ProcessGroups
 from gm_passes.base_passes import BASE_PIPELINE
 from gm_passes.graph_diff import GraphChange, GraphOutline
 from gm_passes.registry import (
@@ -57,6 +57,9 @@ class PassRecord:
 
 #: ``after_pass(index, graph_pass, graph_module, ctx)``: called after each pass of a run.
 AfterPass = Callable[[int, GraphPass, Any, PassContext], None]
+
+#: A check of the whole graph after the last pass (``PassPipeline.run(verify=...)``).
+GraphCheck = Callable[[Any, PassContext], None]
 
 #: The file beside the dumped graphs with one ``what changed`` line per pass.
 CHANGES_FILE = "changes.txt"
@@ -201,8 +204,8 @@ class PassPipeline:
         *,
         graph_info: Any = None,
         model: Any = None,
-        fsdp_group_name: str = "fsdp",
-        process_groups: dict[str, str] | None = None,
+        groups: ProcessGroups | None = None,
+        verify: GraphCheck | None = None,
         dump_dir: str | os.PathLike[str] | None = None,
         after_pass: AfterPass | None = None,
     ) -> Any:
@@ -210,9 +213,11 @@ class PassPipeline:
         decided is in ``self.context.artifacts``.
 
         ``graph_info``: the graph's calling convention, for the passes (``PassContext``).
-        ``process_groups``: more roles -> registered group names, e.g.
-        ``{"fsdp_replicate": "fsdp_replicate"}`` for HSDP; ``fsdp_group_name`` names the
-        ``"fsdp"`` role.
+        ``groups``: the run's process groups by role (gm-trace's ``ParallelGroups``); without
+        them a pass that needs a group raises ``MissingGroupError``.
+        ``verify``: called as ``verify(graph_module, ctx)`` once, after the last pass, before
+        the graph is handed back: the pipeline's one cross-rank check (gm-trace's
+        ``verify_ranks_agree``: every rank of every group built the same collectives on it).
 
         ``dump_dir``: when given, the graph before the first pass and after each pass is
         written there as readable code (``00-traced.txt``, ``01-dce.txt`` …). Nothing is
@@ -229,8 +234,9 @@ class PassPipeline:
             plan=self.plan,
             model=model,
             graph_info=graph_info,
-            process_groups={"fsdp": fsdp_group_name, **(process_groups or {})},
         )
+        if groups is not None:
+            ctx.groups = groups
         self.context = ctx
         self.records = []
         dump = Path(dump_dir) if dump_dir is not None else None
@@ -252,7 +258,19 @@ class PassPipeline:
                 after_pass(index, graph_pass, graph_module, ctx)
         if dump is not None:
             (dump / CHANGES_FILE).write_text(self.changes() + "\n", encoding="utf-8")
+        if verify is not None:
+            self._verify(verify, graph_module, ctx)
         return graph_module
+
+    def _verify(self, verify: GraphCheck, graph_module: Any, ctx: PassContext) -> None:
+        where = f"the pipeline's check {getattr(verify, '__name__', verify)!r} after its passes"
+        try:
+            verify(graph_module, ctx)
+        except GraphModeError as exc:
+            exc.add_note(f"raised by {where}")
+            raise
+        except Exception as exc:
+            raise GraphPassError(f"{where} failed: {type(exc).__name__}: {exc}") from exc
 
     def _run_one(
         self, graph_pass: GraphPass, graph_module: Any, ctx: PassContext, index: int

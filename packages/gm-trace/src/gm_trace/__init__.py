@@ -16,7 +16,7 @@ from gm_trace.capture.capture_errors import GraphCaptureError
 from gm_trace.capture.tracer import trace_model_graph
 from gm_trace.graph.dynamic_shapes import DynamicShapeError
 from gm_trace.graph.graph_annotate import OutputSpec
-from gm_trace.graph.groups import register_process_group, resolve_process_group
+from gm_trace.graph.groups import ParallelGroups
 from gm_trace.graph.guards import ShapeGuard, ShapeGuards
 from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.graph.sharding_layout import ShardedParam, ShardingLayout, full_parameter
@@ -42,6 +42,7 @@ __all__ = [
     "InputSignature",
     "JointGraph",
     "OutputSpec",
+    "ParallelGroups",
     "RecomputePass",
     "ReshardAfterForwardPass",
     "RowShard",
@@ -52,8 +53,6 @@ __all__ = [
     "available_backends",
     "full_parameter",
     "register_backend",
-    "register_process_group",
-    "resolve_process_group",
     "run_traced_graph",
     "trace_model_graph",
 ]

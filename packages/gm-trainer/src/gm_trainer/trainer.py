@@ -47,7 +47,7 @@ from gm_trainer.optim.graph_update import GraphUpdatePlanner
 from gm_trainer.optim.nonfinite import check_nonfinite_mode
 from gm_trainer.parallel.device import default_device
 from gm_trainer.parallel.mesh import MeshError, ResolvedMesh, resolve_mesh_context
-from gm_trainer.parallel.topology import FSDP_GROUP_NAME, ResolvedRun, Topology
+from gm_trainer.parallel.topology import ResolvedRun, Topology
 from gm_trainer.pipeline.runtime import PipelineRunner
 from gm_trainer.step.deferred import DeferredGrads
 from gm_trainer.step.executor import StepExecutor
@@ -58,7 +58,7 @@ from gm_trainer.step.stepper import OptimizerStepper
 from gm_trainer.step.train_state import TrainState
 from gm_trainer.timeline import RankTimeline, measure_step
 
-__all__ = ["FSDP_GROUP_NAME", "GraphTrainer", "TrainingError"]
+__all__ = ["GraphTrainer", "TrainingError"]
 
 
 class GraphTrainer:

@@ -23,7 +23,7 @@ loss is unchanged. Backward mirrors the forward: the all-to-all's autograd sends
 gradients back the way the tokens came and the tokens' gradients home. An expert weight's
 gradient then holds every rank's tokens of the ep group; the ``fsdp`` pass divides it by the
 data-parallel size and sums it over the ranks that hold the same experts
-(:data:`~gm_trace.graph.experts.EP_REPLICATE_GROUP_NAME`, a reduce-scatter: those ranks
+(the run's ``ep_replicate`` group, ``gm_config.Role.EP_REPLICATE``, a reduce-scatter: those ranks
 FSDP-shard the experts), which gives data-parallel mean semantics.
 
 **Why at capture, not as a rewrite of the traced graph.** The routed computation is
@@ -43,6 +43,7 @@ Each rank's tokens per expert are added into a non-persistent buffer of the modu
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import inspect
 from collections.abc import Sequence
@@ -51,7 +52,7 @@ import torch
 from torch import Tensor, nn
 
 from gm_config import ConfigError, divisors
-from gm_trace.graph.experts import EP_GROUP_NAME, EP_SHARD_ATTR, ExpertShard, expert_shards
+from gm_trace.graph.experts import EP_SHARD_ATTR, ExpertShard, expert_shards
 
 __all__ = [
     "ExpertParallelError",
@@ -122,17 +123,17 @@ class ExpertParallelMixin:
             row_bytes = 4 * hidden * hidden_states.element_size()
             getattr(self, BYTES_BUFFER).add_((per_expert.sum() - mine) * row_bytes)
         # received[s * local + l]: rows rank s sends to this rank's local expert l.
-        received = _all_to_all(per_expert, [local] * ep, [local] * ep, EP_GROUP_NAME)
+        received = _all_to_all(per_expert, [local] * ep, [local] * ep, shard.group_name)
         send = _sizes(per_expert.view(ep, local).sum(1))
         recv = _sizes(received.view(ep, local).sum(1))
-        rows = _AllToAll.apply(hidden_states[order // top_k], recv, send, EP_GROUP_NAME)
+        rows = _AllToAll.apply(hidden_states[order // top_k], recv, send, shard.group_name)
         # Rows arrive grouped by source rank, then by local expert: each row's local expert.
         ends = torch.cumsum(received, 0)
         position = torch.arange(rows.shape[0], device=rows.device)
         local_ids = torch.remainder(torch.searchsorted(ends, position, right=True), local)
         ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
         computed = super().forward(rows, local_ids.unsqueeze(-1), ones)
-        back = _AllToAll.apply(computed, send, recv, EP_GROUP_NAME)
+        back = _AllToAll.apply(computed, send, recv, shard.group_name)
         pairs = torch.zeros_like(back).index_copy(0, order, back)
         # As transformers' kernels weight and sum: per pair, then over the K choices.
         weighted = pairs * top_k_weights.reshape(-1).unsqueeze(-1)
@@ -198,21 +199,29 @@ def find_experts_modules(model: nn.Module, patterns: Sequence[str] | None = None
 
 
 def split_expert_modules(
-    model: nn.Module, ep_size: int, ep_rank: int, patterns: Sequence[str] | None = None
+    model: nn.Module,
+    ep_size: int,
+    ep_rank: int,
+    patterns: Sequence[str] | None = None,
+    group_name: str = "",
 ) -> tuple[dict[str, ExpertShard], dict[str, tuple[int, int]]]:
     """Make the experts modules of ``model`` compute with ``ep_size`` ranks' experts (module
-    docstring): each gets its shard, its load buffers and the dispatching forward, in place.
-    Returns module FQN -> :class:`ExpertShard`, and parameter FQN -> (first expert, count):
-    the rows of each stacked weight this rank keeps, which the caller cuts (the trainer's
-    ``gm_trainer.parallel.live_parameters``: the one owner of changes to live parameters).
-    Every rank must start from the same whole model. A model EP already split is returned as
-    it is, with no rows to cut.
+    docstring): each gets its shard, its load buffers and the dispatching forward, in place;
+    their all-to-alls run on the group named ``group_name`` (torch's ``group_name`` of the
+    run's ep group). Returns module FQN -> :class:`ExpertShard`, and parameter FQN -> (first
+    expert, count): the rows of each stacked weight this rank keeps, which the caller cuts (the
+    trainer's ``gm_trainer.parallel.live_parameters``: the one owner of changes to live
+    parameters). Every rank must start from the same whole model. A model EP already split
+    keeps its split, takes ``group_name`` (a new run's group) and has no rows to cut.
 
     Raises :class:`ExpertParallelError` when no experts module is found or ``ep_size`` does not
     divide a module's expert count (naming both).
     """
     done = expert_shards(model)
     if done:
+        for name, shard in done.items():
+            done[name] = dataclasses.replace(shard, group_name=group_name)
+            setattr(model.get_submodule(name), EP_SHARD_ATTR, done[name])
         return done, {}
     names = find_experts_modules(model, patterns)
     if not names:
@@ -229,7 +238,7 @@ def split_expert_modules(
     for name in names:
         module = model.get_submodule(name)
         params = _stacked_params(module)
-        shard = ExpertShard(module.num_experts, ep_size, ep_rank, params)
+        shard = ExpertShard(module.num_experts, ep_size, ep_rank, params, group_name)
         for param_name in params:
             rows[f"{name}.{param_name}" if name else param_name] = (
                 shard.first_expert,

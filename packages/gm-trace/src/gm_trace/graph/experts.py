@@ -12,14 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-#: Registered name of this rank's expert-parallel group (the all-to-all's).
-EP_GROUP_NAME = "ep"
-
-#: Registered name of the ranks that hold the same experts (the data-parallel ranks EP does not
-#: use): the fsdp pass splits the experts over it and sums their gradients over it. One rank
-#: when ``ep_degree`` is the whole data-parallel size.
-EP_REPLICATE_GROUP_NAME = "ep_replicate"
-
 #: Module attribute of an experts module EP split: its :class:`ExpertShard`.
 EP_SHARD_ATTR = "_gm_ep_shard"
 
@@ -39,6 +31,9 @@ class ExpertShard:
 
     params: tuple[str, ...]
     """The module's own parameters split along dim 0 (the expert dim)."""
+
+    group_name: str = ""
+    """The ``group_name`` of the run's ep group (``Role.EP``), which the all-to-alls carry."""
 
     @property
     def local_experts(self) -> int:

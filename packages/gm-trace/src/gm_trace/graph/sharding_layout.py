@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from gm_trace.graph.collectives import all_gather_single
-from gm_trace.graph.groups import resolve_process_group
+from gm_trace.graph.groups import group_named
 from gm_trace.graph.sharding import FSDPConfigError, RowShard
 
 
@@ -130,7 +130,7 @@ def full_parameter(
     if param is None:
         return local
     shard = param.shard
-    group = group if group is not None else resolve_process_group(param.group)
+    group = group if group is not None else group_named(param.group)
     padded = torch.cat([local, local.new_zeros((shard.chunk - shard.local_rows, *local.shape[1:]))])
     out = padded.new_empty((shard.padded_rows, *local.shape[1:]))
     all_gather_single(out, padded.contiguous(), group=group)

@@ -45,9 +45,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from gm_config import PassConfig, PassPlan, fsdp_requested
+from gm_config import PassConfig, PassPlan, Role, fsdp_requested
 from gm_passes import GraphPass, PassContext, PassResult
-from gm_trace.graph.groups import resolve_process_group
 from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.passes.cp_rewrite import ContextParallelError, Rewriter, Seq, SeqLayout
 from gm_trace.passes.cp_rules import RULES
@@ -92,7 +91,9 @@ def _fsdp_covers(ctx: PassContext, cp_group: dist.ProcessGroup) -> bool:
     """True when the fsdp pass will reduce every gradient over a group holding ``cp_group``."""
     if not fsdp_requested(ctx.config, ctx.plan):
         return False
-    fsdp = resolve_process_group(ctx.process_groups.get("fsdp", "fsdp"))
+    if Role.FSDP not in ctx.groups:
+        return False
+    fsdp = ctx.groups.get(Role.FSDP)
     if fsdp.size() == 1:
         return False
     return set(dist.get_process_group_ranks(cp_group)) <= set(dist.get_process_group_ranks(fsdp))
@@ -117,13 +118,11 @@ class ContextParallelPass(GraphPass):
                 f"PassConfig.cp_degree={cp} needs torch.distributed initialised with a 'cp' "
                 "group of that many ranks (GraphTrainer builds it; or MeshContext.build(cp=...))"
             )
-        group_name = ctx.process_groups.get("cp", "cp")
-        group = resolve_process_group(group_name)
+        group = ctx.groups.get(Role.CP)
         if group.size() != cp:
             raise ContextParallelError(
-                f"PassConfig.cp_degree={cp} but the process group registered as "
-                f"{group_name!r} has {group.size()} ranks; build the mesh with "
-                f"MeshContext.build(cp={cp}, ...)"
+                f"PassConfig.cp_degree={cp} but the run's {str(Role.CP)!r} group has "
+                f"{group.size()} ranks; build the mesh with MeshContext.build(cp={cp}, ...)"
             )
         if not isinstance(ctx.graph_info, JointGraph):
             raise ContextParallelError(
@@ -135,12 +134,12 @@ class ContextParallelPass(GraphPass):
         layout = SeqLayout(cp, dist.get_rank(group), seq, balance)
         cap = ctx.config.bucket_cap_mb
         bucket = None if cap is None else int(cap * 2**20)
-        rewriter = Rewriter(graph_module, layout, group_name, RULES, scale, bucket)
+        rewriter = Rewriter(graph_module, layout, group, RULES, scale, bucket)
         graph_module.graph = rewriter.run(cut)
         ctx.record(
             self.name,
             degree=cp,
-            group=group_name,
+            group=str(Role.CP),
             sequence=seq,
             load_balance=balance,
             attention=len(rewriter.attention),

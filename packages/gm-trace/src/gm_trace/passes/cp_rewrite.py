@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -21,7 +22,6 @@ from gm_config import ConfigError
 from gm_trace.graph import node_meta
 from gm_trace.graph.collectives import all_gather_op
 from gm_trace.graph.graph_build import fake_mode_of
-from gm_trace.graph.groups import resolve_process_group
 from gm_trace.passes.cp_layout import Seq, SeqLayout, SeqMoves
 
 __all__ = ["ContextParallelError", "P", "R", "Rewriter", "Seq", "SeqLayout"]
@@ -81,7 +81,7 @@ class Rewriter:
         self,
         graph_module: fx.GraphModule,
         layout: SeqLayout,
-        group_name: str,
+        group: dist.ProcessGroup,
         rules: Mapping[str, Callable[[Rewriter, fx.Node], Any]],
         scale_partial_grads: bool = False,
         bucket_bytes: int | None = None,
@@ -96,7 +96,7 @@ class Rewriter:
         self.old = graph_module.graph
         self.new = fx.Graph(owning_module=graph_module)
         self.mode = fake_mode_of(self.old)
-        self.layout, self.group_name = layout, group_name
+        self.layout, self.group_name = layout, group.group_name
         self.cp, self.rank, self.seq, self.local = layout.cp, layout.rank, layout.seq, layout.local
         self.env: dict[fx.Node, Any] = {}
         self.plc: dict[fx.Node, Placement] = {}
@@ -106,8 +106,8 @@ class Rewriter:
         self.moves = SeqMoves(
             self.emit,
             layout,
-            group_name,
-            all_gather_op(resolve_process_group(group_name)),
+            self.group_name,
+            all_gather_op(group),
             self.stats,
         )
         self.attention: list[str] = []

@@ -30,11 +30,12 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import Tensor
 
-from gm_config import ConfigError
+from gm_config import ConfigError, MissingGroupError
 from gm_passes.graph_ops import is_collective, is_wait
 from gm_trace.graph import node_meta
 from gm_trace.graph.compiled_step import BackendError
 from gm_trace.graph.dynamic_shapes import is_symbolic
+from gm_trace.graph.groups import group_named
 
 __all__ = ["CudaGraphStep", "why_not_capturable"]
 
@@ -47,15 +48,10 @@ def _group_backend(name: Any) -> str | None:
     """The backend of the process group a graph collective names (``None``: unknown)."""
     if not isinstance(name, str) or not dist.is_available() or not dist.is_initialized():
         return None
-    from gm_trace.graph.groups import resolve_process_group
-
     try:
-        return dist.get_backend(resolve_process_group(name))
-    except Exception:  # a c10d group name, not a registered role
-        try:
-            return dist.get_backend(dist.distributed_c10d._resolve_process_group(name))
-        except Exception:
-            return None
+        return dist.get_backend(group_named(name))
+    except MissingGroupError:
+        return None
 
 
 def why_not_capturable(graph_module: fx.GraphModule) -> str | None:

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from gm_config import GraphModeRuntimeError
+from gm_config import GraphModeRuntimeError, Role
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_trace.graph import node_meta
 from gm_trace.graph.graph_build import collective_kind, fake_mode_of
@@ -172,7 +172,8 @@ def gradient_reductions(graph_module: fx.GraphModule, ctx: PassContext) -> Gradi
     graph = graph_module.graph
     # The FSDP group's, and expert parallelism's (its experts' gradients are summed over the
     # ranks holding the same experts).
-    groups = {ctx.process_groups.get("fsdp", "fsdp"), ctx.process_groups.get("ep_replicate")}
+    roles = (Role.FSDP, Role.EP_REPLICATE)
+    groups = {ctx.groups.get(r).group_name for r in roles if r in ctx.groups}
     output = graph.output_node()
     outputs = list(output.args[0])
     grad_index = ctx.graph_info.grad_output_index

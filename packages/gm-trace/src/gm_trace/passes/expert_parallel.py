@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from gm_config import GraphModeRuntimeError, PassConfig, PassPlan
+from gm_config import GraphModeRuntimeError, PassConfig, PassPlan, Role
 from gm_config.pipeline_stages import stage_of
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_trace.graph import node_meta
-from gm_trace.graph.experts import EP_GROUP_NAME, ExpertShard, expert_shards
+from gm_trace.graph.experts import ExpertShard, expert_shards
 from gm_trace.graph.graph_build import collective_kind
 from gm_trace.graph.joint_graph import PIPELINE_STAGES
 
@@ -56,12 +56,12 @@ class ExpertParallelPass(GraphPass):
         exchanges = [
             n
             for n in graph_module.graph.nodes
-            if collective_kind(n) == "all_to_all_single" and n.args[-1] == EP_GROUP_NAME
+            if collective_kind(n) == "all_to_all_single" and n.args[-1] == ctx.groups.name(Role.EP)
         ]
         expected = ALL_TO_ALLS_PER_MODULE * len(modules)
         if len(exchanges) != expected:
             raise ExpertParallelPassError(
-                f"the graph holds {len(exchanges)} all-to-alls on the {EP_GROUP_NAME!r} group "
+                f"the graph holds {len(exchanges)} all-to-alls on the {str(Role.EP)!r} group "
                 f"but its {len(modules)} expert-parallel experts modules need {expected} "
                 f"({ALL_TO_ALLS_PER_MODULE} each); was one of {sorted(modules)} skipped in "
                 "forward? Every rank of an ep group must run every experts module"
@@ -106,7 +106,7 @@ def _check_stages(
         stage = node.meta.get(node_meta.STAGE)
         if stage is None:
             raise ExpertParallelPassError(
-                f"the all-to-all {node.name!r} on the {EP_GROUP_NAME!r} group belongs to no "
+                f"the all-to-all {node.name!r} on the {str(Role.EP)!r} group belongs to no "
                 "pipeline stage; an experts module's dispatch and combine must run inside "
                 "the stage that owns the module"
             )
@@ -115,7 +115,7 @@ def _check_stages(
         own = sorted(name for name, owner in owners.items() if owner == stage)
         if count != ALL_TO_ALLS_PER_MODULE * len(own):
             raise ExpertParallelPassError(
-                f"pipeline stage {stage} holds {count} all-to-alls on the {EP_GROUP_NAME!r} "
+                f"pipeline stage {stage} holds {count} all-to-alls on the {str(Role.EP)!r} "
                 f"group but owns {len(own)} experts module(s) {own}, which need "
                 f"{ALL_TO_ALLS_PER_MODULE * len(own)}: the stage boundaries cut inside an "
                 "experts module's dispatch / compute / combine; give each experts module "

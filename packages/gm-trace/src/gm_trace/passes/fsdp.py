@@ -33,11 +33,10 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from gm_config import PassConfig, PassPlan, fsdp_requested
+from gm_config import PassConfig, PassPlan, Role, fsdp_requested
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_trace.graph.collectives import all_gather_op
-from gm_trace.graph.experts import EP_REPLICATE_GROUP_NAME, expert_param_fqns
-from gm_trace.graph.groups import resolve_process_group
+from gm_trace.graph.experts import expert_param_fqns
 from gm_trace.graph.joint_graph import SHARDING_LAYOUT, JointGraph
 from gm_trace.graph.sharding import (
     FSDPConfigError,
@@ -75,9 +74,8 @@ __all__ = [
 ]
 
 
-def _shard_group(name: str) -> ShardGroup:
-    group = resolve_process_group(name)
-    return ShardGroup(name, group.size(), dist.get_rank(group), all_gather_op(group))
+def _shard_group(group: dist.ProcessGroup) -> ShardGroup:
+    return ShardGroup(group.group_name, group.size(), dist.get_rank(group), all_gather_op(group))
 
 
 def _experts(ctx: PassContext) -> tuple[frozenset[str], ShardGroup] | None:
@@ -86,17 +84,18 @@ def _experts(ctx: PassContext) -> tuple[frozenset[str], ShardGroup] | None:
     experts = frozenset(expert_param_fqns(ctx.model))
     if not experts:
         return None
-    if EP_REPLICATE_GROUP_NAME not in ctx.process_groups:
+    if Role.EP_REPLICATE not in ctx.groups:
         raise FSDPConfigError(
-            f"the model's experts are split by expert parallelism but no "
-            f"{EP_REPLICATE_GROUP_NAME!r} group is registered for their gradients; train "
-            "with PassConfig.ep_degree (GraphTrainer registers it)"
+            f"the model's experts are split by expert parallelism but the run has no "
+            f"{str(Role.EP_REPLICATE)!r} group for their gradients (its roles: "
+            f"{[str(r) for r in ctx.groups.roles]}); train with PassConfig.ep_degree "
+            "(GraphTrainer builds it)"
         )
-    return experts, _shard_group(ctx.process_groups[EP_REPLICATE_GROUP_NAME])
+    return experts, _shard_group(ctx.groups.get(Role.EP_REPLICATE))
 
 
 class FSDPPass(GraphPass):
-    """Shard the selected parameters over the ``"fsdp"`` group (see module docstring)."""
+    """Shard the selected parameters over the run's fsdp group (see module docstring)."""
 
     name = "fsdp"
     runs_after = ("canonicalize",)
@@ -110,14 +109,13 @@ class FSDPPass(GraphPass):
         if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
             ctx.record(self.name, skipped="torch.distributed not initialised or world size 1")
             return PassResult(graph_module, False)
-        group_name = ctx.process_groups.get("fsdp", "fsdp")
-        group = resolve_process_group(group_name)
+        group = ctx.groups.get(Role.FSDP)
         degree = ctx.config.fsdp_degree or group.size()
         if degree != group.size():
             raise FSDPConfigError(
-                f"PassConfig.fsdp_degree={ctx.config.fsdp_degree} but the process group "
-                f"registered as {group_name!r} has {group.size()} ranks; set fsdp_degree to "
-                f"{group.size()} or leave it None to take the group size"
+                f"PassConfig.fsdp_degree={ctx.config.fsdp_degree} but the run's {str(Role.FSDP)!r} "
+                f"group has {group.size()} ranks; set fsdp_degree to {group.size()} or leave "
+                "it None to take the group size"
             )
         if ctx.model is None or not isinstance(ctx.graph_info, JointGraph):
             raise FSDPConfigError(
@@ -126,13 +124,13 @@ class FSDPPass(GraphPass):
             )
         selected = select_sharded_params(ctx.model, ctx.plan)
         replicate = None
-        if "fsdp_replicate" in ctx.process_groups:
-            name = ctx.process_groups["fsdp_replicate"]
-            replicate = (name, resolve_process_group(name).size())
+        if Role.REPLICATE in ctx.groups:
+            across = ctx.groups.get(Role.REPLICATE)
+            replicate = (across.group_name, across.size())
         reduce_dtype = ctx.config.reduce_dtype
         rewrite = Rewrite(
             graph_module,
-            _shard_group(group_name),
+            _shard_group(group),
             replicate,
             reduce_dtype=getattr(torch, reduce_dtype) if reduce_dtype else None,
             experts=_experts(ctx),
@@ -140,9 +138,9 @@ class FSDPPass(GraphPass):
         cap = ctx.config.bucket_cap_mb
         cap_bytes = None if cap is None else int(cap * 2**20)
         layout, stats = rewrite.apply(ctx.graph_info, selected, ctx.plan, cap_bytes)
-        check_collective_agreement(graph_module, group)
+        # The ranks' agreement on these collectives is the pipeline's check, after every pass.
         ctx.publish(SHARDING_LAYOUT, layout)
-        ctx.record(self.name, degree=degree, group=group_name, **stats)
+        ctx.record(self.name, degree=degree, group=str(Role.FSDP), **stats)
         return PassResult(graph_module, True)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from gm_config import PassPlan
+from gm_config import PassPlan, Role
 from gm_trace.graph import node_meta
 from gm_trace.graph.graph_build import (
     aten,
@@ -212,7 +212,7 @@ class Rewrite:
         experts = [p for p in sharded if p.fqn in self.experts]
         itemsize = {p.fqn: p.placeholder.meta["val"].dtype.itemsize for p in experts}
         return {
-            "expert_group": self.expert_group.name,
+            "expert_group": str(Role.EP_REPLICATE),
             "expert_group_size": self.expert_group.degree,
             "expert_sharded_params": len(experts),
             "expert_replicated_params": sum(f in self.experts for f in replicated),

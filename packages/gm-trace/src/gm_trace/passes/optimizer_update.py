@@ -42,12 +42,11 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from gm_config import GraphModeRuntimeError
+from gm_config import GraphModeRuntimeError, Role
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_trace.graph import node_meta
 from gm_trace.graph.experts import expert_param_fqns
 from gm_trace.graph.graph_build import fake_mode_of
-from gm_trace.graph.groups import resolve_process_group
 from gm_trace.graph.joint_graph import OPTIMIZER_UPDATE, SHARDING_LAYOUT
 
 aten = torch.ops.aten
@@ -190,12 +189,12 @@ class OptimizerUpdatePass(GraphPass):
             spec = dataclasses.replace(
                 spec,
                 sharded=frozenset(layout.params),
-                group_name=ctx.process_groups.get("fsdp", "fsdp"),
+                group_name=ctx.groups.get(Role.FSDP).group_name,
             )
         experts = frozenset(expert_param_fqns(ctx.model)) if ctx.model is not None else frozenset()
         experts -= spec.sharded
         if experts:
-            replicas = resolve_process_group(ctx.process_groups["ep_replicate"]).size()
+            replicas = ctx.groups.get(Role.EP_REPLICATE).size()
             spec = dataclasses.replace(spec, experts=experts, expert_replicas=replicas)
         _Emitter(graph_module.graph, joint, spec).emit()
         ctx.publish(OPTIMIZER_UPDATE, spec)

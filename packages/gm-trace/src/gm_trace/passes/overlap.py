@@ -10,8 +10,8 @@ Two moves, both decided from graph structure only, so every rank decides the sam
    block ``i - k`` starts computing, so at most ``k + 1`` gathered blocks are in flight ahead
    of compute. ``None`` leaves every all-gather at the start of the step.
 
-The collective issue order may change, identically on every rank; the pass re-checks that
-ranks agree before the graph first runs.
+The collective issue order may change, identically on every rank; the pipeline's check
+(``verify_ranks_agree``, after the last pass) compares the ranks before the graph first runs.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from gm_passes.graph_ops import is_collective, is_wait
 from gm_trace.graph import node_meta
 from gm_trace.graph.graph_build import collective_kind, is_all_gather, tensor_bytes
 from gm_trace.memory.cost import estimate_peak_memory
-from gm_trace.passes.fsdp import verify_ranks_agree
 
 
 def _sinkable(node: fx.Node) -> bool:
@@ -116,8 +115,6 @@ class AutoOverlapPass(GraphPass):
         if ctx.config.prefetch_blocks is not None:
             prefetched = _prefetch(graph, ctx.config.prefetch_blocks)
         changed = bool(moved or prefetched)
-        if changed and _has_collectives(graph):
-            verify_ranks_agree(graph_module, ctx)
         schedule = collective_schedule(graph_module)
         ctx.record(
             self.name,
@@ -128,10 +125,6 @@ class AutoOverlapPass(GraphPass):
             peak_memory_bytes_after=estimate_peak_memory(graph_module),
         )
         return PassResult(graph_module, changed)
-
-
-def _has_collectives(graph: fx.Graph) -> bool:
-    return any(is_collective(n) for n in graph.nodes)
 
 
 def collective_schedule(graph_module: fx.GraphModule) -> list[dict[str, Any]]:

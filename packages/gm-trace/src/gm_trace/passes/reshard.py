@@ -22,7 +22,6 @@ from gm_trace.graph.graph_build import is_all_gather, tensor_bytes
 from gm_trace.memory.cost import is_view
 from gm_trace.memory.remat import copy_nodes
 from gm_trace.memory.saved import backward_readers
-from gm_trace.passes.fsdp import verify_ranks_agree
 
 
 def _gather_chain(gather: fx.Node) -> list[fx.Node]:
@@ -114,7 +113,6 @@ class ReshardAfterForwardPass(GraphPass):
         ctx.record(self.name, regathered_buckets=regathered, extra_all_gather_bytes=extra_bytes)
         if not regathered:
             return PassResult(graph_module, False)
-        verify_ranks_agree(graph_module, ctx)
         return PassResult(graph_module, True)
 
 

@@ -59,8 +59,6 @@ def _rank_main(
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
         return
-    from gm_trace.graph.groups import reset_process_groups
-
     while (task := tasks.get()) is not None:
         fn, args = task
         try:
@@ -69,9 +67,6 @@ def _rank_main(
             results.put((rank, "error", traceback.format_exc()))
         else:
             results.put((rank, "ok", value))
-        finally:
-            # The next body starts from the world: no group name of this one carries over.
-            reset_process_groups()
     dist.destroy_process_group()
 
 

@@ -27,13 +27,14 @@ from gm_trace.graph.sharding_layout import ShardingLayout
 from gm_trace.passes.deferred_reduce import DeferredReducePass
 from gm_trace.passes.last_micro_batch import LastMicroBatchPass
 from gm_trace.passes.optimizer_update import OptimizerUpdate, OptimizerUpdatePass
+from gm_trace.passes.rank_agreement import verify_ranks_agree
 from gm_trainer.compile.graph_key import ClosureWatch
 from gm_trainer.compile.registry import ACCUMULATE, LAST, STEP, GraphCache, GraphRegistry
 from gm_trainer.errors import TrainingError
 from gm_trainer.parallel.dtensor_tp import check_dtensor_mesh, trace_step
 from gm_trainer.parallel.live_parameters import LiveParameters
 from gm_trainer.parallel.mesh import ResolvedMesh
-from gm_trainer.parallel.topology import FSDP_GROUP_NAME, ResolvedRun, Topology, resolve_run
+from gm_trainer.parallel.topology import ResolvedRun, Topology, resolve_run
 
 
 class UpdatePlanner(Protocol):
@@ -94,9 +95,8 @@ class GraphCompiler:
             topology = self.run.topology
             if topology.ep_group is not None:
                 patterns = self.pass_plan.ep_experts if self.pass_plan is not None else None
-                self.live.split_experts(
-                    topology.ep_size, dist.get_rank(topology.ep_group), patterns
-                )
+                ep = topology.ep_group
+                self.live.split_experts(ep.size(), dist.get_rank(ep), patterns, ep.group_name)
         return self.run
 
     @property
@@ -176,8 +176,8 @@ class GraphCompiler:
         return joint.through(
             pipeline,
             model=self.model,
-            fsdp_group_name=FSDP_GROUP_NAME,
-            process_groups=dict(topology.process_groups),
+            groups=topology.groups,
+            verify=verify_ranks_agree,
             dump_dir=dump_dir,
             after_pass=after_pass,
         )

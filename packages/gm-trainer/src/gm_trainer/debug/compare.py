@@ -31,7 +31,7 @@ import torch.fx as fx
 from torch import Tensor
 
 from gm_config import ConfigError
-from gm_trace.graph.groups import resolve_process_group
+from gm_trace.graph.groups import group_named
 from gm_trace.graph.joint_graph import COMPILED_STEP, SHARDING_LAYOUT, JointGraph
 from gm_trace.graph.sharding_layout import ShardingLayout, full_parameter
 from gm_trace.runtime.node_values import run_node_by_node
@@ -306,7 +306,7 @@ class _Comparison:
                 # Over the FSDP group, or for an expert-parallel parameter (whose gradient
                 # holds its ep group's tokens already) the ranks holding the same experts.
                 name = self.layout.reduce_group(fqn)
-                group = resolve_process_group(name) if name is not None else self.group
+                group = group_named(name) if name is not None else self.group
                 dist.all_reduce(grad, group=group)
                 grad = grad / degree
             shard = self.layout.shard_of(fqn)

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import yaml
 
-from gm_config import ConfigError, PassConfig, PassPlan, sharding_plan_from_dict
+from gm_config import ConfigError, ParallelPlan, PassConfig, PassPlan, sharding_plan_from_dict
 from gm_trainer.job.sections import DataConfig, DistConfig, ModelConfig
 from gm_trainer.job.validation import Section, build, check_lr_schedule, check_tp_plan_key
 from gm_trainer.job.world import check_world_size
@@ -311,6 +311,12 @@ class JobConfig:
         if self.sharding is None:
             return None
         return sharding_plan_from_dict(self.sharding, source="sharding")
+
+    @property
+    def parallel_plan(self) -> ParallelPlan:
+        """The job's degrees as one :class:`~gm_config.ParallelPlan`: ``parallel.*``'s
+        (``PassConfig.parallel``) with ``dist.dp_replicate`` replicas."""
+        return dataclasses.replace(self.parallel.parallel, dp_replicate=self.dist.dp_replicate)
 
     def check_world_size(self, world_size: int) -> None:
         """Raise :class:`ConfigError` unless the job can run on ``world_size`` ranks (see

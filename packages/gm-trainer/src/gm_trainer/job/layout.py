@@ -60,9 +60,8 @@ def lay_out_rank(
     from gm_trainer.trainer import GraphTrainer  # heavy: only on the ranks
 
     t = config.train
-    p = config.parallel
-    cp = p.cp_degree
-    dp = world_size // (p.pp_degree * p.tp_size * cp)
+    plan = config.parallel_plan.for_world(world_size)
+    cp, dp = plan.cp, plan.dp
     mesh = job_mesh(config)
     # Without a mesh: rank = (stage * dp + data-parallel index) * cp + c.
     dp_index = mesh.dp_rank if mesh is not None else (rank // cp) % dp
@@ -85,16 +84,15 @@ def lay_out_rank(
 
 def layout_of(config: JobConfig, world_size: int) -> dict[str, int]:
     """The job's parallel sizes on ``world_size`` ranks."""
-    p = config.parallel
-    dp = world_size // (p.pp_degree * p.tp_size * p.cp_degree)
+    plan = config.parallel_plan.for_world(world_size)
     return {
         "world_size": world_size,
-        "pp": p.pp_degree,
-        "tp": p.tp_size,
-        "cp": p.cp_degree,
-        "dp": dp,
-        "dp_replicate": config.dist.dp_replicate,
-        "fsdp": dp * p.cp_degree // config.dist.dp_replicate,
+        "pp": plan.pp,
+        "tp": plan.tp,
+        "cp": plan.cp,
+        "dp": plan.dp,
+        "dp_replicate": plan.dp_replicate,
+        "fsdp": plan.fsdp,
     }
 
 

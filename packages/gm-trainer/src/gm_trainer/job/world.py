@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gm_config import ConfigError, divisors, fsdp_requested
+from gm_config import ConfigError, ParallelPlan, fsdp_requested
 from gm_config.combinations import refused
 
 
@@ -22,25 +22,15 @@ def check_world_size(job: Any, world_size: int) -> None:
     data-parallel ranks of one replica (``dist.dp_replicate``).
     Only the fsdp pass synchronises gradients, so several data-parallel ranks need it on.
     """
-    t, p, replicas = job.train, job.parallel, job.dist.dp_replicate
-    pp, tp = p.pp_degree, p.tp_size
-    if world_size % pp:
-        raise ConfigError(
-            f"parallel.pp_degree={pp} must divide the {world_size} rank(s): every pipeline "
-            f"stage runs on world_size / pp_degree ranks; use one of {divisors(world_size)} (or "
-            f"--nproc a multiple of {pp})"
-        )
-    if (world_size // pp) % tp:
-        raise ConfigError(
-            f"parallel.tp_size={tp} must divide the {world_size // pp} rank(s) of each pipeline "
-            f"stage ({world_size} / parallel.pp_degree={pp}): the ranks of a stage form groups "
-            f"of tp_size; use --nproc a multiple of {pp * tp}"
-        )
+    t, p = job.train, job.parallel
+    # The combinations refused, in gm-train's keys, before the plan (which names its fields).
     _check_combination(job)
-    _check_cp(job, world_size)
-    cp = p.cp_degree
+    # The degrees' own rules (what divides what).
+    plan = job.parallel_plan.for_world(world_size)
+    pp, tp, cp = plan.pp, plan.tp, plan.cp
+    _check_cp(job)
     # Ranks that read different rows (a pipeline, a TP group and a cp group read the same).
-    dp = world_size // (pp * tp * cp)
+    dp = plan.dp
     if t.global_batch_size % (dp * t.accumulation):
         ranks = "world_size"
         if pp > 1:
@@ -64,32 +54,8 @@ def check_world_size(job: Any, world_size: int) -> None:
             f"train.accumulation / {dp} data-parallel rank(s)); use a divisor of {rows} "
             "or another train.global_batch_size"
         )
-    if dp % replicas:
-        ranks = f"{dp} data-parallel rank(s)" if tp > 1 else f"{world_size} rank(s)"
-        raise ConfigError(
-            f"dist.dp_replicate={replicas} does not divide the {ranks}; use a "
-            f"divisor of {dp} (1: plain FSDP over every rank)"
-        )
-    shard = dp * cp // replicas  # FSDP shards over dp x cp, like torchtitan's dp_shard_cp
-    if p.fsdp_degree is not None and p.fsdp_degree != shard:
-        if pp > 1 and tp == 1:
-            over = f"the {shard} rank(s) of each pipeline stage ({world_size} / pp_degree {pp})"
-        elif tp > 1:
-            over = (
-                f"the {shard} data-parallel rank(s) of each pipeline stage and TP group "
-                f"({world_size} / pp_degree {pp} / tp_size {tp} / dp_replicate {replicas})"
-            )
-        elif replicas > 1:
-            over = f"{shard} rank(s) ({world_size} / dist.dp_replicate={replicas})"
-        else:
-            over = f"all {shard} rank(s)"
-        raise ConfigError(
-            f"parallel.fsdp_degree={p.fsdp_degree}: gm-train shards over {over}; use null "
-            f"or {shard}"
-        )
-    _check_expert_parallel(job, dp, replicas, pp)
-    plan = job.pass_plan()
-    if dp > 1 and not fsdp_requested(p, plan):
+    _check_expert_parallel(job, plan)
+    if dp > 1 and not fsdp_requested(p, job.pass_plan()):
         raise ConfigError(
             "parallel.fsdp_enabled / sharding.fsdp.enabled is off, but with "
             f"{dp} data-parallel ranks only the fsdp pass keeps them in sync; turn it on "
@@ -128,16 +94,11 @@ def _check_combination(job: Any) -> None:
     )
 
 
-def _check_cp(job: Any, world_size: int) -> None:
+def _check_cp(job: Any) -> None:
     """Context parallelism (issue 29): ``parallel.cp_degree`` ranks split each sequence."""
     cp = job.parallel.cp_degree
     if cp == 1:
         return
-    if world_size % cp:
-        raise ConfigError(
-            f"parallel.cp_degree={cp} must divide the {world_size} rank(s): each sequence is "
-            f"split over cp_degree ranks (use --nproc a multiple of {cp})"
-        )
     seq = job.model.seq_len
     if seq % cp:
         raise ConfigError(
@@ -147,11 +108,11 @@ def _check_cp(job: Any, world_size: int) -> None:
 
 
 # --- expert parallelism (issue 27) ---
-def _check_expert_parallel(job: Any, dp: int, replicas: int, pp: int) -> None:
-    """``parallel.ep_degree``: an HF mixture-of-experts model, ep groups of data-parallel
-    ranks (of each pipeline stage, with ``parallel.pp_degree``), an ep_degree that divides
-    those ranks and the experts (the combinations refused: :func:`_check_combination`)."""
-    ep = job.parallel.ep_degree
+def _check_expert_parallel(job: Any, plan: ParallelPlan) -> None:
+    """``parallel.ep_degree``: an HF mixture-of-experts model (the degrees' own rules, ep
+    dividing each stage's data-parallel ranks among them, are the plan's; the combinations
+    refused, :func:`_check_combination`'s)."""
+    ep = plan.ep
     if ep == 1:
         return
     if job.model.source != "hf":
@@ -159,11 +120,4 @@ def _check_expert_parallel(job: Any, dp: int, replicas: int, pp: int) -> None:
             f"parallel.ep_degree={ep} splits the experts of a mixture-of-experts model, and "
             "gm-train's builtin model has none; use model.source=hf with an MoE config "
             "(Mixtral, Qwen3-MoE, DeepSeek-V3, ...) or parallel.ep_degree=1"
-        )
-    if dp % ep:
-        raise ConfigError(
-            f"parallel.ep_degree={ep} does not divide the {dp} data-parallel rank(s)"
-            + (f" of each of the parallel.pp_degree={pp} pipeline stages" if pp > 1 else "")
-            + f"; an ep group is made of ep_degree of them (use one of {divisors(dp)}, or "
-            f"--nproc a multiple of {ep * pp})"
         )

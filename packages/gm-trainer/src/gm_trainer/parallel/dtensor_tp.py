@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
+from gm_config import Role
 from gm_trace.capture.dtensor import (
     DTensorSpec,
     name_collective_groups,
@@ -29,7 +30,6 @@ from gm_trace.graph.graph_build import collective_kind
 from gm_trace.graph.joint_graph import JointGraph
 from gm_trainer.parallel.mesh import MeshError, ResolvedMesh
 from gm_trainer.parallel.topology import ResolvedRun
-from gm_trainer.parallel.tp import TP_GROUP_NAME
 
 
 def check_dtensor_mesh(specs: Mapping[str, DTensorSpec], mesh: ResolvedMesh | None) -> None:
@@ -68,7 +68,7 @@ def trace_step(
     **options: Any,
 ) -> JointGraph:
     """Trace the step; DTensor parameters (``specs``) are made DTensors again inside it, and
-    the TP collectives carry the ``"tp"`` group name. ``options`` go to the tracer."""
+    the TP collectives carry the run's TP group's name. ``options`` go to the tracer."""
     if specs:
         train_fn = with_dtensor_params(train_fn, specs)
     # torch's loss_parallel must cover forward AND the backward autograd.grad traces.
@@ -78,22 +78,23 @@ def trace_step(
             model, train_fn, sample_input, sample_label, pre_hook=pre_hook, **options
         )
     if specs:
-        # DTensor's collectives name its mesh's group, a name of this rank's TP group only.
-        names = {spec.mesh.get_group().group_name: TP_GROUP_NAME for spec in specs.values()}
+        # DTensor's collectives name its mesh's group: the same ranks as the run's TP group
+        # (checked), maybe another group object; the graph runs on the run's.
+        tp = run.topology.groups.get(Role.TP)
+        names = {spec.mesh.get_group().group_name: tp.group_name for spec in specs.values()}
         graph_module = joint.graph_module
-        all_gather = all_gather_op(run.topology.tp_group)
-        if name_collective_groups(graph_module, names, all_gather):
+        if name_collective_groups(graph_module, names, all_gather_op(tp)):
             graph_module.recompile()
         if run.pass_config.sequence_parallel:
-            _check_sequence_parallel(graph_module)
+            _check_sequence_parallel(graph_module, tp.group_name)
     return joint
 
 
-def _check_sequence_parallel(graph_module: Any) -> None:
+def _check_sequence_parallel(graph_module: Any, tp_name: str) -> None:
     """``sequence_parallel=True`` says the plan splits activations along the sequence: its
     step then reduce-scatters on the TP group. Refuse a plan that does not."""
     for node in graph_module.graph.nodes:
-        if collective_kind(node) == "reduce_scatter_tensor" and node.args[-1] == TP_GROUP_NAME:
+        if collective_kind(node) == "reduce_scatter_tensor" and node.args[-1] == tp_name:
             return
     raise MeshError(
         "PassConfig.sequence_parallel=True (or the mesh context's), but the traced step has no "

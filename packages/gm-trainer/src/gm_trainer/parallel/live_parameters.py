@@ -59,11 +59,12 @@ class LiveParameters:
         return specs
 
     def split_experts(
-        self, ep_size: int, ep_rank: int, patterns: Sequence[str] | None
+        self, ep_size: int, ep_rank: int, patterns: Sequence[str] | None, group_name: str
     ) -> dict[str, ExpertShard]:
-        """Keep this ep rank's experts of each experts module (module FQN -> its shard)."""
+        """Keep this ep rank's experts of each experts module (module FQN -> its shard); their
+        all-to-alls run on the group torch names ``group_name``."""
         self._begin(EP)
-        shards, rows = split_expert_modules(self.model, ep_size, ep_rank, patterns)
+        shards, rows = split_expert_modules(self.model, ep_size, ep_rank, patterns, group_name)
         for fqn, (first, count) in rows.items():
             param = self.model.get_parameter(fqn)
             param.data = param.data[first : first + count].clone()

@@ -26,18 +26,10 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from gm_config import ConfigError, PassConfig
-from gm_config.combinations import CP_PP, EP_CP, EP_HSDP
-from gm_trace.graph.groups import register_process_group
+from gm_config import Axis, MeshError, ParallelPlan, PassConfig
 from gm_trainer.parallel.device import detect_device_type
-from gm_trainer.parallel.tp import TP_GROUP_NAME
 
-#: Registered name of the HSDP replicate group (the FSDP pass's ``"fsdp_replicate"`` role).
-REPLICATE_GROUP_NAME = "fsdp_replicate"
-
-
-class MeshError(ConfigError):
-    """The mesh context does not describe a layout graph mode can shard over."""
+__all__ = ["MeshContext", "MeshError", "ResolvedMesh", "resolve_mesh_context"]
 
 
 @dataclass
@@ -80,6 +72,18 @@ class MeshContext:
     """Expert-parallel ranks (``PassConfig.ep_degree``)."""
     ep_rank: int = 0
 
+    @property
+    def parallel(self) -> ParallelPlan:
+        """The degrees this mesh context lays out, as one :class:`~gm_config.ParallelPlan`."""
+        return ParallelPlan(
+            dp_replicate=self.dp_replicate_size,
+            dp_shard=self.dp_shard_size // self.cp_size,
+            tp=self.tp_size,
+            pp=self.pp_size,
+            cp=self.cp_size,
+            ep=self.ep_size,
+        )
+
     @classmethod
     def build(
         cls,
@@ -97,46 +101,35 @@ class MeshContext:
         """Both meshes over the world with ``torch.distributed.device_mesh.init_device_mesh``.
 
         ``dp_shard=-1`` takes the ranks left over: ``world // (dp_replicate * tp * cp)``.
-        A collective (every rank must call it, with the same sizes). Registers the TP group as
-        ``"tp"``, the name the layers of :mod:`gm_trainer.parallel.tp` use.
+        The degrees are a :class:`~gm_config.ParallelPlan` (its rules, its errors). A collective
+        (every rank must call it, with the same sizes).
         """
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "MeshContext.build needs torch.distributed initialised first "
                 "(gm_trainer.init_distributed() under torchrun)"
             )
-        world = dist.get_world_size()
-        sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "cp": cp, "pp": pp}
-        for name, size in sizes.items():
-            if isinstance(size, bool) or not isinstance(size, int) or not (size >= 1 or size == -1):
-                raise MeshError(f"{name} must be a positive int (or -1 for dp_shard), got {size!r}")
-        if -1 in (dp_replicate, tp, cp, pp):
-            raise MeshError("only dp_shard may be -1 (take the ranks left over)")
         if dp_shard == -1:
-            dp_shard = world // (dp_replicate * tp * cp * pp)
-        if pp * dp_replicate * dp_shard * tp * cp != world:
-            raise MeshError(
-                f"pp={pp} x dp_replicate={dp_replicate} x dp_shard={dp_shard} x tp={tp} x "
-                f"cp={cp} = {pp * dp_replicate * dp_shard * tp * cp}, but the world has {world} "
-                "ranks; choose sizes whose product is the world size (dp_shard=-1 fills in "
-                "the rest)"
-            )
+            dp_shard = None  # the ranks left over
+        plan = ParallelPlan(
+            dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, cp=cp, pp=pp, ep=ep
+        ).for_world(dist.get_world_size())
+        dp_shard = plan.dp_shard
         device_type = device_type or detect_device_type()
         dp = dp_replicate * dp_shard
         # Rank = ((replicate * dp_shard + shard) * cp + c) * tp + t in both meshes, so their TP
         # groups coincide and FSDP shards over (dp_shard x cp), like torchtitan's dp_shard_cp.
-        lead = ((pp,), ("pp",)) if pp > 1 else ((), ())
+        lead = ((pp,), (Axis.PP,)) if pp > 1 else ((), ())
         device_mesh = init_device_mesh(
-            device_type, (*lead[0], dp, cp, tp), mesh_dim_names=(*lead[1], "dp", "cp", "tp")
+            device_type,
+            (*lead[0], dp, cp, tp),
+            mesh_dim_names=(*lead[1], Axis.DP, Axis.CP, Axis.TP),
         )
         fsdp_mesh = init_device_mesh(
             device_type,
             (*lead[0], dp_replicate, dp_shard * cp, tp),
-            mesh_dim_names=(*lead[1], "fsdp_replicate", "fsdp_shard", "tp"),
+            mesh_dim_names=(*lead[1], Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.TP),
         )
-        register_process_group(TP_GROUP_NAME, device_mesh["tp"].get_group())
-        if ep != 1 and cp != 1:
-            raise MeshError(f"ep={ep} with cp={cp}: {EP_CP.what} is not supported yet; use cp=1")
         moe_mesh = _moe_mesh(device_type, lead, dp_replicate, dp_shard * cp, tp, ep)
         return cls(
             device_mesh=device_mesh,
@@ -146,16 +139,16 @@ class MeshContext:
             dp_shard_size=dp_shard * cp,
             tp_size=tp,
             cp_size=cp,
-            dp_rank=device_mesh.get_local_rank("dp"),
-            tp_rank=device_mesh.get_local_rank("tp"),
-            cp_rank=device_mesh.get_local_rank("cp"),
+            dp_rank=device_mesh.get_local_rank(Axis.DP),
+            tp_rank=device_mesh.get_local_rank(Axis.TP),
+            cp_rank=device_mesh.get_local_rank(Axis.CP),
             pp_size=pp,
-            pp_rank=device_mesh.get_local_rank("pp") if pp > 1 else 0,
+            pp_rank=device_mesh.get_local_rank(Axis.PP) if pp > 1 else 0,
             sequence_parallel=sequence_parallel,
             loss_parallel=loss_parallel,
             moe_mesh=moe_mesh,
             ep_size=ep,
-            ep_rank=moe_mesh.get_local_rank("ep") if moe_mesh is not None else 0,
+            ep_rank=moe_mesh.get_local_rank(Axis.EP) if moe_mesh is not None else 0,
         )
 
 
@@ -167,25 +160,14 @@ def _moe_mesh(
     tp: int,
     ep: int,
 ) -> Any:
-    """The expert-parallel mesh over the same rank order (``None`` for ``ep == 1``)."""
-    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
-        raise MeshError(f"ep must be a positive int, got {ep!r}")
+    """The expert-parallel mesh over the same rank order (``None`` for ``ep == 1``; the
+    degrees are checked: :class:`~gm_config.ParallelPlan`)."""
     if ep == 1:
         return None
-    if shard % ep:
-        raise MeshError(
-            f"ep={ep} does not divide the {shard} ranks of the FSDP shard dim (dp_shard x cp); "
-            "an ep group is made of ep of them"
-        )
-    if dp_replicate > 1:
-        raise MeshError(
-            f"ep={ep} with dp_replicate={dp_replicate}: {EP_HSDP.what} is not supported yet; "
-            "use dp_replicate=1"
-        )
     return init_device_mesh(
         device_type,
         (*lead[0], shard // ep, ep, tp),
-        mesh_dim_names=(*lead[1], "ep_replicate", "ep", "tp"),
+        mesh_dim_names=(*lead[1], Axis.EP_REPLICATE, Axis.EP, Axis.TP),
     )
 
 
@@ -194,7 +176,7 @@ class ResolvedMesh:
     """The process groups ``GraphTrainer`` takes from a mesh context (this rank's view)."""
 
     fsdp_group: dist.ProcessGroup
-    """The FSDP shard group (``fsdp_shard`` or ``dp``), registered as ``"fsdp"``."""
+    """The FSDP shard group (``fsdp_shard`` or ``dp``): the run's ``Role.FSDP``."""
     replicate_group: dist.ProcessGroup | None
     """The HSDP replicate group, when it has more than one rank."""
     tp_group: dist.ProcessGroup | None
@@ -248,33 +230,13 @@ class ResolvedMesh:
         ``loss_parallel`` (informational) take the mesh context's when the config leaves them
         False.
         """
-        if config.fsdp_degree is not None and config.fsdp_degree != self.fsdp_size:
-            raise MeshError(
-                f"PassConfig.fsdp_degree={config.fsdp_degree} but the mesh's {self.fsdp_dim!r} "
-                f"dim has {self.fsdp_size} ranks; leave fsdp_degree None (taken from the mesh) "
-                f"or set it to {self.fsdp_size}"
-            )
-        if config.tp_size not in (1, self.tp_size):
-            raise MeshError(
-                f"PassConfig.tp_size={config.tp_size} but the mesh's 'tp' dim has {self.tp_size} "
-                f"ranks; leave tp_size 1 (taken from the mesh) or set it to {self.tp_size}"
-            )
-        pp = self.pp_group.size() if self.pp_group is not None else 1
-        if config.pp_degree != pp:
-            raise MeshError(
-                f"PassConfig.pp_degree={config.pp_degree} but the mesh has {pp} pipeline "
-                f"stage(s) (its 'pp' dim); build the mesh with MeshContext.build(pp="
-                f"{config.pp_degree}, ...) or set pp_degree={pp}"
-            )
-        ep = self.ep_group.size() if self.ep_group is not None else 1
-        if config.ep_degree not in (1, ep):
-            raise MeshError(
-                f"PassConfig.ep_degree={config.ep_degree} but the mesh has ep={ep}; build the "
-                f"mesh with MeshContext.build(ep={config.ep_degree}, ...) or leave ep_degree 1 "
-                "(taken from the mesh)"
-            )
-        filled: dict[str, Any] = {"fsdp_degree": self.fsdp_size, "tp_size": self.tp_size}
-        filled.update(self._checked_cp(config, pp))
+        plan = config.parallel.taking(self.parallel)
+        filled: dict[str, Any] = {
+            "fsdp_degree": plan.fsdp,
+            "tp_size": plan.tp,
+            "cp_degree": plan.cp,
+            "ep_degree": plan.ep,
+        }
         for field in ("sequence_parallel", "loss_parallel"):
             mesh_value = getattr(self, field)
             if getattr(config, field) and not mesh_value:
@@ -290,20 +252,23 @@ class ResolvedMesh:
             )
         return filled
 
-    def _checked_cp(self, config: PassConfig, pp: int) -> dict[str, Any]:
-        """Context parallelism (issue 29): ``cp_degree`` 1 takes the mesh's ``cp`` dim."""
-        if config.cp_degree not in (1, self.cp_size):
+    @property
+    def parallel(self) -> ParallelPlan:
+        """The degrees of these groups, as one :class:`~gm_config.ParallelPlan`."""
+        if self.fsdp_size % self.cp_size:
             raise MeshError(
-                f"PassConfig.cp_degree={config.cp_degree} but the mesh's 'cp' dim has "
-                f"{self.cp_size} rank(s); build the mesh with MeshContext.build(cp="
-                f"{config.cp_degree}, ...) or leave cp_degree 1 (taken from the mesh)"
+                f"the mesh's FSDP shard dim {self.fsdp_dim!r} has {self.fsdp_size} ranks and its "
+                f"'cp' dim {self.cp_size}: the shard dim must span the cp ranks (dp_shard x cp), "
+                "as MeshContext.build lays it out"
             )
-        if self.cp_size > 1 and pp > 1:
-            raise MeshError(
-                f"cp={self.cp_size} with pp={pp}: {CP_PP.what} is not supported yet; build the "
-                "mesh with cp=1 or pp=1"
-            )
-        return {"cp_degree": self.cp_size}
+        return ParallelPlan(
+            dp_replicate=self.replicate_size,
+            dp_shard=self.fsdp_size // self.cp_size,
+            tp=self.tp_size,
+            pp=self.pp_group.size() if self.pp_group is not None else 1,
+            cp=self.cp_size,
+            ep=self.ep_group.size() if self.ep_group is not None else 1,
+        )
 
 
 def _dim_names(mesh: Any) -> tuple[str, ...]:
@@ -332,7 +297,7 @@ def resolve_mesh_context(mesh_context: Any) -> ResolvedMesh:
         )
     where = "fsdp_non_moe_mesh" if fsdp_mesh is not device_mesh else "device_mesh"
     names = _dim_names(fsdp_mesh)
-    fsdp_dim = next((d for d in ("fsdp_shard", "dp") if d in names), None)
+    fsdp_dim = next((d for d in (Axis.DP_SHARD, Axis.DP) if d in names), None)
     if fsdp_dim is None:
         raise MeshError(
             f"mesh_context.{where} has dims {names}; graph mode shards over its 'fsdp_shard' "
@@ -340,27 +305,27 @@ def resolve_mesh_context(mesh_context: Any) -> ResolvedMesh:
             "shard dim 'fsdp_shard' (MeshContext.build does)"
         )
     cp_group = None
-    if device_mesh is not None and "cp" in _dim_names(device_mesh):
-        group, ranks = _ranks(device_mesh, "cp")
+    if device_mesh is not None and Axis.CP in _dim_names(device_mesh):
+        group, ranks = _ranks(device_mesh, Axis.CP)
         cp_group = group if len(ranks) > 1 else None
     fsdp_group, _ = _ranks(fsdp_mesh, fsdp_dim)
     replicate_group = None
-    if fsdp_dim == "fsdp_shard" and "fsdp_replicate" in names:
-        group, ranks = _ranks(fsdp_mesh, "fsdp_replicate")
+    if fsdp_dim == Axis.DP_SHARD and Axis.DP_REPLICATE in names:
+        group, ranks = _ranks(fsdp_mesh, Axis.DP_REPLICATE)
         replicate_group = group if len(ranks) > 1 else None
     tp_group = _tp_group(device_mesh, fsdp_mesh)
     pp_group = None
-    if "pp" in names:
-        group, ranks = _ranks(fsdp_mesh, "pp")
+    if Axis.PP in names:
+        group, ranks = _ranks(fsdp_mesh, Axis.PP)
         pp_group = group if len(ranks) > 1 else None
     ep_group = ep_replicate_group = ep_mesh = None
     moe_mesh = getattr(mesh_context, "moe_mesh", None)
-    if moe_mesh is not None and moe_mesh["ep"].size() > 1:
+    if moe_mesh is not None and moe_mesh[Axis.EP].size() > 1:
         ep_group, ep_replicate_group = (
-            moe_mesh["ep"].get_group(),
-            moe_mesh["ep_replicate"].get_group(),
+            moe_mesh[Axis.EP].get_group(),
+            moe_mesh[Axis.EP_REPLICATE].get_group(),
         )
-        ep_mesh = moe_mesh["ep_replicate", "ep"]  # slicing reuses the groups: no collective
+        ep_mesh = moe_mesh[Axis.EP_REPLICATE, Axis.EP]  # slicing reuses the groups: no collective
     return ResolvedMesh(
         ep_group=ep_group,
         ep_replicate_group=ep_replicate_group,
@@ -368,9 +333,9 @@ def resolve_mesh_context(mesh_context: Any) -> ResolvedMesh:
         fsdp_group=fsdp_group,
         replicate_group=replicate_group,
         tp_group=tp_group,
-        fsdp_dim=fsdp_dim,
+        fsdp_dim=str(fsdp_dim),
         # Slicing reuses the mesh's groups: local, no collective.
-        shard_tp_mesh=fsdp_mesh[fsdp_dim, "tp"] if tp_group and "tp" in names else None,
+        shard_tp_mesh=fsdp_mesh[fsdp_dim, Axis.TP] if tp_group and Axis.TP in names else None,
         sequence_parallel=bool(getattr(mesh_context, "sequence_parallel", False)),
         loss_parallel=bool(getattr(mesh_context, "loss_parallel", False)),
         pp_group=pp_group,
@@ -381,9 +346,9 @@ def resolve_mesh_context(mesh_context: Any) -> ResolvedMesh:
 def _tp_group(device_mesh: Any, fsdp_mesh: Any) -> dist.ProcessGroup | None:
     """The TP group; both meshes must agree on its ranks (the FSDP group must not span TP)."""
     found = {
-        label: _ranks(mesh, "tp")
+        label: _ranks(mesh, Axis.TP)
         for label, mesh in (("device_mesh", device_mesh), ("fsdp_non_moe_mesh", fsdp_mesh))
-        if mesh is not None and "tp" in _dim_names(mesh)
+        if mesh is not None and Axis.TP in _dim_names(mesh)
     }
     if len(found) == 2 and fsdp_mesh is not device_mesh:
         (_, device_ranks), (_, fsdp_ranks) = found["device_mesh"], found["fsdp_non_moe_mesh"]

@@ -1,38 +1,26 @@
 """Where a trainer runs: its ranks, its process groups by role and its device, decided once.
 
-:func:`resolve_run` registers the process groups the passes use and fills what the mesh
-decides (``fsdp_degree``, ``tp_size``, the TP flags) into a copy of the ``PassConfig``. It runs
-once, at the first compile, on every rank; its :class:`ResolvedRun` never changes afterwards,
-and every component that needs a group or a rank gets the frozen :class:`Topology` from it.
+:func:`resolve_run` resolves the run's :class:`~gm_config.ParallelPlan` (the requested degrees
+against the world or the mesh context), builds its :class:`~gm_trace.graph.groups.ParallelGroups`
+(a group per role, handed to the passes) and fills what the plan decides (``fsdp_degree``,
+``tp_size``, the TP flags) into a copy of the ``PassConfig``. It runs once, at the first
+compile, on every rank; its :class:`ResolvedRun` never changes afterwards, and every component
+that needs a group or a rank gets the frozen :class:`Topology` from it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from gm_config import PassConfig, PassPlan, divisors, fsdp_requested
-from gm_config.combinations import CP_PP, EP_CP, EP_PP_TP
-from gm_trace.graph.experts import EP_GROUP_NAME, EP_REPLICATE_GROUP_NAME
-from gm_trace.graph.groups import register_process_group
+from gm_config import Axis, ParallelPlan, PassConfig, PassPlan, Role, fsdp_requested
+from gm_trace.graph.groups import ParallelGroups
 from gm_trainer.parallel.device import detect_device_type
-from gm_trainer.parallel.mesh import (
-    REPLICATE_GROUP_NAME,
-    MeshContext,
-    MeshError,
-    ResolvedMesh,
-    resolve_mesh_context,
-)
-from gm_trainer.parallel.tp import TP_GROUP_NAME
-
-FSDP_GROUP_NAME = "fsdp"
-#: Registered name of the context-parallel group (the cp pass's ``"cp"`` role).
-CP_GROUP_NAME = "cp"
+from gm_trainer.parallel.mesh import MeshContext, MeshError, ResolvedMesh, resolve_mesh_context
 
 
 @dataclass(frozen=True)
@@ -51,14 +39,11 @@ class Topology:
     mesh: ResolvedMesh | None = None
     """The external mesh (TP, HSDP, PP), or ``None`` for a 1-D FSDP mesh over the world."""
 
-    fsdp_group: dist.ProcessGroup | None = None
-    """The group gradients are reduce-scattered over; ``None`` when nothing is sharded."""
+    groups: ParallelGroups = dataclasses.field(default_factory=ParallelGroups)
+    """This rank's process group of each role the run has (what the passes get)."""
 
-    process_groups: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    """Group roles beyond ``"fsdp"`` -> registered names, for the passes (HSDP, TP)."""
-
-    pp_group: dist.ProcessGroup | None = None
-    """The ranks of this rank's pipeline, one per stage; ``None`` without pipelines."""
+    parallel: ParallelPlan | None = None
+    """The resolved degrees (``dp_shard`` filled in); ``None`` before :func:`resolve_run`."""
 
     pp_stage: int = 0
     """This rank's place in its pipeline."""
@@ -66,18 +51,30 @@ class Topology:
     pp_ranks: tuple[int, ...] = ()
     """The global rank at each place of this rank's pipeline."""
 
-    # --- expert parallelism (issue 27) ---
-    ep_group: dist.ProcessGroup | None = None
-    """The expert-parallel group (the all-to-all's), registered as ``"ep"``; ``None``
-    without expert parallelism."""
-
-    ep_replicate_group: dist.ProcessGroup | None = None
-    """The ranks holding the same experts, registered as ``"ep_replicate"`` (the fsdp pass
-    splits the experts over it and sums their gradients over it); set with :attr:`ep_group`."""
-
     ep_mesh: DeviceMesh | None = None
-    """The ``("ep_replicate", "ep")`` mesh of those two groups (checkpoints lay expert pieces
-    out on it); set with :attr:`ep_group`."""
+    """The ``("ep_replicate", "ep")`` mesh of the expert groups (checkpoints lay expert pieces
+    out on it); set with the ``ep`` role."""
+
+    @property
+    def fsdp_group(self) -> dist.ProcessGroup | None:
+        """The group gradients are reduce-scattered over; ``None`` when nothing is sharded."""
+        return self.groups.optional(Role.FSDP)
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """The ranks of this rank's pipeline, one per stage; ``None`` without pipelines."""
+        return self.groups.optional(Role.PP)
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup | None:
+        """The expert-parallel group (the all-to-all's); ``None`` without expert parallelism."""
+        return self.groups.optional(Role.EP)
+
+    @property
+    def ep_replicate_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding the same experts (the fsdp pass splits the experts over it and
+        sums their gradients over it); set with :attr:`ep_group`."""
+        return self.groups.optional(Role.EP_REPLICATE)
 
     @property
     def ep_size(self) -> int:
@@ -97,12 +94,12 @@ class Topology:
     @property
     def tp_group(self) -> dist.ProcessGroup | None:
         """The tensor-parallel group of the mesh context, when it has more than one rank."""
-        return self.mesh.tp_group if self.mesh is not None else None
+        return self.groups.optional(Role.TP)
 
     @property
     def replicate_group(self) -> dist.ProcessGroup | None:
-        """The HSDP replicate group, when there is one."""
-        return self.mesh.replicate_group if self.mesh is not None else None
+        """The HSDP replicate group, when FSDP runs over replicas."""
+        return self.groups.optional(Role.REPLICATE)
 
     @property
     def data_parallel_rank(self) -> int:
@@ -129,12 +126,12 @@ class Topology:
     @property
     def cp_group(self) -> dist.ProcessGroup | None:
         """The ranks that split one sequence (``PassConfig.cp_degree``), or ``None``."""
-        return self.mesh.cp_group if self.mesh is not None else None
+        return self.groups.optional(Role.CP)
 
     @property
     def cp_size(self) -> int:
         """Ranks of :attr:`cp_group` (1 without context parallelism)."""
-        return self.mesh.cp_size if self.mesh is not None else 1
+        return self.groups.size(Role.CP)
 
 
 @dataclass(frozen=True)
@@ -142,7 +139,7 @@ class ResolvedRun:
     """What a trainer runs with, decided once, at its first compile, and never changed.
 
     The requested ``PassConfig`` stays as the caller gave it; this holds a copy with what the
-    mesh decides filled in (``fsdp_degree``, ``tp_size``, ``fsdp_enabled``, the TP flags).
+    plan decides filled in (``fsdp_degree``, ``tp_size``, ``fsdp_enabled``, the TP flags).
     """
 
     pass_config: PassConfig
@@ -161,72 +158,97 @@ def resolve_run(
     mesh: ResolvedMesh | None,
     place: Topology,
 ) -> ResolvedRun:
-    """Register the process groups the passes use and fill the mesh's sizes into a copy of
-    ``config``; ``place`` gives rank, world size and device. Once, on every rank."""
+    """Resolve the degrees, build the groups the passes use and fill the plan's sizes into a
+    copy of ``config``; ``place`` gives rank, world size and device. Once, on every rank (a
+    collective: it may make groups)."""
     fsdp_wanted = fsdp_requested(config, plan)
-    expert_parallel = config.ep_degree > 1 or (mesh is not None and mesh.ep_group is not None)
-    if expert_parallel:
-        _check_expert_parallel(config, mesh, fsdp_wanted, place.world_size)
-    run = _resolve(config, plan, mesh, place, fsdp_wanted)
-    if not expert_parallel:
-        return run
-    if mesh is not None and mesh.ep_group is not None:
-        ep_group, ep_replicate, ep_mesh = mesh.ep_group, mesh.ep_replicate_group, mesh.ep_mesh
+    if mesh is None and config.cp_degree > 1:
+        config.parallel.for_world(place.world_size)  # the degrees' errors before any group
+        mesh = resolve_mesh_context(MeshContext.build(cp=config.cp_degree))
+    if mesh is not None:
+        filled = mesh.checked_config(config)
+        parallel = config.parallel.taking(mesh.parallel)
     else:
-        ep_group, ep_replicate, ep_mesh = _expert_parallel_groups(
-            config.ep_degree, place.world_size, config.pp_degree
-        )
-    _check_ep_group_inside(ep_group, run.topology)
-    register_process_group(EP_GROUP_NAME, ep_group)
-    register_process_group(EP_REPLICATE_GROUP_NAME, ep_replicate)
-    roles = {
-        **run.topology.process_groups,
-        "ep": EP_GROUP_NAME,
-        "ep_replicate": EP_REPLICATE_GROUP_NAME,
-    }
+        filled = {}
+        parallel = config.parallel.for_world(place.world_size)
+    parallel.check_gradient_sync(fsdp_wanted)
+    roles, ep_mesh = _groups(parallel, mesh, fsdp_wanted, place.world_size)
+    groups = ParallelGroups(roles)
+    config = dataclasses.replace(config, **filled)
+    if Role.FSDP in groups:
+        config = dataclasses.replace(config, fsdp_degree=groups.size(Role.FSDP))
+    elif fsdp_wanted and place.world_size > 1:
+        # One data-parallel rank (pure TP, a pipeline stage of one rank): nothing to shard.
+        config = dataclasses.replace(config, fsdp_enabled=False)
+    if parallel.ep > 1:
+        config = dataclasses.replace(config, ep_degree=parallel.ep)
     topology = dataclasses.replace(
-        run.topology,
-        ep_group=ep_group,
-        ep_replicate_group=ep_replicate,
-        ep_mesh=ep_mesh,
-        process_groups=roles,
+        place, mesh=mesh, groups=groups, parallel=parallel, ep_mesh=ep_mesh
     )
-    config = dataclasses.replace(run.pass_config, ep_degree=ep_group.size())
-    return dataclasses.replace(run, pass_config=config, topology=topology)
+    if Role.PP in groups:
+        ranks = tuple(dist.get_process_group_ranks(groups.get(Role.PP)))
+        topology = dataclasses.replace(
+            topology, pp_stage=ranks.index(dist.get_rank()), pp_ranks=ranks
+        )
+        # The backend compiles each stage's forward and backward graphs once the whole graph
+        # is cut (gm_trainer.pipeline.runtime), not the whole graph.
+        config = dataclasses.replace(config, backend=None)
+    if Role.EP in groups:
+        _check_ep_group_inside(groups.get(Role.EP), topology)
+    return ResolvedRun(config, plan, topology)
 
 
-def _check_expert_parallel(
-    config: PassConfig, mesh: ResolvedMesh | None, fsdp_wanted: bool, world: int
-) -> None:
-    """Raise :class:`MeshError` for what expert parallelism does not combine with (yet) and,
-    without a mesh context, unless ``ep_degree`` divides the data-parallel ranks (of each
-    pipeline stage); before any group is made."""
-    ep = config.ep_degree if mesh is None or mesh.ep_group is None else mesh.ep_group.size()
-    if mesh is not None and mesh.ep_group is None:
-        raise MeshError(
-            f"PassConfig.ep_degree={ep} with a mesh_context that has no ep dim; build the mesh "
-            f"with gm_trainer.MeshContext.build(ep={ep}, ...)"
+def _groups(
+    parallel: ParallelPlan, mesh: ResolvedMesh | None, fsdp_wanted: bool, world: int
+) -> tuple[dict[Role, dist.ProcessGroup], DeviceMesh | None]:
+    """This rank's group of each role the run has, and the experts' mesh: a mesh context's
+    groups, else groups over the world laid out as the plan says (a collective)."""
+    if mesh is not None:
+        found = {
+            Role.TP: mesh.tp_group,
+            Role.CP: mesh.cp_group,
+            Role.PP: mesh.pp_group,
+            Role.EP: mesh.ep_group,
+            Role.EP_REPLICATE: mesh.ep_replicate_group,
+        }
+        if fsdp_wanted and mesh.dp_size > 1:  # pure TP: nothing to shard over
+            found[Role.FSDP] = mesh.fsdp_group
+            found[Role.REPLICATE] = mesh.replicate_group
+        ep_mesh = mesh.ep_mesh
+    else:
+        found, ep_mesh = _world_groups(parallel, fsdp_wanted, world)
+    return {role: group for role, group in found.items() if group is not None}, ep_mesh
+
+
+def _world_groups(
+    parallel: ParallelPlan, fsdp_wanted: bool, world: int
+) -> tuple[dict[Role, dist.ProcessGroup | None], DeviceMesh | None]:
+    """Without a mesh context: a ``(pp, fsdp)`` mesh as torchtitan lays it out (rank = stage *
+    dp + dp index, FSDP within each stage, one pipeline per dp index), and with expert
+    parallelism ``(pp, ep_replicate, ep)`` over the same ranks, ep groups of consecutive ranks
+    of a stage (so that the ranks of an ep group run the same stage)."""
+    pp, dp, ep = parallel.pp, world // parallel.pp, parallel.ep
+    found: dict[Role, dist.ProcessGroup | None] = {}
+    lead = ((pp,), (Axis.PP,)) if pp > 1 else ((), ())
+    device = detect_device_type()
+    if pp > 1 or (fsdp_wanted and world > 1):
+        device_mesh = init_device_mesh(
+            device, (*lead[0], dp), mesh_dim_names=(*lead[1], Axis.DP_SHARD)
         )
-    if config.cp_degree > 1:
-        raise MeshError(
-            f"PassConfig.ep_degree={ep} with cp_degree={config.cp_degree}: {EP_CP.what} is "
-            "not supported yet"
-        )
-    tp = mesh.tp_size if mesh is not None else 1  # TP needs a mesh context
-    if config.pp_degree > 1 and tp > 1:
-        raise MeshError(
-            f"PassConfig.ep_degree={ep} with pp_degree={config.pp_degree} and tp_size={tp}: "
-            f"{EP_PP_TP.what} is not supported yet; use tp 1 (EP x PP) or pp_degree 1"
-        )
-    if not fsdp_wanted:
-        raise MeshError(
-            f"PassConfig.ep_degree={ep} needs the fsdp pass (it reduces the "
-            "experts' gradients over the ranks that hold the same experts); leave "
-            "fsdp_enabled on"
-        )
-    pp = config.pp_degree
-    if mesh is None and world % pp == 0:  # else _resolve's pipeline check names pp_degree
-        check_ep_world(ep, world // pp, "each pipeline stage" if pp > 1 else "the world")
+        if pp > 1:
+            found[Role.PP] = device_mesh.get_group(Axis.PP)
+        if fsdp_wanted and dp > 1:
+            found[Role.FSDP] = device_mesh.get_group(Axis.DP_SHARD)
+    if ep == 1:
+        return found, None
+    experts = init_device_mesh(
+        device,
+        (*lead[0], dp // ep, ep),
+        mesh_dim_names=(*lead[1], Axis.EP_REPLICATE, Axis.EP),
+    )
+    found[Role.EP] = experts.get_group(Axis.EP)
+    found[Role.EP_REPLICATE] = experts.get_group(Axis.EP_REPLICATE)
+    return found, experts[Axis.EP_REPLICATE, Axis.EP] if pp > 1 else experts
 
 
 def _check_ep_group_inside(ep_group: dist.ProcessGroup, topology: Topology) -> None:
@@ -246,158 +268,3 @@ def _check_ep_group_inside(ep_group: dist.ProcessGroup, topology: Topology) -> N
             "read different data and run the same pipeline stage (MeshContext.build(ep=...) "
             "lays the ep dim out inside the FSDP shard dim)"
         )
-
-
-def check_ep_world(ep_degree: int, data_parallel: int, where: str = "the world") -> None:
-    """Raise :class:`MeshError` unless ``ep_degree`` divides the data-parallel size (EP
-    groups are made of data-parallel ranks)."""
-    if data_parallel % ep_degree:
-        raise MeshError(
-            f"PassConfig.ep_degree={ep_degree} does not divide the {data_parallel} "
-            f"data-parallel ranks of {where}; an ep group is made of ep_degree of them "
-            f"(choose an ep_degree among "
-            f"{divisors(data_parallel)})"
-        )
-
-
-def _expert_parallel_groups(
-    ep: int, world: int, pp: int = 1
-) -> tuple[dist.ProcessGroup, dist.ProcessGroup, DeviceMesh]:
-    """``(ep group, ep replicate group, their (ep_replicate, ep) mesh)`` over the world
-    without a mesh context (a collective), ep groups of consecutive ranks; with a pipeline,
-    within each stage's ranks (rank = stage * dp + dp index, as
-    :func:`_resolve_pipeline_mesh` lays them out), so that the ranks of an ep group run the
-    same stage. A mesh context brings its own (``MeshContext.build(ep=...)``)."""
-    dp = world // pp  # checked: pp divides the world, ep divides dp
-    lead = ((pp,), ("pp",)) if pp > 1 else ((), ())
-    device_mesh = init_device_mesh(
-        detect_device_type(),
-        (*lead[0], dp // ep, ep),
-        mesh_dim_names=(*lead[1], "ep_replicate", "ep"),
-    )
-    experts_mesh = device_mesh["ep_replicate", "ep"] if pp > 1 else device_mesh
-    return device_mesh.get_group("ep"), device_mesh.get_group("ep_replicate"), experts_mesh
-
-
-def _resolve(
-    config: PassConfig,
-    plan: PassPlan | None,
-    mesh: ResolvedMesh | None,
-    place: Topology,
-    fsdp_wanted: bool,
-) -> ResolvedRun:
-    if mesh is None and config.cp_degree > 1:
-        mesh = _context_parallel_mesh(config, place)
-    if mesh is not None:
-        run = _resolve_external_mesh(config, plan, mesh, fsdp_wanted, place)
-        return _in_pipeline(run, mesh.pp_group) if mesh.pp_group is not None else run
-    if config.pp_degree > 1:
-        return _resolve_pipeline_mesh(config, plan, place, fsdp_wanted)
-    if not fsdp_wanted or place.world_size == 1:
-        return ResolvedRun(config, plan, place)
-    device_mesh = init_device_mesh(
-        detect_device_type(), (place.world_size,), mesh_dim_names=(FSDP_GROUP_NAME,)
-    )
-    group = device_mesh.get_group(FSDP_GROUP_NAME)
-    register_process_group(FSDP_GROUP_NAME, group)
-    resolved = dataclasses.replace(config, fsdp_degree=config.fsdp_degree or group.size())
-    return ResolvedRun(resolved, plan, dataclasses.replace(place, fsdp_group=group))
-
-
-def _resolve_pipeline_mesh(
-    config: PassConfig, plan: PassPlan | None, place: Topology, fsdp_wanted: bool
-) -> ResolvedRun:
-    """A ``(pp, fsdp)`` mesh, as torchtitan lays it out: rank = stage * dp + dp index, FSDP
-    within each stage, one pipeline per dp index."""
-    pp, world = config.pp_degree, place.world_size
-    if world % pp:
-        raise MeshError(
-            f"PassConfig.pp_degree={pp} must divide the world size {world}; every stage runs "
-            f"on world / pp_degree ranks (choose a pp_degree among "
-            f"{divisors(world)})"
-        )
-    dp = world // pp
-    if dp > 1 and not fsdp_wanted:
-        raise MeshError(
-            f"PassConfig.pp_degree={pp} on {world} ranks leaves {dp} data-parallel ranks per "
-            "stage, but FSDP is off (PassConfig.fsdp_enabled or the plan), and only the fsdp "
-            "pass keeps their gradients in sync; turn FSDP on or use pp_degree ranks"
-        )
-    device_mesh = init_device_mesh(
-        detect_device_type(), (pp, dp), mesh_dim_names=("pp", FSDP_GROUP_NAME)
-    )
-    if dp == 1:  # an unregistered "fsdp" would mean the world
-        run = ResolvedRun(dataclasses.replace(config, fsdp_enabled=False), plan, place)
-    else:
-        group = device_mesh.get_group(FSDP_GROUP_NAME)
-        register_process_group(FSDP_GROUP_NAME, group)
-        resolved = dataclasses.replace(config, fsdp_degree=config.fsdp_degree or dp)
-        run = ResolvedRun(resolved, plan, dataclasses.replace(place, fsdp_group=group))
-    return _in_pipeline(run, device_mesh.get_group("pp"))
-
-
-def _in_pipeline(run: ResolvedRun, pp_group: dist.ProcessGroup) -> ResolvedRun:
-    """``run`` as one stage of the pipeline ``pp_group`` (a mesh context's ``pp`` dim)."""
-    ranks = tuple(dist.get_process_group_ranks(pp_group))
-    topology = dataclasses.replace(
-        run.topology, pp_group=pp_group, pp_stage=ranks.index(dist.get_rank()), pp_ranks=ranks
-    )
-    # The backend compiles each stage's forward and backward graphs once the whole graph is
-    # cut (gm_trainer.pipeline.runtime), not the whole graph.
-    config = dataclasses.replace(run.pass_config, backend=None)
-    return dataclasses.replace(run, pass_config=config, topology=topology)
-
-
-def _resolve_external_mesh(
-    config: PassConfig,
-    plan: PassPlan | None,
-    mesh: ResolvedMesh,
-    fsdp_wanted: bool,
-    place: Topology,
-) -> ResolvedRun:
-    filled = mesh.checked_config(config)
-    roles: dict[str, str] = {}
-    if mesh.cp_group is not None:
-        register_process_group(CP_GROUP_NAME, mesh.cp_group)
-        roles["cp"] = CP_GROUP_NAME
-    if mesh.tp_group is not None:
-        # One name on every rank: the FSDP pass compares collective sequences, names included.
-        register_process_group(TP_GROUP_NAME, mesh.tp_group)
-        roles["tp"] = TP_GROUP_NAME
-    if mesh.dp_size == 1:
-        # Pure TP: nothing to shard over, and an unregistered "fsdp" would mean the world.
-        resolved = dataclasses.replace(config, **filled, fsdp_enabled=False)
-        return ResolvedRun(resolved, plan, _on_mesh(place, mesh, roles))
-    resolved = dataclasses.replace(config, **filled)
-    if not fsdp_wanted:
-        return ResolvedRun(resolved, plan, _on_mesh(place, mesh, roles))
-    register_process_group(FSDP_GROUP_NAME, mesh.fsdp_group)
-    if mesh.replicate_group is not None:
-        register_process_group(REPLICATE_GROUP_NAME, mesh.replicate_group)
-        roles["fsdp_replicate"] = REPLICATE_GROUP_NAME
-    return ResolvedRun(resolved, plan, _on_mesh(place, mesh, roles, mesh.fsdp_group))
-
-
-def _on_mesh(
-    place: Topology,
-    mesh: ResolvedMesh,
-    roles: dict[str, str],
-    fsdp_group: dist.ProcessGroup | None = None,
-) -> Topology:
-    return dataclasses.replace(place, mesh=mesh, process_groups=dict(roles), fsdp_group=fsdp_group)
-
-
-def _context_parallel_mesh(config: PassConfig, place: Topology) -> ResolvedMesh:
-    """``PassConfig.cp_degree`` without a mesh context: ``MeshContext.build(cp=...)`` over the
-    world (FSDP, when on, shards over dp x cp)."""
-    if config.pp_degree > 1:
-        raise MeshError(
-            f"PassConfig.cp_degree={config.cp_degree} with pp_degree={config.pp_degree}: "
-            f"{CP_PP.what} is not supported yet"
-        )
-    if place.world_size % config.cp_degree:
-        raise MeshError(
-            f"PassConfig.cp_degree={config.cp_degree} must divide the world size "
-            f"{place.world_size}; each cp group splits one sequence over cp_degree ranks"
-        )
-    return resolve_mesh_context(MeshContext.build(cp=config.cp_degree))

@@ -1,8 +1,9 @@
 """Tensor-parallel building blocks whose collectives are part of the model's forward.
 
 Graph mode has no TP pass: the upper layer bakes the TP communication into the forward, and
-the tracer records it as graph collectives on a process group NAME (``"tp"``); graph mode only
-adds the FSDP dimension on top. The layers follow Megatron-LM:
+the tracer records it as graph collectives on a process group NAME (torch's own
+``ProcessGroup.group_name`` of the TP group); graph mode only adds the FSDP dimension on top.
+The layers follow Megatron-LM:
 
 - :class:`ColumnParallelLinear` holds a slice of the output features; its input goes through
   :func:`copy_to_tp` (identity forward, all-reduce of the input gradient backward) and its
@@ -10,10 +11,9 @@ adds the FSDP dimension on top. The layers follow Megatron-LM:
 - :class:`RowParallelLinear` holds a slice of the input features, takes that split input and
   sums the partial outputs with :func:`reduce_from_tp` (all-reduce forward, identity backward).
 
-Register the TP group under the same name on every rank
-(``gm_trace.graph.groups.register_process_group("tp", group)``; ``GraphTrainer`` does it from its
-``mesh_context``): per-rank group names differ between TP groups, and the FSDP pass compares
-every rank's collective sequence, names included.
+Give the layers that name (``group_name=mesh_context.device_mesh["tp"].get_group().group_name``).
+Names differ between the TP groups of different ranks; the pipeline's rank agreement compares
+collectives by role (``gm_config.Role.TP``), not by name.
 
 TP-sharded parameters are marked with the dim they are split along (see :func:`tp_shard_dims`)
 so that the global gradient norm sums their squares over the TP group while TP-replicated
@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gm_config import ConfigError
+
 # A parameter's own tag: the dim it is TP-split along (localized DTensor parameters carry it).
 from gm_trace.capture.dtensor import TP_SHARD_DIM_ATTR
-
-TP_GROUP_NAME = "tp"
 
 #: Attribute of a module: ``{own parameter name: the dim it is TP-split along}``.
 TP_SHARD_DIMS_ATTR = "_gm_tp_shard_dims"
@@ -65,7 +65,7 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-def copy_to_tp(x: Tensor, group_name: str = TP_GROUP_NAME) -> Tensor:
+def copy_to_tp(x: Tensor, group_name: str) -> Tensor:
     """Identity forward; backward all-reduces (sums) the gradient over the TP group.
 
     Put before a column-parallel layer: every TP rank uses the whole input, and the input's
@@ -74,7 +74,7 @@ def copy_to_tp(x: Tensor, group_name: str = TP_GROUP_NAME) -> Tensor:
     return _CopyToTP.apply(x, group_name)
 
 
-def reduce_from_tp(x: Tensor, group_name: str = TP_GROUP_NAME) -> Tensor:
+def reduce_from_tp(x: Tensor, group_name: str) -> Tensor:
     """All-reduce (sum) forward over the TP group; identity backward.
 
     Put after a row-parallel layer: the partial outputs add up to the full output, which every
@@ -112,7 +112,7 @@ class _ParallelLinear(nn.Module):
         *,
         tp_rank: int = 0,
         tp_size: int = 1,
-        group_name: str = TP_GROUP_NAME,
+        group_name: str | None = None,
     ) -> None:
         super().__init__()
         split = (out_features, in_features)[self.split_dim]
@@ -129,7 +129,12 @@ class _ParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, *, tp_rank: int, tp_size: int, group_name: str = TP_GROUP_NAME
+        cls,
+        linear: nn.Linear,
+        *,
+        tp_rank: int,
+        tp_size: int,
+        group_name: str | None = None,
     ) -> _ParallelLinear:
         """This rank's slice of a whole ``nn.Linear`` (same initial values as the original)."""
         layer = cls(
@@ -147,6 +152,15 @@ class _ParallelLinear(nn.Module):
                     linear.bias.chunk(tp_size)[tp_rank] if cls.split_dim == 0 else linear.bias
                 )
         return layer
+
+    def _group(self) -> str:
+        """The TP group's name, which a layer of more than one TP rank needs."""
+        if self.group_name is None:
+            raise ConfigError(
+                f"{type(self).__name__}(tp_size={self.tp_size}) has no TP group: build it with "
+                "group_name=mesh_context.device_mesh['tp'].get_group().group_name"
+            )
+        return self.group_name
 
     def extra_repr(self) -> str:
         local = self.weight.shape[self.split_dim]
@@ -171,7 +185,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.tp_size > 1:
-            x = copy_to_tp(x, self.group_name)
+            x = copy_to_tp(x, self._group())
         return F.linear(x, self.weight, self.bias)
 
 
@@ -190,7 +204,7 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: Tensor) -> Tensor:
         y = F.linear(x, self.weight)
         if self.tp_size > 1:
-            y = reduce_from_tp(y, self.group_name)
+            y = reduce_from_tp(y, self._group())
         return y if self.bias is None else y + self.bias
 
 
@@ -203,7 +217,7 @@ def parallelize_linears(
     *,
     tp_rank: int,
     tp_size: int,
-    group_name: str = TP_GROUP_NAME,
+    group_name: str | None = None,
 ) -> nn.Module:
     """Replace the ``nn.Linear`` modules that ``plan`` names by their TP slices, in place.
 
