@@ -45,10 +45,9 @@ def _register_passes_if_missing() -> None:
     if "dce" in available_passes():
         return
     from gm_trace.memory.recompute import RecomputePass
+    from gm_trace.parallel.fsdp import FSDPPass, ReshardAfterForwardPass
     from gm_trace.passes.backend import BackendPass
-    from gm_trace.passes.fsdp import FSDPPass
     from gm_trace.passes.overlap import AutoOverlapPass
-    from gm_trace.passes.reshard import ReshardAfterForwardPass
 
     for cls in (DeadCodeElimination, CanonicalizeGraph, FSDPPass, ReshardAfterForwardPass):
         register_pass(cls)

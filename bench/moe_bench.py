@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from gm_config import PassConfig
-from gm_trace.graph.experts import expert_param_fqns
+from gm_trace.parallel.ep import expert_param_fqns
 from gm_trace.testing.distributed import DistributedPool
 
 HIDDEN, SEQ, VOCAB, ROWS_PER_RANK = 128, 64, 256, 4

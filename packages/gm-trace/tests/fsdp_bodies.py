@@ -12,12 +12,8 @@ import torch.distributed as dist
 from gm_config import PassConfig, PassPlan, Role
 from gm_passes.graph_ops import is_collective, is_wait, op_name
 from gm_trace import ParallelGroups, run_traced_graph
-from gm_trace.passes.fsdp import (
-    CollectiveMismatchError,
-    FSDPConfigError,
-    collective_sequence,
-    full_parameter,
-)
+from gm_trace.parallel.fsdp import FSDPConfigError, full_parameter
+from gm_trace.passes.rank_agreement import CollectiveMismatchError, collective_sequence
 from gm_trace.testing import (
     MLP,
     TinyGPT,

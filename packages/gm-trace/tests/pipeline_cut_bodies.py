@@ -12,8 +12,8 @@ from gm_config import PassConfig, PassPlan
 from gm_trace import run_traced_graph
 from gm_trace.graph import node_meta
 from gm_trace.graph.graph_build import collective_kind
+from gm_trace.parallel.pp import cut_pipeline
 from gm_trace.passes.deferred_reduce import DeferredReducePass
-from gm_trace.passes.stage_cut import cut_pipeline
 from gm_trace.testing import TinyGPT, lm_loss, make_lm_batch
 from gm_trace.testing.compile import compile_joint
 from gm_trace.testing.pipeline import run_stages_in_one_process

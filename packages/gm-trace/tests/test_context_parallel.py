@@ -10,7 +10,7 @@ import pytest
 
 from gm_config import PassConfig
 from gm_passes import PassPipeline
-from gm_trace.passes.context_parallel import ContextParallelError, cp_leaf_dims
+from gm_trace.parallel.cp import ContextParallelError, cp_leaf_dims
 
 PATHS = ["input['input_ids']", "input['attention_mask']", "input['scale']", "label"]
 SHAPES = [(2, 16), (2, 16), None, (2, 16)]

@@ -29,7 +29,7 @@ from gm_passes import PassPipeline
 from gm_trace import trace_model_graph
 from gm_trace.graph.graph_build import collective_kind
 from gm_trace.graph.groups import ParallelGroups
-from gm_trace.passes.context_parallel import ContextParallelPass
+from gm_trace.parallel.cp import ContextParallelPass
 
 aten = torch.ops.aten
 SEQ, ROWS, LAYERS = 32, 2, 2

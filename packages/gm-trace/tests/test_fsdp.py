@@ -9,7 +9,7 @@ import torch
 from gm_config import PassConfig
 from gm_passes import PassPipeline
 from gm_trace import trace_model_graph
-from gm_trace.passes.fsdp import RowShard, select_sharded_params
+from gm_trace.parallel.fsdp import RowShard, select_sharded_params
 from gm_trace.testing import MLP, TinyGPT, make_regression_batch, mse_loss
 from gm_trace.testing.distributed import DistributedPool
 
@@ -176,7 +176,7 @@ def test_many_all_gathers_in_flight_on_gloo(dist_pool):
 def test_a_bucket_never_mixes_groups():
     """Expert parameters split over ``ep_replicate`` and the rest over ``fsdp``: one block's
     consecutive parameters of one group share a bucket, a change of group starts another."""
-    from gm_trace.passes.fsdp_rewrite import ShardGroup, _ShardedParam, plan_buckets
+    from gm_trace.parallel.fsdp.rewrite import ShardGroup, _ShardedParam, plan_buckets
 
     fsdp, experts = ShardGroup("fsdp", 4, 1), ShardGroup("ep_replicate", 2, 1)
     graph = torch.fx.Graph()

@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from gm_config import PassConfig, PassPlan
 from gm_trace import run_traced_graph
 from gm_trace.graph import node_meta
-from gm_trace.passes.stage_cut import FORWARD, cut_pipeline
-from gm_trace.passes.stage_split import PipelineSplitError
+from gm_trace.parallel.pp import FORWARD, PipelineSplitError, cut_pipeline
 from gm_trace.testing import ConvBN, TinyGPT, ce_loss, lm_loss, make_image_batch, make_lm_batch
 from gm_trace.testing.compile import compile_joint
 from gm_trace.testing.pipeline import run_stages_in_one_process

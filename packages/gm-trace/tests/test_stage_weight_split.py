@@ -7,8 +7,7 @@ from __future__ import annotations
 import torch
 
 from gm_config import PassConfig, PassPlan
-from gm_trace.passes.stage_cut import cut_pipeline
-from gm_trace.passes.stage_weight_split import split_weight_grads
+from gm_trace.parallel.pp import cut_pipeline, split_weight_grads
 from gm_trace.testing import TinyGPT, lm_loss, make_lm_batch
 from gm_trace.testing.compile import compile_joint
 

@@ -246,7 +246,7 @@ def learned_under_fsdp(rank: int, world: int):
     same bits on every rank) and every parameter, gathered whole."""
     import torch.distributed as dist
 
-    from gm_trace.graph.sharding_layout import full_parameter
+    from gm_trace.parallel.fsdp import full_parameter
 
     torch.manual_seed(0)
     model = MLP()

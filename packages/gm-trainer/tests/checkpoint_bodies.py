@@ -10,7 +10,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
 from gm_config import PassConfig
-from gm_trace.passes.fsdp import full_parameter
+from gm_trace.parallel.fsdp import full_parameter
 from gm_trace.testing import (
     MLP,
     DropoutMLP,

@@ -129,7 +129,7 @@ def parity(
 
 
 def _full(trainer: GraphTrainer) -> dict[str, torch.Tensor]:
-    from gm_trace.passes.fsdp import full_parameter
+    from gm_trace.parallel.fsdp import full_parameter
 
     return {
         fqn: full_parameter(trainer.model, fqn, trainer.sharding).clone()

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from hf_configs import tiny_llama
 
 from gm_config import PassConfig
-from gm_trace.passes.fsdp import full_parameter
+from gm_trace.parallel.fsdp import full_parameter
 from gm_trace.testing import TinyGPT, lm_loss, make_lm_batch
 from gm_trainer import GraphTrainer
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hf_configs import tiny_llama
 
 from gm_config import PassConfig
-from gm_trace.graph.sharding_layout import full_parameter
+from gm_trace.parallel.fsdp import full_parameter
 from gm_trace.testing import TinyGPT, lm_loss
 from gm_trainer import GraphTrainer
 

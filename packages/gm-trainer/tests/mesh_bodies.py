@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from gm_config import PassConfig
-from gm_trace.passes.fsdp import full_parameter
+from gm_trace.parallel.fsdp import full_parameter
 from gm_trainer import GraphTrainer, MeshContext
 from gm_trainer.optim.config import global_grad_norm
 from gm_trainer.parallel.mesh import MeshError, resolve_mesh_context

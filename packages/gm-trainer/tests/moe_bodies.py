@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from eager_reference import eager_adam
 
-from gm_trace.graph.experts import expert_param_fqns
+from gm_trace.parallel.ep import expert_param_fqns
 from gm_trace.testing.parity import parity_tolerance
 from gm_trainer import GraphTrainer, MeshContext, PassConfig
 
@@ -145,7 +145,7 @@ def routed_per_rank(model: torch.nn.Module, world: int) -> list[dict[str, list[i
     """Per rank, what eager PyTorch routes in step 0 on that rank's rows: experts module FQN
     -> (token, choice) pairs per expert, read from the ``top_k_index`` each experts module
     gets (a forward pre-hook on a copy of the untrained model)."""
-    from gm_trace.capture.expert_parallel import find_experts_modules
+    from gm_trace.parallel.ep.split import find_experts_modules
 
     model = copy.deepcopy(model)
     seen: dict[str, list[int]] = {}
@@ -173,7 +173,7 @@ def full_expert_param(trainer: GraphTrainer, fqn: str) -> torch.Tensor:
     """An expert-parallel parameter gathered whole: its rows over the ranks holding the same
     experts (``full_parameter``, when FSDP split them), then its experts over the ep group
     (collectives)."""
-    from gm_trace.graph.sharding_layout import full_parameter
+    from gm_trace.parallel.fsdp import full_parameter
 
     local = full_parameter(trainer.model, fqn, trainer.sharding)
     group = trainer.topology.ep_group
@@ -257,7 +257,7 @@ def train_and_compare(
     held = _elements_held(trainer, total, experts)
     if ep == 1:
         experts = {}
-    from gm_trace.graph.sharding_layout import full_parameter
+    from gm_trace.parallel.fsdp import full_parameter
 
     worst = 0.0
     for fqn, expected in reference.named_parameters():
@@ -341,7 +341,7 @@ def _trainer(model: torch.nn.Module, ep: int) -> GraphTrainer:
 
 
 def _full_params(trainer: GraphTrainer) -> dict[str, torch.Tensor]:
-    from gm_trace.graph.sharding_layout import full_parameter
+    from gm_trace.parallel.fsdp import full_parameter
 
     experts = expert_param_fqns(trainer.model)
     return {

@@ -15,8 +15,8 @@ from moe_bodies import LR, SEQ, batch, build, full_expert_param, hf_loss
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gm_config import Role
-from gm_trace.graph.experts import expert_param_fqns
-from gm_trace.graph.sharding_layout import full_parameter
+from gm_trace.parallel.ep import expert_param_fqns
+from gm_trace.parallel.fsdp import full_parameter
 from gm_trace.testing.parity import parity_tolerance
 from gm_trainer import GraphTrainer, MeshContext, PassConfig, PassPlan
 
@@ -185,7 +185,7 @@ def _ep_pass_refuses_a_misplaced_all_to_all(trainer: GraphTrainer) -> str:
     from gm_trace.graph import node_meta
     from gm_trace.graph.graph_build import collective_kind
     from gm_trace.graph.joint_graph import PIPELINE_STAGES
-    from gm_trace.passes.expert_parallel import ExpertParallelPass, ExpertParallelPassError
+    from gm_trace.parallel.ep.ep_pass import ExpertParallelPass, ExpertParallelPassError
 
     joint = trainer.pipeline.current_joint
     node = next(

@@ -8,8 +8,8 @@ import torch
 from memory_bodies import FULL, batch, gpt
 
 from gm_config import PassConfig
-from gm_trace.graph.sharding_layout import full_parameter
 from gm_trace.memory.memory_plan import MemoryPlanPass
+from gm_trace.parallel.fsdp import full_parameter
 from gm_trace.testing import lm_loss
 from gm_trainer import GraphTrainer
 

@@ -16,7 +16,7 @@ from hf_configs import tiny_llama
 
 from gm_config import PassConfig, PassPlan, Role
 from gm_trace.graph.graph_build import collective_kind
-from gm_trace.graph.sharding_layout import full_parameter
+from gm_trace.parallel.fsdp import full_parameter
 from gm_trace.testing import TinyGPT, lm_loss
 from gm_trace.testing.parity import parity_tolerance
 from gm_trainer import GraphTrainer

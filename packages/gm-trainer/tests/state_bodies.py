@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gm_config import PassConfig, PassPlan
-from gm_trace.passes.fsdp import full_parameter
+from gm_trace.parallel.fsdp import full_parameter
 from gm_trace.testing import MLP, ConvBN, ce_loss, make_image_batch, make_regression_batch, mse_loss
 from gm_trainer.checkpoint import load_checkpoint, save_checkpoint
 from gm_trainer.trainer import GraphTrainer, TrainingError

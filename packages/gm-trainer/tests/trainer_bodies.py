@@ -7,7 +7,8 @@ import copy
 import torch
 
 from gm_config import PassConfig
-from gm_trace.passes.fsdp import collective_sequence, full_parameter
+from gm_trace.parallel.fsdp import full_parameter
+from gm_trace.passes.rank_agreement import collective_sequence
 from gm_trace.testing import TinyGPT, lm_loss, make_lm_batch
 from gm_trace.testing.parity import assert_full_params_close, parity_tolerance
 from gm_trainer.trainer import GraphTrainer, TrainingError

@@ -220,7 +220,7 @@ class PassConfig:
     ep_degree: int = dataclasses.field(default=1, metadata=_runs("ep", when=lambda d: d != 1))
     """Expert parallelism: the routed experts of each mixture-of-experts layer are split over
     groups of this many data-parallel ranks (a rank holds ``num_experts / ep_degree`` of them)
-    and tokens travel to their experts by all-to-all (``gm_trace.capture.expert_parallel``).
+    and tokens travel to their experts by all-to-all (``gm_trace.parallel.ep.split``).
     It must divide every MoE layer's expert count and the data-parallel size. Which modules
     are experts: ``PassPlan.ep_experts`` (the sharding YAML's ``ep: {experts: [...]}``), else
     transformers' MoE experts modules, found automatically. ``1``: experts are replicated."""

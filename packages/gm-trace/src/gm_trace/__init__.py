@@ -8,8 +8,10 @@
   ``gm_passes.passes``; :func:`register_backend` adds a compiler for ``PassConfig.backend``.
 - ``trace_model_graph(..., dynamic_dims=...)`` traces the marked batch dims as symbols; the
   graph's :class:`ShapeGuards` say which sizes it takes (:mod:`gm_trace.graph.dynamic_shapes`).
-- The fsdp pass decides a :class:`ShardingLayout`; :meth:`ShardingLayout.apply` shards the live
-  model and :func:`full_parameter` rebuilds a whole parameter from the shards.
+- The fsdp pass decides a :class:`ShardingLayout` (``ShardingLayout.local_rows`` gives the rows
+  each rank keeps) and :func:`full_parameter` rebuilds a whole parameter from the shards.
+- Each parallel dimension is a slice of :mod:`gm_trace.parallel` (``fsdp``, ``tp``, ``pp``,
+  ``cp``, ``ep``).
 """
 
 from gm_trace.capture.capture_errors import GraphCaptureError
@@ -19,13 +21,20 @@ from gm_trace.graph.graph_annotate import OutputSpec
 from gm_trace.graph.groups import ParallelGroups
 from gm_trace.graph.guards import ShapeGuard, ShapeGuards
 from gm_trace.graph.joint_graph import JointGraph
-from gm_trace.graph.sharding_layout import ShardedParam, ShardingLayout, full_parameter
 from gm_trace.graph.signature import GraphSignatureError, InputSignature
 from gm_trace.memory.recompute import RecomputePass
+from gm_trace.parallel.fsdp import (
+    FSDPConfigError,
+    FSDPPass,
+    ReshardAfterForwardPass,
+    RowShard,
+    ShardedParam,
+    ShardingLayout,
+    full_parameter,
+)
 from gm_trace.passes.backend import BackendError, BackendPass, available_backends, register_backend
-from gm_trace.passes.fsdp import CollectiveMismatchError, FSDPConfigError, FSDPPass, RowShard
 from gm_trace.passes.overlap import AutoOverlapPass
-from gm_trace.passes.reshard import ReshardAfterForwardPass
+from gm_trace.passes.rank_agreement import CollectiveMismatchError
 from gm_trace.runtime.run_graph import GraphOutputs, run_traced_graph
 
 __all__ = [

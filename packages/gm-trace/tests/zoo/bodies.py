@@ -19,8 +19,8 @@ from architectures import BY_NAME, Architecture
 
 from gm_config import PassConfig
 from gm_trace import run_traced_graph
-from gm_trace.passes.fsdp import full_parameter
-from gm_trace.passes.stage_cut import cut_pipeline
+from gm_trace.parallel.fsdp import full_parameter
+from gm_trace.parallel.pp import cut_pipeline
 from gm_trace.testing.compile import compile_joint
 from gm_trace.testing.parity import parity_tolerance
 from gm_trace.testing.pipeline import run_stages_in_one_process

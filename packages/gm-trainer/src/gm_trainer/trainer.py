@@ -30,10 +30,9 @@ import torch.utils._pytree as pytree
 
 from gm_config import ConfigError, PassConfig, PassPlan
 from gm_passes import GraphPass, PassPipeline
-from gm_trace.capture.dtensor import DTensorSpec
 from gm_trace.graph.joint_graph import JointGraph
-from gm_trace.graph.sharding import RowShard
-from gm_trace.graph.sharding_layout import ShardingLayout
+from gm_trace.parallel.fsdp import RowShard, ShardingLayout
+from gm_trace.parallel.tp import DTensorSpec
 from gm_trace.runtime.activation_meter import ActivationProfile
 from gm_trainer.checkpoint.durable import replacing
 from gm_trainer.checkpoint.io import CheckpointError

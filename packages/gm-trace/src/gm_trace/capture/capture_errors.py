@@ -15,16 +15,11 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import DynamicOutputShapeException
 
-from gm_config import GraphModeRuntimeError
+from gm_trace.graph.errors import GraphCaptureError
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
 _OWN_DIR = os.path.dirname(__file__) + os.sep
-
-
-class GraphCaptureError(GraphModeRuntimeError):
-    """The train_fn cannot be captured as a static graph (data-dependent Python, an op that
-    fails on fake tensors, a bad loss)."""
 
 
 def describe(value: Any) -> str:

@@ -115,13 +115,11 @@ from gm_trace.capture.capture_errors import (
     data_dependent_error,
     eager_failure,
 )
-from gm_trace.capture.dtensor import check_no_fake_constants, dtensor_state
 from gm_trace.capture.expert_loop import eager_loop_experts, static_expert_loops
 from gm_trace.capture.mixed_precision import cast_floating, cast_inputs, keeps_own_dtype
 from gm_trace.capture.trace_context import optional_make_fx_kwargs, tracing_context
 from gm_trace.graph import dynamic_shapes
 from gm_trace.graph.captured import learnable_captured, learned_last, lift_captured
-from gm_trace.graph.experts import expert_shards
 from gm_trace.graph.graph_annotate import (
     OutputSpec,
     annotate,
@@ -132,6 +130,8 @@ from gm_trace.graph.graph_annotate import (
 from gm_trace.graph.guards import guards_of
 from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.graph.signature import InputSignature, flatten_io
+from gm_trace.parallel.ep import expert_shards
+from gm_trace.parallel.tp import check_no_fake_constants, dtensor_state
 
 __all__ = ["trace_model_graph", "unique_named"]
 
@@ -344,7 +344,7 @@ def _refuse_dtensor_state(model: nn.Module) -> None:
         raise GraphCaptureError(
             f"{fqn!r} is a DTensor (placements {tuple(tensor.placements)}); the graph holds "
             "plain tensors: localize the DTensor parameters first and trace "
-            "with_dtensor_params(train_fn, specs) (gm_trace.capture.dtensor; GraphTrainer does "
+            "with_dtensor_params(train_fn, specs) (gm_trace.parallel.tp.dtensor; GraphTrainer does "
             "both)"
         )
 

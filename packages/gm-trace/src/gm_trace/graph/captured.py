@@ -274,8 +274,9 @@ def _children(value: Any, where: _Where) -> Iterator[tuple[Any, _Where]]:
 
 def _function_children(fn: types.FunctionType, where: _Where) -> Iterator[tuple[Any, _Where]]:
     label = fn.__qualname__
-    # A library's wrapper (functools.wraps, gm_trace.capture.dtensor's) holds the user's function in
-    # its closure or __wrapped__: those are followed, a library's own globals are not.
+    # A library's wrapper (functools.wraps, gm_trace.parallel.tp.dtensor's) holds the user's
+    # function in its closure or __wrapped__: those are followed, a library's own globals are
+    # not.
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
         try:
             contents = cell.cell_contents

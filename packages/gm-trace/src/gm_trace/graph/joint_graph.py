@@ -1,7 +1,7 @@
 """``JointGraph``: a captured training step and its calling convention, as one typed value.
 
 The tracer returns one; the pass pipeline turns it into another whose graph module the passes
-rewrote and which carries what they decided (the fsdp pass's :class:`ShardingLayout`, the
+rewrote and which carries what they decided (the fsdp pass's ``ShardingLayout``, the
 backend's compiled step). ``run_traced_graph`` needs nothing else to run it.
 """
 
@@ -17,7 +17,6 @@ import torch.fx as fx
 from gm_trace.graph.compiled_step import CompiledStep
 from gm_trace.graph.graph_annotate import OutputSpec
 from gm_trace.graph.guards import ShapeGuards
-from gm_trace.graph.sharding_layout import ShardingLayout
 from gm_trace.graph.signature import InputSignature
 
 #: ``PassContext.artifacts`` names of what the gm-trace passes decide.
@@ -83,9 +82,10 @@ class JointGraph:
     input_signature: InputSignature
     """Structure, shapes, dtypes, devices and constants of the traced ``(input, label)``."""
 
-    sharding: ShardingLayout | None = None
-    """How the fsdp pass sharded the parameters; ``None`` when no pass sharded anything. The
-    graph expects the live model to hold these shards (:meth:`ShardingLayout.apply`)."""
+    sharding: Any = None
+    """How the fsdp pass sharded the parameters (a
+    :class:`~gm_trace.parallel.fsdp.ShardingLayout`); ``None`` when no pass sharded anything.
+    The graph expects the live model to hold these shards."""
 
     compiled_step: CompiledStep | None = None
     """The backend pass's compiled form of ``graph_module``, run in its place."""
@@ -123,7 +123,7 @@ class JointGraph:
 
     stages: Any = None
     """The pipeline stages the ``pp_stages`` pass assigned (a
-    :class:`~gm_trace.passes.stage_split.StageAssignment`; every node carries its stage in
+    :class:`~gm_trace.parallel.pp.stage_split.StageAssignment`; every node carries its stage in
     ``meta["gm_stage"]``); ``None`` without pipeline parallelism."""
 
     @property

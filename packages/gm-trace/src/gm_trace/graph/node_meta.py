@@ -55,7 +55,7 @@ FULL_PARAM = "gm_full_param"
 STAGE = "gm_stage"
 """The pipeline stage that computes the node (``pp_stages`` pass; ``None``: every stage that
 needs it computes it — the batch, constants and ops on them alone). Nodes later passes insert
-have none and are placed by :func:`gm_trace.passes.stage_split.derive_stages`."""
+have none and are placed by :func:`gm_trace.parallel.pp.stage_split.derive_stages`."""
 
 MEMORY = "gm_memory"
 """A memory policy's decision for a forward value (:mod:`gm_trace.memory.policy`):

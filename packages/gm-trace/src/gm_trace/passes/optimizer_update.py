@@ -45,9 +45,9 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from gm_config import GraphModeRuntimeError, Role
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_trace.graph import node_meta
-from gm_trace.graph.experts import expert_param_fqns
 from gm_trace.graph.graph_build import fake_mode_of
 from gm_trace.graph.joint_graph import OPTIMIZER_UPDATE, SHARDING_LAYOUT
+from gm_trace.parallel.ep import expert_param_fqns
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

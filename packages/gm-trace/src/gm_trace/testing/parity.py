@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from gm_trace.graph.sharding_layout import ShardingLayout, full_parameter
+from gm_trace.parallel.fsdp import ShardingLayout, full_parameter
 
 # torch.testing.assert_close's defaults per dtype (rtol, atol): the noise of one op.
 _ONE_OP = {

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from gm_trace.passes.stage_cut import BACKWARD, FORWARD, PipelineCut, Slot, StageProgram
+from gm_trace.parallel.pp import BACKWARD, FORWARD, PipelineCut, Slot, StageProgram
 
 Env = dict[str, Any]
 

@@ -30,8 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from gm_trace.graph.experts import expert_param_fqns
-from gm_trace.graph.sharding import RowShard
+from gm_trace.parallel.ep import expert_param_fqns
+from gm_trace.parallel.fsdp import RowShard
 from gm_trainer.checkpoint.io import CheckpointError
 from gm_trainer.checkpoint.view import CheckpointView
 from gm_trainer.parallel.tp import tp_shard_dims

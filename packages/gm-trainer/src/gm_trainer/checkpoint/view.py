@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from gm_trace.graph.sharding import RowShard
+from gm_trace.parallel.fsdp import RowShard
 from gm_trainer.checkpoint.io import CheckpointError
 from gm_trainer.parallel.topology import Topology
 from gm_trainer.step.train_state import TrainState

@@ -21,9 +21,9 @@ import torch.distributed as dist
 from gm_config import ConfigError, PassConfig, PassPlan
 from gm_passes import GraphPass, PassPipeline
 from gm_passes.pipeline import AfterPass
-from gm_trace.capture.dtensor import DTensorSpec
 from gm_trace.graph.joint_graph import JointGraph
-from gm_trace.graph.sharding_layout import ShardingLayout
+from gm_trace.parallel.fsdp import ShardingLayout
+from gm_trace.parallel.tp import DTensorSpec
 from gm_trace.passes.deferred_reduce import DeferredReducePass
 from gm_trace.passes.last_micro_batch import LastMicroBatchPass
 from gm_trace.passes.optimizer_update import OptimizerUpdate, OptimizerUpdatePass

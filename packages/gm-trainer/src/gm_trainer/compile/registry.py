@@ -36,8 +36,8 @@ from gm_passes import PassPipeline
 from gm_trace.graph.dynamic_shapes import DynamicShapeError, leaf_dims
 from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.graph.signature import InputSignature, flatten_io
-from gm_trace.passes.expert_parallel import describe as describe_ep
-from gm_trace.passes.fsdp import describe_experts as describe_fsdp_experts
+from gm_trace.parallel.ep import describe as describe_ep
+from gm_trace.parallel.fsdp import describe_experts as describe_fsdp_experts
 from gm_trace.passes.overlap import format_schedule
 from gm_trainer.compile.graph_key import describe_module_state, module_state_key
 from gm_trainer.errors import TrainingError

@@ -33,7 +33,7 @@ from torch import Tensor
 from gm_config import ConfigError
 from gm_trace.graph.groups import group_named
 from gm_trace.graph.joint_graph import COMPILED_STEP, SHARDING_LAYOUT, JointGraph
-from gm_trace.graph.sharding_layout import ShardingLayout, full_parameter
+from gm_trace.parallel.fsdp import ShardingLayout, full_parameter
 from gm_trace.runtime.node_values import run_node_by_node
 from gm_trace.runtime.run_graph import graph_args, run_traced_graph
 from gm_trainer.debug.localize import NodeReport, first_changed_node

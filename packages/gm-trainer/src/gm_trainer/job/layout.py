@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gm_config import Axis
 from gm_trainer.parallel.mesh import MeshContext
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ def lay_out_rank(
     if built.tp_plan is not None and mesh is not None:
         from gm_trainer.parallel.tp_plan import apply_tp_plan
 
-        apply_tp_plan(built.model, mesh.device_mesh["tp"], built.tp_plan)
+        apply_tp_plan(built.model, mesh.device_mesh[Axis.TP], built.tp_plan)
     trainer = GraphTrainer(
         built.model,
         built.loss,

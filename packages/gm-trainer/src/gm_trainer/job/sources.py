@@ -162,7 +162,7 @@ def _check_experts(job: Any) -> None:
     ep = job.parallel.ep_degree
     if ep == 1 or job.model.source != "hf":
         return
-    from gm_trace.capture.expert_parallel import check_ep_divides, find_experts_modules
+    from gm_trace.parallel.ep import check_ep_divides, find_experts_modules
     from gm_trainer.job.hf_model import config_source, load_hf_config, meta_model
 
     model = meta_model(load_hf_config(job.model.config), config_source(job.model.config))

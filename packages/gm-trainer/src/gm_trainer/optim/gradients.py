@@ -8,9 +8,9 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from gm_trace.graph.experts import expert_param_fqns
 from gm_trace.graph.joint_graph import JointGraph
-from gm_trace.graph.sharding import RowShard
+from gm_trace.parallel.ep import expert_param_fqns
+from gm_trace.parallel.fsdp import RowShard
 from gm_trainer.errors import TrainingError
 from gm_trainer.optim.config import global_grad_norm
 from gm_trainer.parallel.ranks import waiting_for

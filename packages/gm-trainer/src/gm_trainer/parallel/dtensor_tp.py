@@ -19,15 +19,11 @@ import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
 from gm_config import Role
-from gm_trace.capture.dtensor import (
-    DTensorSpec,
-    name_collective_groups,
-    with_dtensor_params,
-)
 from gm_trace.capture.tracer import trace_model_graph
 from gm_trace.graph.collectives import all_gather_op
 from gm_trace.graph.graph_build import collective_kind
 from gm_trace.graph.joint_graph import JointGraph
+from gm_trace.parallel.tp import DTensorSpec, name_collective_groups, with_dtensor_params
 from gm_trainer.parallel.mesh import MeshError, ResolvedMesh
 from gm_trainer.parallel.topology import ResolvedRun
 
@@ -35,7 +31,7 @@ from gm_trainer.parallel.topology import ResolvedRun
 def check_dtensor_mesh(specs: Mapping[str, DTensorSpec], mesh: ResolvedMesh | None) -> None:
     """Raise :class:`MeshError` unless the DTensor parameters (``specs``, localized by
     :class:`~gm_trainer.parallel.live_parameters.LiveParameters`; see
-    :mod:`gm_trace.capture.dtensor`) live on the TP dimension of the trainer's mesh."""
+    :mod:`gm_trace.parallel.tp.dtensor`) live on the TP dimension of the trainer's mesh."""
     if not specs:
         return
     fqn, spec = next(iter(specs.items()))

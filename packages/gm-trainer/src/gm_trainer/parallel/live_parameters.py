@@ -10,13 +10,13 @@ parameters the graphs compute with, because the parallel dimensions change the l
 2. **EP** (:meth:`LiveParameters.split_experts`): each experts module keeps its ep rank's
    experts; at the first compile, before the first trace.
 3. **FSDP** (:meth:`LiveParameters.shard`): each parameter the fsdp pass shards keeps this
-   rank's dim-0 rows (its :class:`~gm_trace.graph.sharding_layout.ShardingLayout`); after the
+   rank's dim-0 rows (its :class:`~gm_trace.parallel.fsdp.layout.ShardingLayout`); after the
    passes of the first graph.
 4. **PP** (:meth:`LiveParameters.free_foreign`): parameters another pipeline stage owns lose
    their storage; once the first graph is cut into stages.
 
-The modules that decide each change (``gm_trace.capture.dtensor``,
-``gm_trace.capture.expert_parallel``, the sharding layout, the pipeline cut) compute the new
+The modules that decide each change (``gm_trace.parallel.tp.dtensor``,
+``gm_trace.parallel.ep.split``, the sharding layout, the pipeline cut) compute the new
 tensors; only this object assigns them, so a grep for ``.data =`` finds this file alone.
 Every Parameter object stays the same (optimizers and tied aliases hold it), except a DTensor
 parameter, which is replaced by a plain one under the same names before anything holds it.
@@ -28,12 +28,13 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from gm_trace.capture.dtensor import DTensorSpec, localized_dtensor_params
-from gm_trace.capture.expert_parallel import ExpertShard, split_expert_modules
-from gm_trace.graph.sharding_layout import ShardingLayout
+from gm_config import Role
+from gm_trace.parallel.ep import ExpertShard, split_expert_modules
+from gm_trace.parallel.fsdp import ShardingLayout
+from gm_trace.parallel.tp import DTensorSpec, localized_dtensor_params
 from gm_trainer.errors import TrainingError
 
-TP, EP, FSDP, PP = "tp", "ep", "fsdp", "pp"
+TP, EP, FSDP, PP = Role.TP, Role.EP, Role.FSDP, Role.PP
 ORDER = (TP, EP, FSDP, PP)
 """The changes, in the order they are made."""
 

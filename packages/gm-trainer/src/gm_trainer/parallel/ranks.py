@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from gm_config import GraphModeError
-from gm_trace.capture.expert_parallel import expert_counter_fqns
+from gm_trace.parallel.ep import expert_counter_fqns
 from gm_trainer.errors import TrainingError
 from gm_trainer.parallel.topology import Topology
 

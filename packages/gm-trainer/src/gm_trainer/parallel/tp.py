@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from gm_config import ConfigError
 
 # A parameter's own tag: the dim it is TP-split along (localized DTensor parameters carry it).
-from gm_trace.capture.dtensor import TP_SHARD_DIM_ATTR
+from gm_trace.parallel.tp import TP_SHARD_DIM_ATTR
 
 #: Attribute of a module: ``{own parameter name: the dim it is TP-split along}``.
 TP_SHARD_DIMS_ATTR = "_gm_tp_shard_dims"

@@ -4,7 +4,7 @@
 ``W`` by the FLOPs of the nodes in its graphs (:func:`gm_trace.memory.cost.node_flops`:
 torch's flop counter for matmuls, convolutions and attention, the elements produced for other
 ops); ``B`` and ``W`` come from the same split the zero-bubble schedules run
-(:func:`~gm_trace.passes.stage_weight_split.split_weight_grads`), so a schedule without the
+(:func:`~gm_trace.parallel.pp.weight_split.split_weight_grads`), so a schedule without the
 split is charged ``B + W``, its whole backward. :func:`planned` hands them to
 :func:`~gm_trainer.pipeline.planner.plan_schedule`.
 """
@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from gm_config import PassConfig
 from gm_trace.memory.cost import node_flops
-from gm_trace.passes.stage_cut import HalfGraph, PipelineCut
-from gm_trace.passes.stage_weight_split import split_weight_grads
+from gm_trace.parallel.pp import HalfGraph, PipelineCut, split_weight_grads
 from gm_trainer.pipeline.planner import SchedulePlan, plan_schedule
 
 __all__ = ["planned", "stage_costs"]

@@ -5,7 +5,7 @@ on every rank of a pipeline) is split along dim 0 into ``pp_microbatches``; the 
 one micro-batch — looked up in the registry by signature and module state like every graph,
 so ``eval()`` or a frozen parameter get their own — ran through the passes (``pp_stages``
 first, then FSDP within each stage) and is cut into per-stage forward and backward graphs
-(:mod:`gm_trace.passes.stage_cut`), once per graph. This
+(:mod:`gm_trace.parallel.pp.stage_cut`), once per graph. This
 rank runs its stage's halves in the schedule's order (:mod:`gm_trainer.pipeline.schedule`),
 receiving what earlier stages computed for a forward and what later stages computed for a
 backward. Without FSDP it adds the mean of the micro-batches' gradients to its parameters'
@@ -48,17 +48,18 @@ from gm_config import ConfigError
 from gm_trace.graph import node_meta
 from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.graph.signature import flatten_io
-from gm_trace.passes.backend import CompiledStep, compile_graph
-from gm_trace.passes.deferred_reduce import DeferredReduction
-from gm_trace.passes.stage_cut import (
+from gm_trace.parallel.pp import (
     BACKWARD,
     FORWARD,
     PipelineCut,
     StageProgram,
     Transfer,
+    WeightSplit,
     cut_pipeline,
+    split_weight_grads,
 )
-from gm_trace.passes.stage_weight_split import WeightSplit, split_weight_grads
+from gm_trace.passes.backend import CompiledStep, compile_graph
+from gm_trace.passes.deferred_reduce import DeferredReduction
 from gm_trainer.errors import TrainingError
 from gm_trainer.optim.gradients import add_to_grad
 from gm_trainer.parallel.ranks import waiting_for
@@ -74,7 +75,7 @@ from gm_trainer.pipeline.schedule import (
 
 Env = dict[str, Any]
 """Key -> value of one stage and micro-batch: tensors, and the ints of data-dependent sizes
-(:attr:`~gm_trace.passes.stage_cut.StageProgram.keep`)."""
+(:attr:`~gm_trace.parallel.pp.stage_cut.StageProgram.keep`)."""
 # (transfer, buffer, work, stride) per value of an action; buffer None: from a stage of this
 # rank, work is its (tag, micro-batch); stride: the producer's layout at this batch's sizes
 _Receives = list[tuple[Transfer, torch.Tensor | None, Any, tuple[int, ...]]]
@@ -135,7 +136,7 @@ class _Step:
     """(transfer tag, micro-batch) -> a value between two stages of this rank."""
     extra: dict[int, torch.Tensor] = field(default_factory=dict)
     """The graph's inputs after the batch that this rank's stages read, by position
-    (:attr:`gm_trace.passes.stage_cut.Slot.extra`): its accumulation buffers and the weight."""
+    (:attr:`gm_trace.parallel.pp.stage_cut.Slot.extra`): its accumulation buffers and the weight."""
     sizes: dict[Any, int] | None = None
     """A symbolic graph's dims at this batch's micro-batches (symbol -> size)."""
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from gm_config import PP_SCHEDULES, ConfigError
-from gm_trace.passes.stage_cut import BACKWARD, FORWARD
+from gm_trace.parallel.pp import BACKWARD, FORWARD
 
 INPUT_GRAD, WEIGHT_GRAD = "input_grad", "weight_grad"
 """The two parts of a split backward: ``B`` (the gradient of the stage's input, which the

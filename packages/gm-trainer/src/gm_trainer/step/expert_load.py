@@ -3,7 +3,7 @@ experts, and what expert parallelism's all-to-alls moved.
 
 The experts modules that expert parallelism split count, inside the graph, the (token, choice)
 pairs routed to each expert and the bytes their all-to-alls sent to other ranks
-(:mod:`gm_trace.capture.expert_parallel`); :func:`expert_load` sums them over the world once
+(:mod:`gm_trace.parallel.ep.split`); :func:`expert_load` sums them over the world once
 per optimizer step (a collective) and zeroes them.
 
 Each routed token counts once: a rank counts the tokens of its own micro-batches, which no
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gm_trace.capture.expert_parallel import take_expert_load
+from gm_trace.parallel.ep import take_expert_load
 from gm_trainer.parallel.topology import Topology
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from gm_trace.graph.sharding import RowShard
+from gm_trace.parallel.fsdp import RowShard
 from gm_trace.passes.optimizer_update import OptimizerUpdate
 from gm_trainer.compile.registry import GraphRegistry
 from gm_trainer.errors import TrainingError

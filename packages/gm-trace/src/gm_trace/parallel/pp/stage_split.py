@@ -17,8 +17,8 @@ order the forward first uses them. Each node is assigned, in ``meta[STAGE]``:
 Data may only flow the way a pipeline runs: forward values to later stages, backward values to
 earlier ones. A cut that breaks this (a forward op fed by a later stage, a backward value an
 earlier stage would need in its forward) is a :class:`PipelineSplitError` naming both ops,
-raised before anything runs. :mod:`gm_trace.passes.stage_cut` then cuts the graph the passes left
-into per-stage forward and backward graphs.
+raised before anything runs. :mod:`gm_trace.parallel.pp.stage_cut` then cuts the graph the
+passes left into per-stage forward and backward graphs.
 """
 
 from __future__ import annotations

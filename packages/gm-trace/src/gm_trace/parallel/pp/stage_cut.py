@@ -38,7 +38,12 @@ from gm_trace.graph.dynamic_shapes import concrete_int
 from gm_trace.graph.graph_build import tensor_bytes
 from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.memory.cost import is_view
-from gm_trace.passes.stage_split import PipelineSplitError, check_flow, derive_stages, node_phase
+from gm_trace.parallel.pp.stage_split import (
+    PipelineSplitError,
+    check_flow,
+    derive_stages,
+    node_phase,
+)
 
 __all__ = ["HalfGraph", "PipelineCut", "Slot", "StageProgram", "Transfer", "cut_pipeline"]
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from gm_trace.graph.collectives import all_gather_single
 from gm_trace.graph.groups import group_named
-from gm_trace.graph.sharding import FSDPConfigError, RowShard
+from gm_trace.parallel.fsdp.sharding import FSDPConfigError, RowShard
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ placement along the sequence, and the collectives that move a value between plac
 
 ``Seq(dim, outer)``: this rank's contiguous ``1/cp`` of the sequence, which sits in global
 dim ``dim`` with ``outer`` elements before it; ``R``: whole on every rank; ``P``: a partial
-sum on every rank. The op rules (:mod:`gm_trace.passes.cp_rules`) decide each op's
+sum on every rank. The op rules (:mod:`gm_trace.parallel.cp.rules`) decide each op's
 placement; this module owns the walk, the conversions and their cache.
 """
 
@@ -22,7 +22,7 @@ from gm_config import ConfigError
 from gm_trace.graph import node_meta
 from gm_trace.graph.collectives import all_gather_op
 from gm_trace.graph.graph_build import fake_mode_of
-from gm_trace.passes.cp_layout import Seq, SeqLayout, SeqMoves
+from gm_trace.parallel.cp.layout import Seq, SeqLayout, SeqMoves
 
 __all__ = ["ContextParallelError", "P", "R", "Rewriter", "Seq", "SeqLayout"]
 

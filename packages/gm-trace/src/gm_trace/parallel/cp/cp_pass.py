@@ -48,8 +48,8 @@ import torch.fx as fx
 from gm_config import PassConfig, PassPlan, Role, fsdp_requested
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_trace.graph.joint_graph import JointGraph
-from gm_trace.passes.cp_rewrite import ContextParallelError, Rewriter, Seq, SeqLayout
-from gm_trace.passes.cp_rules import RULES
+from gm_trace.parallel.cp.rewrite import ContextParallelError, Rewriter, Seq, SeqLayout
+from gm_trace.parallel.cp.rules import RULES
 
 __all__ = ["ContextParallelError", "ContextParallelPass", "Seq", "cp_leaf_dims"]
 

@@ -36,42 +36,15 @@ import torch.fx as fx
 from gm_config import PassConfig, PassPlan, Role, fsdp_requested
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_trace.graph.collectives import all_gather_op
-from gm_trace.graph.experts import expert_param_fqns
 from gm_trace.graph.joint_graph import SHARDING_LAYOUT, JointGraph
-from gm_trace.graph.sharding import (
+from gm_trace.parallel.ep import expert_param_fqns
+from gm_trace.parallel.fsdp.rewrite import Rewrite, ShardGroup
+from gm_trace.parallel.fsdp.sharding import (
     FSDPConfigError,
-    RowShard,
-    block_of,
-    owning_modules,
     select_sharded_params,
 )
-from gm_trace.graph.sharding_layout import ShardedParam, ShardingLayout, full_parameter
-from gm_trace.passes.fsdp_rewrite import Rewrite, ShardGroup, plan_buckets
-from gm_trace.passes.rank_agreement import (
-    CollectiveMismatchError,
-    check_collective_agreement,
-    collective_sequence,
-    verify_ranks_agree,
-)
 
-__all__ = [
-    "CollectiveMismatchError",
-    "FSDPConfigError",
-    "FSDPPass",
-    "RowShard",
-    "ShardGroup",
-    "ShardedParam",
-    "ShardingLayout",
-    "block_of",
-    "check_collective_agreement",
-    "collective_sequence",
-    "describe_experts",
-    "full_parameter",
-    "owning_modules",
-    "plan_buckets",
-    "select_sharded_params",
-    "verify_ranks_agree",
-]
+__all__ = ["FSDPPass", "describe_experts"]
 
 
 def _shard_group(group: dist.ProcessGroup) -> ShardGroup:

@@ -25,8 +25,8 @@ from gm_trace.graph.graph_build import (
     tensor_bytes,
 )
 from gm_trace.graph.joint_graph import JointGraph
-from gm_trace.graph.sharding import RowShard, block_of
-from gm_trace.graph.sharding_layout import ShardedParam, ShardingLayout
+from gm_trace.parallel.fsdp.layout import ShardedParam, ShardingLayout
+from gm_trace.parallel.fsdp.sharding import RowShard, block_of
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The op rules of the ``cp`` pass: for each aten op, where its result lives along the
-sequence given its operands' placements (see :mod:`gm_trace.passes.cp_rewrite`), and the op
+sequence given its operands' placements (see :mod:`gm_trace.parallel.cp.rewrite`), and the op
 with its size arguments made local. A rule returns ``(value, placement)``, or ``None`` for
 "compute it on whole operands", which is always exact.
 """
@@ -13,9 +13,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from gm_trace.passes.cp_attention import ATTENTION_RULES
-from gm_trace.passes.cp_other_groups import OTHER_GROUP_RULES
-from gm_trace.passes.cp_rewrite import (
+from gm_trace.parallel.cp.attention import ATTENTION_RULES
+from gm_trace.parallel.cp.other_groups import OTHER_GROUP_RULES
+from gm_trace.parallel.cp.rewrite import (
     P,
     R,
     Rewriter,
@@ -23,7 +23,7 @@ from gm_trace.passes.cp_rewrite import (
     is_tensor_node,
     op_name,
 )
-from gm_trace.passes.cp_views import VIEW_RULES, norm_dim
+from gm_trace.parallel.cp.views import VIEW_RULES, norm_dim
 
 __all__ = ["RULES"]
 

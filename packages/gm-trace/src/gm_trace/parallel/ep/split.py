@@ -33,7 +33,7 @@ and a new kernel breaks it. The module boundary is the same for all of them and 
 what is routed, so the transformation replaces the module's computation with
 dispatch / compute / combine built from functional collectives, and the tracer records it
 (forward and backward) in the joint graph like any other collective. The ``ep`` graph pass
-(:mod:`gm_trace.passes.expert_parallel`) then checks and reports the all-to-alls.
+(:mod:`gm_trace.parallel.ep.ep_pass`) then checks and reports the all-to-alls.
 
 Each rank's tokens per expert are added into a non-persistent buffer of the module
 (``tokens_per_expert``, and the bytes sent in ``all_to_all_bytes``;
@@ -52,7 +52,7 @@ import torch
 from torch import Tensor, nn
 
 from gm_config import ConfigError, divisors
-from gm_trace.graph.experts import EP_SHARD_ATTR, ExpertShard, expert_shards
+from gm_trace.parallel.ep.shards import EP_SHARD_ATTR, ExpertShard, expert_shards
 
 __all__ = [
     "ExpertParallelError",

@@ -1,5 +1,5 @@
 """Which parameters expert parallelism split, as a value the passes, the gradient norm and the
-checkpoints read (the transformation itself is :mod:`gm_trace.capture.expert_parallel`).
+checkpoints read (the transformation itself is :mod:`gm_trace.parallel.ep.split`).
 
 An experts module that EP split carries an :class:`ExpertShard` under :data:`EP_SHARD_ATTR`
 (a module attribute survives ``copy.deepcopy``); each of its own parameters holds this rank's

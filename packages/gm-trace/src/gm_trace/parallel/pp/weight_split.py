@@ -4,7 +4,7 @@ Zero-bubble pipeline schedules (``zb1p``, ``zbv``, ``dualpipev``) run the part o
 backward that the previous stage waits for as soon as they can, and the rest — the weight
 gradients, which nobody waits for — later, in what would be idle time. A graph owns its
 backward, so the split is a cut of the stage's backward graph
-(:attr:`~gm_trace.passes.stage_cut.StageProgram.backward`):
+(:attr:`~gm_trace.parallel.pp.stage_cut.StageProgram.backward`):
 
 - ``B`` is every node the backward's other outputs need (the gradients sent to earlier
   stages, through the stage input's gradient), found backwards from those outputs, together
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from gm_passes.graph_ops import mutates_an_input
-from gm_trace.passes.stage_cut import HalfGraph, Key, _half_graph, _held_bytes
+from gm_trace.parallel.pp.stage_cut import HalfGraph, Key, _half_graph, _held_bytes
 
 __all__ = ["WeightSplit", "split_weight_grads"]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from gm_trace.passes.cp_rewrite import P, Rewriter
+from gm_trace.parallel.cp.rewrite import P, Rewriter
 
 __all__ = ["OTHER_GROUP_RULES"]
 

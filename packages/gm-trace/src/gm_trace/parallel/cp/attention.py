@@ -7,7 +7,7 @@ The kernels ``F.scaled_dot_product_attention`` traces to: on CPU
 rows (``Seq(2)`` of ``[batch, heads, seq, head_dim]``); keys and values are all-gathered
 together in ONE collective, in forward and again in backward (so forward's gathered copy is
 not held until backward); ``is_causal`` becomes an explicit additive mask over the queries'
-GLOBAL positions (:class:`~gm_trace.passes.cp_layout.SeqLayout`: contiguous or load-balanced)
+GLOBAL positions (:class:`~gm_trace.parallel.cp.layout.SeqLayout`: contiguous or load-balanced)
 against every key; a given mask is cut to this rank's query rows. The backward's key / value
 gradients are partial sums over this rank's queries, reduce-scattered together in ONE
 collective back to the keys' split.
@@ -26,7 +26,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from gm_trace.passes.cp_rewrite import ContextParallelError, P, R, Rewriter, Seq, module_of
+from gm_trace.parallel.cp.rewrite import ContextParallelError, P, R, Rewriter, Seq, module_of
 
 __all__ = ["ATTENTION_RULES"]
 

@@ -1,6 +1,6 @@
 """``ExpertParallelPass`` (pass name ``ep``): check and report expert parallelism's all-to-alls.
 
-The routed computation is rewritten at capture (:mod:`gm_trace.capture.expert_parallel`, which
+The routed computation is rewritten at capture (:mod:`gm_trace.parallel.ep.split`, which
 says why there and not here): the traced graph already holds, per experts module, the
 exchange of the token counts and the dispatch and combine all-to-alls, forward and backward.
 This pass checks that every experts module of the model put them in the graph (an ep group
@@ -25,9 +25,9 @@ from gm_config import GraphModeRuntimeError, PassConfig, PassPlan, Role
 from gm_config.pipeline_stages import stage_of
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_trace.graph import node_meta
-from gm_trace.graph.experts import ExpertShard, expert_shards
 from gm_trace.graph.graph_build import collective_kind
 from gm_trace.graph.joint_graph import PIPELINE_STAGES
+from gm_trace.parallel.ep.shards import ExpertShard, expert_shards
 
 #: All-to-alls per experts module and step: counts, dispatch, combine, and the two backward.
 ALL_TO_ALLS_PER_MODULE = 5

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.utils.stateless import _reparametrize_module
 
 from gm_passes.graph_ops import is_collective, is_wait
-from gm_trace.capture.capture_errors import GraphCaptureError
+from gm_trace.graph.errors import GraphCaptureError
 from gm_trace.graph.graph_build import is_all_gather
 
 #: A local TP shard carries the dim it was split along (whole on every TP rank when absent).
@@ -193,5 +193,5 @@ def check_no_fake_constants(graph_module: fx.GraphModule) -> None:
                 f"the traced graph holds a fake tensor as the constant {node.target!r}: a "
                 "tensor subclass in the model (such as a DTensor parameter) was traced without "
                 "its values; localize DTensor parameters first "
-                "(gm_trace.capture.dtensor.localized_dtensor_params, done by GraphTrainer)"
+                "(gm_trace.parallel.tp.dtensor.localized_dtensor_params, done by GraphTrainer)"
             )

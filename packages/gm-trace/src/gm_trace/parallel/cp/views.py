@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from gm_trace.passes.cp_rewrite import P, Rewriter, Seq
+from gm_trace.parallel.cp.rewrite import P, Rewriter, Seq
 
 __all__ = ["VIEW_RULES", "norm_dim"]
 
