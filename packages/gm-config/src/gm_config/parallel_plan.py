@@ -83,10 +83,14 @@ def _spelled(field: str) -> str:
     return ", ".join(_SPELLED[field])
 
 
-def _named(field: str, value: object) -> str:
-    """``ep=2 (PassConfig.ep_degree=2, gm-train parallel.ep_degree=2)``: the value in every
-    spelling a user may have written it in."""
-    spellings = (s if s.endswith(")") or " = " in s else f"{s}={value!r}" for s in _SPELLED[field])
+def _named(field: str, value: object, *, in_each: bool = False) -> str:
+    """``ep=2 (PassConfig.ep_degree, gm-train parallel.ep_degree)``; ``in_each``: the value in
+    every spelling a user may have written it in (``PassConfig.ep_degree=2, ...``)."""
+    spellings = _SPELLED[field]
+    if in_each:
+        spellings = tuple(
+            s if s.endswith(")") or " = " in s else f"{s}={value!r}" for s in spellings
+        )
     return f"{field}={value!r} ({', '.join(spellings)})"
 
 
@@ -156,7 +160,7 @@ class ParallelPlan:
         entry = refused(self.degrees())
         if entry is None:
             return
-        first, *others = (_named(dim, getattr(self, dim)) for dim in entry.dims)
+        first, *others = (_named(dim, getattr(self, dim), in_each=True) for dim in entry.dims)
         raise MeshError(
             f"{first} with {' and '.join(others)}: {entry.what} is not supported yet "
             "(docs/user-guide.md, Limitations); use 1 for one of them"
