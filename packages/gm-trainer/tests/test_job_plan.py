@@ -85,7 +85,10 @@ def test_plan_errors_are_the_runs_errors(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     assert main(["--plan", "--nproc", "3", "parallel.tp_size=2"]) == 2
-    assert "parallel.tp_size=2 must divide the 3 rank(s)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert (
+        "tp=2 (PassConfig.tp_size, gm-train parallel.tp_size) must divide the world size 3" in err
+    )
     with pytest.raises(SystemExit):
         main(["--plan", "--resume", "auto"])
 

@@ -62,11 +62,11 @@ def test_changes_come_once_and_in_order() -> None:
     live = LiveParameters(MLP())
     live.free_foreign(frozenset())
     with pytest.raises(TrainingError, match=r"the ep change comes before those"):
-        live.split_experts(2, 0, None)
+        live.split_experts(2, 0, None, "")
     with pytest.raises(TrainingError, match=r"the pp change comes once"):
         live.free_foreign(frozenset())
 
 
 def test_expert_split_errors_name_the_degree() -> None:
     with pytest.raises(ConfigError, match="has no experts module"):
-        LiveParameters(torch.nn.Linear(2, 2)).split_experts(2, 0, None)
+        LiveParameters(torch.nn.Linear(2, 2)).split_experts(2, 0, None, "")
