@@ -238,7 +238,7 @@ def cp(session: nox.Session) -> None:
     _install_layer(session, "gm-trainer", torch=True)
     session.env["GM_CP"] = "all"
     tests = ROOT / "packages" / "gm-trainer" / "tests"
-    kernels = ROOT / "packages" / "gm-trace" / "tests" / "test_cp_accelerator.py"
+    kernels = ROOT / "packages" / "gm-trace" / "tests" / "parallel" / "cp" / "test_cp_accelerator.py"
     session.run(
         "pytest",
         str(tests / "test_cp.py"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import signal
 
-import fsdp_bodies as bodies
+import harness_bodies as bodies
 import pytest
 
 from gm_trace.testing.distributed import DistributedPool, DistributedTestError

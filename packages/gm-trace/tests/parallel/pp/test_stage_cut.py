@@ -6,8 +6,8 @@ from __future__ import annotations
 import copy
 import operator
 
-import pipeline_cut_bodies
 import pytest
+import stage_cut_bodies
 import torch
 import torch.nn.functional as F
 
@@ -227,7 +227,7 @@ def test_captured_tensors_reach_every_stage():
 def test_deferred_reduction_splits_by_stage_and_matches_the_plain_gradients(dist_pool):
     """Under FSDP a pipeline's micro-batches accumulate (``deferred_reduce``): each stage's
     backward adds into its own buffers, and each stage reduces its own buckets only."""
-    result = dist_pool(2).run(pipeline_cut_bodies.deferred_stages)[0]
+    result = dist_pool(2).run(stage_cut_bodies.deferred_stages)[0]
     first, second = result["stages"]
     # the buckets of tok_emb, pos_emb, layers.0, layers.1 | layers.2, layers.3, norm
     assert (len(first["buffers"]), len(second["buffers"])) == (4, 3)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 
-import fsdp_bodies as bodies
+import memory_bodies as bodies
 import pytest
 import torch
 

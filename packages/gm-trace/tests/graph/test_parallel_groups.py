@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import fsdp_bodies as bodies
+import groups_bodies as bodies
 import pytest
 
 from gm_config import MissingGroupError, Role

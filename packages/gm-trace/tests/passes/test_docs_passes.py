@@ -11,7 +11,7 @@ from pathlib import Path
 from gm_passes.pipeline import order_passes
 from gm_passes.registry import ENTRY_POINT_GROUP, get_pass
 
-ARCHITECTURE = Path(__file__).resolve().parents[3] / "docs" / "architecture.md"
+ARCHITECTURE = Path(__file__).resolve().parents[4] / "docs" / "architecture.md"
 
 
 def _entry_points(distribution: str) -> list[str]:

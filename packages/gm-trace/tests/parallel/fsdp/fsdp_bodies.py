@@ -1,0 +1,146 @@
+"""Rank bodies for the FSDP tests: module-level functions, importable by spawned ranks."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from gm_config import PassConfig, PassPlan
+from gm_passes.graph_ops import is_collective, is_wait, op_name
+from gm_trace.parallel.fsdp import FSDPConfigError, full_parameter
+from gm_trace.passes.rank_agreement import collective_sequence
+from gm_trace.testing.fsdp_cases import build, compile_fsdp, local_slice, train
+
+
+def uneven_shards(rank: int, world: int):
+    """Per-rank shard shapes follow torch.chunk; parameter bytes are the chunk sizes."""
+    model, train_fn, batch = build("uneven", world)
+    full = {fqn: p.detach().clone() for fqn, p in model.named_parameters()}
+    compile_fsdp(model, train_fn, local_slice(batch(0), rank, world), PassConfig())
+    for fqn, param in model.named_parameters():
+        chunks = torch.chunk(full[fqn], world)
+        expected = chunks[rank] if rank < len(chunks) else full[fqn][:0]
+        assert param.shape == expected.shape, (fqn, param.shape, expected.shape)
+        assert torch.equal(param.detach(), expected), fqn
+        assert param.untyped_storage().nbytes() == expected.numel() * expected.element_size()
+    return {fqn: tuple(p.shape) for fqn, p in model.named_parameters()}
+
+
+def collective_counts(rank: int, world: int, bucket_cap_mb: float | None):
+    """Collectives per kind, each followed directly by its wait (no overlap pass), for a
+    partial plan: blocks sharded, the rest replicated."""
+    model, train_fn, batch = build("gpt", world)
+    plan = PassPlan().add_pattern("layers.*")
+    config = PassConfig(enable_overlap=False, bucket_cap_mb=bucket_cap_mb)
+    joint, pipeline = compile_fsdp(
+        model, train_fn, local_slice(batch(0), rank, world), config, plan
+    )
+    kinds: dict[str, int] = {}
+    for node in joint.graph_module.graph.nodes:
+        if is_collective(node) and not is_wait(node):
+            kind = op_name(node).split(".")[1]
+            kinds[kind] = kinds.get(kind, 0) + 1
+            assert len(node.users) == 1 and is_wait(next(iter(node.users))), node
+            assert node.next is next(iter(node.users)), "wait must directly follow its collective"
+    stats = pipeline.context.stats["fsdp"]
+    sharded = {fqn for fqn, _ in model.named_parameters() if fqn.startswith("layers.")}
+    replicated = {fqn for fqn, _ in model.named_parameters()} - sharded
+    assert set(stats["sharded"]) == sharded, stats["sharded"]
+    assert set(stats["replicated"]) == replicated, stats["replicated"]
+    return kinds, len(sharded), len(replicated), stats["buckets"]
+
+
+def degree_mismatch(rank: int, world: int):
+    model, train_fn, batch = build("mlp", world)
+    try:
+        compile_fsdp(model, train_fn, local_slice(batch(0), rank, world), PassConfig(fsdp_degree=3))
+    except FSDPConfigError as exc:
+        return str(exc)
+    raise AssertionError("fsdp_degree=3 on a 2-rank group was accepted")
+
+
+def plan_checks(rank: int, world: int):
+    model, train_fn, batch = build("gpt", world)
+    sample = local_slice(batch(0), rank, world)
+    try:
+        compile_fsdp(model, train_fn, sample, PassConfig(), PassPlan().add_module("layers.9"))
+    except FSDPConfigError as exc:
+        missing = str(exc)
+    else:
+        raise AssertionError("a plan naming a missing module was accepted")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = PassPlan().add_pattern("layers.*").add_pattern("decoder.*")
+        joint, _ = compile_fsdp(model, train_fn, sample, PassConfig(), plan)
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    return missing, messages, sorted(joint.sharding.params)
+
+
+def reshard(rank: int, world: int, overrides: dict):
+    """reshard_after_forward: identical training, one more all-gather per block, a lower
+    static peak; the per-module setting of the plan overrides the config. The plan shards
+    only the layers (the rest is replicated and all-reduced), which on 2 ranks sums the
+    same two gradients: identical too."""
+    runs = {}
+    for name, config, plan in [
+        ("off", PassConfig(**overrides), None),
+        ("on", PassConfig(reshard_after_forward=True, **overrides), None),
+        (
+            "plan",
+            PassConfig(**overrides),
+            PassPlan().add_pattern("layers.*", reshard_after_forward=True),
+        ),
+    ]:
+        model, train_fn, batch = build("gpt", world)
+        joint, pipeline = compile_fsdp(
+            model, train_fn, local_slice(batch(0), rank, world), config, plan
+        )
+        losses = train(joint, model, batch, rank, world, steps=3)
+        stats = pipeline.context.stats
+        runs[name] = {
+            "losses": losses,
+            "params": [
+                full_parameter(model, fqn, joint.sharding) for fqn, _ in model.named_parameters()
+            ],
+            "gathers": sum(1 for r in stats["overlap"]["schedule"] if "gather" in r["kind"]),
+            "peak": stats["overlap"]["peak_memory_bytes_after"],
+            "regathered": stats.get("reshard", {}).get("regathered_buckets", []),
+            "dtypes": sorted(
+                {
+                    re.search(r"torch\.\w+", line)[0]
+                    for line in collective_sequence(joint.graph_module)
+                }
+            ),
+        }
+    for name in ("on", "plan"):
+        assert runs[name]["losses"] == runs["off"]["losses"], name
+        assert all(torch.equal(a, b) for a, b in zip(runs[name]["params"], runs["off"]["params"]))
+    return {name: {k: v for k, v in run.items() if k != "params"} for name, run in runs.items()}
+
+
+def many_gathers_in_flight(rank: int, world: int):
+    """40 all-gathers in flight while compute runs, 30 times: the pattern that corrupts the
+    heap through torch 2.13's functional gloo all-gather. Values are checked, too."""
+    from gm_trace.graph.collectives import all_gather_op
+
+    group = dist.group.WORLD
+    gather = all_gather_op(group)
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    params = [torch.full((64, 128), float(rank * 100 + i)) for i in range(40)]
+    x = torch.randn(256, 128)
+    for step in range(30):
+        pending = [gather(p.reshape(-1), world, group.group_name) for p in params]
+        for i, out in enumerate(pending):
+            torch.mm(x, x.t()).sum()
+            full = wait(out).view(world, -1)
+            expected = torch.tensor([r * 100 + i + step for r in range(world)], dtype=full.dtype)
+            assert torch.equal(full[:, 0], expected), (step, i, full[:, 0])
+        for p in params:
+            p.add_(1)
+    return str(gather)
+
+
+# --- groups as values (issue 37) -------------------------------------------------------------
