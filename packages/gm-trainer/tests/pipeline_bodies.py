@@ -61,9 +61,9 @@ def global_batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
 
 
-def _eager(model, train_fn, rows: int, norms: list[float] | None = None):
+def _eager(model, train_fn, rows: int, norms: list[float] | None = None, clip=None):
     """``STEPS`` eager Adam steps on the global batch: the losses and the trained model;
-    ``norms``: filled with each step's gradient norm."""
+    ``norms``: filled with each step's gradient norm; ``clip``: ``clip_grad_norm_`` first."""
     model = copy.deepcopy(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     losses = []
@@ -73,6 +73,8 @@ def _eager(model, train_fn, rows: int, norms: list[float] | None = None):
         if norms is not None:
             grads = [p.grad.double() for p in model.parameters() if p.grad is not None]
             norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
@@ -90,16 +92,17 @@ def parity(
     virtual: int = 1,
     backend: str | None = None,
     in_graph: bool = False,
+    clip: float | None = None,
 ) -> dict:
     """``STEPS`` Adam steps of the pipeline (x FSDP over ``world // pp``) == one eager process
     on the global batch; what each stage ran and the warnings (``in_graph``: the update
-    asked in the graph)."""
+    asked in the graph; ``clip``: clipped to that global norm, here and in eager)."""
     make, train_fn = MODELS[case]
     model = make()
     dp = world // pp
     rows_per_dp = 2 * microbatches
     expected_norms: list[float] = []
-    expected_losses, reference = _eager(model, train_fn, rows_per_dp * dp, expected_norms)
+    expected_losses, reference = _eager(model, train_fn, rows_per_dp * dp, expected_norms, clip)
     config = PassConfig(
         pp_degree=pp,
         pp_microbatches=microbatches,
@@ -108,7 +111,7 @@ def parity(
         backend=backend,
     )
     plan = PassPlan(pp_stages=STAGES[case]) if named_stages else None
-    optimizer = {"lr": LR, "in_graph": in_graph}
+    optimizer = {"lr": LR, "in_graph": in_graph, "grad_clip": clip}
     trainer = GraphTrainer(model, train_fn, config, plan, optimizer_config=optimizer)
     dp_index = rank % dp
     rows = slice(dp_index * rows_per_dp, (dp_index + 1) * rows_per_dp)
@@ -149,7 +152,16 @@ def parity(
         if collective_kind(n) is not None
     )
     stats = trainer.pipeline.stats
+    update = trainer.stepper.pipeline_update  # in_graph: the graph of this rank's update
+    groups = trainer.topology.groups
     return {
+        "norms": norms,
+        "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, expected_losses)),
+        "update_collectives": sorted(
+            f"{collective_kind(n)}/{groups.role_of(n.args[-1])}"
+            for n in (update.graph_module.graph.nodes if update is not None else ())
+            if collective_kind(n) is not None
+        ),
         "costs": stage_costs(trainer.pipeline.cut),
         "planned": planned(config, trainer.pipeline.cut).bubble_fraction,
         "stage": trainer.topology.pp_stage,

@@ -131,10 +131,14 @@ class GraphCompiler:
         run = self.run
         first = self.registry.compile_count == 0
         joint = self._trace(input, label, cache, self.pytree_pre_hook if first else None)
-        if variant == ACCUMULATE:  # no update in the graph; reduce once per step under FSDP
-            defer = [DeferredReducePass()] if run.topology.fsdp_active else []
+        pipelined = run.pass_config.pp_degree > 1
+        if variant == ACCUMULATE or pipelined:  # no update in this graph
+            # Reduce once per step under FSDP. A pipeline's stages take the update after the
+            # schedule, in a graph of their own (the stepper's), when it can be traced.
+            fsdp = run.topology.fsdp_active
+            defer = [DeferredReducePass()] if variant == ACCUMULATE and fsdp else []
             passes = [*self.extra_passes, *defer]
-            if run.pass_config.pp_degree > 1:  # no graph of a pipeline takes the update
+            if pipelined:
                 self._eager_update_reason()
         else:
             last = [LastMicroBatchPass()] if variant == LAST else []
