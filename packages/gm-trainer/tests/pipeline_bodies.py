@@ -473,3 +473,21 @@ def same_as_1f1b(rank: int, world: int, schedule: str) -> dict:
         "compared": len(own),
         "differing": [k for k in own if not torch.equal(*(t[k] for t in trained))],
     }
+
+
+#: Below every global gradient norm of the in_graph runs here (1.1 to 1.3): each step clips.
+IN_GRAPH_CLIP = 0.05
+
+
+def took_the_update_in_a_graph(results: list[dict], collectives: list[str]) -> None:
+    """Each rank's stages took the update in a graph (no eager fallback, no warning) whose
+    norm summed the stages' squares with ``collectives``; every step clipped."""
+    for result in results:
+        assert result["in_graph"] and result["warnings"] == []
+        assert result["update_collectives"] == collectives
+        assert min(result["norms"]) > IN_GRAPH_CLIP
+        assert result["loss_rel"] <= 1e-5
+    print(
+        f"in_graph: loss rel {max(r['loss_rel'] for r in results):.1e}, "
+        f"worst |param diff| {max(r['worst'] for r in results):.1e}"
+    )
