@@ -3,7 +3,8 @@
 The joint graph returns one gradient per parameter (after ``fsdp``: this rank's reduced
 shard). This pass consumes them where they are: it appends, before the output, the global
 gradient norm (squares of every local gradient in float64, one all-reduce over the FSDP group
-for the sharded ones), the clip to ``max_norm`` when asked, and then each parameter's update
+for the sharded ones, one over the TP group for the slices of TP-split parameters), the clip
+to ``max_norm`` when asked, and then each parameter's update
 of Adam, AdamW or SGD on its local shard, in the order the gradients are computed. The
 parameters and the optimizer states (``exp_avg`` …, graph inputs) are updated IN PLACE; the
 graph no longer returns gradients, so nothing is kept on ``.grad``.
@@ -28,6 +29,8 @@ The op sequence is that of ``torch.optim``'s single-tensor (``foreach=False``) c
 Python scalars that depend on the learning rate or the step passed in as tensors, so a step
 is bitwise the eager step on CPU. Order: the clip and the finite-check need the norm over every
 shard before any update is committed, so the updates follow the norm's all-reduce.
+A pipeline's stages take the same ops in a graph of their own (:func:`build_stage_update`,
+run after the schedule), whose norm also sums every stage's squares over the pipeline group.
 Runs after ``fsdp``, ``reshard`` and ``recompute``, before ``overlap`` (which then sinks each
 reduce-scatter's wait to the update that first reads it) and the backend.
 """

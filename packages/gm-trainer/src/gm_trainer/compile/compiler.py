@@ -43,7 +43,7 @@ class UpdatePlanner(Protocol):
     @property
     def requested(self) -> bool: ...
 
-    def why_not(self, topology: Topology) -> str | None: ...
+    def why_not(self) -> str | None: ...
 
     def plan(self, grad_fqns: Sequence[str]) -> OptimizerUpdate: ...
 
@@ -102,7 +102,7 @@ class GraphCompiler:
     @property
     def update_traceable(self) -> bool:
         """True when ``in_graph`` asks for the update in the graph and it can be traced."""
-        return self.update.requested and self.update.why_not(self._topology) is None
+        return self.update.requested and self.update.why_not() is None
 
     def variant_for(self, accumulate: bool, last: bool = False) -> str:
         """Which graph variant a micro-batch runs: a plain step, an accumulating micro-batch
@@ -283,7 +283,7 @@ class GraphCompiler:
     def _eager_update_reason(self) -> str | None:
         """Why ``OptimizerConfig(in_graph=True)``'s update cannot go in the graph (``None``:
         it can, or in_graph is off); the first time, a ``RuntimeWarning`` says so."""
-        reason = self.update.why_not(self._topology) if self.update.requested else None
+        reason = self.update.why_not() if self.update.requested else None
         if reason is not None and self.in_graph_reason is None:
             warnings.warn(
                 f"OptimizerConfig(in_graph=True): the update runs eagerly, outside the graph: "

@@ -26,7 +26,6 @@ from gm_trace.passes.optimizer_update import (
 )
 from gm_trainer.errors import TrainingError
 from gm_trainer.optim.config import OptimizerConfig, initial_state
-from gm_trainer.parallel.topology import Topology
 from gm_trainer.parallel.tp import tp_shard_dims
 
 #: ``torch.optim`` options the traced update implements only at these values.
@@ -40,9 +39,10 @@ _FIXED = {
 }
 
 
-def untraceable_reason(config: OptimizerConfig, topology: Topology) -> str | None:
-    """Why the update of the optimizer ``config`` builds cannot go in the graph of a run on
-    ``topology`` (``None``: it can)."""
+def untraceable_reason(config: OptimizerConfig) -> str | None:
+    """Why the update of the optimizer ``config`` builds cannot go in the graph (``None``: it
+    can). Every parallel layout takes it: FSDP, HSDP, EP and TP in the step's graph, a
+    pipeline's stages in a graph of their own (:class:`PipelineUpdate`)."""
     if not isinstance(config.name, str) or config.name.lower() not in ("adam", "adamw", "sgd"):
         return (
             f"the optimizer is {config.name!r}; the graph traces torch.optim Adam, AdamW and SGD "
@@ -156,9 +156,9 @@ class GraphUpdatePlanner:
         """``OptimizerConfig(in_graph=True)``."""
         return self.config.in_graph
 
-    def why_not(self, topology: Topology) -> str | None:
+    def why_not(self) -> str | None:
         """Why the update cannot be traced (``None``: it can)."""
-        return untraceable_reason(self.config, topology)
+        return untraceable_reason(self.config)
 
     def plan(self, grad_fqns: Sequence[str]) -> OptimizerUpdate:
         """The update to trace for the parameters with a gradient."""
