@@ -44,6 +44,7 @@ MATCHING = [
     ("pp", "dynamic"),
     ("pp", "resume"),
     ("pp", "in_graph"),
+    ("tp", "in_graph"),
     *EAGER_UPDATE,
     *BROKEN,
 ]
