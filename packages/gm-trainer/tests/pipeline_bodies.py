@@ -491,3 +491,34 @@ def took_the_update_in_a_graph(results: list[dict], collectives: list[str]) -> N
         f"in_graph: loss rel {max(r['loss_rel'] for r in results):.1e}, "
         f"worst |param diff| {max(r['worst'] for r in results):.1e}"
     )
+
+
+def nonfinite_in_graph(rank: int, world: int) -> dict:
+    """in_graph under 1F1B with ``nonfinite="skip"``: a NaN in the gradient of one stage (rank
+    0's) makes the norm of every stage's update graph NaN (the pipeline's all-reduce), so no
+    rank changes a weight or an optimizer state (step counts taken back)."""
+    config = PassConfig(pp_degree=2, pp_microbatches=2, pp_schedule="1f1b")
+    optimizer = {"lr": LR, "in_graph": True, "grad_clip": IN_GRAPH_CLIP}
+    trainer = GraphTrainer(
+        tinygpt(), lm_loss, config, PassPlan(pp_stages=STAGES["tinygpt"]),
+        optimizer_config=optimizer, nonfinite="skip",
+    )  # fmt: skip
+
+    def snapshot() -> list[torch.Tensor]:
+        states = [v for s in trainer.optimizer.state.values() for v in s.values()]
+        return [t.detach().clone() for t in (*trainer.model.parameters(), *states)]
+
+    trainer.train_step(*global_batch(0, 4))
+    trainer.optimizer_step()
+    trainer.train_step(*global_batch(1, 4))
+    if rank == 0:
+        next(p for p in trainer.model.parameters() if p.grad is not None).grad.fill_(float("nan"))
+    before = snapshot()
+    norm = trainer.optimizer_step()
+    after = snapshot()
+    return {
+        "in_graph": trainer.optimizer_in_graph,
+        "norm": norm,
+        "unchanged": len(before) == len(after) and all(map(torch.equal, before, after)),
+        "steps": (trainer.step, trainer.skipped_steps),
+    }

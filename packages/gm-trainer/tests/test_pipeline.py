@@ -103,6 +103,14 @@ def test_pp2_takes_the_update_in_a_graph_and_clips_like_eager(dist_pool):
     bodies.took_the_update_in_a_graph(results, ["all_reduce/pp"])
 
 
+def test_a_nonfinite_gradient_on_one_stage_masks_every_stages_update_graph(dist_pool):
+    results = dist_pool(2).run(bodies.nonfinite_in_graph, timeout=300)
+    for r in results:
+        assert r["in_graph"] and r["unchanged"]
+        assert r["norm"] != r["norm"]  # NaN on every rank
+        assert r["steps"] == (2, 1)  # counted, and skipped
+
+
 def test_pp2_fsdp2_takes_the_update_in_a_graph_and_clips_like_eager(dist_pool):
     """PP x FSDP x in_graph: the stages' shards are reduced once per step, then the graph's
     norm sums them over the FSDP group and the stages over the pipeline."""

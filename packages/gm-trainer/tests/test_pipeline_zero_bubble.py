@@ -69,6 +69,16 @@ def test_zero_bubble_schedules_on_two_ranks_match_eager_adam(schedule, virtual, 
 
 
 @full_only
+@pytest.mark.parametrize(("schedule", "virtual"), [("zb1p", 1), ("dualpipev", 2)])
+def test_zero_bubble_schedules_take_the_update_in_a_graph(schedule, virtual, dist_pool):
+    results = dist_pool(2).run(
+        bodies.parity, "tinygpt", 2, schedule, 4, virtual == 1, virtual, None, True,
+        bodies.IN_GRAPH_CLIP, timeout=300,
+    )  # fmt: skip
+    bodies.took_the_update_in_a_graph(results, ["all_reduce/pp"])
+
+
+@full_only
 def test_zb1p_gives_1f1b_parameters_bitwise(dist_pool):
     """The same stages, the same ops per micro-batch, gradients accumulated in the same
     micro-batch order: the split changes when ``W`` runs, not what it computes."""
