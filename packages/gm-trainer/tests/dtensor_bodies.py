@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -111,13 +112,18 @@ def _llama_case(sequence_parallel: bool = False):
 CASES = {"mlp": _mlp_case, "llama": _llama_case, "llama_sp": lambda: _llama_case(True)}
 
 
-def _eager(model, train_fn, batch, steps: int) -> tuple[list[float], torch.nn.Module]:
+def _eager(
+    model, train_fn, batch, steps: int, norms: list[float] | None = None, clip: float = CLIP
+) -> tuple[list[float], torch.nn.Module]:
+    """``steps`` eager Adam steps clipped to ``clip``; ``norms``: each step's norm."""
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     losses = []
     for step in range(steps):
         loss = train_fn(model, *batch(step))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if norms is not None:
+            norms.append(norm.item())
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
@@ -129,25 +135,41 @@ def _rows(batch, mesh: MeshContext):
     return tuple(t[mesh.dp_rank * per : (mesh.dp_rank + 1) * per] for t in batch)
 
 
-def _trainer(case: str, tp: int, seed_model=None):
+def _trainer(case: str, tp: int, in_graph: bool = False, clip: float = CLIP):
     model, train_fn, plan, batch = CASES[case]()
     reference = copy.deepcopy(model)
     mesh = MeshContext.build(tp=tp, dp_shard=-1, sequence_parallel=case == "llama_sp")
     parallelize_module(model, mesh.device_mesh["tp"], plan)
+    optimizer = {**OPTIMIZER, "in_graph": in_graph, "grad_clip": clip}
     trainer = GraphTrainer(
-        model, train_fn, PassConfig(), optimizer_config=OPTIMIZER, mesh_context=mesh
+        model, train_fn, PassConfig(), optimizer_config=optimizer, mesh_context=mesh
     )
     return trainer, reference, train_fn, batch, mesh
 
 
-def parity(rank: int, world: int, case: str, tp: int) -> dict:
-    """``STEPS`` Adam steps with global-norm clipping of the TP (x FSDP) graph == one eager
-    process on the global batch, and the TP collectives of one step, counted by kind."""
-    trainer, reference, train_fn, batch, mesh = _trainer(case, tp)
-    expected_losses, reference = _eager(reference, train_fn, batch, STEPS)
-    losses = world_mean_losses(trainer, (_rows(batch(step), mesh) for step in range(STEPS)))
+def parity(
+    rank: int, world: int, case: str, tp: int, in_graph: bool = False, clip: float = CLIP
+) -> dict:
+    """``STEPS`` Adam steps with global-norm clipping (to ``clip``) of the TP (x FSDP) graph
+    == one eager process on the global batch, and the TP collectives of one step, counted by
+    kind (``in_graph``: the update in the graph; its norm's collectives are "update/...")."""
+    trainer, reference, train_fn, batch, mesh = _trainer(case, tp, in_graph, clip)
+    norms: list[float] = []
+    expected_losses, reference = _eager(reference, train_fn, batch, STEPS, norms, clip)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        graph_norms: list[float] = []
+        losses = world_mean_losses(
+            trainer, (_rows(batch(step), mesh) for step in range(STEPS)), graph_norms
+        )
     torch.testing.assert_close(
         torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-5
+    )
+    torch.testing.assert_close(
+        torch.tensor(graph_norms, dtype=torch.float64),
+        torch.tensor(norms, dtype=torch.float64),
+        rtol=1e-5,
+        atol=1e-6,
     )
     tp_group = mesh.device_mesh["tp"].get_group()
     worst = 0.0
@@ -160,16 +182,28 @@ def parity(rank: int, world: int, case: str, tp: int) -> dict:
     # carries torch's group names, which the run's groups map back to their roles)
     role_of = trainer.topology.groups.role_of
     kinds = Counter(
-        f"{node.meta.get('gm_phase', 'pass')}/{collective_kind(node)}/{role_of(node.args[-1])}"
+        f"{_phase(node)}/{collective_kind(node)}/{role_of(node.args[-1])}"
         for node in joint.graph_module.graph.nodes
         if collective_kind(node) is not None
     )
     return {
         "worst_param": worst,
+        "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, expected_losses)),
+        "norms": norms,
+        "in_graph": trainer.optimizer_in_graph,
+        "warnings": [str(w.message) for w in caught],
         "losses": losses,
         "collectives": dict(sorted(kinds.items())),
         "split": _split(trainer),
     }
+
+
+def _phase(node) -> str:
+    """Where a collective comes from: a traced phase, "update" (the optimizer pass's norm,
+    the only float64 collective) or "pass" (inserted by the fsdp pass)."""
+    if node.meta["val"].dtype == torch.float64:
+        return "update"
+    return node.meta.get("gm_phase", "pass")
 
 
 def accumulation(rank: int, world: int, case: str) -> dict:

@@ -61,9 +61,9 @@ def global_batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
 
 
-def _eager(model, train_fn, rows: int, norms: list[float] | None = None):
+def _eager(model, train_fn, rows: int, norms: list[float] | None = None, clip=None):
     """``STEPS`` eager Adam steps on the global batch: the losses and the trained model;
-    ``norms``: filled with each step's gradient norm."""
+    ``norms``: filled with each step's gradient norm; ``clip``: ``clip_grad_norm_`` first."""
     model = copy.deepcopy(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     losses = []
@@ -73,6 +73,8 @@ def _eager(model, train_fn, rows: int, norms: list[float] | None = None):
         if norms is not None:
             grads = [p.grad.double() for p in model.parameters() if p.grad is not None]
             norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
@@ -90,16 +92,17 @@ def parity(
     virtual: int = 1,
     backend: str | None = None,
     in_graph: bool = False,
+    clip: float | None = None,
 ) -> dict:
     """``STEPS`` Adam steps of the pipeline (x FSDP over ``world // pp``) == one eager process
     on the global batch; what each stage ran and the warnings (``in_graph``: the update
-    asked in the graph)."""
+    asked in the graph; ``clip``: clipped to that global norm, here and in eager)."""
     make, train_fn = MODELS[case]
     model = make()
     dp = world // pp
     rows_per_dp = 2 * microbatches
     expected_norms: list[float] = []
-    expected_losses, reference = _eager(model, train_fn, rows_per_dp * dp, expected_norms)
+    expected_losses, reference = _eager(model, train_fn, rows_per_dp * dp, expected_norms, clip)
     config = PassConfig(
         pp_degree=pp,
         pp_microbatches=microbatches,
@@ -108,7 +111,7 @@ def parity(
         backend=backend,
     )
     plan = PassPlan(pp_stages=STAGES[case]) if named_stages else None
-    optimizer = {"lr": LR, "in_graph": in_graph}
+    optimizer = {"lr": LR, "in_graph": in_graph, "grad_clip": clip}
     trainer = GraphTrainer(model, train_fn, config, plan, optimizer_config=optimizer)
     dp_index = rank % dp
     rows = slice(dp_index * rows_per_dp, (dp_index + 1) * rows_per_dp)
@@ -149,7 +152,16 @@ def parity(
         if collective_kind(n) is not None
     )
     stats = trainer.pipeline.stats
+    update = trainer.stepper.pipeline_update  # in_graph: the graph of this rank's update
+    groups = trainer.topology.groups
     return {
+        "norms": norms,
+        "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, expected_losses)),
+        "update_collectives": sorted(
+            f"{collective_kind(n)}/{groups.role_of(n.args[-1])}"
+            for n in (update.graph_module.graph.nodes if update is not None else ())
+            if collective_kind(n) is not None
+        ),
         "costs": stage_costs(trainer.pipeline.cut),
         "planned": planned(config, trainer.pipeline.cut).bubble_fraction,
         "stage": trainer.topology.pp_stage,
@@ -460,4 +472,53 @@ def same_as_1f1b(rank: int, world: int, schedule: str) -> dict:
     return {
         "compared": len(own),
         "differing": [k for k in own if not torch.equal(*(t[k] for t in trained))],
+    }
+
+
+#: Below every global gradient norm of the in_graph runs here (1.1 to 1.3): each step clips.
+IN_GRAPH_CLIP = 0.05
+
+
+def took_the_update_in_a_graph(results: list[dict], collectives: list[str]) -> None:
+    """Each rank's stages took the update in a graph (no eager fallback, no warning) whose
+    norm summed the stages' squares with ``collectives``; every step clipped."""
+    for result in results:
+        assert result["in_graph"] and result["warnings"] == []
+        assert result["update_collectives"] == collectives
+        assert min(result["norms"]) > IN_GRAPH_CLIP
+        assert result["loss_rel"] <= 1e-5
+    print(
+        f"in_graph: loss rel {max(r['loss_rel'] for r in results):.1e}, "
+        f"worst |param diff| {max(r['worst'] for r in results):.1e}"
+    )
+
+
+def nonfinite_in_graph(rank: int, world: int) -> dict:
+    """in_graph under 1F1B with ``nonfinite="skip"``: a NaN in the gradient of one stage (rank
+    0's) makes the norm of every stage's update graph NaN (the pipeline's all-reduce), so no
+    rank changes a weight or an optimizer state (step counts taken back)."""
+    config = PassConfig(pp_degree=2, pp_microbatches=2, pp_schedule="1f1b")
+    optimizer = {"lr": LR, "in_graph": True, "grad_clip": IN_GRAPH_CLIP}
+    trainer = GraphTrainer(
+        tinygpt(), lm_loss, config, PassPlan(pp_stages=STAGES["tinygpt"]),
+        optimizer_config=optimizer, nonfinite="skip",
+    )  # fmt: skip
+
+    def snapshot() -> list[torch.Tensor]:
+        states = [v for s in trainer.optimizer.state.values() for v in s.values()]
+        return [t.detach().clone() for t in (*trainer.model.parameters(), *states)]
+
+    trainer.train_step(*global_batch(0, 4))
+    trainer.optimizer_step()
+    trainer.train_step(*global_batch(1, 4))
+    if rank == 0:
+        next(p for p in trainer.model.parameters() if p.grad is not None).grad.fill_(float("nan"))
+    before = snapshot()
+    norm = trainer.optimizer_step()
+    after = snapshot()
+    return {
+        "in_graph": trainer.optimizer_in_graph,
+        "norm": norm,
+        "unchanged": len(before) == len(after) and all(map(torch.equal, before, after)),
+        "steps": (trainer.step, trainer.skipped_steps),
     }

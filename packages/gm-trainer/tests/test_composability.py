@@ -28,10 +28,8 @@ MACHINE_DEPENDENT: dict[tuple[str, ...], str] = {
 }
 
 #: Cells that match eager with the update run eagerly (``in_graph`` falls back, warning why).
-EAGER_UPDATE = {
-    ("pp", "in_graph"): "no graph of a pipeline holds every stage's gradients (the global "
-    "norm sums over the stages); the optimizer steps after the schedule",
-}
+#: None today: PP and TP take it in the graph too (issue 38).
+EAGER_UPDATE: dict[tuple[str, ...], str] = {}
 
 MATCHING = [
     ("fsdp", "accumulation"),
@@ -45,6 +43,8 @@ MATCHING = [
     ("accumulation", "in_graph"),
     ("pp", "dynamic"),
     ("pp", "resume"),
+    ("pp", "in_graph"),
+    ("tp", "in_graph"),
     *EAGER_UPDATE,
     *BROKEN,
 ]

@@ -25,6 +25,33 @@ def test_tp2_matches_eager_with_clipping(case, dist_pool):
     assert first["split"] == (3 if case == "mlp" else 14)
 
 
+def _in_graph_update_clips_like_eager(pool, world: int) -> None:
+    """``OptimizerConfig(in_graph=True)`` under DTensor TP on ``world`` ranks (an eager
+    fallback before): the traced norm sums the TP slices' squares over the TP group, counts
+    fc2's replicated bias once, and clips (to 0.1, below every norm) as ``clip_grad_norm_``."""
+    results = pool.run(bodies.parity, "mlp", 2, True, 0.1, timeout=300)
+    for r in results:
+        assert r["in_graph"] and r["warnings"] == []
+        assert min(r["norms"]) > 0.1 and r["loss_rel"] <= 1e-5
+    # one all-reduce of squares per group: over TP, and over FSDP when there is one
+    update = {k: v for k, v in results[0]["collectives"].items() if k.startswith("update/")}
+    fsdp = {"update/all_reduce/fsdp": 1} if world == 4 else {}
+    assert update == {"update/all_reduce/tp": 1, **fsdp}
+    print(
+        f"tp2 x fsdp{world // 2} in_graph: loss rel {max(r['loss_rel'] for r in results):.1e}"
+        f", worst |param diff| {max(r['worst_param'] for r in results):.1e}"
+    )
+
+
+def test_tp2_in_graph_update_clips_like_eager(dist_pool):
+    _in_graph_update_clips_like_eager(dist_pool(2), 2)
+
+
+def test_tp2_fsdp2_in_graph_update_clips_like_eager(dist_pool):
+    """TP-split parameters are FSDP-sharded too: their squares are summed over both groups."""
+    _in_graph_update_clips_like_eager(dist_pool(4), 4)
+
+
 @HF
 def test_tp2_fsdp2_sequence_parallel_llama_matches_eager(dist_pool):
     results = dist_pool(4).run(bodies.parity, "llama_sp", 2, timeout=600)

@@ -83,17 +83,51 @@ def test_pp2_fsdp2_reduce_scatters_each_parameter_once_per_step_as_fsdp2_does(di
     )
 
 
-def test_pp2_fsdp2_with_the_update_asked_in_the_graph_matches_eager(dist_pool):
-    """``OptimizerConfig(in_graph=True)`` under a pipeline (refused before): no graph of a
-    pipeline takes the update yet, so it runs eagerly after the schedule, with a warning."""
-    results = dist_pool(4).run(
-        bodies.parity, "tinygpt", 2, "1f1b", 4, True, 1, None, True, timeout=600
+def test_pp2_takes_the_update_in_a_graph_and_clips_like_eager(dist_pool):
+    """``OptimizerConfig(in_graph=True)`` under 1F1B (an eager fallback before): each rank's
+    stage updates in a graph after its last backward, clipped by the norm over every stage
+    (one all-reduce over the pipeline), as ``clip_grad_norm_`` on the whole model."""
+    results = dist_pool(2).run(
+        bodies.parity,
+        "tinygpt",
+        2,
+        "1f1b",
+        4,
+        True,
+        1,
+        None,
+        True,
+        bodies.IN_GRAPH_CLIP,
+        timeout=300,
     )
-    for result in results:
-        assert not result["in_graph"]
-        assert len(result["warnings"]) == 1
-        assert "the update runs eagerly" in result["warnings"][0]
-        assert "pipeline parallelism" in result["warnings"][0]
+    bodies.took_the_update_in_a_graph(results, ["all_reduce/pp"])
+
+
+def test_a_nonfinite_gradient_on_one_stage_masks_every_stages_update_graph(dist_pool):
+    results = dist_pool(2).run(bodies.nonfinite_in_graph, timeout=300)
+    for r in results:
+        assert r["in_graph"] and r["unchanged"]
+        assert r["norm"] != r["norm"]  # NaN on every rank
+        assert r["steps"] == (2, 1)  # counted, and skipped
+
+
+def test_pp2_fsdp2_takes_the_update_in_a_graph_and_clips_like_eager(dist_pool):
+    """PP x FSDP x in_graph: the stages' shards are reduced once per step, then the graph's
+    norm sums them over the FSDP group and the stages over the pipeline."""
+    results = dist_pool(4).run(
+        bodies.parity,
+        "tinygpt",
+        2,
+        "1f1b",
+        4,
+        True,
+        1,
+        None,
+        True,
+        bodies.IN_GRAPH_CLIP,
+        timeout=600,
+    )
+    bodies.took_the_update_in_a_graph(results, ["all_reduce/fsdp", "all_reduce/pp"])
 
 
 def test_pp2_fsdp2_with_a_sequence_length_that_changes_matches_eager(dist_pool):

@@ -37,6 +37,27 @@ def test_zbv_on_two_ranks_matches_eager_adam(dist_pool):
     assert 0 <= results[0]["planned"] < 1  # 0: the busiest rank (embedding, head) never waits
 
 
+def test_zbv_takes_the_update_in_a_graph_after_the_last_w(dist_pool):
+    """in_graph under ZB-V (an eager fallback before): the weight gradients of every
+    micro-batch's W accumulate first, then the graph of this rank's two stages clips by the
+    norm over all four stages and updates, as eager Adam with ``clip_grad_norm_``."""
+    results = dist_pool(2).run(
+        bodies.parity,
+        "tinygpt",
+        2,
+        "zbv",
+        4,
+        False,
+        2,
+        None,
+        True,
+        bodies.IN_GRAPH_CLIP,
+        timeout=300,
+    )
+    _check(results, [[0, 3], [1, 2]])
+    bodies.took_the_update_in_a_graph(results, ["all_reduce/pp"])
+
+
 @full_only
 @pytest.mark.parametrize(("schedule", "virtual"), [("zb1p", 1), ("dualpipev", 2)])
 def test_zero_bubble_schedules_on_two_ranks_match_eager_adam(schedule, virtual, dist_pool):
@@ -45,6 +66,16 @@ def test_zero_bubble_schedules_on_two_ranks_match_eager_adam(schedule, virtual, 
         bodies.parity, "tinygpt", 2, schedule, 4, named, virtual, timeout=300
     )
     _check(results, [[0], [1]] if virtual == 1 else [[0, 3], [1, 2]])
+
+
+@full_only
+@pytest.mark.parametrize(("schedule", "virtual"), [("zb1p", 1), ("dualpipev", 2)])
+def test_zero_bubble_schedules_take_the_update_in_a_graph(schedule, virtual, dist_pool):
+    results = dist_pool(2).run(
+        bodies.parity, "tinygpt", 2, schedule, 4, virtual == 1, virtual, None, True,
+        bodies.IN_GRAPH_CLIP, timeout=300,
+    )  # fmt: skip
+    bodies.took_the_update_in_a_graph(results, ["all_reduce/pp"])
 
 
 @full_only

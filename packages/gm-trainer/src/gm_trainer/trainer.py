@@ -365,7 +365,10 @@ class GraphTrainer:
     @property
     def optimizer_in_graph(self) -> bool:
         """True when the compiled graphs run the optimizer update themselves
-        (``OptimizerConfig(in_graph=True)`` and a traceable optimizer)."""
+        (``OptimizerConfig(in_graph=True)`` and a traceable optimizer); under a pipeline, a
+        graph of this rank's stages' update after the schedule."""
+        if self.stepper.pipeline_update is not None:
+            return True
         return any(joint.optimizer_in_graph for joint in self.registry.graphs())
 
     def grad_norm(self) -> float:

@@ -3,7 +3,8 @@
 The joint graph returns one gradient per parameter (after ``fsdp``: this rank's reduced
 shard). This pass consumes them where they are: it appends, before the output, the global
 gradient norm (squares of every local gradient in float64, one all-reduce over the FSDP group
-for the sharded ones), the clip to ``max_norm`` when asked, and then each parameter's update
+for the sharded ones, one over the TP group for the slices of TP-split parameters), the clip
+to ``max_norm`` when asked, and then each parameter's update
 of Adam, AdamW or SGD on its local shard, in the order the gradients are computed. The
 parameters and the optimizer states (``exp_avg`` …, graph inputs) are updated IN PLACE; the
 graph no longer returns gradients, so nothing is kept on ``.grad``.
@@ -28,6 +29,8 @@ The op sequence is that of ``torch.optim``'s single-tensor (``foreach=False``) c
 Python scalars that depend on the learning rate or the step passed in as tensors, so a step
 is bitwise the eager step on CPU. Order: the clip and the finite-check need the norm over every
 shard before any update is committed, so the updates follow the norm's all-reduce.
+A pipeline's stages take the same ops in a graph of their own (:func:`build_stage_update`,
+run after the schedule), whose norm also sums every stage's squares over the pipeline group.
 Runs after ``fsdp``, ``reshard`` and ``recompute``, before ``overlap`` (which then sinks each
 reduce-scatter's wait to the update that first reads it) and the backend.
 """
@@ -35,17 +38,19 @@ reduce-scatter's wait to the update that first reads it) and the backend.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from gm_config import GraphModeRuntimeError, Role
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_trace.graph import node_meta
 from gm_trace.graph.graph_build import fake_mode_of
+from gm_trace.graph.groups import ParallelGroups
 from gm_trace.graph.joint_graph import OPTIMIZER_UPDATE, SHARDING_LAYOUT
 from gm_trace.parallel.ep import expert_param_fqns
 
@@ -149,6 +154,21 @@ class OptimizerUpdate:
     """Ranks holding the same experts: the FSDP group's sum counts each expert's squares this
     many times, so they are divided by it first."""
 
+    # --- tensor and pipeline parallelism (issue 38) ---
+    tp_sharded: frozenset[str] = frozenset()
+    """FQNs of parameters the TP plan split: each TP rank holds a different slice, so their
+    squares are summed over the TP group; the others are whole (the same) on every TP rank
+    and count once. The caller names them (it knows the TP plan)."""
+
+    tp_group_name: str | None = None
+    """The TP group the slices' all-reduce runs over (``None``: no TP group, nothing to sum);
+    :func:`resolve_update` fills it in."""
+
+    pp_group_name: str | None = None
+    """The pipeline group over which every stage's squares are summed (``None``: no
+    pipeline); set for the update graph of a rank's pipeline stages
+    (:func:`build_stage_update`)."""
+
     def input_keys(self) -> list[tuple[str, str, str]]:
         """The added placeholders in order: ``("scalar", fqn, name)`` for each parameter's
         scalars, then ``("state", fqn, name)`` for each parameter's states."""
@@ -185,28 +205,96 @@ class OptimizerUpdatePass(GraphPass):
                 f"optimizer_update names parameters without a gradient output: {missing}"
             )
         layout = ctx.artifacts.get(SHARDING_LAYOUT)
-        if layout is not None:
-            spec = dataclasses.replace(
-                spec,
-                sharded=frozenset(layout.params),
-                group_name=ctx.groups.get(Role.FSDP).group_name,
-            )
-        experts = frozenset(expert_param_fqns(ctx.model)) if ctx.model is not None else frozenset()
-        experts -= spec.sharded
-        if experts:
-            replicas = ctx.groups.get(Role.EP_REPLICATE).size()
-            spec = dataclasses.replace(spec, experts=experts, expert_replicas=replicas)
-        _Emitter(graph_module.graph, joint, spec).emit()
+        sharded = layout.params if layout is not None else None
+        spec = resolve_update(spec, ctx.groups, sharded, ctx.model)
+        _Emitter(graph_module.graph, joint.grad_output_index, spec).emit()
         ctx.publish(OPTIMIZER_UPDATE, spec)
         ctx.record(self.name, params_updated=len(spec.params), clip=spec.max_norm)
         return PassResult(graph_module, True)
 
 
+def resolve_update(
+    spec: OptimizerUpdate,
+    groups: ParallelGroups,
+    sharded: Iterable[str] | None,
+    model: torch.nn.Module | None,
+) -> OptimizerUpdate:
+    """``spec`` with what the run says about each gradient: ``sharded`` (the FQNs the fsdp
+    pass sharded; ``None``: no FSDP) are disjoint over the FSDP group, expert-parallel
+    parameters of ``model`` over the ep group, and the TP slices (``spec.tp_sharded``) over
+    the TP group when the run has one."""
+    if sharded is not None:
+        spec = dataclasses.replace(
+            spec, sharded=frozenset(sharded), group_name=groups.name(Role.FSDP)
+        )
+    experts = frozenset(expert_param_fqns(model)) if model is not None else frozenset()
+    experts -= spec.sharded
+    if experts:
+        replicas = groups.get(Role.EP_REPLICATE).size()
+        spec = dataclasses.replace(spec, experts=experts, expert_replicas=replicas)
+    if spec.tp_sharded and groups.size(Role.TP) > 1:
+        spec = dataclasses.replace(spec, tp_group_name=groups.name(Role.TP))
+    return spec
+
+
+@dataclass(frozen=True)
+class StageUpdate:
+    """The update graph of a rank's pipeline stages (:func:`build_stage_update`). Called
+    with ``(loss, *params, *grads, *optimizer_inputs)`` — ``params`` and ``grads`` in
+    ``spec.params`` order, the optimizer inputs in ``spec.input_keys()`` order — it updates
+    the parameters and states in place and returns ``(loss, grad_norm)``."""
+
+    graph_module: fx.GraphModule
+    spec: OptimizerUpdate
+
+
+def build_stage_update(
+    params: Mapping[str, torch.Tensor],
+    spec: OptimizerUpdate,
+    groups: ParallelGroups,
+    sharded: Iterable[str] | None = None,
+    model: torch.nn.Module | None = None,
+) -> StageUpdate:
+    """The update of the parameters of a rank's pipeline stages as a graph of its own, with
+    the ops the ``optimizer`` pass appends to a joint graph: the stages' gradients are
+    accumulated over every micro-batch (and reduced, under FSDP) before it runs, which no
+    stage's backward graph sees. ``params``: FQN -> the live (local) parameter, for each of
+    ``spec.params``; ``sharded``/``model``: as for :func:`resolve_update`. The global norm
+    sums the squares of every stage with one all-reduce over the pipeline group, after the
+    FSDP and TP sums."""
+    spec = resolve_update(spec, groups, sharded, model)
+    spec = dataclasses.replace(spec, pp_group_name=groups.name(Role.PP))
+    graph = fx.Graph()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def placeholder(name: str, like: torch.Tensor, **meta: Any) -> fx.Node:
+        node = graph.placeholder(name)
+        with mode:
+            node.meta["val"] = torch.empty_strided(
+                like.shape, like.stride(), dtype=like.dtype, device=like.device
+            )
+        node.meta.update(meta)
+        return node
+
+    fqns = [p.fqn for p in spec.params]
+    loss = placeholder("loss", torch.empty((), dtype=torch.float32))
+    for i, fqn in enumerate(fqns):
+        placeholder(f"param_{i}", params[fqn], **{node_meta.ROLE: "param", node_meta.FQN: fqn})
+    grads = [placeholder(f"grad_{i}", params[fqn]) for i, fqn in enumerate(fqns)]
+    graph.output((loss, *grads))
+    index = {fqn: 1 + i for i, fqn in enumerate(fqns)}
+    _Emitter(graph, index, spec).emit()
+    graph.lint()
+    return StageUpdate(fx.GraphModule(torch.nn.Module(), graph), spec)
+
+
 class _Emitter:
     """The graph surgery of one ``optimizer`` pass run."""
 
-    def __init__(self, graph: fx.Graph, joint: Any, spec: OptimizerUpdate) -> None:
-        self.graph, self.joint, self.spec = graph, joint, spec
+    def __init__(
+        self, graph: fx.Graph, grad_index: Mapping[str, int], spec: OptimizerUpdate
+    ) -> None:
+        self.graph, self.grad_index, self.spec = graph, grad_index, spec
         self.mode = fake_mode_of(graph)
         self.output = graph.output_node()
 
@@ -243,7 +331,7 @@ class _Emitter:
         spec = self.spec
         inputs = self.placeholders()
         outputs = list(self.output.args[0])
-        index = self.joint.grad_output_index
+        index = self.grad_index
         grads = {p.fqn: outputs[index[p.fqn]] for p in spec.params}
         params = {
             n.meta.get(node_meta.FQN): n
@@ -305,13 +393,20 @@ class _Emitter:
             return op(aten.sum.default, op(aten.stack.default, parts))
 
         device = grads[0].meta["val"].device if grads else torch.device("cpu")
-        sharded = [g for g, f in zip(grads, fqns) if f in spec.sharded]
-        experts = [g for g, f in zip(grads, fqns) if f in spec.experts]
-        replicated = [
-            g for g, f in zip(grads, fqns) if f not in spec.sharded and f not in spec.experts
-        ]
-        expert_squares = squares(experts)
-        if experts and spec.expert_replicas > 1:
+        tp = spec.tp_group_name is not None
+        kinds = {
+            f: "expert"
+            if f in spec.experts
+            else ("sharded" if f in spec.sharded else "replicated")
+            + ("_tp" if tp and f in spec.tp_sharded else "")
+            for f in fqns
+        }
+
+        def of(kind: str) -> list[fx.Node]:
+            return [g for g, f in zip(grads, fqns) if kinds[f] == kind]
+
+        expert_squares = squares(of("expert"))
+        if spec.experts and spec.expert_replicas > 1:
             expert_squares = op(aten.div.Tensor, expert_squares, spec.expert_replicas)
         bad_loss = op(
             aten.where.self,
@@ -319,15 +414,30 @@ class _Emitter:
             op(aten.zeros.default, [], dtype=torch.float64, device=device),
             op(aten.full.default, [], float("inf"), dtype=torch.float64, device=device),
         )
-        over_group = op(aten.stack.default, [squares(sharded), expert_squares, bad_loss])
+        # Disjoint over the FSDP group: its shards, experts, the loss's flag, TP slices' shards.
+        summed = [squares(of("sharded")), expert_squares, bad_loss]
+        if tp:
+            summed.append(squares(of("sharded_tp")))
+        over_group = op(aten.stack.default, summed)
         if spec.group_name is not None:
-            reduced = op(c10d.all_reduce.default, over_group, "sum", spec.group_name)
-            over_group = op(c10d.wait_tensor.default, reduced)
+            over_group = self.all_reduce(over_group, spec.group_name)
         first = op(aten.select.int, over_group, 0, 0)
         rest = op(aten.add.Tensor, op(aten.select.int, over_group, 0, 1), squares([]))
-        total = op(aten.add.Tensor, op(aten.add.Tensor, first, rest), squares(replicated))
+        total = op(aten.add.Tensor, op(aten.add.Tensor, first, rest), squares(of("replicated")))
+        if tp:  # TP slices are disjoint over the TP group; what it left whole counts once
+            over_tp = op(
+                aten.add.Tensor, op(aten.select.int, over_group, 0, 3), squares(of("replicated_tp"))
+            )
+            total = op(aten.add.Tensor, total, self.all_reduce(over_tp, spec.tp_group_name))
         total = op(aten.add.Tensor, total, op(aten.select.int, over_group, 0, 2))
+        if spec.pp_group_name is not None:  # each stage holds its own parameters
+            total = self.all_reduce(total, spec.pp_group_name)
         return op(aten.sqrt.default, total)
+
+    def all_reduce(self, tensor: fx.Node, group_name: str) -> fx.Node:
+        """The sum of ``tensor`` over the group named ``group_name``."""
+        reduced = self.op(c10d.all_reduce.default, tensor, "sum", group_name)
+        return self.op(c10d.wait_tensor.default, reduced)
 
 
 class _UpdateNodes(NamedTuple):

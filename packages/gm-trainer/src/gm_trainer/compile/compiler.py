@@ -43,7 +43,7 @@ class UpdatePlanner(Protocol):
     @property
     def requested(self) -> bool: ...
 
-    def why_not(self, topology: Topology) -> str | None: ...
+    def why_not(self) -> str | None: ...
 
     def plan(self, grad_fqns: Sequence[str]) -> OptimizerUpdate: ...
 
@@ -102,7 +102,7 @@ class GraphCompiler:
     @property
     def update_traceable(self) -> bool:
         """True when ``in_graph`` asks for the update in the graph and it can be traced."""
-        return self.update.requested and self.update.why_not(self._topology) is None
+        return self.update.requested and self.update.why_not() is None
 
     def variant_for(self, accumulate: bool, last: bool = False) -> str:
         """Which graph variant a micro-batch runs: a plain step, an accumulating micro-batch
@@ -131,10 +131,14 @@ class GraphCompiler:
         run = self.run
         first = self.registry.compile_count == 0
         joint = self._trace(input, label, cache, self.pytree_pre_hook if first else None)
-        if variant == ACCUMULATE:  # no update in the graph; reduce once per step under FSDP
-            defer = [DeferredReducePass()] if run.topology.fsdp_active else []
+        pipelined = run.pass_config.pp_degree > 1
+        if variant == ACCUMULATE or pipelined:  # no update in this graph
+            # Reduce once per step under FSDP. A pipeline's stages take the update after the
+            # schedule, in a graph of their own (the stepper's), when it can be traced.
+            fsdp = run.topology.fsdp_active
+            defer = [DeferredReducePass()] if variant == ACCUMULATE and fsdp else []
             passes = [*self.extra_passes, *defer]
-            if run.pass_config.pp_degree > 1:  # no graph of a pipeline takes the update
+            if pipelined:
                 self._eager_update_reason()
         else:
             last = [LastMicroBatchPass()] if variant == LAST else []
@@ -279,7 +283,7 @@ class GraphCompiler:
     def _eager_update_reason(self) -> str | None:
         """Why ``OptimizerConfig(in_graph=True)``'s update cannot go in the graph (``None``:
         it can, or in_graph is off); the first time, a ``RuntimeWarning`` says so."""
-        reason = self.update.why_not(self._topology) if self.update.requested else None
+        reason = self.update.why_not() if self.update.requested else None
         if reason is not None and self.in_graph_reason is None:
             warnings.warn(
                 f"OptimizerConfig(in_graph=True): the update runs eagerly, outside the graph: "

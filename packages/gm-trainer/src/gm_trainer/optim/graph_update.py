@@ -11,15 +11,22 @@ same float64 arithmetic, and handed to the graph as 0-d tensors.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from gm_trace.passes.optimizer_update import GroupRule, OptimizerUpdate, ParamUpdate
+from gm_trace.graph.groups import ParallelGroups
+from gm_trace.passes.optimizer_update import (
+    GroupRule,
+    OptimizerUpdate,
+    ParamUpdate,
+    StageUpdate,
+    build_stage_update,
+)
 from gm_trainer.errors import TrainingError
 from gm_trainer.optim.config import OptimizerConfig, initial_state
-from gm_trainer.parallel.topology import Topology
+from gm_trainer.parallel.tp import tp_shard_dims
 
 #: ``torch.optim`` options the traced update implements only at these values.
 _FIXED = {
@@ -32,9 +39,10 @@ _FIXED = {
 }
 
 
-def untraceable_reason(config: OptimizerConfig, topology: Topology) -> str | None:
-    """Why the update of the optimizer ``config`` builds cannot go in the graph of a run on
-    ``topology`` (``None``: it can)."""
+def untraceable_reason(config: OptimizerConfig) -> str | None:
+    """Why the update of the optimizer ``config`` builds cannot go in the graph (``None``: it
+    can). Every parallel layout takes it: FSDP, HSDP, EP and TP in the step's graph, a
+    pipeline's stages in a graph of their own (:class:`PipelineUpdate`)."""
     if not isinstance(config.name, str) or config.name.lower() not in ("adam", "adamw", "sgd"):
         return (
             f"the optimizer is {config.name!r}; the graph traces torch.optim Adam, AdamW and SGD "
@@ -44,14 +52,6 @@ def untraceable_reason(config: OptimizerConfig, topology: Topology) -> str | Non
     for key, value in (config.kwargs or {}).items():
         if key in _FIXED and value != _FIXED[key] and not (key == "fused" and value is False):
             return f"OptimizerConfig.kwargs {key}={value!r} is not traced (only {_FIXED[key]!r})"
-    if topology.tp_group is not None:
-        return "tensor parallelism: the traced global norm does not sum TP slices yet"
-    if topology.pp_group is not None:
-        return (
-            "pipeline parallelism: no graph of a pipeline takes the update yet (each stage's "
-            "would need the gradient norm over every stage); the optimizer steps after the "
-            "schedule, on the stages' reduced gradients"
-        )
     return None
 
 
@@ -60,12 +60,14 @@ def plan_update(
     grad_fqns: Sequence[str],
     optimizer: torch.optim.Optimizer | None = None,
     params: Mapping[str, torch.Tensor] | None = None,
+    tp_sharded: Iterable[str] = (),
 ) -> OptimizerUpdate:
     """The update to trace for the parameters with a gradient: each parameter under the rule
     of its own group of ``optimizer`` (``params``: the model's parameters by FQN, to find
     them there); before the optimizer exists (the first compile), under the group that
     :meth:`OptimizerConfig.build` gives every parameter. So the graph traces exactly the
-    hyper-parameters the real optimizer holds, ``OptimizerConfig.kwargs`` included."""
+    hyper-parameters the real optimizer holds, ``OptimizerConfig.kwargs`` included.
+    ``tp_sharded``: the parameters the TP plan split (their norm sums over the TP group)."""
     kind = config.name.lower()
     if optimizer is None or params is None:
         # What the optimizer will be built with, fields and kwargs merged by torch.optim itself.
@@ -78,7 +80,12 @@ def plan_update(
         updates = tuple(ParamUpdate(f, where.get(id(params[f]), -1)) for f in grad_fqns)
         _refuse_ungrouped([p.fqn for p in updates if p.group < 0])
     rules = tuple(_rule(kind, group) for group in groups)
-    return OptimizerUpdate(groups=rules, params=updates, max_norm=config.grad_clip)
+    return OptimizerUpdate(
+        groups=rules,
+        params=updates,
+        max_norm=config.grad_clip,
+        tp_sharded=frozenset(tp_sharded) & frozenset(grad_fqns),
+    )
 
 
 def _rule(kind: str, group: dict[str, Any]) -> GroupRule:
@@ -149,17 +156,19 @@ class GraphUpdatePlanner:
         """``OptimizerConfig(in_graph=True)``."""
         return self.config.in_graph
 
-    def why_not(self, topology: Topology) -> str | None:
+    def why_not(self) -> str | None:
         """Why the update cannot be traced (``None``: it can)."""
-        return untraceable_reason(self.config, topology)
+        return untraceable_reason(self.config)
 
     def plan(self, grad_fqns: Sequence[str]) -> OptimizerUpdate:
         """The update to trace for the parameters with a gradient."""
         optimizer = self._owner.optimizer if self._owner is not None else None
+        # TP-split parameters are marked on the model (whichever way TP was applied).
+        split = tp_shard_dims(self._model) if self._model is not None else {}
         if optimizer is None or self._model is None:
-            return plan_update(self.config, grad_fqns)
+            return plan_update(self.config, grad_fqns, tp_sharded=split)
         params = dict(self._model.named_parameters())
-        return plan_update(self.config, grad_fqns, optimizer, params)
+        return plan_update(self.config, grad_fqns, optimizer, params, split)
 
 
 class GraphStepInputs:
@@ -338,3 +347,66 @@ def _differs(live: Any, baked: Any) -> bool:
     if baked is None:  # fused: None and False both mean the single-tensor code
         return live not in (None, False)
     return live != baked
+
+
+class UpdatePlan(Protocol):
+    """Plans the update to trace for a set of gradients (:class:`GraphUpdatePlanner`)."""
+
+    def plan(self, grad_fqns: Sequence[str]) -> OptimizerUpdate: ...
+
+
+class PipelineUpdate:
+    """The update in a graph of this rank's pipeline stages (``in_graph`` under PP).
+
+    No stage's backward graph sees a step's whole gradient: it accumulates over every
+    micro-batch (each stage's last ``W`` under a zero-bubble schedule) and, under FSDP, is
+    reduced once per step after the schedule. So the update is a graph of its own
+    (:func:`gm_trace.passes.optimizer_update.build_stage_update`: the ``optimizer`` pass's
+    ops), run once per step on those gradients; its global norm sums every stage's squares
+    with one all-reduce over the pipeline group. Each rank of a pipeline reaches it after its
+    whole schedule; as the norm needs every stage's squares, an update right after a stage's
+    own last ``W`` would wait for the same all-reduce. Built for the parameters that hold a
+    gradient, again when that set changes (a parameter frozen or thawed)."""
+
+    def __init__(
+        self,
+        planner: UpdatePlan,
+        model: torch.nn.Module,
+        row_shards: Iterable[str],
+        groups: ParallelGroups,
+    ) -> None:
+        self._planner, self._model = planner, model
+        self._sharded = frozenset(row_shards) or None  # None: no FSDP
+        self._groups = groups
+        self._update: StageUpdate | None = None
+        self._fqns: tuple[str, ...] = ()
+
+    def __call__(
+        self, inputs: Callable[[OptimizerUpdate], list[torch.Tensor]], loss: float | None
+    ) -> torch.Tensor:
+        """Clip and update the parameters with a gradient, in place, unless the norm or
+        ``loss`` (the step's, when known) is not finite; ``inputs(spec)``: the graph's
+        optimizer inputs (step counts bumped). Returns the global norm before clipping."""
+        params = {f: p for f, p in self._model.named_parameters() if p.grad is not None}
+        if self._update is None or tuple(params) != self._fqns:
+            spec = self._planner.plan(list(params))
+            self._update = build_stage_update(
+                params, spec, self._groups, self._sharded, self._model
+            )
+            self._fqns = tuple(params)
+        spec = self._update.spec
+        flag = torch.tensor(loss if loss is not None else 0.0, dtype=torch.float32)
+        args = [
+            flag,
+            *(params[p.fqn] for p in spec.params),
+            *(params[p.fqn].grad for p in spec.params),
+            *inputs(spec),
+        ]
+        with torch.no_grad():
+            _, norm = self._update.graph_module(*args)
+        return norm
+
+    @property
+    def graph_module(self) -> torch.fx.GraphModule | None:
+        """The update graph the last step ran (``None`` before the first)."""
+        return self._update.graph_module if self._update is not None else None

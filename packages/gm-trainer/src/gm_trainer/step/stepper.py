@@ -22,7 +22,7 @@ from gm_trainer.compile.registry import GraphRegistry
 from gm_trainer.errors import TrainingError
 from gm_trainer.optim.config import OptimizerConfig, clip_to_norm
 from gm_trainer.optim.gradients import grad_norm_tensor, scale_grads
-from gm_trainer.optim.graph_update import GraphStepInputs
+from gm_trainer.optim.graph_update import GraphStepInputs, PipelineUpdate, UpdatePlan
 from gm_trainer.optim.nonfinite import (
     first_nonfinite_grad,
     nonfinite_grad_error,
@@ -66,6 +66,8 @@ class OptimizerStepper:
         # last such graph returned (the step it took ends in step()).
         self._graph_inputs: GraphStepInputs | None = None
         self._graph_norm: torch.Tensor | None = None
+        # in_graph under a pipeline: the graph that updates this rank's stages in step().
+        self.pipeline_update: PipelineUpdate | None = None
 
     def build(
         self,
@@ -73,13 +75,20 @@ class OptimizerStepper:
         row_shards: Mapping[str, RowShard],
         topology: Topology,
         registry: GraphRegistry,
+        pipeline_update: UpdatePlan | None = None,
     ) -> None:
-        """The optimizer and LR scheduler on ``model``'s (sharded) parameters; once."""
+        """The optimizer and LR scheduler on ``model``'s (sharded) parameters; once.
+        ``pipeline_update``: the update of this rank's pipeline stages goes in a graph of
+        its own (``in_graph`` under a pipeline), planned by it."""
         if self.optimizer is not None:
             return
         self._model, self._row_shards = model, dict(row_shards)
         self._topology, self._registry = topology, registry
         self.optimizer = self.config.build(list(model.parameters()))
+        if pipeline_update is not None:
+            self.pipeline_update = PipelineUpdate(
+                pipeline_update, model, row_shards, topology.groups
+            )
         if self._lr_scheduler_factory is not None:
             self.lr_scheduler = self._lr_scheduler_factory(self.optimizer)
 
@@ -142,6 +151,8 @@ class OptimizerStepper:
             raise RuntimeError("optimizer_step() before the first train_step(): nothing to step")
         if self._graph_norm is not None:
             return self._end_graph_step(loss)
+        if self.pipeline_update is not None:
+            return self._pipeline_graph_step(scale, loss)
         if loss is not None and not math.isfinite(loss):
             if self.nonfinite == "skip":
                 return self._skip()
@@ -178,6 +189,16 @@ class OptimizerStepper:
         if self._graph_norm is not None:
             self._graph_norm = None
             self._graph_inputs.undo()
+
+    def _pipeline_graph_step(self, scale: float, loss: float | None) -> float:
+        """The step of a pipeline whose update is a graph: the stages' gradients reduced
+        (FSDP) and scaled as for the eager update, then clipped and applied by the graph."""
+        self.deferred.reduce(self._model)  # once per step, after every micro-batch's W
+        if scale != 1.0:
+            scale_grads(self._model, scale, self._registry.learned_tensors())
+        self._graph_norm = self.pipeline_update(self.graph_inputs, loss)
+        self.optimizer.zero_grad(set_to_none=True)  # the graph consumed them
+        return self._end_graph_step(loss)
 
     def _end_graph_step(self, loss: float | None) -> float:
         """After a graph that took the update. A non-finite norm (or ``loss``) means the graph
