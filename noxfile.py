@@ -92,6 +92,14 @@ def _install_layer(
         session.install(*TEST_DEPS[dist])
 
 
+def _test_file(dist: str, name: str) -> str:
+    """The test file ``name`` of ``dist``'s suite, in the folder that mirrors its sources."""
+    found = sorted((ROOT / "packages" / dist / "tests").rglob(name))
+    if len(found) != 1:
+        raise ValueError(f"{dist}'s tests hold {len(found)} files named {name}")
+    return str(found[0])
+
+
 def _pytest(session: nox.Session, dist: str, env: dict[str, str] | None = None) -> None:
     session.run(
         "pytest",
@@ -217,11 +225,11 @@ def memory(session: nox.Session) -> None:
     _install_layer(session, "gm-trainer", torch=True)
     session.run(
         "pytest",
-        str(ROOT / "packages" / "gm-trainer" / "tests" / "test_memory_budget.py"),
+        _test_file("gm-trainer", "test_memory_budget.py"),
         # activation offload forced on CPU (issue 28's third choice)
-        str(ROOT / "packages" / "gm-trainer" / "tests" / "test_offload_training.py"),
+        _test_file("gm-trainer", "test_offload_training.py"),
         # measure_activations mid-training in a pipeline leaves the stages' generators
-        str(ROOT / "packages" / "gm-trainer" / "tests" / "test_inspection_leaves_the_run.py"),
+        _test_file("gm-trainer", "test_inspection_leaves_the_run.py"),
         "-q",
         "-p",
         "no:cacheprovider",
@@ -237,12 +245,10 @@ def cp(session: nox.Session) -> None:
     against one eager process (the default suite runs one cell)."""
     _install_layer(session, "gm-trainer", torch=True)
     session.env["GM_CP"] = "all"
-    tests = ROOT / "packages" / "gm-trainer" / "tests"
-    kernels = ROOT / "packages" / "gm-trace" / "tests" / "parallel" / "cp" / "test_cp_accelerator.py"
     session.run(
         "pytest",
-        str(tests / "test_cp.py"),
-        str(kernels),
+        _test_file("gm-trainer", "test_cp.py"),
+        _test_file("gm-trace", "test_cp_accelerator.py"),
         "-q",
         "-p",
         "no:cacheprovider",
@@ -287,8 +293,7 @@ def moe(session: nox.Session) -> None:
 def _opt_in_trainer_tests(session: nox.Session, files: tuple[str, ...], env: dict) -> None:
     """gm-trainer's test ``files`` with the opt-in flags ``env`` set (the whole matrix)."""
     _install_layer(session, "gm-trainer", torch=True)
-    tests = ROOT / "packages" / "gm-trainer" / "tests"
-    paths = [str(tests / name) for name in files]
+    paths = [_test_file("gm-trainer", name) for name in files]
     session.run("pytest", *paths, "-q", "-p", "no:cacheprovider", *session.posargs, env=env)
 
 
@@ -317,7 +322,7 @@ def jobs(session: nox.Session) -> None:
     session.run(
         "pytest",
         *(
-            str(ROOT / "packages" / "gm-trainer" / "tests" / name)
+            _test_file("gm-trainer", name)
             for name in ("test_job_tp.py", "test_job_plan.py", "test_job_compile_cache.py")
         ),
         "-q",

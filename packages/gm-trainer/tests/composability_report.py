@@ -27,9 +27,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import composability_bodies as bodies
+from gm_trace.testing.folders import put_on_path
 
-from gm_trace.testing.distributed import DistributedPool, DistributedTestError
+put_on_path(Path(__file__).parent)  # the harness's models come from bodies in their folders
+
+import composability_bodies as bodies  # noqa: E402
+
+from gm_trace.testing.distributed import DistributedPool, DistributedTestError  # noqa: E402
 
 CELL_TIMEOUT = 900.0  # seconds; Inductor compiles every graph of a cell
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import copy
 
-import memory_bodies as bodies
 import pytest
+import recompute_bodies as bodies
 import torch
 
 from gm_config import PassConfig

@@ -22,7 +22,7 @@ from gm_trainer.optim.config import global_grad_norm
 from gm_trainer.parallel.mesh import MeshError, resolve_mesh_context
 from gm_trainer.parallel.tp import tp_shard_dims
 
-EXAMPLE_PATH = Path(__file__).resolve().parents[3] / "examples" / "automodel_tp" / "train.py"
+EXAMPLE_PATH = Path(__file__).resolve().parents[4] / "examples" / "automodel_tp" / "train.py"
 
 
 def _load_example():

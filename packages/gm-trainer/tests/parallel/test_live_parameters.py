@@ -14,7 +14,7 @@ from gm_trace.testing.models import MLP
 from gm_trainer.errors import TrainingError
 from gm_trainer.parallel.live_parameters import LiveParameters
 
-SOURCES = Path(__file__).resolve().parents[2]
+SOURCES = Path(__file__).resolve().parents[3]
 #: Where assigning a parameter's ``.data`` is allowed: the owner, a test helper that stands in
 #: for the trainer, and compare_passes, which fills a private copy of the model.
 ALLOWED = {
