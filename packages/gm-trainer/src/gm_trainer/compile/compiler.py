@@ -104,6 +104,16 @@ class GraphCompiler:
         """True when ``in_graph`` asks for the update in the graph and it can be traced."""
         return self.update.requested and self.update.why_not() is None
 
+    @property
+    def separate_update(self) -> UpdatePlanner | None:
+        """The update planner when the update runs in a graph of its own after the step (a
+        pipeline's stages with a traceable ``in_graph`` update: no stage graph holds the
+        step's whole gradient), else ``None``. Like :meth:`variant_for`, the one place that
+        decides where the update goes."""
+        if self.run.pass_config.pp_degree > 1 and self.update_traceable:
+            return self.update
+        return None
+
     def variant_for(self, accumulate: bool, last: bool = False) -> str:
         """Which graph variant a micro-batch runs: a plain step, an accumulating micro-batch
         (under FSDP it reduces nothing, with ``in_graph`` it updates nothing), or a window's

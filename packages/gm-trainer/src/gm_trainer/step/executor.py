@@ -94,14 +94,12 @@ class StepExecutor:
         joint = self.compiler.compile(input, label, variant)
         sharding = self.compiler.sharding
         row_shards = {fqn: p.shard for fqn, p in sharding.params.items()} if sharding else {}
-        # A pipeline's stages take the update in a graph of their own, after the schedule.
-        pipelined = run.pass_config.pp_degree > 1 and self.compiler.update_traceable
         self.stepper.build(
             self.model,
             row_shards,
             run.topology,
             self.registry,
-            pipeline_update=self.compiler.update if pipelined else None,
+            pipeline_update=self.compiler.separate_update,
         )
         return joint
 
