@@ -29,7 +29,6 @@ class Unsupported:
 
 
 EP_CP = Unsupported(("ep", "cp"), "expert parallelism with context parallelism")
-EP_HSDP = Unsupported(("ep", "dp_replicate"), "expert parallelism under HSDP")
 EP_PP_TP = Unsupported(
     ("ep", "pp", "tp"),
     "expert parallelism inside the pipeline stages of a tensor-parallel mesh",
@@ -43,7 +42,6 @@ HSDP_PP = Unsupported(("dp_replicate", "pp"), "HSDP under a pipeline", True)
 #: Every refused combination, the library's first.
 UNSUPPORTED: tuple[Unsupported, ...] = (
     EP_CP,
-    EP_HSDP,
     EP_PP_TP,
     CP_PP,
     EP_TP,
