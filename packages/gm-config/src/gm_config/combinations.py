@@ -29,10 +29,6 @@ class Unsupported:
 
 
 EP_CP = Unsupported(("ep", "cp"), "expert parallelism with context parallelism")
-EP_PP_TP = Unsupported(
-    ("ep", "pp", "tp"),
-    "expert parallelism inside the pipeline stages of a tensor-parallel mesh",
-)
 EP_TP = Unsupported(("ep", "tp"), "expert parallelism with tensor parallelism", True)
 CP_TP = Unsupported(("cp", "tp"), "context parallelism with tensor parallelism", True)
 CP_HSDP = Unsupported(("cp", "dp_replicate"), "context parallelism under HSDP", True)
@@ -41,7 +37,6 @@ HSDP_PP = Unsupported(("dp_replicate", "pp"), "HSDP under a pipeline", True)
 #: Every refused combination, the library's first.
 UNSUPPORTED: tuple[Unsupported, ...] = (
     EP_CP,
-    EP_PP_TP,
     EP_TP,
     CP_TP,
     CP_HSDP,
