@@ -220,6 +220,16 @@ def test_hsdp2_ep2_on_4_ranks_matches_eager_and_clips_by_the_global_norm() -> No
 
 
 @full_only
+@pytest.mark.parametrize(
+    "options", [{"accumulation": 2}, {"in_graph": True}], ids=["accumulation", "in_graph"]
+)
+def test_hsdp2_ep2_composes(options: dict) -> None:
+    """HSDP x EP with the deferred reduction of a window, and with the update (and its
+    traced global norm) in the graph."""
+    _run(4, "qwen3-moe", 2, mesh=True, dp_replicate=2, **options)
+
+
+@full_only
 def test_hsdp2_fsdp4_ep2_on_8_ranks_shards_experts_within_each_replica() -> None:
     """2 replicas x 4 shard ranks, ep 2: the experts split over 'ep_replicate' (2 ranks)
     inside each replica, reduce-scattered there, then all-reduced over the replicas."""
