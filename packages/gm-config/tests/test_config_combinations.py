@@ -34,4 +34,6 @@ def test_an_entry_is_refused_when_all_its_dimensions_are_above_one() -> None:
         assert refused(degrees) is (None if entry.gm_train_only else entry)
         assert refused({**degrees, entry.dims[0]: 1}, gm_train=True) is None
     assert refused({"ep": 2, "pp": 2}, gm_train=True) is None  # EP x PP runs
+    assert refused({"ep": 2, "dp_replicate": 2}, gm_train=True) is None  # EP x HSDP runs
+    assert refused({"cp": 2, "pp": 2}, gm_train=True) is None  # CP x PP runs
     assert refused({"ep": 4, "dp_replicate": 1, "cp": 1}) is None

@@ -73,9 +73,23 @@ def build(
 
 def tp_plan(model: torch.nn.Module) -> dict[str, Any]:
     """The DTensor plan of ``model``: Llama's (torchtitan's); for the MoE model the attention
-    part only (its experts are replicated over TP: EP splits them)."""
+    part only (its experts are replicated over TP: EP splits them).
+
+    Qwen3's attention normalizes each head (``q_norm``, ``k_norm``) after the column-parallel
+    projection, on this rank's heads only: left plain, their weights would get this rank's
+    part of the gradient (transformers' own plan says ``replicated_with_grad_allreduce``).
+    Split along the heads dim (2 of batch, sequence, heads, head_dim) as torchtitan's Qwen3
+    plan does, their weights are replicated DTensors whose gradient DTensor sums over TP."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
     layers = model.config.num_hidden_layers
     plan = llama_plan(layers, False)
     if "moe" not in model.config.model_type:
         return plan
-    return {fqn: style for fqn, style in plan.items() if ".self_attn." in fqn}
+    heads = SequenceParallel(sequence_dim=2, use_local_output=True)
+    norms = {
+        f"model.layers.{i}.self_attn.{norm}": heads
+        for i in range(layers)
+        for norm in ("q_norm", "k_norm")
+    }
+    return {fqn: style for fqn, style in plan.items() if ".self_attn." in fqn} | norms

@@ -114,8 +114,10 @@ but move nothing) at budget 0 (0.5 with the budget); the per-expert loop is
 Models, one per cell: TinyGPT (tied embedding); with TP or CP a tiny HF Llama (split by
 `parallelize_module` under TP); with EP or the per-expert loop a tiny HF Qwen3-MoE (4 experts,
 top 2) for every feature of the cell, its router's load-balancing loss (weight 0.1) in the
-loss, TP splitting its attention. That loss is a statistic of the batch, so for the MoE model
-eager computes it per data-parallel rank and micro-batch and averages (DDP semantics).
+loss, TP splitting its attention (its per-head `q_norm` / `k_norm` split along the heads,
+as torchtitan's Qwen3 plan does: their weights' gradients sum over TP). That loss is a
+statistic of the batch, so for the MoE model eager computes it per data-parallel rank and
+micro-batch and averages (DDP semantics).
 {steps} SGD-momentum steps with global-norm clipping against eager PyTorch on the same weights
 and the global batch:
 

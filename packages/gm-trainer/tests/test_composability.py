@@ -40,6 +40,13 @@ MATCHING = [
     ("pp", "accumulation"),
     ("tp", "accumulation"),
     ("tp", "bf16"),
+    # Qwen3-MoE under TP: its per-head q_norm / k_norm read this rank's heads only (a plan
+    # that leaves them plain gives their weights a partial gradient: grad norm off by 1e-5).
+    ("tp", "expert_loop"),
+    # Refused before issue 37 item 5: experts split inside each HSDP replica; cp inside stages.
+    ("hsdp", "ep"),
+    ("pp", "cp"),
+    ("ep", "tp", "pp"),  # 8 ranks
     ("accumulation", "in_graph"),
     ("pp", "dynamic"),
     ("pp", "resume"),

@@ -29,12 +29,6 @@ class Unsupported:
 
 
 EP_CP = Unsupported(("ep", "cp"), "expert parallelism with context parallelism")
-EP_HSDP = Unsupported(("ep", "dp_replicate"), "expert parallelism under HSDP")
-EP_PP_TP = Unsupported(
-    ("ep", "pp", "tp"),
-    "expert parallelism inside the pipeline stages of a tensor-parallel mesh",
-)
-CP_PP = Unsupported(("cp", "pp"), "context parallelism under a pipeline")
 EP_TP = Unsupported(("ep", "tp"), "expert parallelism with tensor parallelism", True)
 CP_TP = Unsupported(("cp", "tp"), "context parallelism with tensor parallelism", True)
 CP_HSDP = Unsupported(("cp", "dp_replicate"), "context parallelism under HSDP", True)
@@ -43,9 +37,6 @@ HSDP_PP = Unsupported(("dp_replicate", "pp"), "HSDP under a pipeline", True)
 #: Every refused combination, the library's first.
 UNSUPPORTED: tuple[Unsupported, ...] = (
     EP_CP,
-    EP_HSDP,
-    EP_PP_TP,
-    CP_PP,
     EP_TP,
     CP_TP,
     CP_HSDP,

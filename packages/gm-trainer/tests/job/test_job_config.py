@@ -619,12 +619,12 @@ def test_cp_degree_is_checked_against_the_world_and_the_sequence() -> None:
     assert job.parallel.cp_degree == 2 and JobConfig().parallel.cp_degree == 1
     job.check_world_size(2)  # one cp group: both ranks read the same rows
     job.check_world_size(4)  # 2 data-parallel ranks x cp 2, FSDP over all 4
-    with pytest.raises(ConfigError, match=r"parallel.cp_degree\) must divide the world size 3"):
+    with pytest.raises(ConfigError, match=r"parallel.cp_degree=2\) must divide the world size 3"):
         job.check_world_size(3)
     with pytest.raises(ConfigError, match=r"model.seq_len=63 must be divisible by parallel.cp"):
         load_config(None, ["parallel.cp_degree=2", "model.seq_len=63"]).check_world_size(2)
-    with pytest.raises(ConfigError, match=r"cp=2 .* with pp=2 .*under a pipeline is not supported"):
-        load_config(None, ["parallel.cp_degree=2", "parallel.pp_degree=2"]).check_world_size(4)
+    # cp inside pipeline stages: (pp, dp, cp), each stage's cp ranks split its sequence
+    load_config(None, ["parallel.cp_degree=2", "parallel.pp_degree=2"]).check_world_size(4)
     with pytest.raises(ConfigError, match=r"PassConfig.fsdp_degree=4\), or None"):
         load_config(None, ["parallel.cp_degree=2", "parallel.fsdp_degree=2"]).check_world_size(4)
 

@@ -307,3 +307,58 @@ def accumulation(rank: int, world: int) -> dict[str, Any]:
     torch.testing.assert_close(losses, expected, rtol=RTOL, atol=0)
     worst = assert_full_params_close(trainer.model, reference, trainer.sharding, steps=steps)
     return {"losses": losses, "reference": expected, "worst_param": worst}
+
+
+def pipeline_parity(rank: int, world: int, mesh: bool = False) -> dict[str, Any]:
+    """cp 2 inside each of 2 pipeline stages on 4 ranks (``PassConfig(pp_degree=2,
+    cp_degree=2)``: the trainer lays out (pp, dp, cp); ``mesh``: ``MeshContext.build(pp=2,
+    cp=2)``), FSDP over each stage's cp ranks, 2 micro-batches: 4 Adam steps == one eager
+    process on the whole sequence and batch. Each rank passes the same batch (the ranks of a
+    pipeline and of a cp group read the same rows); the step's loss is the mean of its
+    micro-batches' losses, as eager computes it (padded rows: their token counts differ).
+    Returns the figures, the cp record and the shapes the stages send each other."""
+    from gm_trace.parallel.fsdp import full_parameter
+    from gm_trace.testing.parity import parity_tolerance
+
+    steps = 4
+    data = batches(2 * ROWS, padded=True, steps=steps)
+    model = build("llama")
+    reference, expected = eager_reference(model, data, 2)  # micro-batch m: _rows(batch, m)
+    config = PassConfig(pp_degree=2, pp_microbatches=2, cp_degree=2)
+    context = MeshContext.build(pp=2, cp=2) if mesh else None
+    trainer = GraphTrainer(
+        model, hf_loss, config, optimizer_config={"lr": LR}, mesh_context=context
+    )
+    losses = []
+    for input, label in data:
+        losses.append(_world_mean(trainer.train_step(input, label)))
+        trainer.optimizer_step()
+    torch.testing.assert_close(losses, expected, rtol=RTOL, atol=0)
+    pipeline = trainer.pipeline
+    owned = {fqn for p in pipeline.programs.values() for fqns in p.grads.values() for fqn in fqns}
+    if pipeline.reduction is not None:  # under FSDP the stages' gradients land here
+        owned |= set(pipeline.reduction.grad_fqns)
+    worst = 0.0
+    for fqn in sorted(owned):
+        actual = full_parameter(trainer.model, fqn, trainer.sharding, trainer.fsdp_group)
+        want = reference.get_parameter(fqn).detach()
+        torch.testing.assert_close(actual, want, **parity_tolerance(steps), msg=fqn)
+        worst = max(worst, (actual - want).abs().max().item())
+    # The pipeline's graph is compiled as micro-batch variants (no plain step).
+    (cp_stats,) = {
+        id(p): r.stats
+        for cache in trainer.registry.caches.values()
+        for p in cache.pipelines
+        for r in p.records
+        if r.name == "cp"
+    }.values()
+    groups = trainer.topology.groups
+    return {
+        "losses": losses,
+        "reference": expected,
+        "worst_param": worst,
+        "owned": sorted(owned),
+        "cp": cp_stats,
+        "sent": sorted({tuple(t.shape) for t in pipeline.cut.transfers}),
+        "groups": {str(r): dist.get_process_group_ranks(groups.get(r)) for r in groups.roles},
+    }

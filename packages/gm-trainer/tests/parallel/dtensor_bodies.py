@@ -30,6 +30,7 @@ from gm_trace.testing.parity import parity_tolerance
 from gm_trainer import GraphTrainer, MeshContext
 from gm_trainer.checkpoint import load_checkpoint, save_checkpoint
 from gm_trainer.parallel.mesh import MeshError
+from gm_trainer.parallel.tp_plan import ResolvedTPPlan, apply_tp_plan
 
 STEPS, LR, CLIP = 5, 1e-3, 0.5
 OPTIMIZER = {"name": "adam", "lr": LR, "grad_clip": CLIP}
@@ -109,7 +110,28 @@ def _llama_case(sequence_parallel: bool = False):
     return llama(), llama_loss, llama_plan(2, sequence_parallel), llama_batch
 
 
-CASES = {"mlp": _mlp_case, "llama": _llama_case, "llama_sp": lambda: _llama_case(True)}
+def _qwen3_case():
+    """HF Qwen3 split by its OWN plan (``model.tp_plan``, through gm-train's
+    :func:`~gm_trainer.parallel.tp_plan.resolve_tp_plan`): its per-head ``q_norm`` / ``k_norm``
+    are ``replicated_with_grad_allreduce``."""
+    import transformers
+
+    from gm_trainer.parallel.tp_plan import resolve_tp_plan
+
+    torch.manual_seed(0)
+    fields = tiny_llama(vocab_size=VOCAB, hidden_size=64, intermediate_size=128).to_dict()
+    config = transformers.Qwen3Config(**{**fields, "head_dim": 16})
+    config._attn_implementation = "sdpa"
+    model = transformers.Qwen3ForCausalLM(config)
+    return model, llama_loss, resolve_tp_plan(model, model.tp_plan, 2), llama_batch
+
+
+CASES = {
+    "mlp": _mlp_case,
+    "llama": _llama_case,
+    "llama_sp": lambda: _llama_case(True),
+    "qwen3": _qwen3_case,
+}
 
 
 def _eager(
@@ -139,7 +161,10 @@ def _trainer(case: str, tp: int, in_graph: bool = False, clip: float = CLIP):
     model, train_fn, plan, batch = CASES[case]()
     reference = copy.deepcopy(model)
     mesh = MeshContext.build(tp=tp, dp_shard=-1, sequence_parallel=case == "llama_sp")
-    parallelize_module(model, mesh.device_mesh["tp"], plan)
+    if isinstance(plan, ResolvedTPPlan):  # a plan of style names, as gm-train applies them
+        apply_tp_plan(model, mesh.device_mesh["tp"], plan)
+    else:
+        parallelize_module(model, mesh.device_mesh["tp"], plan)
     optimizer = {**OPTIMIZER, "in_graph": in_graph, "grad_clip": clip}
     trainer = GraphTrainer(
         model, train_fn, PassConfig(), optimizer_config=optimizer, mesh_context=mesh

@@ -191,6 +191,7 @@ def train_and_compare(
     steps: int = 5,
     routing: str = "learned",
     mesh: bool = False,
+    dp_replicate: int = 1,
     accumulation: int = 1,
     in_graph: bool = False,
     optimizer: str = "adam",
@@ -202,7 +203,8 @@ def train_and_compare(
     the global batch, and each step's gradient norm (clipped to ``grad_clip`` when given)
     with eager ``clip_grad_norm_``'s. Each rank must hold ``1 / world`` of the expert
     elements (its ep rank's experts, split over the ranks holding them) and its
-    ``torch.chunk`` rows of every other parameter. ``optimizer``: a name of
+    ``torch.chunk`` rows of every other parameter; ``dp_replicate`` (a mesh context's HSDP
+    replicas): of one replica's ranks instead. ``optimizer``: a name of
     :data:`OPTIMIZERS`. ``config``: fields of the tiny transformers config (e.g. another
     ``experts_implementation``). Returns the figures."""
     model = build(arch, routing=routing, **config)
@@ -210,7 +212,7 @@ def train_and_compare(
     routed = routed_per_rank(model, world) if accumulation == 1 else []
     total = {n: p.numel() for n, p in model.named_parameters()}
     config = PassConfig(ep_degree=1 if mesh else ep)
-    context = MeshContext.build(ep=ep) if mesh else None
+    context = MeshContext.build(ep=ep, dp_replicate=dp_replicate) if mesh else None
     trainer = GraphTrainer(
         model,
         hf_loss,
@@ -254,7 +256,7 @@ def train_and_compare(
 
     experts = expert_param_fqns(trainer.model)
     assert bool(experts) == (ep > 1), f"experts split: {sorted(experts)}"
-    held = _elements_held(trainer, total, experts)
+    held = _elements_held(trainer, total, experts, dp_replicate)
     if ep == 1:
         experts = {}
     from gm_trace.parallel.fsdp import full_parameter
@@ -291,13 +293,14 @@ def train_and_compare(
 
 
 def _elements_held(
-    trainer: GraphTrainer, total: dict[str, int], experts: dict[str, Any]
+    trainer: GraphTrainer, total: dict[str, int], experts: dict[str, Any], replicas: int = 1
 ) -> dict[str, int]:
     """This rank's parameter elements (local storage), expert and other, checked against
-    what it must hold: ``1 / world`` of the experts exactly (the tiny models' experts split
-    evenly over ep x ep_replicate) and ``torch.chunk``'s rows of the others over the world;
-    and summed over the world, every element once."""
-    world = dist.get_world_size()
+    what it must hold: ``1 / shard`` of the experts exactly (the tiny models' experts split
+    evenly over ep x ep_replicate) and ``torch.chunk``'s rows of the others over the
+    ``shard = world / replicas`` ranks of its HSDP replica; and summed over the world,
+    every element once per replica."""
+    world = dist.get_world_size() // replicas
     local = {n: p.numel() for n, p in trainer.model.named_parameters()}
     expert_local = sum(local[f] for f in experts)
     expert_total = sum(total[f] for f in experts)
@@ -305,7 +308,7 @@ def _elements_held(
     others = [n for n in local if n not in experts]
     other_local = sum(local[n] for n in others)
     other_total = sum(total[n] for n in others)
-    expected, rank = 0, dist.get_rank()
+    expected, rank = 0, dist.get_rank() % world
     for n in others:  # torch.chunk's rows of dim 0 (rank 0 largest, a rank may hold none)
         inner = math.prod(trainer.model.get_parameter(n).shape[1:])
         rows = total[n] // inner
@@ -314,7 +317,8 @@ def _elements_held(
     assert other_local == expected, (other_local, expected)
     summed = torch.tensor([expert_local, other_local])
     dist.all_reduce(summed)
-    assert summed.tolist() == [expert_total, other_total], (summed, expert_total, other_total)
+    expected_sums = [expert_total * replicas, other_total * replicas]
+    assert summed.tolist() == expected_sums, (summed, expert_total, other_total)
     return {
         "expert_elements_local": expert_local,
         "expert_elements_total": expert_total,
@@ -334,9 +338,13 @@ def _first_layer(load: dict[str, list[int]]) -> dict[str, Any]:
     }
 
 
-def _trainer(model: torch.nn.Module, ep: int) -> GraphTrainer:
+def _trainer(model: torch.nn.Module, ep: int, replicas: int = 1) -> GraphTrainer:
+    """Adam at ``ep_degree=ep`` with FSDP over the world, or with ``replicas`` > 1 on a mesh
+    context of that many HSDP replicas."""
+    mesh = MeshContext.build(ep=ep, dp_replicate=replicas) if replicas > 1 else None
+    config = PassConfig(ep_degree=1 if mesh else ep)
     return GraphTrainer(
-        model, hf_loss, PassConfig(ep_degree=ep), optimizer_config={"lr": LR}, device="cpu"
+        model, hf_loss, config, optimizer_config={"lr": LR}, device="cpu", mesh_context=mesh
     )
 
 
@@ -358,19 +366,21 @@ def _steps(trainer: GraphTrainer, rank: int, world: int, steps: range) -> None:
         trainer.optimizer_step()
 
 
-def checkpoint_round_trip(rank: int, world: int, root: str) -> None:
+def checkpoint_round_trip(rank: int, world: int, root: str, replicas: int = 1) -> None:
     """Train 2 steps at EP 2 and save; load without EP (same FQNs, whole shapes), train a step,
     save; load at EP 2 again: every parameter equals the one it was saved from, and a step
     after each load equals the step without the save. On 4 ranks the 2 ranks holding the
     same experts split them too: 6 experts, so each holds 3 and splits them 2 + 1 (uneven
-    rows of the ep piece)."""
+    rows of the ep piece); with ``replicas`` 2 (HSDP) each of the 2 replicas holds its own
+    copy of the experts (split over its ep group) and of its FSDP rows instead."""
     from pathlib import Path
 
     from gm_trainer.checkpoint import full_model_state, load_checkpoint, save_checkpoint
 
-    overrides = {"num_experts": 6} if world > 2 else {}
-    ep_trainer = _trainer(build("qwen3-moe", **overrides), 2)
-    if world > 2:
+    split = world // replicas > 2  # ranks holding the same experts split them
+    overrides = {"num_experts": 6} if split else {}
+    ep_trainer = _trainer(build("qwen3-moe", **overrides), 2, replicas)
+    if split:
         assert ep_trainer.compile(*_local(0, rank, world)) is not None
         experts = expert_param_fqns(ep_trainer.model)
         assert experts and all(f in ep_trainer.row_shards for f in experts), experts
@@ -396,7 +406,7 @@ def checkpoint_round_trip(rank: int, world: int, root: str) -> None:
         torch.testing.assert_close(value, after_ep[fqn], **parity_tolerance(1), msg=fqn)
     save_checkpoint(plain, Path(root) / "plain")
 
-    back = _trainer(build("qwen3-moe", seed=2, **overrides), 2)
+    back = _trainer(build("qwen3-moe", seed=2, **overrides), 2, replicas)
     back.compile(*_local(0, rank, world))
     load_checkpoint(back, Path(root) / "plain")
     for fqn, value in _full_params(back).items():

@@ -88,3 +88,26 @@ def test_dtensor_tp2_x_cp2_on_four_ranks(dist_pool):
 def test_cp2_with_accumulation(dist_pool):
     for result in dist_pool(2).run(bodies.accumulation, timeout=600):
         assert result["losses"] == pytest.approx(result["reference"], rel=1e-5)
+
+
+@pytest.mark.parametrize("mesh", [False, True], ids=["pass_config", "mesh_context"])
+def test_cp2_inside_two_pipeline_stages_matches_one_eager_process(dist_pool, mesh):
+    """CP x PP on 4 ranks: the cp pass splits the whole graph before the pipeline cut, so
+    the stages send each other the local half of the sequence and each stage's cp ranks
+    attend, reduce the loss and shard their gradients among themselves."""
+    results = dist_pool(4).run(bodies.pipeline_parity, mesh, timeout=900)
+    stages = set()
+    for rank, result in enumerate(results):
+        print(rank, {k: result[k] for k in ("losses", "reference", "worst_param", "sent")})
+        assert result["losses"] == pytest.approx(result["reference"], rel=1e-5)
+        assert result["cp"]["attention"] == 2 and result["cp"]["sequence"] == bodies.SEQ
+        # (pp, dp, cp): ranks 0, 1 split stage 0's sequence, ranks 2, 3 stage 1's.
+        pair = rank // 2 * 2
+        assert result["groups"] == {"fsdp": [pair, pair + 1], "cp": [pair, pair + 1],
+                                    "pp": [rank % 2, rank % 2 + 2]}  # fmt: skip
+        # Every activation sent between the stages holds this rank's half of the sequence:
+        # the rows of a micro-batch, SEQ / 2 tokens.
+        half = (bodies.ROWS, bodies.SEQ // 2)
+        assert result["sent"] and all(s[:2] == half for s in result["sent"]), result["sent"]
+        stages.add(tuple(result["owned"]))
+    assert len(stages) == 2  # each stage trained its own parameters, and both were compared

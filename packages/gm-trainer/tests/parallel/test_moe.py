@@ -121,6 +121,12 @@ def test_checkpoint_moves_between_ep_and_no_ep(tmp_path, world: int) -> None:
     run_distributed(checkpoint_round_trip, world, (str(tmp_path),), timeout=600)
 
 
+def test_checkpoint_moves_between_hsdp_ep_and_no_ep(tmp_path) -> None:
+    """Saved at EP 2 under 2 HSDP replicas (4 ranks; DCP writes one copy of the replicas'
+    pieces), loaded without EP (FSDP over the 4 ranks) and back: same FQNs and values."""
+    run_distributed(checkpoint_round_trip, 4, (str(tmp_path), 2), timeout=600)
+
+
 def test_ep_degree_errors_name_both_numbers() -> None:
     config_errors()
 
@@ -194,6 +200,52 @@ def test_ep2_fsdp2_gradient_clipping_equals_eager(in_graph: bool) -> None:
 @full_only
 def test_ep2_with_mesh_context_on_4_ranks() -> None:
     _run(4, "mixtral", 2, mesh=True)
+
+
+def test_hsdp2_ep2_on_4_ranks_matches_eager_and_clips_by_the_global_norm() -> None:
+    """2 HSDP replicas x 2 shard ranks, ep 2 inside each replica: each replica holds every
+    expert once ('ep_replicate' has one rank), and the expert gradients, like the dense
+    ones, are averaged over the replicas; clipped below every step's norm."""
+    results = _run(4, "qwen3-moe", 2, mesh=True, dp_replicate=2, grad_clip=0.5)
+    assert all(n > 0.5 for n in results[0]["eager_norms"]), results[0]["eager_norms"]
+    for rank, result in enumerate(results):
+        pair = rank // 2 * 2
+        assert result["groups"] == {
+            "fsdp": [pair, pair + 1],
+            "replicate": [rank % 2, rank % 2 + 2],
+            "ep": [pair, pair + 1],
+            "ep_replicate": [rank],
+        }
+        assert result["expert_elements_local"] * 2 == result["expert_elements_total"], result
+
+
+@full_only
+@pytest.mark.parametrize(
+    "options", [{"accumulation": 2}, {"in_graph": True}], ids=["accumulation", "in_graph"]
+)
+def test_hsdp2_ep2_composes(options: dict) -> None:
+    """HSDP x EP with the deferred reduction of a window, and with the update (and its
+    traced global norm) in the graph."""
+    _run(4, "qwen3-moe", 2, mesh=True, dp_replicate=2, **options)
+
+
+@full_only
+def test_hsdp2_fsdp4_ep2_on_8_ranks_shards_experts_within_each_replica() -> None:
+    """2 replicas x 4 shard ranks, ep 2: the experts split over 'ep_replicate' (2 ranks)
+    inside each replica, reduce-scattered there, then all-reduced over the replicas."""
+    results = _run(8, "qwen3-moe", 2, mesh=True, dp_replicate=2, grad_clip=0.5)
+    for rank, result in enumerate(results):
+        replica, index = divmod(rank, 4)
+        assert result["expert_elements_local"] * 4 == result["expert_elements_total"], result
+        assert result["groups"]["ep_replicate"] == [
+            replica * 4 + index % 2,
+            replica * 4 + index % 2 + 2,
+        ]
+        assert result["groups"]["replicate"] == [index, index + 4]
+    assert (
+        "over 'ep_replicate' (2 ranks holding the same experts), 0 left whole"
+        in (results[0]["summary"])
+    )
 
 
 @full_only

@@ -36,8 +36,9 @@ def job_mesh(config: JobConfig) -> MeshContext | None:
     """The device mesh of a job with tensor parallelism or HSDP replicas; ``None``: the
     trainer's own layout (FSDP over every rank of a stage). Every rank must call it."""
     p, replicas = config.parallel, config.dist.dp_replicate
-    # Further mesh dims (ep) join here: MeshContext.build(..., ep=...). Context parallelism
-    # (parallel.cp_degree) is the trainer's own layout; gm-train refuses it with TP or HSDP.
+    # Expert parallelism lays its groups out inside each replica (MeshContext.build(ep=)).
+    # Context parallelism (parallel.cp_degree) is the trainer's own layout; gm-train refuses
+    # it with TP or HSDP.
     if p.tp_size == 1 and replicas == 1:
         return None
     return MeshContext.build(
@@ -46,6 +47,7 @@ def job_mesh(config: JobConfig) -> MeshContext | None:
         tp=p.tp_size,
         sequence_parallel=p.sequence_parallel,
         loss_parallel=p.loss_parallel,
+        ep=p.ep_degree,
     )
 
 

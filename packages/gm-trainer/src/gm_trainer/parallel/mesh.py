@@ -66,8 +66,9 @@ class MeshContext:
     # --- expert parallelism (issue 27) ---
     moe_mesh: Any = None
     """``DeviceMesh`` with dims ``("ep_replicate", "ep", "tp")`` (led by ``"pp"`` with
-    pipelines) when ``ep > 1``: the FSDP shard dim split into groups of ``ep`` consecutive
-    ranks, each holding every expert once, so ``ep_replicate x ep == dp_shard_size``."""
+    pipelines, then by ``"fsdp_replicate"`` under HSDP) when ``ep > 1``: each replica's FSDP
+    shard dim split into groups of ``ep`` consecutive ranks, each holding every expert once,
+    so ``ep_replicate x ep == dp_shard_size``."""
     ep_size: int = 1
     """Expert-parallel ranks (``PassConfig.ep_degree``)."""
     ep_rank: int = 0
@@ -161,13 +162,15 @@ def _moe_mesh(
     ep: int,
 ) -> Any:
     """The expert-parallel mesh over the same rank order (``None`` for ``ep == 1``; the
-    degrees are checked: :class:`~gm_config.ParallelPlan`)."""
+    degrees are checked: :class:`~gm_config.ParallelPlan`). Under HSDP each replica's shard
+    dim is split alike, so the mesh leads with the replicas (``dp_replicate``)."""
     if ep == 1:
         return None
+    replicas = ((dp_replicate,), (Axis.DP_REPLICATE,)) if dp_replicate > 1 else ((), ())
     return init_device_mesh(
         device_type,
-        (*lead[0], shard // ep, ep, tp),
-        mesh_dim_names=(*lead[1], Axis.EP_REPLICATE, Axis.EP, Axis.TP),
+        (*lead[0], *replicas[0], shard // ep, ep, tp),
+        mesh_dim_names=(*lead[1], *replicas[1], Axis.EP_REPLICATE, Axis.EP, Axis.TP),
     )
 
 

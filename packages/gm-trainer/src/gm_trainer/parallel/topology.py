@@ -164,7 +164,8 @@ def resolve_run(
     fsdp_wanted = fsdp_requested(config, plan)
     if mesh is None and config.cp_degree > 1:
         config.parallel.for_world(place.world_size)  # the degrees' errors before any group
-        mesh = resolve_mesh_context(MeshContext.build(cp=config.cp_degree))
+        # (pp, dp, cp): the cp ranks of one sequence run the same pipeline stage.
+        mesh = resolve_mesh_context(MeshContext.build(cp=config.cp_degree, pp=config.pp_degree))
     if mesh is not None:
         filled = mesh.checked_config(config)
         parallel = config.parallel.taking(mesh.parallel)

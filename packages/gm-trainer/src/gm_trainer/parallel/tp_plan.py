@@ -14,7 +14,14 @@ to a style name, the vocabulary Hugging Face ``transformers`` models carry in th
 - ``embedding_colwise``: ``ColwiseParallel(output_layouts=Replicate())`` on an embedding, its
   width split, the output gathered;
 - ``sequence_parallel``: ``SequenceParallel()``;
-- ``replicate``: nothing, the module stays whole on every TP rank.
+- ``replicated_with_grad_allreduce``: a module whose weight is whole on every TP rank but
+  which reads only this rank's heads — the per-head ``q_norm`` / ``k_norm`` of Qwen3-style
+  attention after column-parallel projections: ``SequenceParallel(sequence_dim=-2,
+  use_local_output=True)``, its input split along the heads dim (``[..., heads, head_dim]``),
+  so the weight is a replicated DTensor whose gradient sums over the TP ranks (as
+  torchtitan's Qwen3 plan does);
+- ``replicate``: nothing, the module stays whole on every TP rank (its gradient is this rank's
+  own: right for a module that sees whole activations, wrong for the per-head norms above).
 
 :func:`resolve_tp_plan` expands the patterns against a model and checks every entry (a style it
 does not know, a pattern that matches nothing, a module whose split dim the TP degree does not
@@ -43,6 +50,7 @@ STYLES: dict[str, tuple[int | None, tuple[type[nn.Module], ...]]] = {
     "embedding_rowwise": (0, (nn.Embedding,)),
     "embedding_colwise": (1, (nn.Embedding,)),
     "sequence_parallel": (None, (nn.Module,)),
+    "replicated_with_grad_allreduce": (None, (nn.Module,)),
     "replicate": (None, (nn.Module,)),
 }
 
@@ -157,6 +165,8 @@ def _torch_style(style: str) -> Any:
         return RowwiseParallel(input_layouts=Replicate())
     if style == "sequence_parallel":
         return SequenceParallel()
+    if style == "replicated_with_grad_allreduce":  # a per-head norm: heads are dim -2
+        return SequenceParallel(sequence_dim=-2, use_local_output=True)
     raise AssertionError(style)  # pragma: no cover - resolve_tp_plan checked it
 
 

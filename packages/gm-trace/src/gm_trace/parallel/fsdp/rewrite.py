@@ -298,9 +298,7 @@ class Rewrite:
                 **{node_meta.BUCKET: [p.fqn for p in bucket]},
             )
             self._count("reduce_scatter", scaled)
-            reduced = self._wait(scattered)
-            if group is self.group:
-                reduced = self._across_replicas(reduced)
+            reduced = self._across_replicas(self._wait(scattered))
             for param, piece in zip(bucket, self._split(reduced, bucket, dim=0)):
                 local = self._op(aten.reshape.default, piece, [param.shard.chunk, *param.inner])
                 local = take_rows(
@@ -335,9 +333,7 @@ class Rewrite:
         with self.graph.inserting_before(output.next):
             grad = self._in_reduce_dtype(output)
             scaled = call(self.graph, self.mode, aten.div.Tensor, grad, self.divisor)
-            reduced = self._all_reduce_over(scaled, group.name)
-            if group is self.group:
-                reduced = self._across_replicas(reduced)
+            reduced = self._across_replicas(self._all_reduce_over(scaled, group.name))
             reduced = self._cast(reduced, output.meta["val"].dtype)
         _set_output_at(self.graph, index, reduced)
         _erase_if_unused(self.graph, [output])
@@ -354,7 +350,9 @@ class Rewrite:
         return self._op(prims.convert_element_type.default, node, dtype, prologue=prologue)
 
     def _across_replicas(self, node: fx.Node) -> fx.Node:
-        """HSDP: sum the already-reduced shard over the replicate group too."""
+        """HSDP: sum the already-reduced shard over the replicate group too (an expert's as
+        well: each replica splits its experts alike, over its own ep and ep_replicate
+        groups)."""
         if self.replicate_name is None:
             return node
         return self._all_reduce_over(node, self.replicate_name)
