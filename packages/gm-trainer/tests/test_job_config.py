@@ -16,17 +16,18 @@ from extras import PLOT
 from gm_config import ConfigError, PassConfig
 from gm_config.combinations import UNSUPPORTED, Unsupported
 from gm_trainer.checkpoint import MARKER_NAME
-from gm_trainer.job.config import (
+from gm_trainer.job.config.job_config import (
     DEFAULT_CONFIG_PATH,
     CheckpointConfig,
     JobConfig,
     apply_overrides,
     load_config,
 )
-from gm_trainer.job.data import corpus_files, default_corpus
-from gm_trainer.job.progress import Progress, format_record
-from gm_trainer.job.resume import find_resume_point
-from gm_trainer.job.run_folder import (
+from gm_trainer.job.config.world import JOB_KEYS
+from gm_trainer.job.data.corpus import corpus_files, default_corpus
+from gm_trainer.job.model.build import build_model
+from gm_trainer.job.run.progress import Progress, format_record
+from gm_trainer.job.run_folder.folder import (
     PLOT_INSTALL,
     MetricsWarning,
     RunFolder,
@@ -38,8 +39,7 @@ from gm_trainer.job.run_folder import (
     step_checkpoints,
     summarize,
 )
-from gm_trainer.job.sources import build_model
-from gm_trainer.job.world import JOB_KEYS
+from gm_trainer.job.run_folder.resume import find_resume_point
 from gm_trainer.logs import console_logger
 
 

@@ -20,7 +20,7 @@ from test_job_cli import TINY, gm_train
 
 from gm_config import ConfigError
 from gm_trainer.job.cli import main
-from gm_trainer.job.launch import map_slurm_env
+from gm_trainer.job.run.launch import map_slurm_env
 
 JOB = [
     *TINY,
@@ -34,7 +34,7 @@ JOB = [
 
 CRASH_AT_4 = """\
 import os, sys
-import gm_trainer.job.runner as runner
+import gm_trainer.job.run.runner as runner
 from gm_trainer.job.cli import main
 
 if os.environ.get("CRASH_AT_4"):

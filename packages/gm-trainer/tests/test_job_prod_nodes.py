@@ -28,7 +28,7 @@ SLOW = pytest.mark.skipif(
 # Rank 1 dies right after the step-4 checkpoint, on the first attempt only.
 CRASH_FIRST_ATTEMPT = """\
 import os, sys
-import gm_trainer.job.runner as runner
+import gm_trainer.job.run.runner as runner
 from gm_trainer.job.cli import main
 
 if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK") == "1":

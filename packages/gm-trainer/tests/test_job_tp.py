@@ -24,8 +24,8 @@ from test_job_plan import assert_peak_estimated
 from gm_config import ConfigError
 from gm_trace.testing.parity import parity_tolerance
 from gm_trainer.checkpoint import export_full_state_dict
-from gm_trainer.job.builtin_model import GPT
 from gm_trainer.job.cli import main
+from gm_trainer.job.model.builtin import GPT
 from gm_trainer.parallel.tp_plan import resolve_tp_plan
 
 STEPS = 4

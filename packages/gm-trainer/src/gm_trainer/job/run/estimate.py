@@ -4,7 +4,7 @@ For every distinct pipeline stage one representative rank (data-parallel index 0
 the ranks of one stage hold the same shapes, FSDP's rank 0 the largest shard) is built in a
 process of its own on torch's ``fake`` process-group backend (collectives do nothing, so no
 other rank need exist): the same mesh, TP split, ``GraphTrainer`` and passes as the real rank
-(:func:`gm_trainer.job.layout.lay_out_rank`), traced for the job's micro-batch. From the
+(:func:`gm_trainer.job.run.placement.lay_out_rank`), traced for the job's micro-batch. From the
 compiled graphs (:func:`estimate_rank`):
 
 - parameter and gradient bytes: this rank's local pieces (TP slice, FSDP shard, own stage);
@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gm_trainer.errors import TrainingError
-from gm_trainer.job.layout import graph_batch, lay_out_rank, layout_of
+from gm_trainer.job.run.placement import graph_batch, lay_out_rank, layout_of
 
 if TYPE_CHECKING:
-    from gm_trainer.job.config import JobConfig
+    from gm_trainer.job.config.job_config import JobConfig
     from gm_trainer.trainer import GraphTrainer
 
 GIB = 2**30
@@ -166,8 +166,8 @@ def _plan_rank(config_dict: dict[str, Any], rank: int, world_size: int) -> dict[
     """One representative rank on the fake backend (its own process): its estimate."""
     import torch.distributed as dist
 
-    from gm_trainer.job.config import JobConfig
-    from gm_trainer.job.sources import build_model
+    from gm_trainer.job.config.job_config import JobConfig
+    from gm_trainer.job.model.build import build_model
 
     torch.set_num_threads(1)
     config = JobConfig.from_dict(config_dict)

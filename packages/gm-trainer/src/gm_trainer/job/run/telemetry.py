@@ -22,7 +22,7 @@ from gm_trainer.flops import (
     mfu,
     model_shape,
 )
-from gm_trainer.job.sinks import Sinks, TensorBoardSink, WandbSink
+from gm_trainer.job.run.sinks import Sinks, TensorBoardSink, WandbSink
 
 T = TypeVar("T")
 

@@ -22,15 +22,16 @@ from gm_trainer.checkpoint import (
 )
 from gm_trainer.checkpoint.durable import replacing
 from gm_trainer.compile.registry import STEP
-from gm_trainer.job.builtin_model import QKV_LAYOUT
-from gm_trainer.job.config import JobConfig
-from gm_trainer.job.dataset import PackedBatches, load_job_data, position_of
-from gm_trainer.job.evaluate import Evaluator
-from gm_trainer.job.layout import graph_batch, job_compile_cache, lay_out_rank, layout_note
-from gm_trainer.job.plan import MemoryProbe
-from gm_trainer.job.progress import Progress
-from gm_trainer.job.resume import check_model_layout, check_same_data, check_same_model
-from gm_trainer.job.run_folder import (
+from gm_trainer.job.config.job_config import JobConfig
+from gm_trainer.job.data.windows import PackedBatches, load_job_data, position_of
+from gm_trainer.job.model.build import build_model
+from gm_trainer.job.model.builtin import QKV_LAYOUT
+from gm_trainer.job.run.estimate import MemoryProbe
+from gm_trainer.job.run.evaluate import Evaluator
+from gm_trainer.job.run.placement import graph_batch, job_compile_cache, lay_out_rank, layout_note
+from gm_trainer.job.run.progress import Progress
+from gm_trainer.job.run.telemetry import StepProfiler, Telemetry, job_flops_per_token
+from gm_trainer.job.run_folder.folder import (
     PLOT_INSTALL,
     RunFolder,
     checkpoint_dir,
@@ -39,8 +40,7 @@ from gm_trainer.job.run_folder import (
     read_metrics,
     run_folder_of,
 )
-from gm_trainer.job.sources import build_model
-from gm_trainer.job.telemetry import StepProfiler, Telemetry, job_flops_per_token
+from gm_trainer.job.run_folder.resume import check_model_layout, check_same_data, check_same_model
 from gm_trainer.optim.lr_schedule import restore_scheduler, scheduler_extra, set_base_lrs
 from gm_trainer.parallel.device import init_distributed
 
@@ -341,7 +341,7 @@ def _train(
             export_full_state_dict(last_checkpoint, tmp)
         progress.write(f"exported the full model to {folder.path / 'model.pt'}")
     if c.export == "hf" and last_checkpoint is not None and trainer.step == t.steps:
-        from gm_trainer.job.export_hf import export_hf
+        from gm_trainer.job.model.export_hf import export_hf
 
         out = export_hf(last_checkpoint, m.config, job_data.tokenizer, folder.path / "hf")
         progress.write(f"exported the model for transformers (from_pretrained) to {out}")
