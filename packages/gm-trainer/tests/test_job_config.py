@@ -598,8 +598,9 @@ def test_progress_lines(capsys: pytest.CaptureFixture[str]) -> None:
     for part in ("step   7/100", "loss 2.5000", "1,000 tok/s", "grad_norm 1.500", "mem 321 MB"):
         assert part in line
     progress = Progress(4, live=False)
-    assert list(progress.track(range(8), accumulation=2)) == list(range(8))
-    assert progress.step == 3  # the 4th step ends after the iterator is exhausted
+    for step in (1, 2, 3):  # the step loop advances it after each step
+        progress.advance(step)
+    assert progress.step == 3
     progress.log(_record(4, 1.0))
     progress.close()
     out, err = capsys.readouterr()
@@ -607,7 +608,7 @@ def test_progress_lines(capsys: pytest.CaptureFixture[str]) -> None:
     # A run resumed after step 6 of 10 counts from there.
     resumed = Progress(10, live=False, start_step=6)
     assert resumed.step == 6
-    assert list(resumed.track(range(4), accumulation=1)) == list(range(4))
+    resumed.advance(9)
     assert resumed.step == 9
 
 
