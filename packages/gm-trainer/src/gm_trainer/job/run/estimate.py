@@ -35,6 +35,7 @@ from gm_trainer.errors import TrainingError
 from gm_trainer.job.run.placement import graph_batch, lay_out_rank, layout_of
 
 if TYPE_CHECKING:
+    from gm_trace.graph.groups import ParallelGroups
     from gm_trainer.job.config.job_config import JobConfig
     from gm_trainer.trainer import GraphTrainer
 
@@ -70,14 +71,22 @@ def persistent_bytes(trainer: GraphTrainer) -> int:
     return _storage_bytes(tensors)
 
 
-def _collectives(graph_module: Any, times: int, into: dict[str, dict[str, int]]) -> None:
+def _collectives(
+    graph_module: Any, times: int, groups: ParallelGroups, into: dict[str, dict[str, int]]
+) -> None:
+    """Count ``graph_module``'s collectives ``times`` into ``into``, keyed ``kind/role`` (the
+    group's role in ``groups``; torch's group name when it has none)."""
     from gm_trace.graph.graph_build import collective_kind, tensor_bytes
+    from gm_trace.graph.groups import group_name_of
 
     for node in graph_module.graph.nodes:
         kind = collective_kind(node)
         if kind is None:
             continue
-        entry = into.setdefault(f"{kind}/{node.args[-1]}", {"count": 0, "bytes": 0})
+        name = group_name_of(node)
+        role = groups.role_of(name) if name is not None else None
+        group = role.value if role is not None else name
+        entry = into.setdefault(f"{kind}/{group}", {"count": 0, "bytes": 0})
         entry["count"] += times
         entry["bytes"] += times * tensor_bytes(node)
 
@@ -112,6 +121,7 @@ def estimate_rank(trainer: GraphTrainer, config: JobConfig, joint: Any) -> dict[
     opt_bytes = optimizer_state_bytes(trainer)
     buffer_bytes = _storage_bytes(model.buffers())
     collectives: dict[str, dict[str, int]] = {}
+    groups = trainer.topology.groups
     accumulation = config.train.accumulation
     pipeline = trainer.pipeline if config.parallel.pp_degree > 1 else None
     if pipeline is None:
@@ -120,7 +130,7 @@ def estimate_rank(trainer: GraphTrainer, config: JobConfig, joint: Any) -> dict[
         # In the graph's peak: its inputs (parameters, buffers, batch) and the gradients.
         activations = max(0, peak_graph - _placeholder_bytes(graph) - grad_bytes)
         peak = peak_graph + opt_bytes
-        _collectives(graph, accumulation, collectives)
+        _collectives(graph, accumulation, groups, collectives)
         flight = 1
     else:
         from gm_trainer.pipeline.schedule import in_flight
@@ -139,12 +149,12 @@ def estimate_rank(trainer: GraphTrainer, config: JobConfig, joint: Any) -> dict[
                 int(torch.Size(shape).numel()) * dtype.itemsize
                 for shape, dtype, _ in reduction.buffers
             )
-            _collectives(reduction.graph_module, 1, collectives)  # once per optimizer step
+            _collectives(reduction.graph_module, 1, groups, collectives)  # once per optimizer step
         peak = param_bytes + buffer_bytes + opt_bytes + max(grad_bytes, accumulated)
         peak += activations
         times = config.parallel.pp_microbatches * accumulation
         for graph in halves:
-            _collectives(graph, times, collectives)
+            _collectives(graph, times, groups, collectives)
     return {
         "parameter_bytes": param_bytes,
         "gradient_bytes": grad_bytes,
