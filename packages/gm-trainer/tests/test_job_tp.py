@@ -239,7 +239,9 @@ def test_tp_errors_before_any_rank(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     cases = {
-        "parallel.tp_size=2 must divide the 3 rank(s) of each pipeline stage": [
+        # the parallel plan's rule, naming every spelling of the degree and what it may take
+        "tp=2 (PassConfig.tp_size, gm-train parallel.tp_size) must divide the world size 3; "
+        "choose tp among [1, 3]": [
             "--nproc", "3", "parallel.tp_size=2",
         ],
         "parallel.tp_size=4 does not divide model.n_heads=2": [
