@@ -190,32 +190,8 @@ def _train(
     if resume is not None:
         # Compile first (FSDP shards the model, the optimizer is built), then load.
         trainer.compile(*graph_batch(next(iter(batches_from(0))), config))
-        saved = load_checkpoint(trainer, resume)
-        # the curve goes on where the checkpoint stopped
-        restore_scheduler(trainer.lr_scheduler, trainer.optimizer, trainer.step, saved)
-        check_same_model(config, saved.get("config"), resume)
-        check_model_layout(config, saved, resume)
+        _load_resume(trainer, config, resume, job_data, fingerprint, progress)
         position = trainer.data_position
-        notes = _reconcile(trainer, config, saved.get("config"))
-        notes += check_same_data(config, fingerprint, saved, resume)
-        was = saved.get("data") if isinstance(saved.get("data"), dict) else {}
-        # Without a fingerprint (an older checkpoint) only the window count can tell.
-        if "fingerprint" not in was and was.get("windows", job_data.train.count) != (
-            job_data.train.count
-        ):
-            notes.append(
-                f"warning: the checkpoint's corpus held {was['windows']} training windows, this "
-                f"one {job_data.train.count}: the data changed, so the run goes on on another "
-                "stream"
-            )
-        if progress is not None:
-            info = checkpoint_info(resume)
-            progress.write(
-                f"resumed from {resume} (step {trainer.step}, saved on {info['world_size']} "
-                f"rank(s)); training steps {trainer.step + 1}..{t.steps}"
-            )
-            for note in notes:
-                progress.write(note)
     try:
         batches = batches_from(position)
     except ConfigError as e:
@@ -310,6 +286,42 @@ def _train(
         f"{folder.path}"
     )
     return summary
+
+
+def _load_resume(
+    trainer: GraphTrainer,
+    config: JobConfig,
+    resume: str | Path,
+    job_data: JobData,
+    fingerprint: dict[str, Any],
+    progress: Progress | None,
+) -> None:
+    """Load the checkpoint ``resume`` into the compiled ``trainer`` and check it against this
+    job (the same model and layout; what differs in the optimizer settings and the data is a
+    note); rank 0 (``progress`` given) prints where training goes on and the notes."""
+    saved = load_checkpoint(trainer, resume)
+    # the curve goes on where the checkpoint stopped
+    restore_scheduler(trainer.lr_scheduler, trainer.optimizer, trainer.step, saved)
+    check_same_model(config, saved.get("config"), resume)
+    check_model_layout(config, saved, resume)
+    notes = _reconcile(trainer, config, saved.get("config"))
+    notes += check_same_data(config, fingerprint, saved, resume)
+    was = saved.get("data") if isinstance(saved.get("data"), dict) else {}
+    windows = job_data.train.count
+    # Without a fingerprint (an older checkpoint) only the window count can tell.
+    if "fingerprint" not in was and was.get("windows", windows) != windows:
+        notes.append(
+            f"warning: the checkpoint's corpus held {was['windows']} training windows, this "
+            f"one {windows}: the data changed, so the run goes on on another stream"
+        )
+    if progress is not None:
+        info = checkpoint_info(resume)
+        progress.write(
+            f"resumed from {resume} (step {trainer.step}, saved on {info['world_size']} "
+            f"rank(s)); training steps {trainer.step + 1}..{config.train.steps}"
+        )
+        for note in notes:
+            progress.write(note)
 
 
 def _step_hooks(
