@@ -29,8 +29,8 @@ from gm_trainer.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from gm_trainer.job.resume import find_resume_point
-from gm_trainer.job.run_folder import prune_checkpoints, step_checkpoints
+from gm_trainer.job.run_folder.folder import prune_checkpoints, step_checkpoints
+from gm_trainer.job.run_folder.resume import find_resume_point
 
 SHARD = "__0_0.distcp"
 

@@ -236,7 +236,7 @@ def test_automatic_dynamic_falls_back_to_static_graphs_when_the_symbolic_trace_f
 
 
 def test_the_job_key_is_parallel_dynamic_dims():
-    from gm_trainer.job.config import JobConfig
+    from gm_trainer.job.config.job_config import JobConfig
 
     dims = {"input": {0: "batch", 1: "seq"}, "label": {0: "batch", 1: "seq"}}
     job = JobConfig.from_dict({"parallel": {"dynamic_dims": dims, "pad_to_multiple": {"seq": 64}}})

@@ -15,10 +15,10 @@ from test_job_cli import gm_train, metrics
 from gm_config import ConfigError
 from gm_trainer.checkpoint import checkpoint_extra, checkpoint_info
 from gm_trainer.job.cli import main
-from gm_trainer.job.config import load_config
-from gm_trainer.job.dataset import PackedBatches, Windows, load_job_data, position_of
-from gm_trainer.job.resume import check_same_data
-from gm_trainer.job.tokenize import load_tokenizer
+from gm_trainer.job.config.job_config import load_config
+from gm_trainer.job.data.tokenize import load_tokenizer
+from gm_trainer.job.data.windows import PackedBatches, Windows, load_job_data, position_of
+from gm_trainer.job.run_folder.resume import check_same_data
 
 WORDS = [
     *("the", "a", "graph", "mode", "trains", "one", "joint", "step"),
@@ -217,7 +217,7 @@ def test_a_text_file_that_is_not_utf8_names_its_line_for_a_tokenizer(tmp_path: P
 
 
 def test_the_default_corpus_skips_the_standard_librarys_non_utf8_files(tmp_path: Path) -> None:
-    from gm_trainer.job.documents import read_documents
+    from gm_trainer.job.data.documents import read_documents
 
     (tmp_path / "a.py").write_text("x = 1\n")
     (tmp_path / "latin1.py").write_bytes(b"# -*- coding: latin-1 -*-\nname = '\xe9'\n")

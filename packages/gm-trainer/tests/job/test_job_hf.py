@@ -22,8 +22,8 @@ from test_job_plan import assert_peak_estimated
 
 from gm_trainer.checkpoint import export_full_state_dict
 from gm_trainer.job.cli import main
-from gm_trainer.job.config import JobConfig
-from gm_trainer.job.dataset import PackedBatches, load_job_data
+from gm_trainer.job.config.job_config import JobConfig
+from gm_trainer.job.data.windows import PackedBatches, load_job_data
 
 transformers = pytest.importorskip("transformers")
 
@@ -159,7 +159,7 @@ def test_export_hf_loads_with_from_pretrained_with_the_same_logits(runs: Path) -
 
 
 def test_default_plan_makes_each_decoder_layer_a_block() -> None:
-    from gm_trainer.job.hf_model import build_hf_model, default_sharding
+    from gm_trainer.job.model.hf import build_hf_model, default_sharding
 
     plan = default_sharding(build_hf_model(tiny_llama()))
     names = [m["name"] for m in plan["fsdp"]["modules"]]

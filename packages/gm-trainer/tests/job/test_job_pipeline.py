@@ -12,7 +12,7 @@ from test_job_cli import TINY, gm_train, metrics
 from test_job_plan import assert_peak_estimated
 
 from gm_trainer.checkpoint import export_full_state_dict
-from gm_trainer.job.builtin_model import GPT
+from gm_trainer.job.model.builtin import GPT
 from gm_trainer.pipeline import plan_schedule
 
 PIPELINE = [

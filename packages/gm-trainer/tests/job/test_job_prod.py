@@ -20,7 +20,7 @@ from test_job_cli import TINY, gm_train
 
 from gm_config import ConfigError
 from gm_trainer.job.cli import main
-from gm_trainer.job.launch import map_slurm_env
+from gm_trainer.job.run.launch import map_slurm_env
 
 JOB = [
     *TINY,
@@ -34,11 +34,11 @@ JOB = [
 
 CRASH_AT_4 = """\
 import os, sys
-import gm_trainer.job.runner as runner
+import gm_trainer.job.run.hooks as hooks  # the checkpoint hook saves
 from gm_trainer.job.cli import main
 
 if os.environ.get("CRASH_AT_4"):
-    real = runner.save_checkpoint
+    real = hooks.save_checkpoint
 
     def save_then_die(trainer, path, **kwargs):
         out = real(trainer, path, **kwargs)
@@ -46,7 +46,7 @@ if os.environ.get("CRASH_AT_4"):
             os._exit(1)  # as a killed job: no cleanup, the run folder's lock left behind
         return out
 
-    runner.save_checkpoint = save_then_die
+    hooks.save_checkpoint = save_then_die
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -28,11 +28,11 @@ SLOW = pytest.mark.skipif(
 # Rank 1 dies right after the step-4 checkpoint, on the first attempt only.
 CRASH_FIRST_ATTEMPT = """\
 import os, sys
-import gm_trainer.job.runner as runner
+import gm_trainer.job.run.hooks as hooks  # the checkpoint hook saves
 from gm_trainer.job.cli import main
 
 if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK") == "1":
-    real = runner.save_checkpoint
+    real = hooks.save_checkpoint
 
     def save_then_die(trainer, path, **kwargs):
         out = real(trainer, path, **kwargs)
@@ -40,7 +40,7 @@ if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK"
             os._exit(1)
         return out
 
-    runner.save_checkpoint = save_then_die
+    hooks.save_checkpoint = save_then_die
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -24,9 +24,9 @@ from test_job_cli import TINY, gm_train, metrics
 from gm_config import ConfigError
 from gm_trainer.checkpoint import CheckpointError, checkpoint_extra, verify_checkpoint
 from gm_trainer.job.cli import main
-from gm_trainer.job.config import load_config
-from gm_trainer.job.dataset import load_job_data
-from gm_trainer.job.resume import check_same_data
+from gm_trainer.job.config.job_config import load_config
+from gm_trainer.job.data.windows import load_job_data
+from gm_trainer.job.run_folder.resume import check_same_data
 
 pytestmark = pytest.mark.distributed  # each test starts gm-train's ranks
 

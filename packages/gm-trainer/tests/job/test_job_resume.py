@@ -122,7 +122,7 @@ def test_checkpoints_on_the_interval_at_the_end_and_pruned(runs: dict[str, Any])
 
 @pytest.mark.distributed
 def test_export_full_writes_the_final_model(runs: dict[str, Any]) -> None:
-    from gm_trainer.job.builtin_model import GPT
+    from gm_trainer.job.model.builtin import GPT
 
     run = runs["root"] / "straight"
     exported = torch.load(run / "model.pt", weights_only=True)

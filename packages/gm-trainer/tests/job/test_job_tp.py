@@ -24,8 +24,8 @@ from test_job_plan import assert_peak_estimated
 from gm_config import ConfigError
 from gm_trace.testing.parity import parity_tolerance
 from gm_trainer.checkpoint import export_full_state_dict
-from gm_trainer.job.builtin_model import GPT
 from gm_trainer.job.cli import main
+from gm_trainer.job.model.builtin import GPT
 from gm_trainer.parallel.tp_plan import resolve_tp_plan
 
 STEPS = 4
@@ -239,7 +239,9 @@ def test_tp_errors_before_any_rank(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     cases = {
-        "parallel.tp_size=2 must divide the 3 rank(s) of each pipeline stage": [
+        # the parallel plan's rule, naming every spelling of the degree and what it may take
+        "tp=2 (PassConfig.tp_size, gm-train parallel.tp_size) must divide the world size 3; "
+        "choose tp among [1, 3]": [
             "--nproc", "3", "parallel.tp_size=2",
         ],
         "parallel.tp_size=4 does not divide model.n_heads=2": [

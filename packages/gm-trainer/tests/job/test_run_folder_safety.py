@@ -19,14 +19,14 @@ from test_job_cli import TINY, gm_train
 from gm_config import ConfigError
 from gm_trainer.checkpoint.durable import replacing
 from gm_trainer.job.cli import check_run_config, main
-from gm_trainer.job.config import JobConfig
-from gm_trainer.job.files import (
+from gm_trainer.job.config.job_config import JobConfig
+from gm_trainer.job.run_folder.files import (
     LOCK_NAME,
     RUN_MARKER,
     RunFolderError,
     check_not_in_use,
 )
-from gm_trainer.job.run_folder import (
+from gm_trainer.job.run_folder.folder import (
     MetricsWarning,
     RunFolder,
     read_metrics,
@@ -117,7 +117,7 @@ def test_a_failed_write_keeps_the_old_file(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import resource, signal
-        from gm_trainer.job.run_folder import RunFolder
+        from gm_trainer.job.run_folder.folder import RunFolder
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG as an error, not a signal
         resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))
         folder = RunFolder({str(folder.path)!r}, defer=True)
@@ -177,7 +177,7 @@ def test_a_deferred_folder_touches_nothing_until_started(tmp_path: Path) -> None
 def _hold_lock(run: Path) -> subprocess.Popen[str]:
     """Another process that holds the run folder, as a running job's rank 0 does."""
     script = (
-        "import sys\nfrom gm_trainer.job.run_folder import RunFolder\n"
+        "import sys\nfrom gm_trainer.job.run_folder.folder import RunFolder\n"
         f"folder = RunFolder({str(run)!r}, lock=True)\nprint('locked', flush=True)\n"
         "sys.stdin.read()\n"
     )
@@ -297,7 +297,7 @@ def test_a_failed_resume_leaves_the_run_as_it_was(
 
 
 def test_a_checkpoint_of_another_model_is_refused() -> None:
-    from gm_trainer.job.resume import check_same_model
+    from gm_trainer.job.run_folder.resume import check_same_model
 
     config = JobConfig()
     saved = config.to_dict()
@@ -311,8 +311,8 @@ def test_a_checkpoint_of_another_model_is_refused() -> None:
 
 
 def test_a_builtin_checkpoint_with_the_old_qkv_row_order_is_refused() -> None:
-    from gm_trainer.job.builtin_model import QKV_LAYOUT
-    from gm_trainer.job.resume import check_model_layout
+    from gm_trainer.job.model.builtin import QKV_LAYOUT
+    from gm_trainer.job.run_folder.resume import check_model_layout
 
     config = JobConfig()
     extra = {"config": config.to_dict(), "builtin_qkv_layout": QKV_LAYOUT}

@@ -18,10 +18,10 @@ from gm_trainer.flops import (
     lookup_only_params,
     mfu,
 )
-from gm_trainer.job.builtin_model import GPT
-from gm_trainer.job.config import load_config
-from gm_trainer.job.sinks import require
-from gm_trainer.job.telemetry import job_flops_per_token
+from gm_trainer.job.config.job_config import load_config
+from gm_trainer.job.config.validation import require
+from gm_trainer.job.model.builtin import GPT
+from gm_trainer.job.run.telemetry import job_flops_per_token
 from gm_trainer.logs import StdoutHandler, console_logger
 
 # TINY's model: vocab 256, dim 32, 1 layer, 2 heads, seq_len 32, output head tied.

@@ -12,7 +12,7 @@ import torch
 from gm_config import ConfigError, PassConfig
 from gm_trace.testing import MLP, make_regression_batch, mse_loss
 from gm_trainer.checkpoint import load_checkpoint, save_checkpoint
-from gm_trainer.job.config import load_config
+from gm_trainer.job.config.job_config import load_config
 from gm_trainer.optim.lr_schedule import (
     WarmupDecay,
     restore_scheduler,

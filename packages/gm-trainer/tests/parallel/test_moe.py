@@ -278,7 +278,7 @@ _HF_MOE = {
 
 
 def _job(**parallel):
-    from gm_trainer.job.config import JobConfig
+    from gm_trainer.job.config.job_config import JobConfig
 
     return JobConfig.from_dict(
         {
@@ -291,7 +291,7 @@ def _job(**parallel):
 
 def test_gm_train_ep_degree_is_checked_before_any_rank_starts() -> None:
     from gm_config import ConfigError
-    from gm_trainer.job.config import JobConfig
+    from gm_trainer.job.config.job_config import JobConfig
 
     with pytest.raises(ConfigError, match=r"ep_degree=3 does not divide the 4 experts"):
         _job(ep_degree=3)

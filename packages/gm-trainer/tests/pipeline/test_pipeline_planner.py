@@ -144,8 +144,8 @@ def test_pass_config_takes_the_new_schedules_with_their_stages():
 
 
 def test_gm_train_plan_prints_the_simulated_bubble_of_the_configured_schedule():
-    from gm_trainer.job.config import JobConfig
-    from gm_trainer.job.plan import implied_bubble
+    from gm_trainer.job.config.job_config import JobConfig
+    from gm_trainer.job.run.estimate import implied_bubble
 
     parallel = {"pp_degree": 4, "pp_microbatches": 8, "pp_schedule": "zbv"}
     config = JobConfig.from_dict({"parallel": {**parallel, "pp_virtual_stages": 2}})

@@ -21,10 +21,17 @@ import yaml
 
 from gm_config import ConfigError
 from gm_trainer.checkpoint import CheckpointError, checkpoint_extra
-from gm_trainer.job.config import SECTIONS, JobConfig, load_config
-from gm_trainer.job.files import RunFolderError, check_not_in_use, check_run_dir
-from gm_trainer.job.launch import AUTO, auto_resume_key, auto_resume_point, map_slurm_env
-from gm_trainer.job.resume import (
+from gm_trainer.job.config.job_config import SECTIONS, JobConfig, load_config
+from gm_trainer.job.run.launch import AUTO, auto_resume_key, auto_resume_point, map_slurm_env
+from gm_trainer.job.run_folder.files import RunFolderError, check_not_in_use, check_run_dir
+from gm_trainer.job.run_folder.folder import (
+    CHECKPOINTS_DIR,
+    earlier_sessions,
+    resolve_run_dir,
+    set_aside_metrics,
+    step_checkpoints,
+)
+from gm_trainer.job.run_folder.resume import (
     Damaged,
     ResumePoint,
     check_model_layout,
@@ -34,16 +41,9 @@ from gm_trainer.job.resume import (
     find_resume_point,
     set_aside_later_steps,
 )
-from gm_trainer.job.run_folder import (
-    CHECKPOINTS_DIR,
-    earlier_sessions,
-    resolve_run_dir,
-    set_aside_metrics,
-    step_checkpoints,
-)
 
 if TYPE_CHECKING:
-    from gm_trainer.job.dataset import JobData
+    from gm_trainer.job.data.windows import JobData
 
 EPILOG = """\
 examples:
@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _plan(config: JobConfig, world_size: int, device_memory_gib: float | None) -> int:
     """``--plan``: print the plan of ``config`` on ``world_size`` ranks; the exit status."""
     from gm_config import GraphModeError
-    from gm_trainer.job.plan import format_plan, plan_job
+    from gm_trainer.job.run.estimate import format_plan, plan_job
 
     try:
         plan = plan_job(config, world_size, device_memory_gib=device_memory_gib)
@@ -250,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     checkpoint = str(resume.checkpoint) if resume is not None else None
     if launched or world_size == 1:
-        from gm_trainer.job.runner import run_rank
+        from gm_trainer.job.run.runner import run_rank
 
         try:
             summary = run_rank(config.to_dict(), checkpoint, args.compare_passes)
@@ -302,7 +302,7 @@ LATER_KEYS = frozenset(
 def prepare_data(config: JobConfig) -> JobData:
     """Fix ``data.cache_dir`` (beside the run folders) and tokenise the corpus into it, so a
     bad line or an empty corpus is a :class:`ConfigError` here and the ranks hit the cache."""
-    from gm_trainer.job.dataset import cache_dir_of, load_job_data
+    from gm_trainer.job.data.windows import cache_dir_of, load_job_data
 
     config.data.cache_dir = str(cache_dir_of(config.data.cache_dir, config.logging.run_dir))
     return load_job_data(config.data, config.model.seq_len, config.logging.run_dir)
@@ -446,7 +446,7 @@ def choose_run_dir(
 def launch(
     config: JobConfig, nproc: int, resume: str | None = None, *, compare_passes: bool = False
 ) -> int:
-    """Run :func:`~gm_trainer.job.runner.run_rank` on ``nproc`` local ranks; exit status.
+    """Run :func:`~gm_trainer.job.run.runner.run_rank` on ``nproc`` local ranks; exit status.
 
     ``resume``: the checkpoint folder every rank loads before training. ``compare_passes``:
     compare the passes on the first batch instead of training (``--compare-passes``).
@@ -455,7 +455,7 @@ def launch(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from gm_trainer.job.runner import run_rank
+    from gm_trainer.job.run.runner import run_rank
 
     # As torchrun does: ranks sharing a machine must not each start one thread per core.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))

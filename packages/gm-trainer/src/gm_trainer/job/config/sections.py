@@ -1,6 +1,6 @@
 """The ``model``, ``data`` and ``dist`` sections of the ``gm-train`` configuration (re-exported by
-:mod:`gm_trainer.job.config`); checks that need more than a field's type are in
-:mod:`gm_trainer.job.sources`."""
+:mod:`gm_trainer.job.config.job_config`); checks that need more than a field's type are in
+:mod:`gm_trainer.job.config.checks`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from gm_config import ConfigError
-from gm_trainer.job.validation import Section
+from gm_trainer.job.config.validation import Section
 
 
 @dataclass
@@ -165,7 +165,7 @@ def check_model_section(
             "model.weights must be a folder, a .safetensors file or a list of them, got "
             f"{weights!r}"
         )
-    from gm_trainer.job.hf_model import (
+    from gm_trainer.job.model.hf import (
         check_causal_lm,
         check_weights,
         config_source,
@@ -196,7 +196,7 @@ def check_data_section(data: DataConfig) -> None:
     if data.eval_files is not None and not Path(data.eval_files).exists():
         raise ConfigError(f"data.eval_files: {data.eval_files} does not exist")
     if data.tokenizer != "bytes":
-        from gm_trainer.job.tokenize import load_tokenizer
+        from gm_trainer.job.data.tokenize import load_tokenizer
 
         load_tokenizer(data.tokenizer)
 
@@ -204,7 +204,7 @@ def check_data_section(data: DataConfig) -> None:
 def model_vocab_size(model: ModelConfig) -> int:
     """The vocabulary size of the configured model."""
     if model.source == "hf":
-        from gm_trainer.job.hf_model import load_hf_config
+        from gm_trainer.job.model.hf import load_hf_config
 
         return int(load_hf_config(model.config).vocab_size)
     return model.vocab_size

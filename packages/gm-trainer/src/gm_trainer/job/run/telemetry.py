@@ -1,16 +1,15 @@
 """The job's measurements beyond the loss: MFU, metric sinks, a profiler trace.
 
 :class:`Telemetry` lives on rank 0 (it adds ``tflops`` / ``mfu`` to the logged records and
-writes them to TensorBoard / W&B); :class:`StepProfiler` runs on every rank and records a
-``torch.profiler`` trace of steps ``profile.start_step..profile.end_step`` into
+writes them to TensorBoard / W&B); :class:`StepProfiler`, a step hook, runs on every rank and
+records a ``torch.profiler`` trace of steps ``profile.start_step..profile.end_step`` into
 ``<run_dir>/profile/rank<R>.json``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -22,9 +21,8 @@ from gm_trainer.flops import (
     mfu,
     model_shape,
 )
-from gm_trainer.job.sinks import Sinks, TensorBoardSink, WandbSink
-
-T = TypeVar("T")
+from gm_trainer.job.run.loop import StepHook
+from gm_trainer.job.run.sinks import Sinks, TensorBoardSink, WandbSink
 
 
 def job_flops_per_token(config: Any, model: torch.nn.Module, n_params: int) -> int:
@@ -75,36 +73,22 @@ class Telemetry:
         self.sinks.close()
 
 
-class StepProfiler:
-    """Wraps the batch stream; profiles the optimizer steps ``start..end`` (1-based, inclusive).
+class StepProfiler(StepHook):
+    """A step hook that profiles the optimizer steps ``start..end`` (1-based, inclusive) and
+    writes the trace when ``end`` is done (or the loop ends first). Does nothing when ``start``
+    is ``None``; a resumed run that starts after ``start`` records nothing."""
 
-    ``first_step``: the step the stream's first batch belongs to (a resumed run's is after
-    its checkpoint). Does nothing when ``start`` is ``None``.
-    """
-
-    def __init__(
-        self, start: int | None, end: int | None, run_dir: Path, rank: int, first_step: int = 1
-    ) -> None:
+    def __init__(self, start: int | None, end: int | None, run_dir: Path, rank: int) -> None:
         self.start, self.end = start, end if end is not None else start
         self.path = run_dir / "profile" / f"rank{rank}.json"
-        self.first_step = first_step
         self._profiler: Any = None
 
-    def wrap(self, batches: Iterable[T], accumulation: int) -> Iterator[T]:
-        """Yield ``batches``; start the profiler before step ``start``, stop after ``end``."""
-        if self.start is None:
-            yield from batches
-            return
-        try:
-            for i, batch in enumerate(batches):
-                step = self.first_step + i // accumulation
-                if i % accumulation == 0:
-                    if step == self.start:
-                        self._begin()
-                    elif step == self.end + 1:
-                        self._finish()
-                yield batch
-        finally:
+    def before_step(self, step: int) -> None:
+        if step == self.start:
+            self._begin()
+
+    def after_step(self, record: dict[str, Any]) -> None:
+        if record["step"] == self.end:
             self._finish()
 
     def _begin(self) -> None:
@@ -115,7 +99,7 @@ class StepProfiler:
         self._profiler.__enter__()
 
     def close(self) -> None:
-        """Stop a trace still running (its last step was the run's last) and write it."""
+        """Stop a trace still running (the loop ended before ``end``) and write it."""
         self._finish()
 
     def _finish(self) -> None:

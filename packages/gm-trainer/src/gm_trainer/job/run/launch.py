@@ -16,9 +16,9 @@ from collections.abc import MutableMapping
 from pathlib import Path
 
 from gm_config import ConfigError
-from gm_trainer.job.config import JobConfig
-from gm_trainer.job.resume import Damaged, ResumePoint, discover, resume_point
-from gm_trainer.job.run_folder import CHECKPOINTS_DIR
+from gm_trainer.job.config.job_config import JobConfig
+from gm_trainer.job.run_folder.folder import CHECKPOINTS_DIR
+from gm_trainer.job.run_folder.resume import Damaged, ResumePoint, discover, resume_point
 
 AUTO = "auto"
 
@@ -28,7 +28,7 @@ def auto_resume_point(
 ) -> tuple[ResumePoint | None, tuple[Damaged, ...]]:
     """The newest intact checkpoint of ``config``'s run folder (``None``: start fresh), and
     the damaged ones passed on the way (moved aside with ``set_aside_damaged``; see
-    :func:`gm_trainer.job.resume.discover`).
+    :func:`gm_trainer.job.run_folder.resume.discover`).
 
     Raises :class:`ConfigError` when the run folder has a ``{timestamp}`` (a restarted
     command would never find the folder of its first attempt).

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gm_trainer.checkpoint import full_model_state
-from gm_trainer.job.dataset import Windows
+from gm_trainer.job.data.windows import Windows
 
 
 class Evaluator:

@@ -9,7 +9,7 @@
 A checkpoint of gm-train stores, in its ``extra``, the whole resolved configuration
 (``config``) and where the data stood (``data``: epoch, offset, windows and the corpus's
 content ``fingerprint``). ``gm-train`` checks both before any rank starts; the ranks check
-them again after loading (for callers of :func:`gm_trainer.job.runner.run_job`).
+them again after loading (for callers of :func:`gm_trainer.job.run.runner.run_job`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from gm_trainer.checkpoint import (
     verify_checkpoint,
 )
 from gm_trainer.checkpoint.io import set_aside
-from gm_trainer.job.config import JobConfig, apply_overrides
-from gm_trainer.job.files import RunFolderError
-from gm_trainer.job.run_folder import (
+from gm_trainer.job.config.job_config import JobConfig, apply_overrides
+from gm_trainer.job.run_folder.files import RunFolderError
+from gm_trainer.job.run_folder.folder import (
     CHECKPOINTS_DIR,
     earlier_sessions,
     run_folder_of,
@@ -105,7 +105,7 @@ def check_model_layout(config: JobConfig, extra: Mapping[str, Any], checkpoint: 
     """Raise :class:`ConfigError` when a gm-train checkpoint of the built-in GPT was saved
     with another ``qkv`` row order than this version computes with (it would load and train
     on silently permuted attention weights)."""
-    from gm_trainer.job.builtin_model import QKV_LAYOUT
+    from gm_trainer.job.model.builtin import QKV_LAYOUT
 
     if config.model.source != "builtin" or not isinstance(extra.get("config"), Mapping):
         return  # an HF model, or a checkpoint written without gm-train's config
@@ -131,7 +131,7 @@ def check_same_data(
     stream), naming which of the two changed, unless ``data.allow_changed_corpus``.
 
     A change of the settings themselves is deliberate and only warned about, naming them (see
-    :func:`gm_trainer.job.runner._reconcile`); a checkpoint without a fingerprint (saved
+    :func:`gm_trainer.job.run.runner._reconcile`); a checkpoint without a fingerprint (saved
     before they existed, or by a script) is not compared.
     """
     data = extra.get("data")

@@ -1,6 +1,7 @@
 """How one rank of a ``gm-train`` job lays the model out: the device mesh (tensor parallelism,
 HSDP replicas, pipeline stages), the TP split, and the ``GraphTrainer`` over them. The run
-(:mod:`gm_trainer.job.runner`) and the plan (:mod:`gm_trainer.job.plan`) build a rank alike."""
+(:mod:`gm_trainer.job.run.runner`) and ``--plan`` (:mod:`gm_trainer.job.run.estimate`) build
+a rank alike."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from gm_trainer.parallel.mesh import MeshContext
 
 if TYPE_CHECKING:
     from gm_trace.passes.compile_cache import CompileCache
-    from gm_trainer.job.config import JobConfig
-    from gm_trainer.job.sources import BuiltModel
+    from gm_trainer.job.config.job_config import JobConfig
+    from gm_trainer.job.model.build import BuiltModel
     from gm_trainer.trainer import GraphTrainer
 
 
@@ -116,7 +117,7 @@ def job_compile_cache(config: JobConfig, rank: int, world_size: int) -> CompileC
     if not config.train.compile_cache or config.parallel.backend != "inductor":
         return None
     from gm_trace.passes.compile_cache import CompileCache
-    from gm_trainer.job.dataset import cache_dir_of
+    from gm_trainer.job.data.windows import cache_dir_of
 
     root = cache_dir_of(config.data.cache_dir, config.logging.run_dir) / "compiled"
     context = {

@@ -18,18 +18,15 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from gm_config import ConfigError
 from gm_trainer.checkpoint.durable import replacing
-from gm_trainer.job.documents import read_documents, source_files
-from gm_trainer.job.tokenize import Tokenizer, load_tokenizer
-
-if TYPE_CHECKING:
-    from gm_trainer.job.config import DataConfig
+from gm_trainer.job.data.documents import read_documents, source_files
+from gm_trainer.job.data.tokenize import Tokenizer, load_tokenizer
 
 CACHE_DIR_NAME = ".gm-train-cache"
 #: A token stream up to this long is hashed whole for its fingerprint (256 MiB of int64).
@@ -249,8 +246,11 @@ class JobData:
         return {**self.train.fingerprint(), "tokenizer": self.tokenizer.fingerprint}
 
 
-def load_job_data(data: DataConfig, seq_len: int, run_dir: str | Path) -> JobData:
-    """Read (or take from the cache) the job's corpus and its held-out split."""
+def load_job_data(data: Any, seq_len: int, run_dir: str | Path) -> JobData:
+    """Read (or take from the cache) the job's corpus and its held-out split.
+
+    ``data``: the job's ``data`` section (:class:`~gm_trainer.job.config.sections.DataConfig`;
+    not imported: the config's checks read the tokenizer from this package)."""
     tokenizer = load_tokenizer(data.tokenizer)
     cache = cache_dir_of(data.cache_dir, run_dir)
 

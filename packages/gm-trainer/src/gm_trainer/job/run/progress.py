@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, TextIO, TypeVar
+from collections.abc import Mapping
+from typing import Any, TextIO
 
 from gm_trainer.logs import console_logger
-
-T = TypeVar("T")
 
 
 def format_record(record: Mapping[str, Any], total_steps: int) -> str:
@@ -52,15 +50,9 @@ class Progress:
         self._step_first = start_step + 1
         self._shown = 0.0
 
-    def track(self, batches: Iterable[T], accumulation: int) -> Iterator[T]:
-        """Yield ``batches`` unchanged, counting an optimizer step every ``accumulation``."""
-        for i, batch in enumerate(batches):
-            if i and i % accumulation == 0:  # asking for this batch means a step finished
-                self.advance(self.start + i // accumulation)
-            yield batch
-
     def advance(self, step: int) -> None:
-        """Record that ``step`` optimizer steps are done; redraw at most 10 times a second."""
+        """Record that ``step`` optimizer steps are done (the step loop's log hook calls it
+        after each); redraw at most 10 times a second."""
         self.step = step
         now = time.perf_counter()
         if step == self.start + 1 or self._t_first is None:

@@ -1,8 +1,10 @@
-"""Field checks shared by the ``gm-train`` config sections: types, finiteness, unknown keys."""
+"""Field checks shared by the ``gm-train`` config sections: types, finiteness, unknown keys, an
+optional package a setting needs."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -144,3 +146,13 @@ def check_tp_plan_key(plan: Any) -> dict[str, str] | None:
             f"{{'model.layers.*.mlp.up_proj': colwise}}; got {plan!r}"
         )
     return dict(plan)
+
+
+def require(module: str, asked_by: str, install: str) -> None:
+    """Raise :class:`ConfigError` naming the setting and the install command when ``module``
+    is missing (checked before any rank starts)."""
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(
+            f"{asked_by} needs the {module} package, which is not installed; install it "
+            f"(pip install '{install}') or turn the setting off"
+        )

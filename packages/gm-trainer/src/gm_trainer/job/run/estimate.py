@@ -4,7 +4,7 @@ For every distinct pipeline stage one representative rank (data-parallel index 0
 the ranks of one stage hold the same shapes, FSDP's rank 0 the largest shard) is built in a
 process of its own on torch's ``fake`` process-group backend (collectives do nothing, so no
 other rank need exist): the same mesh, TP split, ``GraphTrainer`` and passes as the real rank
-(:func:`gm_trainer.job.layout.lay_out_rank`), traced for the job's micro-batch. From the
+(:func:`gm_trainer.job.run.placement.lay_out_rank`), traced for the job's micro-batch. From the
 compiled graphs (:func:`estimate_rank`):
 
 - parameter and gradient bytes: this rank's local pieces (TP slice, FSDP shard, own stage);
@@ -32,10 +32,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gm_trainer.errors import TrainingError
-from gm_trainer.job.layout import graph_batch, lay_out_rank, layout_of
+from gm_trainer.job.run.placement import graph_batch, lay_out_rank, layout_of
 
 if TYPE_CHECKING:
-    from gm_trainer.job.config import JobConfig
+    from gm_trace.graph.groups import ParallelGroups
+    from gm_trainer.job.config.job_config import JobConfig
     from gm_trainer.trainer import GraphTrainer
 
 GIB = 2**30
@@ -70,14 +71,22 @@ def persistent_bytes(trainer: GraphTrainer) -> int:
     return _storage_bytes(tensors)
 
 
-def _collectives(graph_module: Any, times: int, into: dict[str, dict[str, int]]) -> None:
+def _collectives(
+    graph_module: Any, times: int, groups: ParallelGroups, into: dict[str, dict[str, int]]
+) -> None:
+    """Count ``graph_module``'s collectives ``times`` into ``into``, keyed ``kind/role`` (the
+    group's role in ``groups``; torch's group name when it has none)."""
     from gm_trace.graph.graph_build import collective_kind, tensor_bytes
+    from gm_trace.graph.groups import group_name_of
 
     for node in graph_module.graph.nodes:
         kind = collective_kind(node)
         if kind is None:
             continue
-        entry = into.setdefault(f"{kind}/{node.args[-1]}", {"count": 0, "bytes": 0})
+        name = group_name_of(node)
+        role = groups.role_of(name) if name is not None else None
+        group = role.value if role is not None else name
+        entry = into.setdefault(f"{kind}/{group}", {"count": 0, "bytes": 0})
         entry["count"] += times
         entry["bytes"] += times * tensor_bytes(node)
 
@@ -112,6 +121,7 @@ def estimate_rank(trainer: GraphTrainer, config: JobConfig, joint: Any) -> dict[
     opt_bytes = optimizer_state_bytes(trainer)
     buffer_bytes = _storage_bytes(model.buffers())
     collectives: dict[str, dict[str, int]] = {}
+    groups = trainer.topology.groups
     accumulation = config.train.accumulation
     pipeline = trainer.pipeline if config.parallel.pp_degree > 1 else None
     if pipeline is None:
@@ -120,7 +130,7 @@ def estimate_rank(trainer: GraphTrainer, config: JobConfig, joint: Any) -> dict[
         # In the graph's peak: its inputs (parameters, buffers, batch) and the gradients.
         activations = max(0, peak_graph - _placeholder_bytes(graph) - grad_bytes)
         peak = peak_graph + opt_bytes
-        _collectives(graph, accumulation, collectives)
+        _collectives(graph, accumulation, groups, collectives)
         flight = 1
     else:
         from gm_trainer.pipeline.schedule import in_flight
@@ -139,12 +149,12 @@ def estimate_rank(trainer: GraphTrainer, config: JobConfig, joint: Any) -> dict[
                 int(torch.Size(shape).numel()) * dtype.itemsize
                 for shape, dtype, _ in reduction.buffers
             )
-            _collectives(reduction.graph_module, 1, collectives)  # once per optimizer step
+            _collectives(reduction.graph_module, 1, groups, collectives)  # once per optimizer step
         peak = param_bytes + buffer_bytes + opt_bytes + max(grad_bytes, accumulated)
         peak += activations
         times = config.parallel.pp_microbatches * accumulation
         for graph in halves:
-            _collectives(graph, times, collectives)
+            _collectives(graph, times, groups, collectives)
     return {
         "parameter_bytes": param_bytes,
         "gradient_bytes": grad_bytes,
@@ -166,8 +176,8 @@ def _plan_rank(config_dict: dict[str, Any], rank: int, world_size: int) -> dict[
     """One representative rank on the fake backend (its own process): its estimate."""
     import torch.distributed as dist
 
-    from gm_trainer.job.config import JobConfig
-    from gm_trainer.job.sources import build_model
+    from gm_trainer.job.config.job_config import JobConfig
+    from gm_trainer.job.model.build import build_model
 
     torch.set_num_threads(1)
     config = JobConfig.from_dict(config_dict)
@@ -295,61 +305,3 @@ def format_plan(plan: dict[str, Any]) -> str:
 
 def _mib(nbytes: int | None) -> str:
     return "?" if nbytes is None else f"{nbytes / 2**20:,.2f} MiB"
-
-
-class MemoryProbe:
-    """A real run's memory: the measured peak of one step (``step``) beside the estimate of
-    the same rank's compiled graphs, as :func:`estimate_rank` makes it for ``--plan``.
-
-    Measured as the project measures memory: what the rank holds when the step starts
-    (:func:`persistent_bytes`) plus the peak allocated while it runs
-    (:func:`gm_trace.memory.cost.peak_allocated_bytes`: the accelerator's allocator
-    statistics, on CPU the profiler's allocation events).
-    """
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-        """The step measured (``0``: none)."""
-        self.measured: int | None = None
-
-    def run(self, trainer: GraphTrainer, train: Any, *, measure: bool) -> None:
-        """``train()`` (up to the next stop); measured when it ends on :attr:`step`."""
-        if not measure or trainer.step != self.step - 1:
-            train()
-            return
-        from gm_trace.memory.cost import peak_allocated_bytes
-
-        before = persistent_bytes(trainer)
-        self.measured = before + peak_allocated_bytes(train, trainer.device)
-
-    def report(
-        self, trainer: GraphTrainer, config: JobConfig, world_size: int
-    ) -> tuple[dict[str, Any], dict[str, Any]] | None:
-        """``(plan, summary's memory section)`` on rank 0, ``None`` elsewhere or when no step
-        was measured (a resumed run with nothing left). A collective: every rank calls it."""
-        import torch.distributed as dist
-
-        if self.measured is None:
-            return None
-        pipeline = config.parallel.pp_degree > 1
-        joints = [trainer.pipeline.current_joint] if pipeline else trainer.registry.graphs()
-        mine = max(
-            (estimate_rank(trainer, config, joint) for joint in joints),
-            key=lambda e: e["peak_bytes"],
-        )
-        gathered: list[Any] = [(mine, self.measured)]
-        if world_size > 1:
-            gathered = [None] * world_size
-            dist.all_gather_object(gathered, (mine, self.measured))
-        if trainer.rank != 0:
-            return None
-        stages = range(config.parallel.pp_degree)
-        estimates = [gathered[ranks_of_stage(config, world_size, s)[0]][0] for s in stages]
-        plan = report(config, layout_of(config, world_size), estimates)
-        measured = [m for _, m in gathered]
-        section = {
-            "step": self.step,
-            "estimated_peak_bytes": [e["peak_bytes"] for e, _ in gathered],
-            "measured_peak_bytes": measured,
-        }
-        return plan, section

@@ -1,6 +1,6 @@
 """Where the job's text comes from: ``default_corpus`` and ``corpus_files`` find the files
-(see :mod:`gm_trainer.job.documents`); the job trains on packed, per-epoch shuffled windows
-of them (:mod:`gm_trainer.job.dataset`)."""
+(see :mod:`gm_trainer.job.data.documents`); the job trains on packed, per-epoch shuffled windows
+of them (:mod:`gm_trainer.job.data.windows`)."""
 
 from __future__ import annotations
 

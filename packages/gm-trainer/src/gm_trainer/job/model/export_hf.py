@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from gm_trainer.checkpoint import export_full_state_dict
-from gm_trainer.job.hf_model import build_hf_model, load_hf_config
-from gm_trainer.job.tokenize import TOKENIZER_FILES, Tokenizer
+from gm_trainer.job.data.tokenize import TOKENIZER_FILES, Tokenizer
+from gm_trainer.job.model.hf import build_hf_model, load_hf_config
 
 
 def export_hf(

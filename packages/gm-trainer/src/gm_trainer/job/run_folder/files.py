@@ -15,7 +15,7 @@ import yaml
 
 from gm_config import GraphModeRuntimeError
 from gm_trainer.checkpoint.durable import write_atomic
-from gm_trainer.job.config import SECTIONS
+from gm_trainer.job.config.job_config import SECTIONS
 
 #: Written when gm-train creates (or first adopts) a run folder: the folder is gm-train's own.
 RUN_MARKER = "gm-run.json"

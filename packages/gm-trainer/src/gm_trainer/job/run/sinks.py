@@ -6,13 +6,12 @@ TensorBoard needs the optional extra ``gm-trainer[tensorboard]``, W&B the ``wand
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from gm_config import ConfigError
+from gm_trainer.job.config.validation import require
 
 
 class MetricsSink(Protocol):
@@ -106,13 +105,3 @@ class Sinks:
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
-
-
-def require(module: str, asked_by: str, install: str) -> None:
-    """Raise :class:`ConfigError` naming the setting and the install command when ``module``
-    is missing (checked before any rank starts)."""
-    if importlib.util.find_spec(module) is None:
-        raise ConfigError(
-            f"{asked_by} needs the {module} package, which is not installed; install it "
-            f"(pip install '{install}') or turn the setting off"
-        )

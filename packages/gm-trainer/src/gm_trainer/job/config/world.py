@@ -12,7 +12,7 @@ from gm_config.combinations import refused
 def check_world_size(job: Any, world_size: int) -> None:
     """Raise :class:`ConfigError` unless the job can run on ``world_size`` ranks.
 
-    ``job``: the :class:`~gm_trainer.job.config.JobConfig` (not imported: it calls this,
+    ``job``: the :class:`~gm_trainer.job.config.job_config.JobConfig` (not imported: it calls this,
     and reads its ``train``, ``parallel``, ``dist`` and ``model`` sections only).
 
     gm-train runs ``parallel.pp_degree`` pipeline stages, each on ``world_size /

@@ -17,9 +17,16 @@ from typing import Any, ClassVar
 import yaml
 
 from gm_config import ConfigError, ParallelPlan, PassConfig, PassPlan, sharding_plan_from_dict
-from gm_trainer.job.sections import DataConfig, DistConfig, ModelConfig
-from gm_trainer.job.validation import Section, build, check_lr_schedule, check_tp_plan_key
-from gm_trainer.job.world import check_world_size
+from gm_trainer.job.config.checks import check_job
+from gm_trainer.job.config.sections import DataConfig, DistConfig, ModelConfig
+from gm_trainer.job.config.validation import (
+    Section,
+    build,
+    check_lr_schedule,
+    check_tp_plan_key,
+    require,
+)
+from gm_trainer.job.config.world import check_world_size
 
 #: The embedded default job, shipped inside the wheel.
 DEFAULT_CONFIG_PATH = Path(__file__).with_name("default.yaml")
@@ -178,8 +185,6 @@ class LoggingConfig(Section):
         self._positive("interval", "peak_tflops")
         if not self.run_dir:
             raise ConfigError("logging.run_dir must be a non-empty path")
-        from gm_trainer.job.sinks import require
-
         if self.tensorboard:
             require("tensorboard", "logging.tensorboard: true", "gm-trainer[tensorboard]")
         if self.wandb:
@@ -302,8 +307,6 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         self.pass_plan()  # validate the sharding section now, not on the ranks
-        from gm_trainer.job.sources import check_job
-
         check_job(self)  # checks across sections: model vs tokenizer, eval, export
 
     def pass_plan(self) -> PassPlan | None:
@@ -320,7 +323,7 @@ class JobConfig:
 
     def check_world_size(self, world_size: int) -> None:
         """Raise :class:`ConfigError` unless the job can run on ``world_size`` ranks (see
-        :func:`gm_trainer.job.world.check_world_size`)."""
+        :func:`gm_trainer.job.config.world.check_world_size`)."""
         check_world_size(self, world_size)
 
     def to_dict(self) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from gm_trainer.checkpoint import (
 )
 from gm_trainer.checkpoint.durable import replacing, write_atomic
 from gm_trainer.checkpoint.io import DAMAGED_SUFFIX, set_aside
-from gm_trainer.job.files import (
+from gm_trainer.job.run_folder.files import (
     RUN_MARKER,
     RunFolderError,
     RunLock,

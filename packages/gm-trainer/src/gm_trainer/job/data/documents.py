@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gm_config import ConfigError
-from gm_trainer.job.data import corpus_files, default_corpus
+from gm_trainer.job.data.corpus import corpus_files, default_corpus
 
 
 def source_files(corpus: str | None, fmt: str, glob: str) -> list[Path]:

@@ -18,30 +18,35 @@ from gm_trainer.checkpoint import (
     checkpoint_info,
     export_full_state_dict,
     load_checkpoint,
-    save_checkpoint,
 )
 from gm_trainer.checkpoint.durable import replacing
 from gm_trainer.compile.registry import STEP
-from gm_trainer.job.builtin_model import QKV_LAYOUT
-from gm_trainer.job.config import JobConfig
-from gm_trainer.job.dataset import PackedBatches, load_job_data, position_of
-from gm_trainer.job.evaluate import Evaluator
-from gm_trainer.job.layout import graph_batch, job_compile_cache, lay_out_rank, layout_note
-from gm_trainer.job.plan import MemoryProbe
-from gm_trainer.job.progress import Progress
-from gm_trainer.job.resume import check_model_layout, check_same_data, check_same_model
-from gm_trainer.job.run_folder import (
+from gm_trainer.job.config.job_config import JobConfig
+from gm_trainer.job.data.windows import JobData, PackedBatches, load_job_data, position_of
+from gm_trainer.job.model.build import build_model
+from gm_trainer.job.model.builtin import QKV_LAYOUT
+from gm_trainer.job.run.evaluate import Evaluator
+from gm_trainer.job.run.hooks import (
+    Evaluate,
+    LogRecords,
+    MemoryProbe,
+    SaveCheckpoints,
+    WriteMetrics,
+    logged_steps,
+)
+from gm_trainer.job.run.loop import StepHook, train_steps
+from gm_trainer.job.run.placement import graph_batch, job_compile_cache, lay_out_rank, layout_note
+from gm_trainer.job.run.progress import Progress
+from gm_trainer.job.run.telemetry import StepProfiler, Telemetry, job_flops_per_token
+from gm_trainer.job.run_folder.folder import (
     PLOT_INSTALL,
     RunFolder,
-    checkpoint_dir,
     plot_unavailable,
-    prune_checkpoints,
     read_metrics,
     run_folder_of,
 )
-from gm_trainer.job.sources import build_model
-from gm_trainer.job.telemetry import StepProfiler, Telemetry, job_flops_per_token
-from gm_trainer.optim.lr_schedule import restore_scheduler, scheduler_extra, set_base_lrs
+from gm_trainer.job.run_folder.resume import check_model_layout, check_same_data, check_same_model
+from gm_trainer.optim.lr_schedule import restore_scheduler, set_base_lrs
 from gm_trainer.parallel.device import init_distributed
 
 if TYPE_CHECKING:
@@ -156,10 +161,6 @@ def _train(
         graph_dump_dir=folder.graphs_dir if folder is not None else None,
     )
     trainer, dp_index = layout.trainer, layout.dp_index
-    every = t.eval_interval or t.steps
-    eval_steps = {s for s in [*range(every, t.steps, every), t.steps] if s > start_step}
-    if evaluator is None:
-        eval_steps = set()
 
     def batches_from(position: int) -> PackedBatches:
         return PackedBatches(
@@ -189,32 +190,8 @@ def _train(
     if resume is not None:
         # Compile first (FSDP shards the model, the optimizer is built), then load.
         trainer.compile(*graph_batch(next(iter(batches_from(0))), config))
-        saved = load_checkpoint(trainer, resume)
-        # the curve goes on where the checkpoint stopped
-        restore_scheduler(trainer.lr_scheduler, trainer.optimizer, trainer.step, saved)
-        check_same_model(config, saved.get("config"), resume)
-        check_model_layout(config, saved, resume)
+        _load_resume(trainer, config, resume, job_data, fingerprint, progress)
         position = trainer.data_position
-        notes = _reconcile(trainer, config, saved.get("config"))
-        notes += check_same_data(config, fingerprint, saved, resume)
-        was = saved.get("data") if isinstance(saved.get("data"), dict) else {}
-        # Without a fingerprint (an older checkpoint) only the window count can tell.
-        if "fingerprint" not in was and was.get("windows", job_data.train.count) != (
-            job_data.train.count
-        ):
-            notes.append(
-                f"warning: the checkpoint's corpus held {was['windows']} training windows, this "
-                f"one {job_data.train.count}: the data changed, so the run goes on on another "
-                "stream"
-            )
-        if progress is not None:
-            info = checkpoint_info(resume)
-            progress.write(
-                f"resumed from {resume} (step {trainer.step}, saved on {info['world_size']} "
-                f"rank(s)); training steps {trainer.step + 1}..{t.steps}"
-            )
-            for note in notes:
-                progress.write(note)
     try:
         batches = batches_from(position)
     except ConfigError as e:
@@ -237,94 +214,27 @@ def _train(
     if folder is not None:  # rank 0: MFU on the records, TensorBoard / W&B
         flops = job_flops_per_token(config, model, n_params)
         telemetry = Telemetry(config, run_dir, flops, trainer.device, world_size, start_step)
-    profiler = StepProfiler(
-        config.profile.start_step, config.profile.end_step, run_dir, rank, start_step + 1
+    hooks, probe, saves = _step_hooks(
+        config,
+        trainer,
+        job_data,
+        fingerprint=fingerprint,
+        start_step=start_step,
+        evaluator=evaluator,
+        folder=folder,
+        progress=progress,
+        telemetry=telemetry,
     )
-
-    def log_fn(rec: dict[str, Any]) -> None:
-        # Every logging.interval-th step and the first and the last, as torchtitan and the HF
-        # Trainer log them: a run shorter than the interval still leaves its records.
-        if rec["step"] % config.logging.interval and rec["step"] not in (1, t.steps):
-            return
-        if progress is not None and folder is not None and telemetry is not None:
-            telemetry.annotate(rec)
-            telemetry.write(rec)
-            progress.log(rec)
-            if rec["step"] not in eval_steps:  # those are written with their eval loss
-                folder.append_metrics(rec)
-
-    saves = [s for s in c.save_steps(t.steps) if s > start_step]
-    extra = {"config": config.to_dict()}  # rank 0's is saved; compared on resume (_reconcile)
-    if config.model.source == "builtin":
-        extra["builtin_qkv_layout"] = QKV_LAYOUT  # checked on resume (check_model_layout)
-    records: list[dict[str, Any]] = []
-    last_checkpoint: Path | None = None
-    checkpoint_time = 0.0
-    data = iter(progress.track(batches, t.accumulation) if progress is not None else batches)
-    data = profiler.wrap(data, t.accumulation)
-    # The step whose peak memory is measured (beside plan.json's estimate): after the first,
-    # which also traces.
-    # Not while profiling: on CPU both would run torch's profiler.
-    probe = MemoryProbe(min(start_step + 2, t.steps) if config.profile.start_step is None else 0)
     try:
-        while trainer.step < t.steps:
-            stops = {*saves, *eval_steps, probe.step - 1, probe.step}
-            target = next((s for s in sorted(stops) if s > trainer.step), t.steps)
-
-            def train_to(target: int = target) -> None:
-                records.extend(
-                    trainer.train(
-                        data,
-                        max_steps=target - trainer.step,
-                        log_interval=1,  # log_fn keeps the steps logging.interval asks for
-                        log_fn=log_fn,
-                        accumulation_steps=t.accumulation,
-                    )
-                )
-
-            probe.run(trainer, train_to, measure=target == probe.step)
-            if trainer.step < target:  # pragma: no cover - the stream holds exactly train.steps
-                break
-            if trainer.step in eval_steps and evaluator is not None:
-                records[-1].update(evaluator(trainer))  # on every rank: it gathers
-                if folder is not None and progress is not None:
-                    folder.append_metrics(records[-1])
-                    scores = records[-1]
-                    progress.write(
-                        f"eval step {trainer.step}: loss {scores['eval_loss']:.4f} | "
-                        f"perplexity {scores['eval_perplexity']:.2f}"
-                    )
-            if trainer.step in saves:
-                epoch, offset = position_of(trainer.data_position, micro, job_data.train.count)
-                extra["data"] = {
-                    "epoch": epoch,
-                    "offset": offset,
-                    "windows": job_data.train.count,
-                    "fingerprint": fingerprint,
-                }
-                saved_at = time.perf_counter()
-                last_checkpoint = save_checkpoint(
-                    trainer,
-                    checkpoint_dir(run_dir, trainer.step),
-                    extra=scheduler_extra(trainer.lr_scheduler, extra),
-                )
-                checkpoint_time += time.perf_counter() - saved_at
-                if folder is not None and progress is not None:  # rank 0, after the commit
-                    pruned = prune_checkpoints(folder.checkpoints_dir, c.keep_last or 0)
-                    gone = f" | removed {', '.join(p.name for p in pruned)}" if pruned else ""
-                    progress.write(
-                        f"checkpoint {checkpoint_dir(config.logging.run_dir, trainer.step)} "
-                        f"saved in {time.perf_counter() - saved_at:.2f} s{gone}"
-                    )
+        records = train_steps(
+            trainer, iter(batches), steps=t.steps, accumulation=t.accumulation, hooks=hooks
+        )
     finally:
-        profiler.close()
-        if telemetry is not None:
-            telemetry.close()
         if progress is not None:
             progress.advance(trainer.step)
             progress.close()
     wall = time.perf_counter() - start
-    memory = probe.report(trainer, config, world_size)  # every rank: it gathers
+    memory = probe.report(config, world_size)  # every rank: it gathers
     first_batch = next(iter(batches_from(0)))  # what the schedule and activations replay
     schedule = _plot_schedule(trainer, first_batch, config, folder)
     # Every rank: measuring runs the graph once more, with its collectives.
@@ -336,12 +246,13 @@ def _train(
         folder.write_text("plan.json", json.dumps(plan, indent=2) + "\n")
     if activations is not None:
         folder.write_memory_plot(*activations)
+    last_checkpoint = saves.last
     if c.export_full and last_checkpoint is not None and trainer.step == t.steps:
         with replacing(folder.path / "model.pt") as tmp:
             export_full_state_dict(last_checkpoint, tmp)
         progress.write(f"exported the full model to {folder.path / 'model.pt'}")
     if c.export == "hf" and last_checkpoint is not None and trainer.step == t.steps:
-        from gm_trainer.job.export_hf import export_hf
+        from gm_trainer.job.model.export_hf import export_hf
 
         out = export_hf(last_checkpoint, m.config, job_data.tokenizer, folder.path / "hf")
         progress.write(f"exported the model for transformers (from_pretrained) to {out}")
@@ -358,7 +269,7 @@ def _train(
         parameters=n_params,
         tokens_per_step=t.global_batch_size * m.seq_len,
         wall_time_s=wall,
-        checkpoint_time_s=checkpoint_time,
+        checkpoint_time_s=saves.seconds,
         last_checkpoint=str(last_checkpoint) if last_checkpoint is not None else None,
         resumed_from=str(resume) if resume is not None else None,
         resumed_from_step=start_step if resume is not None else None,
@@ -375,6 +286,103 @@ def _train(
         f"{folder.path}"
     )
     return summary
+
+
+def _load_resume(
+    trainer: GraphTrainer,
+    config: JobConfig,
+    resume: str | Path,
+    job_data: JobData,
+    fingerprint: dict[str, Any],
+    progress: Progress | None,
+) -> None:
+    """Load the checkpoint ``resume`` into the compiled ``trainer`` and check it against this
+    job (the same model and layout; what differs in the optimizer settings and the data is a
+    note); rank 0 (``progress`` given) prints where training goes on and the notes."""
+    saved = load_checkpoint(trainer, resume)
+    # the curve goes on where the checkpoint stopped
+    restore_scheduler(trainer.lr_scheduler, trainer.optimizer, trainer.step, saved)
+    check_same_model(config, saved.get("config"), resume)
+    check_model_layout(config, saved, resume)
+    notes = _reconcile(trainer, config, saved.get("config"))
+    notes += check_same_data(config, fingerprint, saved, resume)
+    was = saved.get("data") if isinstance(saved.get("data"), dict) else {}
+    windows = job_data.train.count
+    # Without a fingerprint (an older checkpoint) only the window count can tell.
+    if "fingerprint" not in was and was.get("windows", windows) != windows:
+        notes.append(
+            f"warning: the checkpoint's corpus held {was['windows']} training windows, this "
+            f"one {windows}: the data changed, so the run goes on on another stream"
+        )
+    if progress is not None:
+        info = checkpoint_info(resume)
+        progress.write(
+            f"resumed from {resume} (step {trainer.step}, saved on {info['world_size']} "
+            f"rank(s)); training steps {trainer.step + 1}..{config.train.steps}"
+        )
+        for note in notes:
+            progress.write(note)
+
+
+def _step_hooks(
+    config: JobConfig,
+    trainer: GraphTrainer,
+    job_data: JobData,
+    *,
+    fingerprint: dict[str, Any],
+    start_step: int,
+    evaluator: Evaluator | None,
+    folder: RunFolder | None,
+    progress: Progress | None,
+    telemetry: Telemetry | None,
+) -> tuple[list[StepHook], MemoryProbe, SaveCheckpoints]:
+    """The hooks of this rank's step loop, in their order (:mod:`gm_trainer.job.run.hooks`),
+    with the two whose results the summary reads: the memory probe and the saver. ``folder``,
+    ``progress`` and ``telemetry`` are rank 0's (``None`` elsewhere); ``fingerprint``: the
+    training data's, saved with each checkpoint."""
+    t, c = config.train, config.checkpoint
+    run_dir = Path(config.logging.run_dir)
+    every = t.eval_interval or t.steps
+    eval_steps = {s for s in [*range(every, t.steps, every), t.steps] if s > start_step}
+    if evaluator is None:
+        eval_steps = set()
+    micro = t.global_batch_size // t.accumulation
+
+    def data_state() -> dict[str, Any]:
+        epoch, offset = position_of(trainer.data_position, micro, job_data.train.count)
+        windows = job_data.train.count
+        return {"epoch": epoch, "offset": offset, "windows": windows, "fingerprint": fingerprint}
+
+    extra: dict[str, Any] = {"config": config.to_dict()}  # rank 0's is saved (_reconcile)
+    if config.model.source == "builtin":
+        extra["builtin_qkv_layout"] = QKV_LAYOUT  # checked on resume (check_model_layout)
+    saves = SaveCheckpoints(
+        trainer,
+        run_dir,
+        {s for s in c.save_steps(t.steps) if s > start_step},
+        extra,
+        data_state,
+        keep_last=c.keep_last or 0,
+        folder=folder,
+        progress=progress,
+    )
+    # The step whose peak memory is measured (beside plan.json's estimate): after the first,
+    # which also traces. Not while profiling: on CPU both would run torch's profiler.
+    probe_step = min(start_step + 2, t.steps) if config.profile.start_step is None else 0
+    probe = MemoryProbe(trainer, probe_step)
+    profiler = StepProfiler(
+        config.profile.start_step, config.profile.end_step, run_dir, trainer.rank
+    )
+    hooks: list[StepHook] = [profiler, probe]
+    logged = logged_steps(config.logging.interval, t.steps)
+    if progress is not None and telemetry is not None:
+        hooks.append(LogRecords(progress, telemetry, logged))
+    if evaluator is not None:
+        hooks.append(Evaluate(trainer, evaluator, eval_steps, progress))
+    if folder is not None:
+        hooks.append(WriteMetrics(folder, logged, eval_steps))
+    hooks.append(saves)
+    return hooks, probe, saves
 
 
 def _plot_schedule(

@@ -1,0 +1,69 @@
+"""Checks of a ``gm-train`` job across its sections, before any rank starts: the model against
+the tokenizer, the held-out split, the export, the TP plan and the expert split (on the model
+built on the meta device)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gm_config import ConfigError
+from gm_trainer.job.config.sections import model_vocab_size
+from gm_trainer.job.model.build import job_model, model_tp_plan
+
+
+def check_job(job: Any) -> None:
+    """Checks across sections, so that every rank starts with a job that can run."""
+    from gm_trainer.job.data.tokenize import load_tokenizer
+
+    tokens = load_tokenizer(job.data.tokenizer).vocab_size
+    vocab = model_vocab_size(job.model)
+    if tokens > vocab:
+        what = "raw bytes" if job.data.tokenizer == "bytes" else f"tokenizer {job.data.tokenizer}"
+        key = "model.vocab_size" if job.model.source == "builtin" else "the HF config's vocab_size"
+        raise ConfigError(
+            f"{key} must be >= {tokens}, got {vocab}: data.tokenizer ({what}) has {tokens} "
+            "tokens and the model must have a row for every token id"
+        )
+    if job.train.eval_interval is not None:
+        if job.train.eval_interval <= 0:
+            raise ConfigError(f"train.eval_interval must be > 0, got {job.train.eval_interval}")
+        if not job.data.eval_fraction and job.data.eval_files is None:
+            raise ConfigError(
+                "train.eval_interval needs a held-out split: set data.eval_fraction (e.g. "
+                "0.05) or data.eval_files"
+            )
+    _check_experts(job)
+    if job.checkpoint.export not in (None, "hf"):
+        raise ConfigError(f"checkpoint.export={job.checkpoint.export!r}: use hf or null")
+    if job.checkpoint.export and not job.checkpoint.at_end:
+        raise ConfigError("checkpoint.export exports the final checkpoint: set at_end: true")
+    if job.parallel.tp_size > 1:  # the plan on a model without memory, before any rank
+        model_tp_plan(job, job_model(job, meta=True))
+    if job.checkpoint.export == "hf" and job.model.source != "hf":
+        raise ConfigError(
+            "checkpoint.export: hf writes a transformers model, so it needs model.source: hf "
+            "(the built-in model exports with checkpoint.export_full)"
+        )
+
+
+# --- expert parallelism (issue 27) ---
+def _check_experts(job: Any) -> None:
+    """``parallel.ep_degree`` must divide the expert count of every experts module of the HF
+    model (built on the meta device); the world is checked by ``check_world_size``."""
+    ep = job.parallel.ep_degree
+    if ep == 1 or job.model.source != "hf":
+        return
+    from gm_trace.parallel.ep import check_ep_divides, find_experts_modules
+    from gm_trainer.job.model.hf import config_source, load_hf_config, meta_model
+
+    model = meta_model(load_hf_config(job.model.config), config_source(job.model.config))
+    plan = job.pass_plan()
+    names = find_experts_modules(model, plan.ep_experts if plan is not None else None)
+    if not names:
+        raise ConfigError(
+            f"parallel.ep_degree={ep} but the {type(model).__name__} of model.config has no "
+            "experts module (transformers' MoE experts, weights stacked [num_experts, ...]); "
+            "use parallel.ep_degree=1 or name them in sharding.ep.experts"
+        )
+    for name in names:
+        check_ep_divides(model.get_submodule(name).num_experts, ep, name)
