@@ -35,3 +35,46 @@ def test_checkpoint_offloaded_to_plain_and_back_is_bitwise_straight(dist_pool, t
 
 def test_checkpoint_round_trip_on_two_ranks(dist_pool, tmp_path):
     dist_pool(2).run(bodies.checkpoint_round_trip, str(tmp_path))
+
+
+# --- gm-train --plan: the peak with and without offload ----------------------------------------
+
+
+def test_plan_says_a_layout_too_large_fits_with_offload_and_by_how_much():
+    from gm_trainer.job.config import load_config
+    from gm_trainer.job.layout import layout_of
+    from gm_trainer.job.plan import format_plan, report
+
+    config = load_config()
+    mib = 2**20
+    estimate = {
+        "parameter_bytes": 4 * mib,
+        "gradient_bytes": 4 * mib,
+        "optimizer_state_bytes": 8 * mib,
+        "activation_bytes": 8 * mib,
+        "peak_bytes": 24 * mib,
+        "microbatches_in_flight": 1,
+        "collectives_per_step": {},
+        "cpu_offload": {"offloaded_bytes": 16 * mib, "in_flight_bytes": mib, "peak_bytes": 9 * mib},
+    }
+    for gib, expected in [
+        (16 / 1024, "  FITS WITH cpu_offload (parallel.cpu_offload=true): 7.00 MiB to spare"),
+        (8 / 1024, "  does not fit with cpu_offload either: 1.00 MiB short"),
+    ]:
+        text = format_plan(report(config, layout_of(config, 2), [estimate], gib))
+        assert "  DOES NOT FIT: needs 24.00 MiB" in text
+        assert (
+            "  with cpu_offload: 16.00 MiB of shards, gradients and optimizer state in host "
+            "memory, 1.00 MiB of shards copied in at once -> peak 9.00 MiB"
+        ) in text
+        assert expected in text.splitlines()
+
+
+def test_plan_of_the_default_job_fits_with_offload(capsys):
+    """The embedded job on 2 ranks (traced, nothing trained) in 34.8 MiB a rank: too little
+    without offload (its peak is ~37 MiB), enough with it (full suite: ~30 s)."""
+    from gm_trainer.job.cli import main
+
+    assert main(["--plan", "--nproc", "2", "--device-memory", "0.034"]) == 0
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "FITS WITH cpu_offload" in out, out
