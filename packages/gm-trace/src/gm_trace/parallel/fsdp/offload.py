@@ -82,8 +82,10 @@ def copy_to(
 
 
 def as_host(node: fx.Node) -> None:
-    """Make placeholder ``node`` a host tensor of the same shape, dtype and strides."""
+    """Make placeholder ``node`` a host tensor of the same shape, dtype and strides (tagged
+    ``"shard"``: the memory estimate does not count it as device memory)."""
     node.meta["val"] = _TO_COPY(node.meta["val"], device=HOST)
+    node.meta[node_meta.PARAM_OFFLOAD] = "shard"
     node.meta.pop("tensor_meta", None)
 
 
@@ -93,7 +95,7 @@ def offload_traffic(graph_module: fx.GraphModule) -> dict[str, tuple[int, int]]:
     traffic: dict[str, tuple[int, int]] = {}
     for node in graph_module.graph.nodes:
         direction = node.meta.get(node_meta.PARAM_OFFLOAD)
-        if direction is not None:
+        if direction in ("device", "host"):
             count, size = traffic.get(direction, (0, 0))
             traffic[direction] = (count + 1, size + tensor_bytes(node))
     return traffic
