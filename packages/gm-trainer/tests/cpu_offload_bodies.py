@@ -108,3 +108,17 @@ def checkpoint_round_trip(rank: int, world: int, root: str) -> dict:
     differ = bitwise(full_params(straight), full_params(run))
     assert not differ, differ
     return {"losses": losses}
+
+
+def accumulation(rank: int, world: int) -> dict:
+    """``train(accumulation_steps=2)`` (the reductions deferred to the window's last
+    micro-batch under FSDP): 2 windows offloaded == not offloaded, bitwise."""
+    results = {}
+    for offload in (False, True):
+        run = trainer(offload)
+        records = run.train([batch(i, rank, world) for i in range(4)], accumulation_steps=2)
+        results[offload] = ([r["loss"] for r in records], full_params(run))
+    assert results[True][0] == results[False][0], results
+    differ = bitwise(results[False][1], results[True][1])
+    assert not differ, differ
+    return {"losses": results[True][0]}

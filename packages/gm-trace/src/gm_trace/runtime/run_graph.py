@@ -17,6 +17,7 @@ from gm_trace.graph.signature import (
     flatten_io,
     signature_mismatch_message,
 )
+from gm_trace.parallel.fsdp import wait_for_host_copies
 
 
 @dataclass
@@ -74,7 +75,7 @@ def run_traced_graph(
     gm, compiled = joint.graph_module, joint.compiled_step
     with torch.no_grad():
         outputs = gm(*args) if compiled is None else compiled.run(gm, args)
-    _wait_for_host_copies(joint)
+    wait_for_host_copies(gm)
 
     specs = joint.output_specs
     if len(outputs) != len(specs):
@@ -157,14 +158,6 @@ def _live_state(model: nn.Module, fqns: Sequence[str]) -> list[Tensor]:
             "the graph was traced with; run the graph with the model it was traced from"
         )
     return [named[fqn] for fqn in fqns]
-
-
-def _wait_for_host_copies(joint: JointGraph) -> None:
-    """Under ``cpu_offload`` the graph copies the gradient rows to the host with
-    ``non_blocking``: the host must not read them before the device has written them."""
-    sharding = joint.sharding
-    if sharding is not None and sharding.offloaded and torch.accelerator.is_available():
-        torch.accelerator.synchronize()
 
 
 def _own_grad(grad: Tensor, param: Tensor, seen: set[StorageWeakRef]) -> Tensor:

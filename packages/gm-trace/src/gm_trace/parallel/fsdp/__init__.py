@@ -6,7 +6,11 @@ gathers again in backward instead of holding whole parameters (:mod:`.reshard`).
 
 from gm_trace.parallel.fsdp.fsdp_pass import FSDPPass, describe_experts
 from gm_trace.parallel.fsdp.layout import ShardedParam, ShardingLayout, full_parameter
-from gm_trace.parallel.fsdp.offload import describe_offload, offload_traffic
+from gm_trace.parallel.fsdp.offload import (
+    describe_offload,
+    offload_traffic,
+    wait_for_host_copies,
+)
 from gm_trace.parallel.fsdp.reshard import ReshardAfterForwardPass
 from gm_trace.parallel.fsdp.sharding import FSDPConfigError, RowShard, select_sharded_params
 
@@ -22,4 +26,5 @@ __all__ = [
     "full_parameter",
     "offload_traffic",
     "select_sharded_params",
+    "wait_for_host_copies",
 ]

@@ -16,7 +16,7 @@ The copies are activation offload's (:mod:`gm_trace.memory.offload`): one ``_to_
 the compute stream each way, no side stream yet, so the transfers do not overlap compute.
 A host-to-device copy of pinned memory is ordered by the stream; a device-to-host copy with
 ``non_blocking`` is not ordered with the host, so whoever reads the gradients on the host
-first waits for the device (``gm_trainer`` synchronises after the graph runs).
+first waits for the device (:func:`wait_for_host_copies`, after every graph that copies).
 
 Where: only when the graph runs on an accelerator. On CPU host memory is device memory, so
 nothing is offloaded and ``pass_summary()`` says why; ``FSDPPass(offload_on_cpu=True)``
@@ -33,6 +33,7 @@ import torch.fx as fx
 
 from gm_trace.graph import node_meta
 from gm_trace.graph.graph_build import tensor_bytes
+from gm_trace.memory.cost import on_host
 from gm_trace.memory.offload import HOST, accelerator
 
 _TO_COPY = torch.ops.aten._to_copy.default
@@ -87,6 +88,17 @@ def as_host(node: fx.Node) -> None:
     node.meta["val"] = _TO_COPY(node.meta["val"], device=HOST)
     node.meta[node_meta.PARAM_OFFLOAD] = "shard"
     node.meta.pop("tensor_meta", None)
+
+
+def wait_for_host_copies(graph_module: fx.GraphModule) -> None:
+    """After running ``graph_module``: wait for the device when the graph copied gradient
+    rows from it to the host (``non_blocking``: the host must not read them before the
+    device has written them). Nothing to wait for on a CPU-only machine."""
+    if not torch.accelerator.is_available():
+        return
+    nodes = graph_module.graph.nodes
+    if any(n.meta.get(node_meta.PARAM_OFFLOAD) == "host" and on_host(n) for n in nodes):
+        torch.accelerator.synchronize()
 
 
 def offload_traffic(graph_module: fx.GraphModule) -> dict[str, tuple[int, int]]:
