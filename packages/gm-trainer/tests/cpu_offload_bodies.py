@@ -110,12 +110,13 @@ def checkpoint_round_trip(rank: int, world: int, root: str) -> dict:
     return {"losses": losses}
 
 
-def accumulation(rank: int, world: int) -> dict:
+def accumulation(rank: int, world: int, optimizer: dict) -> dict:
     """``train(accumulation_steps=2)`` (the reductions deferred to the window's last
-    micro-batch under FSDP): 2 windows offloaded == not offloaded, bitwise."""
+    micro-batch under FSDP, whose graph takes the update with ``in_graph``): 2 windows
+    offloaded == not offloaded, bitwise."""
     results = {}
     for offload in (False, True):
-        run = trainer(offload)
+        run = trainer(offload, optimizer)
         records = run.train([batch(i, rank, world) for i in range(4)], accumulation_steps=2)
         results[offload] = ([r["loss"] for r in records], full_params(run))
     assert results[True][0] == results[False][0], results

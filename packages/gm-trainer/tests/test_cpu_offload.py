@@ -37,9 +37,10 @@ def test_checkpoint_round_trip_on_two_ranks(dist_pool, tmp_path):
     dist_pool(2).run(bodies.checkpoint_round_trip, str(tmp_path))
 
 
-def test_accumulation_windows_are_bitwise_the_run_without_offload(dist_pool):
+@pytest.mark.parametrize("optimizer", [{}, {"in_graph": True}])
+def test_accumulation_windows_are_bitwise_the_run_without_offload(optimizer, dist_pool):
     """Under FSDP the window's reductions are deferred to its last micro-batch."""
-    dist_pool(2).run(bodies.accumulation)
+    dist_pool(2).run(bodies.accumulation, optimizer)
 
 
 # --- gm-train --plan: the peak with and without offload ----------------------------------------
