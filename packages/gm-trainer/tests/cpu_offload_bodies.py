@@ -31,14 +31,15 @@ def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]
     return input[2 * rank : 2 * rank + 2], label[2 * rank : 2 * rank + 2]
 
 
-def trainer(offload: bool, optimizer: dict | None = None) -> GraphTrainer:
-    """A TinyGPT trainer, with ``cpu_offload`` forced on CPU or without it."""
+def trainer(offload: bool, optimizer: dict | None = None, forced: bool = True) -> GraphTrainer:
+    """A TinyGPT trainer, with ``cpu_offload`` (forced on CPU unless ``forced=False``: then
+    the CPU graph moves nothing) or without it."""
     return GraphTrainer(
         gpt(),
         lm_loss,
         PassConfig(cpu_offload=offload),
         optimizer_config={"name": "adam", "lr": 1e-2, **(optimizer or {})},
-        passes=[FSDPPass(offload_on_cpu=True)] if offload else [],
+        passes=[FSDPPass(offload_on_cpu=True)] if offload and forced else [],
     )
 
 
@@ -110,13 +111,13 @@ def checkpoint_round_trip(rank: int, world: int, root: str) -> dict:
     return {"losses": losses}
 
 
-def accumulation(rank: int, world: int, optimizer: dict) -> dict:
+def accumulation(rank: int, world: int, optimizer: dict, forced: bool = True) -> dict:
     """``train(accumulation_steps=2)`` (the reductions deferred to the window's last
     micro-batch under FSDP, whose graph takes the update with ``in_graph``): 2 windows
     offloaded == not offloaded, bitwise."""
     results = {}
     for offload in (False, True):
-        run = trainer(offload, optimizer)
+        run = trainer(offload, optimizer, forced)
         records = run.train([batch(i, rank, world) for i in range(4)], accumulation_steps=2)
         results[offload] = ([r["loss"] for r in records], full_params(run))
     assert results[True][0] == results[False][0], results

@@ -37,10 +37,31 @@ def test_checkpoint_round_trip_on_two_ranks(dist_pool, tmp_path):
     dist_pool(2).run(bodies.checkpoint_round_trip, str(tmp_path))
 
 
-@pytest.mark.parametrize("optimizer", [{}, {"in_graph": True}])
-def test_accumulation_windows_are_bitwise_the_run_without_offload(optimizer, dist_pool):
-    """Under FSDP the window's reductions are deferred to its last micro-batch."""
-    dist_pool(2).run(bodies.accumulation, optimizer)
+@pytest.mark.parametrize(
+    ("world", "optimizer", "forced"),
+    [(2, {}, True), (2, {"in_graph": True}, True), (1, {"in_graph": True}, True), (1, {}, False)],
+)
+def test_accumulation_windows_are_bitwise_the_run_without_offload(
+    world, optimizer, forced, dist_pool
+):
+    """Under FSDP the window's reductions are deferred to its last micro-batch (on one rank
+    over its fsdp group of one; not forced, the CPU graph copies nothing but still reduces)."""
+    dist_pool(world).run(bodies.accumulation, optimizer, forced)
+
+
+def test_on_a_cpu_run_offload_is_off_and_says_why():
+    """One process, no process group, a CPU graph: nothing to move; training is the run
+    without offload, accumulation windows included."""
+    from gm_trainer.trainer import GraphTrainer
+
+    runs = []
+    for offload in (False, True):
+        run = GraphTrainer(bodies.gpt(), bodies.lm_loss, bodies.PassConfig(cpu_offload=offload))
+        records = run.train([bodies.batch(i, 0, 1) for i in range(4)], accumulation_steps=2)
+        runs.append(([r["loss"] for r in records], run))
+    assert runs[0][0] == runs[1][0]
+    assert runs[1][1].sharding is None
+    assert "cpu offload: off: the graph runs on the CPU" in runs[1][1].pass_summary()
 
 
 # --- gm-train --plan: the peak with and without offload ----------------------------------------

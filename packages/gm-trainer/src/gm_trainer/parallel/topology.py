@@ -88,7 +88,8 @@ class Topology:
 
     @property
     def fsdp_active(self) -> bool:
-        """True when gradients are synchronised over an FSDP group of more than one rank."""
+        """True when gradients are synchronised over an FSDP group (of more than one rank, or
+        of one under ``cpu_offload``, whose fsdp pass reduces over it too)."""
         return self.fsdp_group is not None
 
     @property
@@ -237,7 +238,7 @@ def _world_groups(
     found: dict[Role, dist.ProcessGroup | None] = {}
     lead = ((pp,), (Axis.PP,)) if pp > 1 else ((), ())
     device = detect_device_type()
-    one_rank_fsdp = fsdp_wanted and cpu_offload and dp == 1 and pp == 1
+    one_rank_fsdp = fsdp_wanted and cpu_offload and dp == 1 and pp == 1 and dist.is_initialized()
     if pp > 1 or (fsdp_wanted and world > 1) or one_rank_fsdp:
         device_mesh = init_device_mesh(
             device, (*lead[0], dp), mesh_dim_names=(*lead[1], Axis.DP_SHARD)

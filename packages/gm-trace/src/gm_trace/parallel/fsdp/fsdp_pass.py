@@ -90,11 +90,13 @@ class FSDPPass(GraphPass):
             self.offload_on_cpu,
         )
         # One rank shards nothing, but cpu_offload still moves its (whole) rows to the host,
-        # as FSDP2 does on one rank: the collectives over one rank are copies.
+        # as FSDP2 does on one rank: the collectives over one rank are copies. (The pass
+        # runs whenever cpu_offload is asked for, so that the trainer's group of one always
+        # has the fsdp pass's reductions, whether the copies are made or not.)
         if (
             not dist.is_available()
             or not dist.is_initialized()
-            or (dist.get_world_size() == 1 and offload_to is None)
+            or (dist.get_world_size() == 1 and not ctx.config.cpu_offload)
         ):
             skipped = "torch.distributed not initialised or world size 1"
             off = offload_note if offload_to is None else f"off: no fsdp pass ({skipped})"
