@@ -34,7 +34,7 @@ import torch.fx as fx
 from gm_trace.graph import node_meta
 from gm_trace.graph.graph_build import tensor_bytes
 from gm_trace.memory.cost import on_host
-from gm_trace.memory.offload import HOST, accelerator
+from gm_trace.memory.offload import HOST, accelerator, copy_node
 
 _TO_COPY = torch.ops.aten._to_copy.default
 
@@ -68,14 +68,7 @@ def copy_to(
     """``aten._to_copy(node, device=device, non_blocking=True)`` at the insertion point,
     tagged :data:`~gm_trace.graph.node_meta.PARAM_OFFLOAD` ``direction`` (``"device"`` or
     ``"host"``) and ``meta``."""
-    copy = graph.call_function(_TO_COPY, (node,), {"device": device, "non_blocking": True})
-    copy.meta.update(
-        {
-            "val": _TO_COPY(node.meta["val"], device=device, non_blocking=True),
-            node_meta.PARAM_OFFLOAD: direction,
-            **meta,
-        }
-    )
+    copy = copy_node(graph, node, device, **{node_meta.PARAM_OFFLOAD: direction, **meta})
     for key in (node_meta.PHASE, "nn_module_stack"):
         if key in node.meta:
             copy.meta[key] = node.meta[key]
