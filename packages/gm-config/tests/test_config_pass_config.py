@@ -20,6 +20,7 @@ DEFAULTS = {
     "bucket_cap_mb": 25.0,
     "prefetch_blocks": 1,
     "reshard_after_forward": False,
+    "cpu_offload": False,
     "recompute_pointwise": True,
     "param_dtype": None,
     "reduce_dtype": None,
@@ -57,6 +58,7 @@ BOOL_FIELDS = [
     "sequence_parallel",
     "loss_parallel",
     "reshard_after_forward",
+    "cpu_offload",
     "recompute_pointwise",
     "automatic_dynamic",
     "selective_recompute",
@@ -120,6 +122,7 @@ def test_valid_non_default_values_are_kept():
         "bucket_cap_mb": None,
         "prefetch_blocks": None,
         "reshard_after_forward": True,
+        "cpu_offload": False,
         "recompute_pointwise": False,
         "param_dtype": "bfloat16",
         "reduce_dtype": "float32",
@@ -403,6 +406,22 @@ def test_cuda_graphs_is_a_bool_or_auto_and_refuses_what_a_replay_cannot_hold():
         PassConfig(cuda_graphs="auto", pp_degree=2, pp_microbatches=2)
     # "auto" falls back per graph instead.
     PassConfig(cuda_graphs="auto", dynamic_dims={"input": {0: "batch"}})
+
+
+# --- parameter and optimizer offload (issue 39) ---------------------------------------------
+
+
+def test_cpu_offload_needs_fsdp_and_refuses_pipelines_and_captured_graphs():
+    assert PassConfig(cpu_offload=True, reshard_after_forward=True).cpu_offload is True
+    PassConfig(cpu_offload=True, cuda_graphs="auto")  # "auto" runs such a graph uncaptured
+    with pytest.raises(ConfigError, match=r"cpu_offload=True .* fsdp_enabled=False .* set "):
+        PassConfig(cpu_offload=True, fsdp_enabled=False)
+    with pytest.raises(ConfigError, match=r"cpu_offload=True with pp_degree=2: .* set pp_deg"):
+        PassConfig(cpu_offload=True, pp_degree=2, pp_microbatches=2)
+    with pytest.raises(ConfigError, match=r"cuda_graphs=True with cpu_offload=True: .*set one"):
+        PassConfig(cpu_offload=True, cuda_graphs=True)
+    with pytest.raises(ConfigError, match=r"PassConfig.cpu_offload must be a bool"):
+        PassConfig(cpu_offload="yes")
 
 
 # --- activation offload (issue 28) ----------------------------------------------------------

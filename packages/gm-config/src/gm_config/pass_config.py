@@ -91,6 +91,16 @@ class PassConfig:
     before its first backward use: lower peak memory for one more all-gather per block.
     A planned module's own ``reshard_after_forward`` (PassPlan / YAML) overrides this."""
 
+    cpu_offload: bool = dataclasses.field(default=False, metadata=_runs("fsdp"))
+    """Keep each rank's FSDP shards, their gradients and the optimizer state in host memory
+    (FSDP2's ``CPUOffloadPolicy``): the graph copies a block's shards to the device just
+    before its all-gather (prefetched with it, ``prefetch_blocks``) and the reduced gradient
+    rows back to the host after the reduce-scatter; the optimizer updates on the host. Host
+    tensors are pinned when the device is an accelerator. Parameters the plan leaves
+    unsharded stay on the device. On a CPU-only run the device is the host: nothing is
+    offloaded and ``pass_summary()`` says so. Needs ``fsdp_enabled``; not with
+    ``pp_degree > 1`` or ``cuda_graphs=True``."""
+
     recompute_pointwise: bool = dataclasses.field(default=True, metadata=_runs("recompute"))
     """Run the ``recompute`` pass: a saved activation that a few pointwise ops compute from
     values backward keeps anyway (a GELU output, an RMSNorm's scaled input) is recomputed in
@@ -358,6 +368,7 @@ class PassConfig:
             )
         self._validate_memory_plan()
         self._validate_offload()
+        self._validate_cpu_offload()
 
     def _validate_virtual_stages(self) -> None:
         schedule, virtual = self.pp_schedule, self.pp_virtual_stages
@@ -413,6 +424,30 @@ class PassConfig:
             raise ConfigError(
                 "PassConfig.activation_offload=True is a choice of the activation_memory_budget "
                 "planner; set activation_memory_budget (e.g. 0.5) too"
+            )
+
+    def _validate_cpu_offload(self) -> None:
+        """``cpu_offload`` moves FSDP's shards: not without the fsdp pass, not where the copies
+        are not wired (pipeline stages) or cannot be captured (CUDA graphs)."""
+        if not self.cpu_offload:
+            return
+        if not self.fsdp_enabled:
+            raise ConfigError(
+                "PassConfig.cpu_offload=True keeps the FSDP shards in host memory, but "
+                "fsdp_enabled=False shards nothing; set fsdp_enabled=True or cpu_offload=False"
+            )
+        if self.pp_degree > 1:
+            raise ConfigError(
+                f"PassConfig.cpu_offload=True with pp_degree={self.pp_degree}: parameter "
+                "offload is not implemented for pipeline stages yet; set pp_degree=1 or "
+                "cpu_offload=False"
+            )
+        if self.cuda_graphs is True:
+            raise ConfigError(
+                "PassConfig.cuda_graphs=True with cpu_offload=True: the shard and gradient "
+                "copies run on the compute stream with host synchronisation (no copy stream "
+                "yet), which a CUDA graph cannot capture; set one of them to False (or "
+                "cuda_graphs='auto')"
             )
 
     def _validate_cuda_graphs(self) -> None:

@@ -59,6 +59,8 @@ def _cuda_graph(*marks: str) -> fx.GraphModule:
         outs.append(g)
     if "offload" in marks:
         y.meta[node_meta.OFFLOADED] = "host"
+    if "cpu_offload" in marks:  # a gradient row copied back to the host (cpu_offload)
+        y.meta[node_meta.PARAM_OFFLOAD] = "host"
     graph.output(tuple(outs))
     return fx.GraphModule(torch.nn.Module(), graph)
 
@@ -68,6 +70,9 @@ def test_why_a_cuda_graph_cannot_be_captured():
     assert "runs on a gloo group (host-side" in why_not_capturable(_cuda_graph("gloo"))
     assert "activation offload copies run on the compute stream" in why_not_capturable(
         _cuda_graph("offload")
+    )
+    assert "cpu_offload's shard and gradient copies run on the compute stream" in (
+        why_not_capturable(_cuda_graph("cpu_offload"))
     )
 
 

@@ -170,12 +170,22 @@ def is_activation(node: fx.Node, on_batch: set[fx.Node]) -> bool:
 
 
 def on_host(node: fx.Node) -> bool:
-    """An offloaded activation's copy in host memory, away from the device its source is
-    on: not device memory. (Offload forced on CPU leaves the copy where it was: counted.)"""
-    if node.meta.get(node_meta.OFFLOADED) != "host":
+    """An offloaded activation's or gradient row's copy in host memory, away from the device
+    its source is on, or a shard ``cpu_offload`` keeps on the host, away from the device its
+    copy goes to: not device memory. (Offload forced on CPU leaves them where the device
+    is: counted.)"""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
         return False
-    val, source = node.meta.get("val"), node.all_input_nodes[0].meta.get("val")
-    return isinstance(val, torch.Tensor) and val.device != getattr(source, "device", val.device)
+    if node.meta.get(node_meta.PARAM_OFFLOAD) == "shard":
+        return any(
+            u.meta.get(node_meta.PARAM_OFFLOAD) == "device" and u.meta["val"].device != val.device
+            for u in node.users
+        )
+    if "host" not in (node.meta.get(node_meta.OFFLOADED), node.meta.get(node_meta.PARAM_OFFLOAD)):
+        return False
+    source = node.all_input_nodes[0].meta.get("val")
+    return val.device != getattr(source, "device", val.device)
 
 
 def estimate_live_bytes(

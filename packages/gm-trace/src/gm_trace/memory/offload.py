@@ -116,6 +116,16 @@ def _lead_flops(node: fx.Node, config: PassConfig) -> float:
     return seconds * config.activation_offload_device_tflops * 1e12
 
 
+def copy_node(graph: fx.Graph, source: fx.Node, device: torch.device, **meta: object) -> fx.Node:
+    """``aten._to_copy(source, device=device, non_blocking=True)`` at the graph's insertion
+    point, with its ``meta["val"]`` and ``meta``: the one copy both offloads insert
+    (activations here, parameters in :mod:`gm_trace.parallel.fsdp`)."""
+    copy = graph.call_function(_TO_COPY, (source,), {"device": device, "non_blocking": True})
+    copy.meta["val"] = _TO_COPY(source.meta["val"], device=device, non_blocking=True)
+    copy.meta.update(meta)
+    return copy
+
+
 def apply_offload(graph: fx.Graph, config: PassConfig) -> list[tuple[fx.Node, fx.Node]]:
     """Apply the ``"offload"`` tags of ``graph`` (module doc) and remove them; returns the
     (to host, to device) copies per offloaded value, in graph order."""
@@ -132,14 +142,9 @@ def apply_offload(graph: fx.Graph, config: PassConfig) -> list[tuple[fx.Node, fx
         forward = [u for u in value.users if phase(u) == "forward"]
         backward = sorted((u for u in value.users if phase(u) == "backward"), key=order.get)
         with graph.inserting_after(max(forward, key=order.__getitem__, default=value)):
-            host = graph.call_function(_TO_COPY, (value,), {"device": HOST, "non_blocking": True})
-        host.meta.update(
-            {
-                "val": _TO_COPY(val, device=HOST, non_blocking=True),
-                node_meta.PHASE: "forward",
-                node_meta.OFFLOADED: "host",
-            }
-        )
+            host = copy_node(
+                graph, value, HOST, **{node_meta.PHASE: "forward", node_meta.OFFLOADED: "host"}
+            )
         if "nn_module_stack" in value.meta:
             host.meta["nn_module_stack"] = value.meta["nn_module_stack"]
         # The lead: the backward nodes before the first reader that take the transfer's time.
@@ -149,16 +154,12 @@ def apply_offload(graph: fx.Graph, config: PassConfig) -> list[tuple[fx.Node, fx
             at -= 1
             lead -= node_flops(nodes[at])
         with graph.inserting_before(nodes[at]):
-            back = graph.call_function(
-                _TO_COPY, (host,), {"device": val.device, "non_blocking": True}
+            back = copy_node(
+                graph,
+                host,
+                val.device,
+                **{node_meta.PHASE: "backward", node_meta.OFFLOADED: "device"},
             )
-        back.meta.update(
-            {
-                "val": _TO_COPY(host.meta["val"], device=val.device, non_blocking=True),
-                node_meta.PHASE: "backward",
-                node_meta.OFFLOADED: "device",
-            }
-        )
         for reader in backward:
             reader.replace_input_with(value, back)
         pairs.append((host, back))

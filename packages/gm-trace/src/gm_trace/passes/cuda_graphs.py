@@ -79,6 +79,11 @@ def why_not_capturable(graph_module: fx.GraphModule) -> str | None:
             "activation offload copies run on the compute stream with host synchronisation "
             "(no copy stream yet); set activation_offload=False"
         )
+    if any(n.meta.get(node_meta.PARAM_OFFLOAD) for n in graph_module.graph.nodes):
+        return (
+            "cpu_offload's shard and gradient copies run on the compute stream with host "
+            "synchronisation (no copy stream yet); set cpu_offload=False"
+        )
     return None
 
 

@@ -17,6 +17,7 @@ from gm_trace.graph.signature import (
     flatten_io,
     signature_mismatch_message,
 )
+from gm_trace.parallel.fsdp import wait_for_host_copies
 
 
 @dataclass
@@ -74,6 +75,7 @@ def run_traced_graph(
     gm, compiled = joint.graph_module, joint.compiled_step
     with torch.no_grad():
         outputs = gm(*args) if compiled is None else compiled.run(gm, args)
+    wait_for_host_copies(gm)
 
     specs = joint.output_specs
     if len(outputs) != len(specs):

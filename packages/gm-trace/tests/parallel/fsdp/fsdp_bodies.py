@@ -144,3 +144,55 @@ def many_gathers_in_flight(rank: int, world: int):
 
 
 # --- groups as values (issue 37) -------------------------------------------------------------
+
+
+# --- parameter offload (issue 39, PassConfig.cpu_offload) ---------------------------------------
+
+
+def cpu_offload(rank: int, world: int, kind: str, overrides: dict, steps: int = 5):
+    """5 Adam steps with ``cpu_offload`` forced on CPU (``FSDPPass(offload_on_cpu=True)``:
+    the copies run between CPU tensors) == the same steps without it, bitwise (the copies
+    change no value and no op order); where the copies sit; and the pass's own word when
+    offload is asked for but not forced (a CPU graph: nothing to move)."""
+    from gm_trace.graph import node_meta
+    from gm_trace.graph.graph_build import is_all_gather
+    from gm_trace.parallel.fsdp import FSDPPass, describe_offload, offload_traffic
+
+    runs = {}
+    for name, config, passes in [
+        ("off", PassConfig(**overrides), ()),
+        ("cpu", PassConfig(cpu_offload=True, **overrides), ()),
+        ("forced", PassConfig(cpu_offload=True, **overrides), [FSDPPass(offload_on_cpu=True)]),
+    ]:
+        model, train_fn, batch = build(kind, world)
+        joint, pipeline = compile_fsdp(
+            model, train_fn, local_slice(batch(0), rank, world), config, passes=passes
+        )
+        losses = train(joint, model, batch, rank, world, steps)
+        nodes = list(joint.graph_module.graph.nodes)
+        # Each copy to the device is the first step of one all-gather's prologue: right
+        # before it when the overlap pass moved it (prefetch), or among the first nodes.
+        copies = [n for n in nodes if n.meta.get(node_meta.PARAM_OFFLOAD) == "device"]
+        for copy in copies:
+            assert copy.args[0].op == "placeholder", copy
+            gather = copy
+            while not is_all_gather(gather):
+                (gather,) = gather.users
+            between = nodes[nodes.index(copy) : nodes.index(gather)]
+            assert all(n.meta.get(node_meta.COMM_PROLOGUE) for n in between), between
+        stats = pipeline.context.stats["fsdp"]
+        layout = joint.sharding  # None: one rank without offload shards nothing
+        runs[name] = {
+            "losses": losses,
+            "params": [full_parameter(model, f, layout) for f, _ in model.named_parameters()],
+            "offloaded": layout is not None and layout.offloaded,
+            "traffic": offload_traffic(joint.graph_module),
+            "summary": describe_offload(stats, joint.graph_module),
+            "shard_bytes": sum(
+                model.get_parameter(f).numel() * 4 for f in (layout.params if layout else ())
+            ),
+        }
+    for name in ("cpu", "forced"):
+        assert runs[name]["losses"] == runs["off"]["losses"], name
+        assert all(torch.equal(a, b) for a, b in zip(runs[name]["params"], runs["off"]["params"]))
+    return {name: {k: v for k, v in run.items() if k != "params"} for name, run in runs.items()}

@@ -294,6 +294,8 @@ class GraphCompiler:
         """Why ``OptimizerConfig(in_graph=True)``'s update cannot go in the graph (``None``:
         it can, or in_graph is off); the first time, a ``RuntimeWarning`` says so."""
         reason = self.update.why_not() if self.update.requested else None
+        if reason is None and self.update.requested:
+            reason = self._offloaded_update_reason()
         if reason is not None and self.in_graph_reason is None:
             warnings.warn(
                 f"OptimizerConfig(in_graph=True): the update runs eagerly, outside the graph: "
@@ -303,6 +305,21 @@ class GraphCompiler:
             )
         self.in_graph_reason = reason
         return reason
+
+    def _offloaded_update_reason(self) -> str | None:
+        """``cpu_offload`` on an accelerator: the update in the graph would run on host
+        tensors there, its global norm's all-reduce over host tensors the group's backend
+        may not take; verified only with the copies forced on CPU, where it runs in the
+        graph."""
+        run = self.run
+        if run.pass_config.cpu_offload and run.topology.device.type != "cpu":
+            return (
+                f"PassConfig.cpu_offload on {run.topology.device} keeps the shards, their "
+                "gradients and the optimizer state on the host, and an update in the graph "
+                "on host tensors is implemented for CPU runs only; the eager optimizer "
+                "updates on the host (set in_graph=False to silence this)"
+            )
+        return None
 
     def _adopt_sharding(self, layout: ShardingLayout | None) -> None:
         """Shard the live model the first time; every later graph must expect the same."""

@@ -38,6 +38,7 @@ from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.graph.signature import InputSignature, flatten_io
 from gm_trace.parallel.ep import describe as describe_ep
 from gm_trace.parallel.fsdp import describe_experts as describe_fsdp_experts
+from gm_trace.parallel.fsdp import describe_offload
 from gm_trace.passes.overlap import format_schedule
 from gm_trainer.compile.graph_key import describe_module_state, module_state_key
 from gm_trainer.errors import TrainingError
@@ -318,6 +319,9 @@ class GraphCache:
             experts = describe_fsdp_experts(stats.get("fsdp", {}))
             if experts:
                 text += f"\n{experts}"
+            offload = describe_offload(stats.get("fsdp", {}), self.entries[i].joint.graph_module)
+            if offload:
+                text += f"\n\n{offload}"
             graphs = stats.get("backend", {}).get("cuda_graphs")
             if graphs:
                 text += f"\n\ncuda graphs: {graphs}"

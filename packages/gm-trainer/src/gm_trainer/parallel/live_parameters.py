@@ -11,7 +11,9 @@ parameters the graphs compute with, because the parallel dimensions change the l
    experts; at the first compile, before the first trace.
 3. **FSDP** (:meth:`LiveParameters.shard`): each parameter the fsdp pass shards keeps this
    rank's dim-0 rows (its :class:`~gm_trace.parallel.fsdp.layout.ShardingLayout`); after the
-   passes of the first graph.
+   passes of the first graph. Under ``PassConfig.cpu_offload`` (``ShardingLayout.offloaded``)
+   the rows go to host memory, pinned when they come from an accelerator: the graph copies
+   them to the device itself, and their gradients and the optimizer state follow them there.
 4. **PP** (:meth:`LiveParameters.free_foreign`): parameters another pipeline stage owns lose
    their storage; once the first graph is cut into stages.
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 
 from gm_config import Role
@@ -75,7 +78,7 @@ class LiveParameters:
         """Keep this rank's rows of each parameter ``layout`` shards."""
         self._begin(FSDP)
         for fqn, rows in layout.local_rows(self.model).items():
-            self.model.get_parameter(fqn).data = rows
+            self.model.get_parameter(fqn).data = _in_host_memory(rows) if layout.offloaded else rows
 
     def free_foreign(self, fqns: frozenset[str]) -> dict[str, tuple[int, ...]]:
         """Drop the storage of the parameters among ``fqns`` (another stage's: nothing on
@@ -95,3 +98,13 @@ class LiveParameters:
                 "a bug in graph mode, please report it"
             )
         self.done.append(change)
+
+
+def _in_host_memory(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` in host memory: pinned (page-locked, so the graph's copies to the device are
+    asynchronous) when they come from an accelerator; CPU rows (a CPU run, offload forced
+    for tests) stay as they are."""
+    if rows.device.type == "cpu":
+        return rows
+    host = torch.empty(rows.shape, dtype=rows.dtype, device="cpu", pin_memory=True)
+    return host.copy_(rows)

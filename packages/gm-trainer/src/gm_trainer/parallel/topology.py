@@ -88,7 +88,8 @@ class Topology:
 
     @property
     def fsdp_active(self) -> bool:
-        """True when gradients are synchronised over an FSDP group of more than one rank."""
+        """True when gradients are synchronised over an FSDP group (of more than one rank, or
+        of one under ``cpu_offload``, whose fsdp pass reduces over it too)."""
         return self.fsdp_group is not None
 
     @property
@@ -173,7 +174,7 @@ def resolve_run(
         filled = {}
         parallel = config.parallel.for_world(place.world_size)
     parallel.check_gradient_sync(fsdp_wanted)
-    roles, ep_mesh = _groups(parallel, mesh, fsdp_wanted, place.world_size)
+    roles, ep_mesh = _groups(parallel, mesh, fsdp_wanted, place.world_size, config.cpu_offload)
     groups = ParallelGroups(roles)
     config = dataclasses.replace(config, **filled)
     if Role.FSDP in groups:
@@ -200,10 +201,16 @@ def resolve_run(
 
 
 def _groups(
-    parallel: ParallelPlan, mesh: ResolvedMesh | None, fsdp_wanted: bool, world: int
+    parallel: ParallelPlan,
+    mesh: ResolvedMesh | None,
+    fsdp_wanted: bool,
+    world: int,
+    cpu_offload: bool = False,
 ) -> tuple[dict[Role, dist.ProcessGroup], DeviceMesh | None]:
     """This rank's group of each role the run has, and the experts' mesh: a mesh context's
-    groups, else groups over the world laid out as the plan says (a collective)."""
+    groups, else groups over the world laid out as the plan says (a collective).
+    ``cpu_offload``: one data-parallel rank still gets an fsdp group (of one rank), as
+    FSDP2 offloads on one rank: the shards it moves to the host are the fsdp pass's."""
     if mesh is not None:
         found = {
             Role.TP: mesh.tp_group,
@@ -217,12 +224,12 @@ def _groups(
             found[Role.REPLICATE] = mesh.replicate_group
         ep_mesh = mesh.ep_mesh
     else:
-        found, ep_mesh = _world_groups(parallel, fsdp_wanted, world)
+        found, ep_mesh = _world_groups(parallel, fsdp_wanted, world, cpu_offload)
     return {role: group for role, group in found.items() if group is not None}, ep_mesh
 
 
 def _world_groups(
-    parallel: ParallelPlan, fsdp_wanted: bool, world: int
+    parallel: ParallelPlan, fsdp_wanted: bool, world: int, cpu_offload: bool = False
 ) -> tuple[dict[Role, dist.ProcessGroup | None], DeviceMesh | None]:
     """Without a mesh context: a ``(pp, fsdp)`` mesh as torchtitan lays it out (rank = stage *
     dp + dp index, FSDP within each stage, one pipeline per dp index), and with expert
@@ -232,13 +239,14 @@ def _world_groups(
     found: dict[Role, dist.ProcessGroup | None] = {}
     lead = ((pp,), (Axis.PP,)) if pp > 1 else ((), ())
     device = detect_device_type()
-    if pp > 1 or (fsdp_wanted and world > 1):
+    one_rank_fsdp = fsdp_wanted and cpu_offload and dp == 1 and pp == 1 and dist.is_initialized()
+    if pp > 1 or (fsdp_wanted and world > 1) or one_rank_fsdp:
         device_mesh = init_device_mesh(
             device, (*lead[0], dp), mesh_dim_names=(*lead[1], Axis.DP_SHARD)
         )
         if pp > 1:
             found[Role.PP] = device_mesh.get_group(Axis.PP)
-        if fsdp_wanted and dp > 1:
+        if fsdp_wanted and (dp > 1 or one_rank_fsdp):
             found[Role.FSDP] = device_mesh.get_group(Axis.DP_SHARD)
     if ep == 1:
         return found, None

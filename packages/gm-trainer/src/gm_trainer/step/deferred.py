@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from gm_trace.parallel.fsdp import wait_for_host_copies
 from gm_trace.passes.deferred_reduce import DeferredReduction
 from gm_trace.passes.last_micro_batch import LastMicroBatch
 from gm_trainer.errors import TrainingError
@@ -69,6 +70,7 @@ class DeferredGrads:
             return
         with torch.no_grad():
             grads = self.reduction.graph_module(*self.buffers)
+            wait_for_host_copies(self.reduction.graph_module)  # cpu_offload's gradient rows
             for fqn, grad in zip(self.reduction.grad_fqns, grads):
                 param = model.get_parameter(fqn)
                 if param.grad is None:

@@ -38,6 +38,7 @@ from gm_passes import GraphPass, PassContext, PassResult
 from gm_trace.graph.collectives import all_gather_op
 from gm_trace.graph.joint_graph import SHARDING_LAYOUT, JointGraph
 from gm_trace.parallel.ep import expert_param_fqns
+from gm_trace.parallel.fsdp.offload import offload_decision
 from gm_trace.parallel.fsdp.rewrite import Rewrite, ShardGroup
 from gm_trace.parallel.fsdp.sharding import (
     FSDPConfigError,
@@ -72,15 +73,34 @@ class FSDPPass(GraphPass):
 
     name = "fsdp"
     runs_after = ("canonicalize",)
-    options = ("fsdp_degree", "bucket_cap_mb", "reduce_dtype")
+    options = ("fsdp_degree", "bucket_cap_mb", "reduce_dtype", "cpu_offload")
+
+    def __init__(self, offload_on_cpu: bool = False) -> None:
+        self.offload_on_cpu = offload_on_cpu
+        """``cpu_offload`` on CPU too (tests of the copies; they move nothing off the device)."""
 
     @classmethod
     def enabled_by(cls, config: PassConfig, plan: PassPlan | None) -> str | None:
         return "PassConfig.fsdp_enabled" if fsdp_requested(config, plan) else None
 
     def run(self, graph_module: fx.GraphModule, ctx: PassContext) -> PassResult:
-        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-            ctx.record(self.name, skipped="torch.distributed not initialised or world size 1")
+        offload_to, offload_note = offload_decision(
+            ctx.config.cpu_offload,
+            graph_module.graph.find_nodes(op="placeholder"),
+            self.offload_on_cpu,
+        )
+        # One rank shards nothing, but cpu_offload still moves its (whole) rows to the host,
+        # as FSDP2 does on one rank: the collectives over one rank are copies. (The pass
+        # runs whenever cpu_offload is asked for, so that the trainer's group of one always
+        # has the fsdp pass's reductions, whether the copies are made or not.)
+        if (
+            not dist.is_available()
+            or not dist.is_initialized()
+            or (dist.get_world_size() == 1 and not ctx.config.cpu_offload)
+        ):
+            skipped = "torch.distributed not initialised or world size 1"
+            off = offload_note if offload_to is None else f"off: no fsdp pass ({skipped})"
+            ctx.record(self.name, skipped=skipped, cpu_offload=off)
             return PassResult(graph_module, False)
         group = ctx.groups.get(Role.FSDP)
         degree = ctx.config.fsdp_degree or group.size()
@@ -107,13 +127,16 @@ class FSDPPass(GraphPass):
             replicate,
             reduce_dtype=getattr(torch, reduce_dtype) if reduce_dtype else None,
             experts=_experts(ctx),
+            offload_to=offload_to,
         )
         cap = ctx.config.bucket_cap_mb
         cap_bytes = None if cap is None else int(cap * 2**20)
         layout, stats = rewrite.apply(ctx.graph_info, selected, ctx.plan, cap_bytes)
         # The ranks' agreement on these collectives is the pipeline's check, after every pass.
         ctx.publish(SHARDING_LAYOUT, layout)
-        ctx.record(self.name, degree=degree, group=str(Role.FSDP), **stats)
+        ctx.record(
+            self.name, degree=degree, group=str(Role.FSDP), cpu_offload=offload_note, **stats
+        )
         return PassResult(graph_module, True)
 
 

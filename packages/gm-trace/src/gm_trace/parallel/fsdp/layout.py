@@ -72,6 +72,11 @@ class ShardingLayout:
     """Trainable parameters left whole -> the registered name of the group their gradients
     are all-reduced over (the FSDP group; ``"ep_replicate"`` for expert parameters)."""
 
+    offloaded: bool = False
+    """``PassConfig.cpu_offload``: the graph reads each shard from host memory (and returns
+    its gradient there), so the live shards belong in host memory, pinned when the graph
+    computes on an accelerator (:mod:`gm_trace.parallel.fsdp.offload`)."""
+
     def shard_of(self, fqn: str) -> RowShard | None:
         """This rank's rows of ``fqn``, or ``None`` when it is not sharded."""
         param = self.params.get(fqn)

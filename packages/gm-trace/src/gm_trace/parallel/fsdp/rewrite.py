@@ -25,7 +25,9 @@ from gm_trace.graph.graph_build import (
     tensor_bytes,
 )
 from gm_trace.graph.joint_graph import JointGraph
+from gm_trace.memory.offload import HOST
 from gm_trace.parallel.fsdp.layout import ShardedParam, ShardingLayout
+from gm_trace.parallel.fsdp.offload import as_host, copy_to
 from gm_trace.parallel.fsdp.sharding import RowShard, block_of
 
 
@@ -109,6 +111,7 @@ class Rewrite:
         replicate: tuple[str, int] | None = None,
         reduce_dtype: torch.dtype | None = None,
         experts: tuple[frozenset[str], ShardGroup] | None = None,
+        offload_to: torch.device | None = None,
     ) -> None:
         self.gm = gm
         self.graph = gm.graph
@@ -123,6 +126,9 @@ class Rewrite:
         # group's tokens (the all-to-all's backward): divided by the data-parallel size and
         # summed over that group, they are the data-parallel mean too.
         self.experts, self.expert_group = experts if experts else (frozenset(), None)
+        # cpu_offload: the device each host shard is copied to before its all-gather
+        # (None: the shards live on the device, no copies; see .offload).
+        self.offload_to = offload_to
         self.counts: dict[str, int] = {}
         self.bytes: dict[str, int] = {}
 
@@ -192,7 +198,11 @@ class Rewrite:
             },
             tuple(tuple(p.fqn for p in bucket) for bucket in buckets),
             {fqn: group.name for fqn, group in replicated.items()},
+            offloaded=self.offload_to is not None,
         )
+        offload = {}
+        if self.offload_to is not None:
+            offload["offloaded_bytes"] = sum(tensor_bytes(p.placeholder) for p in sharded)
         return layout, {
             "sharded_params": len(sharded),
             "replicated_params": len(replicated),
@@ -202,6 +212,7 @@ class Rewrite:
             "buckets": [[p.fqn for p in bucket] for bucket in buckets],
             "collectives": dict(self.counts),
             "bytes_per_step": dict(self.bytes),
+            **offload,
         }
 
     def _expert_stats(
@@ -234,10 +245,16 @@ class Rewrite:
             local_shape = (param.shard.local_rows, *param.inner)
             param.placeholder.meta["val"] = fake_tensor(self.mode, local_shape, full_val)
             param.placeholder.meta.pop("tensor_meta", None)
+            shard = param.placeholder
+            if self.offload_to is not None:  # the first step of the prologue: to the device
+                as_host(shard)
+                shard = copy_to(
+                    self.graph, shard, self.offload_to, "device", **{node_meta.COMM_PROLOGUE: True}
+                )
             padded = pad_rows(
                 self.graph,
                 self.mode,
-                self._cast(param.placeholder, param.gather_dtype, prologue=True),
+                self._cast(shard, param.gather_dtype, prologue=True),
                 param.shard.chunk - param.shard.local_rows,
                 **{node_meta.COMM_PROLOGUE: True},
             )
@@ -309,6 +326,10 @@ class Rewrite:
                     **{node_meta.COMM_EPILOGUE: True},
                 )
                 local = self._cast(local, param.placeholder.meta["val"].dtype)
+                if self.offload_to is not None:  # the reduced rows go back to the host
+                    local = copy_to(
+                        self.graph, local, HOST, "host", **{node_meta.COMM_EPILOGUE: True}
+                    )
                 _set_output_at(self.graph, param.grad_index, local)
         _erase_if_unused(self.graph, outputs)
 

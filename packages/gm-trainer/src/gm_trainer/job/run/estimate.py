@@ -97,6 +97,29 @@ def _placeholder_bytes(graph_module: Any) -> int:
     return sum(tensor_bytes(n) for n in graph_module.graph.nodes if n.op == "placeholder")
 
 
+def offload_estimate(trainer: GraphTrainer, config: JobConfig) -> dict[str, int] | None:
+    """What ``PassConfig.cpu_offload`` takes off the device (``None`` where it does not apply:
+    nothing sharded, a pipeline): the shards, their gradients and their optimizer state, and
+    the shards copied back in at once (the ``prefetch_blocks + 1`` largest buckets; every
+    bucket when all gathers are issued up front)."""
+    layout = trainer.sharding
+    if layout is None or config.parallel.pp_degree > 1:
+        return None
+    model, optimizer = trainer.model, trainer.optimizer
+    shards = [model.get_parameter(fqn) for fqn in layout.params]
+    state = optimizer.state if optimizer is not None else {}
+    moved = _storage_bytes(shards)
+    moved += _storage_bytes(p for p in shards if p.requires_grad)  # their gradients
+    moved += _storage_bytes(v for p in shards for v in state.get(p, {}).values())
+    buckets = sorted(
+        (_storage_bytes(model.get_parameter(fqn) for fqn in bucket) for bucket in layout.buckets),
+        reverse=True,
+    )
+    ahead = config.parallel.prefetch_blocks
+    in_flight = sum(buckets if ahead is None else buckets[: ahead + 1])
+    return {"offloaded_bytes": moved, "in_flight_bytes": in_flight}
+
+
 def implied_bubble(config: JobConfig) -> float:
     """The idle fraction of a step that the pipeline schedule implies (0 without one): the
     planner's simulated bubble at unit costs."""
@@ -155,7 +178,11 @@ def estimate_rank(trainer: GraphTrainer, config: JobConfig, joint: Any) -> dict[
         times = config.parallel.pp_microbatches * accumulation
         for graph in halves:
             _collectives(graph, times, groups, collectives)
+    offload = offload_estimate(trainer, config)
+    if offload is not None:
+        offload["peak_bytes"] = peak - offload["offloaded_bytes"] + offload["in_flight_bytes"]
     return {
+        "cpu_offload": offload,
         "parameter_bytes": param_bytes,
         "gradient_bytes": grad_bytes,
         "optimizer_state_bytes": opt_bytes,
@@ -257,6 +284,11 @@ def report(
         entry.update(estimate)
         if memory is not None:
             entry["fits"] = estimate["peak_bytes"] <= memory
+            if estimate.get("cpu_offload"):
+                entry["cpu_offload"] = {
+                    **estimate["cpu_offload"],
+                    "fits": estimate["cpu_offload"]["peak_bytes"] <= memory,
+                }
         kinds.append(entry)
     return {
         "layout": layout,
@@ -298,9 +330,35 @@ def format_plan(plan: dict[str, Any]) -> str:
                 f"  DOES NOT FIT: needs {_mib(kind['peak_bytes'])}, the device has "
                 f"{_mib(plan['device_memory_bytes'])}"
             )
+        lines += _offload_lines(kind, plan["device_memory_bytes"])
         for name, c in kind["collectives_per_step"].items():
             lines.append(f"  {name}: {c['count']} per step, {_mib(c['bytes'])}")
     return "\n".join(lines)
+
+
+def _offload_lines(kind: dict[str, Any], memory: int | None) -> list[str]:
+    """The rank kind's peak with ``cpu_offload``, and whether that fits where the plan does
+    not."""
+    offload = kind.get("cpu_offload")
+    if not offload:
+        return []
+    lines = [
+        f"  with cpu_offload: {_mib(offload['offloaded_bytes'])} of shards, gradients and "
+        f"optimizer state in host memory, {_mib(offload['in_flight_bytes'])} of shards copied "
+        f"in at once -> peak {_mib(offload['peak_bytes'])}"
+    ]
+    if memory is not None and "fits" in kind and not kind["fits"]:
+        if offload["fits"]:
+            lines.append(
+                f"  FITS WITH cpu_offload (parallel.cpu_offload=true): "
+                f"{_mib(memory - offload['peak_bytes'])} to spare"
+            )
+        else:
+            lines.append(
+                f"  does not fit with cpu_offload either: "
+                f"{_mib(offload['peak_bytes'] - memory)} short"
+            )
+    return lines
 
 
 def _mib(nbytes: int | None) -> str:

@@ -1,0 +1,124 @@
+"""Parameter and optimizer offload (``PassConfig.cpu_offload``, FSDP2's ``CPUOffloadPolicy``):
+each rank's shards, their gradients and the optimizer state live in host memory.
+
+The graph's shard placeholders are host tensors. The fsdp pass copies each shard to the
+device as the first step of its all-gather's prologue, ``aten._to_copy(shard,
+device=<device>, non_blocking=True)`` (marked a prologue, so the overlap pass prefetches it
+with its all-gather by the ``prefetch_blocks`` rule, and the reshard pass copies it again
+with a re-gather), and copies each reduced gradient row back after its reduce-scatter,
+``aten._to_copy(grad, device="cpu", non_blocking=True)`` (marked an epilogue: it follows
+the collective's wait). The gradient outputs are then host tensors and the optimizer, eager
+or in the graph, updates on the host. The trainer puts the shards in (pinned) host memory
+when it applies the :class:`~gm_trace.parallel.fsdp.layout.ShardingLayout`
+(``ShardingLayout.offloaded``). Parameters the plan leaves unsharded stay on the device.
+
+The copies are activation offload's (:mod:`gm_trace.memory.offload`): one ``_to_copy`` on
+the compute stream each way, no side stream yet, so the transfers do not overlap compute.
+A host-to-device copy of pinned memory is ordered by the stream; a device-to-host copy with
+``non_blocking`` is not ordered with the host, so whoever reads the gradients on the host
+first waits for the device (:func:`wait_for_host_copies`, after every graph that copies).
+
+Where: only when the graph runs on an accelerator. On CPU host memory is device memory, so
+nothing is offloaded and ``pass_summary()`` says why; ``FSDPPass(offload_on_cpu=True)``
+inserts the same copies on CPU for tests: they run (between CPU tensors) but move nothing
+off the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.fx as fx
+
+from gm_trace.graph import node_meta
+from gm_trace.graph.graph_build import tensor_bytes
+from gm_trace.memory.cost import on_host
+from gm_trace.memory.offload import HOST, accelerator, copy_node
+
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+def offload_decision(
+    requested: bool, placeholders: Iterable[fx.Node], on_cpu: bool
+) -> tuple[torch.device | None, str]:
+    """The device the shards are copied to (``None``: no offload) and the summary's line."""
+    if not requested:
+        return None, ""
+    nodes = list(placeholders)
+    device = accelerator(nodes)
+    if device is not None:
+        return device, (
+            f"on: shards, gradients and optimizer state in pinned host memory, {device} computes"
+        )
+    if on_cpu:
+        return HOST, (
+            "forced on CPU (tests): the copies run between CPU tensors and move nothing off "
+            "the device"
+        )
+    return None, (
+        "off: the graph runs on the CPU, whose memory is the host's (nothing to move); "
+        "cpu_offload acts when the model is on an accelerator"
+    )
+
+
+def copy_to(
+    graph: fx.Graph, node: fx.Node, device: torch.device, direction: str, **meta: object
+) -> fx.Node:
+    """``aten._to_copy(node, device=device, non_blocking=True)`` at the insertion point,
+    tagged :data:`~gm_trace.graph.node_meta.PARAM_OFFLOAD` ``direction`` (``"device"`` or
+    ``"host"``) and ``meta``."""
+    copy = copy_node(graph, node, device, **{node_meta.PARAM_OFFLOAD: direction, **meta})
+    for key in (node_meta.PHASE, "nn_module_stack"):
+        if key in node.meta:
+            copy.meta[key] = node.meta[key]
+    return copy
+
+
+def as_host(node: fx.Node) -> None:
+    """Make placeholder ``node`` a host tensor of the same shape, dtype and strides (tagged
+    ``"shard"``: the memory estimate does not count it as device memory)."""
+    node.meta["val"] = _TO_COPY(node.meta["val"], device=HOST)
+    node.meta[node_meta.PARAM_OFFLOAD] = "shard"
+    node.meta.pop("tensor_meta", None)
+
+
+def wait_for_host_copies(graph_module: fx.GraphModule) -> None:
+    """After running ``graph_module``: wait for the device when the graph copied gradient
+    rows from it to the host (``non_blocking``: the host must not read them before the
+    device has written them). Nothing to wait for on a CPU-only machine."""
+    if not torch.accelerator.is_available():
+        return
+    nodes = graph_module.graph.nodes
+    if any(n.meta.get(node_meta.PARAM_OFFLOAD) == "host" and on_host(n) for n in nodes):
+        torch.accelerator.synchronize()
+
+
+def offload_traffic(graph_module: fx.GraphModule) -> dict[str, tuple[int, int]]:
+    """Direction (``"device"``, ``"host"``) -> (copies, bytes) each step of the final graph
+    (re-gathers of the reshard pass included)."""
+    traffic: dict[str, tuple[int, int]] = {}
+    for node in graph_module.graph.nodes:
+        direction = node.meta.get(node_meta.PARAM_OFFLOAD)
+        if direction in ("device", "host"):
+            count, size = traffic.get(direction, (0, 0))
+            traffic[direction] = (count + 1, size + tensor_bytes(node))
+    return traffic
+
+
+def describe_offload(stats: dict, graph_module: fx.GraphModule | None) -> str:
+    """The ``pass_summary()`` line of parameter offload (``""`` when not asked for)."""
+    note = stats.get("cpu_offload")
+    if not note:
+        return ""
+    text = f"cpu offload: {note}"
+    traffic = offload_traffic(graph_module) if graph_module is not None else {}
+    if traffic:
+        to_device, to_host = traffic.get("device", (0, 0)), traffic.get("host", (0, 0))
+        text += (
+            f"; per step {to_device[1]} bytes of shards to the device in {to_device[0]} "
+            f"copies, {to_host[1]} bytes of gradient rows to the host in {to_host[0]} copies; "
+            f"{stats.get('offloaded_bytes', 0)} bytes of shards held on the host (and their "
+            "gradients and optimizer state)"
+        )
+    return text

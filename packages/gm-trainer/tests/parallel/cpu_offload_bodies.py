@@ -1,0 +1,126 @@
+"""Rank bodies for the parameter-offload tests (``PassConfig.cpu_offload``): TinyGPT trained
+5 Adam steps with offload forced on CPU (``FSDPPass(offload_on_cpu=True)``: the shard and
+gradient copies run between CPU tensors), against the same steps without offload; and a
+checkpoint taken offloaded, loaded without offload, and back."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from gm_config import PassConfig
+from gm_trace.parallel.fsdp import FSDPPass, full_parameter
+from gm_trace.testing import TinyGPT, lm_loss, make_lm_batch
+from gm_trainer.checkpoint import load_checkpoint, save_checkpoint
+from gm_trainer.trainer import GraphTrainer
+
+STEPS = 5
+VOCAB, SEQ = 61, 8
+
+
+def gpt() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(vocab_size=VOCAB, dim=30, n_layers=2, n_heads=2, max_seq_len=SEQ)
+
+
+def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of the global batch of ``step`` (2 rows a rank)."""
+    input, label = make_lm_batch(2 * world, SEQ, VOCAB, seed=step)
+    return input[2 * rank : 2 * rank + 2], label[2 * rank : 2 * rank + 2]
+
+
+def trainer(offload: bool, optimizer: dict | None = None, forced: bool = True) -> GraphTrainer:
+    """A TinyGPT trainer, with ``cpu_offload`` (forced on CPU unless ``forced=False``: then
+    the CPU graph moves nothing) or without it."""
+    return GraphTrainer(
+        gpt(),
+        lm_loss,
+        PassConfig(cpu_offload=offload),
+        optimizer_config={"name": "adam", "lr": 1e-2, **(optimizer or {})},
+        passes=[FSDPPass(offload_on_cpu=True)] if offload and forced else [],
+    )
+
+
+def steps(run: GraphTrainer, rank: int, world: int, first: int, last: int) -> list[float]:
+    losses = []
+    for step in range(first, last):
+        losses.append(run.train_step(*batch(step, rank, world)).item())
+        run.optimizer_step()
+    return losses
+
+
+def full_params(run: GraphTrainer) -> dict[str, torch.Tensor]:
+    """Every parameter gathered whole (a collective)."""
+    return {
+        fqn: full_parameter(run.model, fqn, run.sharding).detach().clone()
+        for fqn, _ in run.model.named_parameters()
+    }
+
+
+def bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """The FQNs whose tensors differ in any bit."""
+    return [fqn for fqn in a if not torch.equal(a[fqn], b[fqn])]
+
+
+def parity(rank: int, world: int, optimizer: dict) -> dict:
+    """STEPS steps offloaded and not: losses and parameters bitwise equal; the offloaded
+    run's summary, and where its shards, gradients and optimizer state live."""
+    runs = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for offload in (False, True):
+            run = trainer(offload, optimizer)
+            runs[offload] = (run, steps(run, rank, world, 0, STEPS), full_params(run))
+    (_, plain, plain_params), (run, offloaded, params) = runs[False], runs[True]
+    assert offloaded == plain, (offloaded, plain)
+    assert not bitwise(plain_params, params), bitwise(plain_params, params)
+    state = run.optimizer.state
+    return {
+        "losses": offloaded,
+        "summary": run.pass_summary(),
+        # OptimizerConfig(in_graph=True) on CPU: the update runs in the graph, no fallback.
+        "eager_fallbacks": [str(w.message) for w in caught if "runs eagerly" in str(w.message)],
+        "offloaded": run.sharding.offloaded,
+        "state_on_params": all(
+            t.device == p.device for p in run.model.parameters() for t in state[p].values()
+        ),
+    }
+
+
+def checkpoint_round_trip(rank: int, world: int, root: str) -> dict:
+    """Offloaded for 2 steps, saved; loaded without offload for 2 steps, saved; loaded
+    offloaded for the last step: the losses and parameters of 5 straight offloaded steps."""
+    root = Path(root)
+    straight = trainer(True)
+    straight_losses = steps(straight, rank, world, 0, STEPS)
+    losses = []
+    for offload, first, last in ((True, 0, 2), (False, 2, 4), (True, 4, STEPS)):
+        run = trainer(offload)
+        if first:
+            run.compile(*batch(first, rank, world))
+            load_checkpoint(run, root / f"step{first}")
+            assert run.step == first, run.step
+        losses += steps(run, rank, world, first, last)
+        if last < STEPS:
+            save_checkpoint(run, root / f"step{last}")
+    assert losses == straight_losses, (losses, straight_losses)
+    differ = bitwise(full_params(straight), full_params(run))
+    assert not differ, differ
+    return {"losses": losses}
+
+
+def accumulation(rank: int, world: int, optimizer: dict, forced: bool = True) -> dict:
+    """``train(accumulation_steps=2)`` (the reductions deferred to the window's last
+    micro-batch under FSDP, whose graph takes the update with ``in_graph``): 2 windows
+    offloaded == not offloaded, bitwise."""
+    results = {}
+    for offload in (False, True):
+        run = trainer(offload, optimizer, forced)
+        records = run.train([batch(i, rank, world) for i in range(4)], accumulation_steps=2)
+        results[offload] = ([r["loss"] for r in records], full_params(run))
+    assert results[True][0] == results[False][0], results
+    differ = bitwise(results[False][1], results[True][1])
+    assert not differ, differ
+    return {"losses": results[True][0]}
