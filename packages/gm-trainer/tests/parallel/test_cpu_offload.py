@@ -68,9 +68,9 @@ def test_on_a_cpu_run_offload_is_off_and_says_why():
 
 
 def test_plan_says_a_layout_too_large_fits_with_offload_and_by_how_much():
-    from gm_trainer.job.config import load_config
-    from gm_trainer.job.run.placement import layout_of
+    from gm_trainer.job import load_config
     from gm_trainer.job.run.estimate import format_plan, report
+    from gm_trainer.job.run.placement import layout_of
 
     config = load_config()
     mib = 2**20
