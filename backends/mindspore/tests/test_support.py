@@ -49,6 +49,9 @@ REFUSED_VALUES = {
     "ep_degree": {"ep_degree": 2},
     "cp_degree": {"cp_degree": 2},
     "cp_dims": {"cp_dims": {"input": 1}},
+    "cp_load_balance": {"cp_load_balance": True},
+    "cuda_graphs": {"cuda_graphs": "auto"},
+    "cpu_offload": {"cpu_offload": True},
 }
 
 

@@ -212,6 +212,7 @@ def test_settings_name_the_pass_they_ask_for_and_its_distribution():
         "ep_degree": (("ep",), "gm-trace"),
         "cp_degree": (("cp",), "gm-trace"),
         "activation_offload": (("memory_plan",), "gm-trace"),
+        "cpu_offload": (("fsdp",), "gm-trace"),
     }
     assert not hasattr(registry, "PROVIDERS")
 

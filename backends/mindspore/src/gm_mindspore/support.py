@@ -51,6 +51,9 @@ FIELD_SUPPORT: dict[str, tuple[str, str]] = {
     "ep_degree": (REFUSED, "expert parallelism"),
     "cp_degree": (REFUSED, "context parallelism"),
     "cp_dims": (REFUSED, "context parallelism"),
+    "cp_load_balance": (REFUSED, "context parallelism"),
+    "cuda_graphs": (REFUSED, "CUDA graphs of the torch layer"),
+    "cpu_offload": (REFUSED, "parameter and optimizer offload"),
 }
 
 #: Values besides the default that a refused field may take because they mean the same.
