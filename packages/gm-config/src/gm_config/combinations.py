@@ -30,17 +30,11 @@ class Unsupported:
 
 EP_CP = Unsupported(("ep", "cp"), "expert parallelism with context parallelism")
 EP_TP = Unsupported(("ep", "tp"), "expert parallelism with tensor parallelism", True)
-CP_TP = Unsupported(("cp", "tp"), "context parallelism with tensor parallelism", True)
-CP_HSDP = Unsupported(("cp", "dp_replicate"), "context parallelism under HSDP", True)
-HSDP_PP = Unsupported(("dp_replicate", "pp"), "HSDP under a pipeline", True)
 
 #: Every refused combination, the library's first.
 UNSUPPORTED: tuple[Unsupported, ...] = (
     EP_CP,
     EP_TP,
-    CP_TP,
-    CP_HSDP,
-    HSDP_PP,
 )
 
 

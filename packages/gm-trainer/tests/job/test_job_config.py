@@ -393,7 +393,6 @@ def test_pipeline_ranks_of_one_pipeline_read_the_same_rows() -> None:
             4,
             r"parallel.pp_microbatches=4 must divide the 6 rows each pipeline reads",
         ),
-        (["dist.dp_replicate=2"], 4, r"dist.dp_replicate=2 does not combine with parallel.pp"),
         (
             ["parallel.fsdp_degree=4"],
             4,

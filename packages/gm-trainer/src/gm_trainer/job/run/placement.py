@@ -38,13 +38,13 @@ def job_mesh(config: JobConfig) -> MeshContext | None:
     trainer's own layout (FSDP over every rank of a stage). Every rank must call it."""
     p, replicas = config.parallel, config.dist.dp_replicate
     # Expert parallelism lays its groups out inside each replica (MeshContext.build(ep=)).
-    # Context parallelism (parallel.cp_degree) is the trainer's own layout; gm-train refuses
-    # it with TP or HSDP.
+    # Context parallelism alone (parallel.cp_degree) is the trainer's own layout.
     if p.tp_size == 1 and replicas == 1:
         return None
     return MeshContext.build(
         pp=p.pp_degree,
         dp_replicate=replicas,
+        cp=p.cp_degree,
         tp=p.tp_size,
         sequence_parallel=p.sequence_parallel,
         loss_parallel=p.loss_parallel,
