@@ -87,7 +87,7 @@ def _named(field: str, value: object, *, in_each: bool = False) -> str:
     """``ep=2 (PassConfig.ep_degree, gm-train parallel.ep_degree)``; ``in_each``: the value in
     every spelling a user may have written it in (``PassConfig.ep_degree=2, ...``)."""
     spellings = _SPELLED[field]
-    if in_each:
+    if in_each:  # a key takes the value; a call (``build(ep=)``) or a formula does not
         spellings = tuple(
             s if s.endswith(")") or " = " in s else f"{s}={value!r}" for s in spellings
         )

@@ -59,6 +59,28 @@ def metrics(run: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def tiny_losses(
+    tmp_path: Path, name: str, nproc: int, steps: int, *overrides: str, timeout: float
+) -> list[float]:
+    """The losses of a :data:`TINY` job of ``steps`` steps on ``nproc`` ranks, logged every
+    step, without checkpoints, its run folder ``tmp_path / name``."""
+    result = gm_train(
+        "--nproc",
+        str(nproc),
+        *TINY,
+        f"train.steps={steps}",
+        "logging.interval=1",
+        "checkpoint.interval=null",
+        "checkpoint.at_end=false",
+        f"logging.run_dir={name}",
+        *overrides,
+        cwd=tmp_path,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return [record["loss"] for record in metrics(tmp_path / name)]
+
+
 # --------------------------------------------------------------------------- in process
 
 

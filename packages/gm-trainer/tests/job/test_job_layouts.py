@@ -3,37 +3,14 @@ HSDP x PP on 4 ranks train as one process on the global batch does."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from test_job_cli import TINY, gm_train
+from test_job_cli import tiny_losses
 
 from gm_trace.testing.parity import parity_tolerance
 
 STEPS = 3
-
-
-def _run(tmp_path: Path, name: str, nproc: int, *overrides: str) -> tuple[list[float], str]:
-    """The losses of a ``gm-train`` run and its pass summary."""
-    result = gm_train(
-        "--nproc",
-        str(nproc),
-        *TINY,
-        f"train.steps={STEPS}",
-        "logging.interval=1",
-        "checkpoint.interval=null",
-        "checkpoint.at_end=false",
-        f"logging.run_dir={name}",
-        *overrides,
-        cwd=tmp_path,
-        timeout=400,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["loss"] for line in lines], (
-        tmp_path / name / "passes.txt"
-    ).read_text()
 
 
 @pytest.mark.parametrize(
@@ -49,8 +26,9 @@ def _run(tmp_path: Path, name: str, nproc: int, *overrides: str) -> tuple[list[f
     ids=["cp2xtp2", "cp2xhsdp2", "hsdp2xpp2"],
 )
 def test_a_combined_layout_trains_like_one_process(tmp_path: Path, layout, passes) -> None:
-    one, _ = _run(tmp_path, "one", 1)
-    combined, summary = _run(tmp_path, "combined", 4, *layout)
+    one = tiny_losses(tmp_path, "one", 1, STEPS, timeout=400)
+    combined = tiny_losses(tmp_path, "combined", 4, STEPS, *layout, timeout=400)
+    summary = (tmp_path / "combined" / "passes.txt").read_text()
     assert len(combined) == len(one) == STEPS and combined[-1] < combined[0]
     tolerance = parity_tolerance(STEPS)
     assert combined == pytest.approx(one, rel=tolerance["rtol"], abs=tolerance["atol"])

@@ -102,7 +102,7 @@ class GraphCompiler:
     @property
     def update_traceable(self) -> bool:
         """True when ``in_graph`` asks for the update in the graph and it can be traced."""
-        return self.update.requested and self.update.why_not() is None
+        return self.update.requested and self._why_eager() is None
 
     @property
     def separate_update(self) -> UpdatePlanner | None:
@@ -290,12 +290,17 @@ class GraphCompiler:
                 "requires_grad=False"
             )
 
-    def _eager_update_reason(self) -> str | None:
+    def _why_eager(self) -> str | None:
         """Why ``OptimizerConfig(in_graph=True)``'s update cannot go in the graph (``None``:
-        it can, or in_graph is off); the first time, a ``RuntimeWarning`` says so."""
-        reason = self.update.why_not() if self.update.requested else None
-        if reason is None and self.update.requested:
-            reason = self._offloaded_update_reason()
+        it can, or in_graph is off): the optimizer's reason, else cpu_offload's."""
+        if not self.update.requested:
+            return None
+        return self.update.why_not() or self._offloaded_update_reason()
+
+    def _eager_update_reason(self) -> str | None:
+        """:meth:`_why_eager`; the first time there is a reason, a ``RuntimeWarning`` says
+        so."""
+        reason = self._why_eager()
         if reason is not None and self.in_graph_reason is None:
             warnings.warn(
                 f"OptimizerConfig(in_graph=True): the update runs eagerly, outside the graph: "

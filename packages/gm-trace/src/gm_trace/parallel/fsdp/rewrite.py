@@ -36,7 +36,7 @@ class ShardGroup:
     """A group the pass splits parameters over, as this rank sees it."""
 
     name: str
-    """Its registered name (what the graph's collectives name)."""
+    """Torch's ``group_name`` of the group (what the graph's collectives name)."""
 
     degree: int
     """Its ranks."""

@@ -23,9 +23,9 @@ def check_world_size(job: Any, world_size: int) -> None:
     Only the fsdp pass synchronises gradients, so several data-parallel ranks need it on.
     """
     t, p = job.train, job.parallel
-    # The combinations refused, in gm-train's keys, before the plan (which names its fields).
+    # The combinations only gm-train refuses, in its keys (the library's are refused when the
+    # configuration loads), before the degrees' own rules (what divides what).
     _check_combination(job)
-    # The degrees' own rules (what divides what).
     plan = job.parallel_plan.for_world(world_size)
     pp, tp, cp = plan.pp, plan.tp, plan.cp
     _check_cp(job)
@@ -76,14 +76,7 @@ JOB_KEYS = {
 def _check_combination(job: Any) -> None:
     """Raise :class:`ConfigError` for a combination of parallel dimensions gm-train refuses
     (:data:`gm_config.combinations.UNSUPPORTED`, the one list the user guide shows)."""
-    p = job.parallel
-    degrees = {
-        "ep": p.ep_degree,
-        "cp": p.cp_degree,
-        "pp": p.pp_degree,
-        "tp": p.tp_size,
-        "dp_replicate": job.dist.dp_replicate,
-    }
+    degrees = job.parallel_plan.degrees()
     entry = refused(degrees, gm_train=True)
     if entry is None:
         return
