@@ -26,8 +26,8 @@ order, so the all-to-alls of the stage's experts modules pair up micro-batch by 
 in forward and backward. The routed row counts a stage's forward computes (data-dependent
 ints) are kept for its backward with the micro-batch's other values; they never travel.
 
-Sends never block (``isend``, waited at the end of the step); the receives of the next action
-are posted before the current one computes, and waiting for them is the measured bubble.
+Messages between stages: :mod:`gm_trainer.pipeline.messages`; the cut of each graph:
+:mod:`gm_trainer.pipeline.stages`; the micro-batches: :mod:`gm_trainer.pipeline.microbatches`.
 Parameters of other stages are freed on this rank: it never reads them.
 """
 
@@ -37,48 +37,25 @@ import hashlib
 import math
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from gm_config import ConfigError
-from gm_trace.graph import node_meta
 from gm_trace.graph.joint_graph import JointGraph
-from gm_trace.graph.signature import flatten_io
-from gm_trace.parallel.pp import (
-    BACKWARD,
-    FORWARD,
-    PipelineCut,
-    StageProgram,
-    Transfer,
-    WeightSplit,
-    cut_pipeline,
-    split_weight_grads,
-)
-from gm_trace.passes.backend import CompiledStep, compile_graph
+from gm_trace.parallel.pp import BACKWARD, FORWARD, PipelineCut, StageProgram
+from gm_trace.passes.backend import CompiledStep
 from gm_trace.passes.deferred_reduce import DeferredReduction
 from gm_trainer.errors import TrainingError
 from gm_trainer.optim.gradients import add_to_grad
 from gm_trainer.parallel.ranks import waiting_for
 from gm_trainer.parallel.topology import ResolvedRun
+from gm_trainer.pipeline.messages import Env, Receives, StageMessages
+from gm_trainer.pipeline.microbatches import symbol_sizes
 from gm_trainer.pipeline.planner import schedule_orders
-from gm_trainer.pipeline.schedule import (
-    INPUT_GRAD,
-    WEIGHT_GRAD,
-    Action,
-    in_flight,
-    stage_ranks,
-)
-
-Env = dict[str, Any]
-"""Key -> value of one stage and micro-batch: tensors, and the ints of data-dependent sizes
-(:attr:`~gm_trace.parallel.pp.stage_cut.StageProgram.keep`)."""
-# (transfer, buffer, work, stride) per value of an action; buffer None: from a stage of this
-# rank, work is its (tag, micro-batch); stride: the producer's layout at this batch's sizes
-_Receives = list[tuple[Transfer, torch.Tensor | None, Any, tuple[int, ...]]]
+from gm_trainer.pipeline.schedule import INPUT_GRAD, WEIGHT_GRAD, Action, in_flight, stage_ranks
+from gm_trainer.pipeline.stages import AdoptedGraph, StageGraphs
 
 
 @dataclass
@@ -127,13 +104,10 @@ class _Step:
     batches: list[list[torch.Tensor]]
     state: dict[str, torch.Tensor]
     weight: float
+    messages: StageMessages
     envs: dict[tuple[int, int], Env] = field(default_factory=dict)
     """(stage, micro-batch) -> the values held from its forward to its backward."""
     losses: list[torch.Tensor] = field(default_factory=list)
-    pending: list[tuple[Any, torch.Tensor, Transfer, int]] = field(default_factory=list)
-    """(work, tensor, transfer, micro-batch) of each send not yet waited for."""
-    local: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    """(transfer tag, micro-batch) -> a value between two stages of this rank."""
     extra: dict[int, torch.Tensor] = field(default_factory=dict)
     """The graph's inputs after the batch that this rank's stages read, by position
     (:attr:`gm_trace.parallel.pp.stage_cut.Slot.extra`): its accumulation buffers and the weight."""
@@ -141,38 +115,20 @@ class _Step:
     """A symbolic graph's dims at this batch's micro-batches (symbol -> size)."""
 
 
-@dataclass
-class _Adopted:
-    """One graph of the pipeline, cut into stages, with this rank's stages' programs."""
-
-    cut: PipelineCut
-    programs: dict[int, StageProgram]
-    """This rank's stages (``pp_index + k * pp_degree``) and what each runs."""
-    compiled: dict[tuple[int, str], CompiledStep]
-    """(stage, phase) -> the half compiled by ``PassConfig.backend`` (none without)."""
-    reduction: DeferredReduction | None = None
-    """The deferred reduction of this rank's stages' accumulation buffers (FSDP)."""
-    extra: tuple[int, ...] = ()
-    """The positions (after the batch) of the inputs :attr:`PipelineRunner.step`'s ``extra``
-    fills, in its order: this rank's buffers, then the weight."""
-    splits: dict[int, WeightSplit] = field(default_factory=dict)
-    """Per stage of this rank, under a zero-bubble schedule: its backward as ``B`` and
-    ``W``."""
-
-
 class PipelineRunner:
     """One rank's stages of a pipeline-parallel run.
 
     Every graph the registry holds for the pipeline's micro-batch (one per module state —
     training flags, trainable set — and input signature; a symbolic one takes every size it
-    guards) is cut once; each step runs the cut of its graph, sized for its micro-batches.
+    guards) is cut once (:class:`~gm_trainer.pipeline.stages.StageGraphs`); each step runs the
+    cut of its graph, sized for its micro-batches, in this rank's schedule, its messages
+    exchanged by :class:`~gm_trainer.pipeline.messages.StageMessages`.
     """
 
     def __init__(self, run: ResolvedRun, model: torch.nn.Module, backend: str | None) -> None:
         self.config = run.pass_config
         self.topology = run.topology
         self.model = model
-        self.backend = backend
         config = self.config
         self.placement = stage_ranks(config.pp_schedule, config.pp_degree, config.pp_virtual_stages)
         """Stage -> the place in the pipeline of the rank that runs it."""
@@ -181,14 +137,14 @@ class PipelineRunner:
         )[self.pp_index]
         """This rank's schedule: the order of its forward and backward halves (input and
         weight gradients apart under a zero-bubble schedule)."""
-        self.split = any(a.phase == WEIGHT_GRAD for a in self.actions)
-        """Whether this schedule runs each backward as ``B`` then ``W``."""
+        self.graphs = StageGraphs(
+            config.pp_degree * config.pp_virtual_stages,
+            self.own_stages,
+            split=any(a.phase == WEIGHT_GRAD for a in self.actions),
+            backend=backend,
+        )
+        """The cut of every graph this rank's stages ran."""
         self.stats = PipelineStats()
-        self._adopted: dict[int, _Adopted] = {}
-        """id(graph) -> its cut; the registry keeps the graphs alive."""
-        self._first: JointGraph | None = None
-        self.current_joint: JointGraph | None = None
-        """The graph the last step ran."""
         self.seed: int | None = None
         """The seed :meth:`seed_generators` gave this rank's generators."""
 
@@ -205,10 +161,14 @@ class PipelineRunner:
         return tuple(s for s, place in enumerate(self.placement) if place == self.pp_index)
 
     @property
-    def current(self) -> _Adopted | None:
+    def current_joint(self) -> JointGraph | None:
+        """The graph the last step ran."""
+        return self.graphs.current_joint
+
+    @property
+    def current(self) -> AdoptedGraph | None:
         """The cut of the graph the last step ran (``None`` before the first)."""
-        joint = self.current_joint
-        return self._adopted[id(joint)] if joint is not None else None
+        return self.graphs.current
 
     @property
     def programs(self) -> dict[int, StageProgram]:
@@ -245,56 +205,11 @@ class PipelineRunner:
     def adopt(self, joint: JointGraph) -> frozenset[str]:
         """Cut ``joint`` into stages (once per graph); the first time, return the state other
         stages own, whose parameters the caller frees (nothing here reads them)."""
-        self.current_joint = joint
-        if id(joint) in self._adopted:
-            return frozenset()
-        config = self.config
-        cut = cut_pipeline(joint, config.pp_degree * config.pp_virtual_stages)
-        programs = {stage: cut.programs[stage] for stage in self.own_stages}
-        compiled = {}
-        if self.backend is not None:  # the whole graph was not compiled: each half is
-            compiled = {
-                (stage, phase): compile_graph(getattr(program, phase).graph_module, self.backend)
-                for stage, program in programs.items()
-                for phase in (FORWARD, BACKWARD)
-            }
-        splits = {}
-        if self.split:  # the zero-bubble schedules: each backward as B, then W
-            splits = {
-                stage: split_weight_grads(program.backward, set(program.grads))
-                for stage, program in programs.items()
-            }
-            if self.backend is not None:
-                compiled.update(
-                    {
-                        (stage, phase): compile_graph(
-                            getattr(split, phase).graph_module, self.backend
-                        )
-                        for stage, split in splits.items()
-                        for phase in (INPUT_GRAD, WEIGHT_GRAD)
-                    }
-                )
-        reduction, extra = _own_reduction(joint, programs)
-        self._adopted[id(joint)] = _Adopted(cut, programs, compiled, reduction, extra, splits)
-        if self._first is not None:
-            return frozenset()
-        self._first = joint
-        return self.foreign_state(joint)
+        return self.graphs.adopt(joint)
 
-    def foreign_state(self, joint: JointGraph | None = None) -> frozenset[str]:
-        """Canonical FQNs of the parameters and buffers that stages of other ranks own in
-        ``joint`` (default: the first graph; the ``pp_stages`` pass tags each state
-        placeholder, alike in every graph of one model)."""
-        joint = joint if joint is not None else self._first
-        if joint is None:
-            return frozenset()
-        return frozenset(
-            n.meta[node_meta.FQN]
-            for n in joint.graph_module.graph.nodes
-            if n.op == "placeholder"
-            and n.meta.get(node_meta.STAGE) is not None
-            and n.meta[node_meta.STAGE] not in self.own_stages
-        )
+    def foreign_state(self) -> frozenset[str]:
+        """Canonical FQNs of the parameters and buffers that stages of other ranks own."""
+        return self.graphs.foreign_state()
 
     # ------------------------------------------------------------------ the step
 
@@ -318,9 +233,8 @@ class PipelineRunner:
         calls it with its batch) but add no gradient anywhere (``extra``: scratch buffers
         under FSDP) and leave :attr:`stats` alone; return the activation bytes this rank's
         stages held from a micro-batch's forward to its backward, measured on the tensors."""
-        measured, waited = StageActivations(), self.stats.wait_s
+        measured = StageActivations()
         self._schedule(joint, micro, 1.0, extra, measured)
-        self.stats.wait_s = waited  # the last step's, still
         return measured
 
     def _schedule(
@@ -333,6 +247,7 @@ class PipelineRunner:
     ) -> torch.Tensor:
         """:meth:`step`, or with ``measured`` :meth:`measure`."""
         self.adopt(joint)
+        current = self.current
         model = self.model
         state = dict(model.named_parameters())
         state.update(model.named_buffers())
@@ -342,26 +257,32 @@ class PipelineRunner:
             [leaf for leaf in pytree.tree_leaves(mb) if isinstance(leaf, torch.Tensor)] + captured
             for mb in micro
         ]
-        step = _Step(batches, state, weight / len(micro))
-        if len(extra) != len(self.current.extra):
+        messages = StageMessages(
+            self.topology,
+            self.placement,
+            current.programs,
+            len(current.cut.transfers),
+            self.describe_rank,
+        )
+        step = _Step(batches, state, weight / len(micro), messages)
+        if len(extra) != len(current.extra):
             raise TrainingError(
-                f"the pipeline's graph reads {len(self.current.extra)} inputs after the batch "
+                f"the pipeline's graph reads {len(current.extra)} inputs after the batch "
                 f"on this rank (accumulation buffers and weight), but {len(extra)} were given"
             )
-        step.extra = dict(zip(self.current.extra, extra))
-        step.sizes = _symbol_sizes(joint, micro[0])
+        step.extra = dict(zip(current.extra, extra))
+        step.sizes = symbol_sizes(joint, micro[0])
         actions = self.actions
         started = time.perf_counter()
-        self.stats.wait_s = 0.0
         params = {t.untyped_storage().data_ptr() for t in state.values()}
         if measured is not None:  # the batch is an input, not an activation
             params |= {t.untyped_storage().data_ptr() for batch in batches for t in batch}
         held = peak = 0
-        incoming = self._post_receives(actions[0], step.sizes)
+        incoming = messages.post(actions[0], step.sizes)
         for index, action in enumerate(actions):
             # The next action's receives are posted first, so they arrive during this one.
             following = actions[index + 1] if index + 1 < len(actions) else None
-            received, incoming = incoming, following and self._post_receives(following, step.sizes)
+            received, incoming = incoming, following and messages.post(following, step.sizes)
             kept = (action.stage, action.microbatch)
             if action.phase == FORWARD:
                 self._forward(step, action, received)
@@ -374,40 +295,39 @@ class PipelineRunner:
                 self._backward(step, action, received, train=measured is None)
                 if kept in step.envs:  # B ran: W's values stay until it runs
                     held += _bytes(step.envs[kept], params)
-        for work, _, transfer, m in step.pending:
-            with waiting_for(partial(self._describe_send, transfer, m)):
-                work.wait()
+        sent = messages.finish()
         loss = self._loss(step)
         if measured is not None:
             measured.peak_bytes = peak
             return loss
-        self.stats.messages = len(step.pending)
+        self.stats.wait_s = messages.wait_s
+        self.stats.messages = sent
         self.stats.step_s = time.perf_counter() - started
         self.stats.peak_held_bytes = peak
         self.stats.steps += 1
         return loss
 
-    def _forward(self, step: _Step, action: Action, received: _Receives) -> None:
+    def _forward(self, step: _Step, action: Action, received: Receives) -> None:
         program, m = self.programs[action.stage], action.microbatch
         env = self._slots(step, program, m)
-        self._wait(step, action, received, env)
-        self._run(program, FORWARD, env)
-        self._send(step, program.transfers("send", FORWARD), m, env)
+        step.messages.wait(action, received, env)
+        self._run(program.stage, FORWARD, env)
+        step.messages.send(program.transfers("send", FORWARD), m, env)
         if program.loss is not None:
             step.losses.append(env[program.loss].detach())
         step.envs[program.stage, m] = {k: env[k] for k in program.keep if k in env}
 
     def _backward(
-        self, step: _Step, action: Action, received: _Receives, train: bool = True
+        self, step: _Step, action: Action, received: Receives, train: bool = True
     ) -> None:
         """The whole backward, its ``B`` (kept: what its ``W`` reads) or its ``W``."""
         program, m, phase = self.programs[action.stage], action.microbatch, action.phase
         env = {**self._slots(step, program, m), **step.envs.pop((program.stage, m))}
         if phase != WEIGHT_GRAD:
-            self._wait(step, action, received, env)
-        self._run(program, phase, env)
+            step.messages.wait(action, received, env)
+        self._run(program.stage, phase, env)
         if phase != WEIGHT_GRAD:
-            self._send(step, program.transfers("send", BACKWARD), m, env)
+            step.messages.send(program.transfers("send", BACKWARD), m, env)
         if phase == INPUT_GRAD:
             wanted = {*self.current.splits[program.stage].weight_grad.inputs, *program.grads}
             step.envs[program.stage, m] = {
@@ -423,13 +343,11 @@ class PipelineRunner:
                 grad = env[key].clone() if key in sent or len(fqns) > 1 else env[key]
                 add_to_grad(self.model.get_parameter(fqn), grad, step.weight)
 
-    def _run(self, program: StageProgram, phase: str, env: Env) -> None:
-        if phase in (INPUT_GRAD, WEIGHT_GRAD):
-            half = getattr(self.current.splits[program.stage], phase)
-        else:
-            half = getattr(program, phase)
+    def _run(self, stage: int, phase: str, env: Env) -> None:
+        owner, phase = self.current.half(stage, phase)
+        half = getattr(owner, phase)
         args = [env[k] for k in half.inputs]
-        compiled = self.compiled.get((program.stage, phase))
+        compiled = self.compiled.get((stage, phase))
         with torch.no_grad():
             results = (
                 compiled.run(half.graph_module, args) if compiled else half.graph_module(*args)
@@ -447,53 +365,9 @@ class PipelineRunner:
                 env[key] = step.extra[slot.extra]
         return env
 
-    # ------------------------------------------------------------------ communication
-
     def _peer(self, stage: int) -> int:
         """The global rank running ``stage`` in this rank's pipeline."""
         return self.topology.pp_ranks[self.placement[stage]]
-
-    def _tag(self, transfer: Transfer, m: int) -> int:
-        return m * len(self.cut.transfers) + transfer.tag
-
-    def _send(self, step: _Step, transfers: tuple[Transfer, ...], m: int, env: Env) -> None:
-        for t in transfers:
-            tensor = env[t.key].detach()
-            if t.dst in self.programs:  # a later stage of this rank: no message
-                step.local[t.tag, m] = tensor
-                continue
-            tensor = tensor.contiguous()
-            with waiting_for(partial(self._describe_send, t, m)):
-                work = dist.isend(tensor, self._peer(t.dst), tag=self._tag(t, m))
-            step.pending.append((work, tensor, t, m))
-
-    def _post_receives(self, action: Action, sizes: dict[Any, int] | None) -> _Receives:
-        """Post the receives ``action`` needs; their buffers fill in the background."""
-        posted: _Receives = []
-        if action.phase == WEIGHT_GRAD:  # reads only what its B kept
-            return posted
-        phase = FORWARD if action.phase == FORWARD else BACKWARD
-        for t in self.programs[action.stage].transfers("receive", phase):
-            shape, stride = t.layout(sizes)
-            if t.src in self.programs:  # from a stage of this rank: taken when it runs
-                posted.append((t, None, (t.tag, action.microbatch), stride))
-                continue
-            buffer = torch.empty(shape, dtype=t.dtype, device=self.topology.device)
-            with waiting_for(partial(self._describe_receive, t, action)):
-                work = dist.irecv(buffer, self._peer(t.src), tag=self._tag(t, action.microbatch))
-            posted.append((t, buffer, work, stride))
-        return posted
-
-    def _wait(self, step: _Step, action: Action, received: _Receives, env: Env) -> None:
-        started = time.perf_counter()
-        for t, buffer, work, stride in received:
-            if buffer is None:
-                env[t.key] = step.local.pop(work)
-                continue
-            with waiting_for(partial(self._describe_receive, t, action)):
-                work.wait()
-            env[t.key] = buffer if buffer.stride() == stride else _laid_out(buffer, stride)
-        self.stats.wait_s += time.perf_counter() - started
 
     def _loss(self, step: _Step) -> torch.Tensor:
         """The mean micro-batch loss, from the stage that computes it, on every rank."""
@@ -522,22 +396,6 @@ class PipelineRunner:
         return (
             f"pipeline stage{plural} {stages} of {total}, in the pipeline of ranks "
             f"{list(self.topology.pp_ranks)}"
-        )
-
-    def _describe_receive(self, t: Transfer, action: Action) -> str:
-        what = "activations" if t.phase == FORWARD else "gradients"
-        return (
-            f"rank {self.topology.rank} ({self.describe_rank()}) waited in the {action.phase} "
-            f"of micro-batch {action.microbatch} (stage {action.stage}) for rank "
-            f"{self._peer(t.src)} (stage {t.src}) to send the {what} of that micro-batch"
-        )
-
-    def _describe_send(self, t: Transfer, m: int) -> str:
-        what = "activations" if t.phase == FORWARD else "gradients"
-        return (
-            f"rank {self.topology.rank} ({self.describe_rank()}) waited for rank "
-            f"{self._peer(t.dst)} (stage {t.dst}) to take the {what} of micro-batch {m} "
-            f"that stage {t.src} sent after its {t.phase}"
         )
 
     # ------------------------------------------------------------------ reports
@@ -594,68 +452,6 @@ def pipeline_seed(seed: int, stage: int, dp_rank: int) -> int:
     return int.from_bytes(digest[:8], "big") >> 1  # 63 bits: every generator takes them
 
 
-def split_microbatches(input: Any, label: Any, n: int) -> list[tuple[Any, Any]]:
-    """``(input, label)`` cut into ``n`` equal micro-batches along dim 0 of every tensor leaf
-    (other leaves are repeated)."""
-    paths, leaves, spec = flatten_io(input, label)
-    columns = []
-    for path, leaf in zip(paths, leaves):
-        if not isinstance(leaf, torch.Tensor):
-            columns.append([leaf] * n)
-            continue
-        if leaf.dim() == 0 or leaf.shape[0] % n:
-            raise ConfigError(
-                f"PassConfig.pp_microbatches={n} must divide dim 0 of every tensor of the "
-                f"batch, but {path} has shape {tuple(leaf.shape)}; choose a batch size that "
-                f"is a multiple of {n} or another pp_microbatches"
-            )
-        columns.append(list(leaf.chunk(n)))
-    return [pytree.tree_unflatten([c[m] for c in columns], spec) for m in range(n)]
-
-
-def _own_reduction(
-    joint: JointGraph, programs: dict[int, StageProgram]
-) -> tuple[DeferredReduction | None, tuple[int, ...]]:
-    """The deferred reduction of the accumulation buffers ``programs`` read, and the
-    positions of the inputs they read after the batch (those buffers, then the weight)."""
-    deferred = joint.deferred
-    read = {s.extra for p in programs.values() for s in p.slots.values() if s.extra is not None}
-    if deferred is None:
-        if read:
-            raise TrainingError(
-                f"the pipeline's graph reads inputs after the batch {sorted(read)} that no "
-                "pass describes; a pipeline runs the plain or the accumulating graph only"
-            )
-        return None, ()
-    n_buffers = len(deferred.buffers)
-    own = sorted(i for i in read if i < n_buffers)
-    return deferred.restricted(own), (*own, n_buffers)
-
-
-def _symbol_sizes(joint: JointGraph, micro: tuple[Any, Any]) -> dict[Any, int] | None:
-    """A symbolic graph's dims at ``micro`` (symbol -> size); ``None`` for a static one."""
-    guards = joint.shape_guards
-    if guards is None:
-        return None
-    sizes = guards.sizes(flatten_io(*micro)[1])
-    if isinstance(sizes, str):  # the lookup checked the guards: a bug if reached
-        raise TrainingError(f"a micro-batch does not fit the pipeline's graph: {sizes}")
-    return {dim.symbol: size for dim, size in zip(guards.dims, sizes)}
-
-
-def _laid_out(tensor: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
-    """``tensor`` (received contiguous) in the layout its producer traced, which a compiled
-    half was specialised to. A dim of stride 0 was an ``expand`` (the gradient of a ``sum``):
-    its values are equal, and one of them is written."""
-    laid_out = torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype, device=tensor.device)
-    target, source = laid_out, tensor
-    for dim in reversed(range(tensor.dim())):
-        if stride[dim] == 0 and tensor.shape[dim] > 1:
-            target, source = target.select(dim, 0), source.select(dim, 0)
-    target.copy_(source)
-    return laid_out
-
-
 def _storages(env: Env, exclude: set[int]) -> dict[int, int]:
     """The distinct storages ``env`` holds, other than those in ``exclude``: bytes by id (an
     int it holds, a data-dependent size, has none)."""
@@ -678,5 +474,4 @@ __all__ = [
     "PipelineStats",
     "StageActivations",
     "pipeline_seed",
-    "split_microbatches",
 ]

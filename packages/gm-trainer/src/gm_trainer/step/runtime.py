@@ -28,7 +28,8 @@ from gm_trainer.compile.compiler import GraphCompiler
 from gm_trainer.compile.registry import Found, GraphRegistry
 from gm_trainer.optim.gradients import accumulate_grads, add_learned_grads
 from gm_trainer.parallel.topology import ResolvedRun, Topology
-from gm_trainer.pipeline.runtime import PipelineRunner, split_microbatches
+from gm_trainer.pipeline.microbatches import split_microbatches
+from gm_trainer.pipeline.runtime import PipelineRunner
 from gm_trainer.step.accumulation import LastOfWindow
 from gm_trainer.step.deferred import DeferredGrads
 from gm_trainer.step.stepper import OptimizerStepper

@@ -106,7 +106,7 @@ def graph_batch(batch: tuple[Any, Any], config: JobConfig) -> tuple[Any, Any]:
     parallel = config.parallel
     if parallel.pp_degree == 1:
         return batch
-    from gm_trainer.pipeline.runtime import split_microbatches
+    from gm_trainer.pipeline.microbatches import split_microbatches
 
     return split_microbatches(*batch, parallel.pp_microbatches)[0]
 
