@@ -29,13 +29,9 @@ class Unsupported:
 
 
 EP_CP = Unsupported(("ep", "cp"), "expert parallelism with context parallelism")
-EP_TP = Unsupported(("ep", "tp"), "expert parallelism with tensor parallelism", True)
 
 #: Every refused combination, the library's first.
-UNSUPPORTED: tuple[Unsupported, ...] = (
-    EP_CP,
-    EP_TP,
-)
+UNSUPPORTED: tuple[Unsupported, ...] = (EP_CP,)
 
 
 def refused(degrees: Mapping[str, int], *, gm_train: bool = False) -> Unsupported | None:

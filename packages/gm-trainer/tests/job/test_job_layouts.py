@@ -1,12 +1,15 @@
 """gm-train lays out the combinations the library runs (issue 37): CP x TP, CP x HSDP and
-HSDP x PP on 4 ranks train as one process on the global batch does."""
+HSDP x PP on 4 ranks train as one process on the global batch does; EP x TP with an MoE
+model's own TP plan trains as EP alone does."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from test_job_cli import tiny_losses
+import yaml
+from test_job_cli import gm_train, metrics, tiny_losses
+from test_moe import moe_job
 
 from gm_trace.testing.parity import parity_tolerance
 
@@ -34,3 +37,29 @@ def test_a_combined_layout_trains_like_one_process(tmp_path: Path, layout, passe
     assert combined == pytest.approx(one, rel=tolerance["rtol"], abs=tolerance["atol"])
     for name in passes:  # the dimensions engaged, not only accepted
         assert f". {name} " in summary, summary
+
+
+def test_ep_x_tp_splits_attention_and_keeps_experts_whole(tmp_path: Path) -> None:
+    # The router's aux loss is a statistic of each data-parallel rank's batch: the same 2
+    # data-parallel ranks with and without TP see the same batches.
+    losses, summaries = {}, {}
+    layouts = (("ep", 2, {"ep_degree": 2}), ("eptp", 4, {"ep_degree": 2, "tp_size": 2}))
+    for name, nproc, parallel in layouts:
+        job = moe_job(**parallel).to_dict()
+        job["data"]["max_bytes"] = 200000
+        job["train"]["steps"] = STEPS
+        job["logging"].update(interval=1, run_dir=name)
+        job["checkpoint"].update(interval=None, at_end=False)
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(job))
+        result = gm_train(f"{name}.yaml", "--nproc", str(nproc), cwd=tmp_path, timeout=600)
+        assert result.returncode == 0, result.stdout + result.stderr
+        losses[name] = [record["loss"] for record in metrics(tmp_path / name)]
+        summaries[name] = result.stdout + (tmp_path / name / "passes.txt").read_text()
+    tolerance = parity_tolerance(STEPS)
+    assert losses["eptp"] == pytest.approx(
+        losses["ep"], rel=tolerance["rtol"], abs=tolerance["atol"]
+    )
+    # TP engaged: attention's rowwise outputs are summed over the TP ranks
+    assert summaries["eptp"].count("all_reduce") > summaries["ep"].count("all_reduce")
+    assert "experts (moe_tp_experts) kept whole: graph mode splits experts" in summaries["eptp"]
+    assert "expert parallelism: ep 2" in summaries["eptp"]

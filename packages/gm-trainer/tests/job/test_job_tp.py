@@ -226,6 +226,8 @@ def test_tp_plan_errors_name_the_entry() -> None:
     assert resolved.entries == () and "layers.0.attn.qkv (colwise) kept whole" in str(
         resolved.kept_whole
     )
+    # ... and skips a pattern for another member of its family (no such module here).
+    assert resolve_tp_plan(model, {"layers.*.moe": "colwise"}, 2, strict=False).entries == ()
     resolved = resolve_tp_plan(model, {**GPT.tp_plan, "layers.0.mlp.up": "replicate"}, 2)
     assert [e.module for e in resolved.entries] == [
         "layers.0.attn.qkv",
@@ -265,3 +267,20 @@ def test_tp_errors_before_any_rank(
     assert main(["--print-config", "--nproc", "2", "parallel.tp_size=2", plan, *TINY]) == 0
     printed = capsys.readouterr().out
     assert "layers.*.mlp.up: colwise" in printed
+
+
+def test_an_moe_models_own_plan_keeps_its_experts_whole() -> None:
+    # transformers' Qwen3-MoE plan splits each expert's stacked weights ('packed_colwise',
+    # 'moe_tp_experts'); graph mode splits attention over TP and the experts over EP.
+    from test_moe import moe_job
+
+    from gm_trainer.job.model.build import job_model, model_tp_plan
+
+    job = moe_job(ep_degree=2, tp_size=2)
+    resolved = model_tp_plan(job, job_model(job, meta=True))
+    split = {e.module for e in resolved.entries}
+    assert "model.layers.0.self_attn.q_proj" in split and "model.layers.1.self_attn.o_proj" in split
+    assert not any(".experts" in name for name in split)
+    whole = "\n".join(resolved.kept_whole)
+    assert "model.layers.*.mlp.experts (moe_tp_experts) kept whole" in whole
+    assert "model.layers.*.mlp.experts.gate_up_proj (packed_colwise) kept whole" in whole

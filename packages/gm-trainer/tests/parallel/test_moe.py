@@ -277,7 +277,8 @@ _HF_MOE = {
 }
 
 
-def _job(**parallel):
+def moe_job(**parallel):
+    """A gm-train job of the tiny HF Qwen3-MoE, its ``parallel`` section ``parallel``."""
     from gm_trainer.job.config.job_config import JobConfig
 
     return JobConfig.from_dict(
@@ -294,8 +295,8 @@ def test_gm_train_ep_degree_is_checked_before_any_rank_starts() -> None:
     from gm_trainer.job.config.job_config import JobConfig
 
     with pytest.raises(ConfigError, match=r"ep_degree=3 does not divide the 4 experts"):
-        _job(ep_degree=3)
-    job = _job(ep_degree=2)
+        moe_job(ep_degree=3)
+    job = moe_job(ep_degree=2)
     job.check_world_size(2)
     with pytest.raises(ConfigError, match=r"ep=2 .*does not divide the 1 data-parallel"):
         job.check_world_size(1)
@@ -308,7 +309,7 @@ def test_gm_train_ep2_logs_expert_load(tmp_path) -> None:
     import yaml
     from test_job_cli import gm_train, metrics
 
-    job = _job(ep_degree=2).to_dict()
+    job = moe_job(ep_degree=2).to_dict()
     job["data"]["max_bytes"] = 200000
     job["logging"].update(interval=1, run_dir="run")
     (tmp_path / "moe.yaml").write_text(yaml.safe_dump(job))

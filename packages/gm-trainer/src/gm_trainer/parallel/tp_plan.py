@@ -79,6 +79,31 @@ class ResolvedTPPlan:
     """One line per module a lenient plan keeps whole (its split dim does not divide)."""
 
 
+def without_experts(model: nn.Module, plan: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """``plan`` without its entries on the experts modules of ``model`` (an MoE model's own
+    plan splits each expert's stacked weights over TP), and one line per dropped entry for
+    ``kept_whole``. Every TP rank computes the whole experts on its replicated hidden states,
+    so their gradients are equal on the TP ranks; ``parallel.ep_degree`` splits experts."""
+    from gm_trace.parallel.ep import find_experts_modules
+
+    inside: set[str] = set()
+    for name in find_experts_modules(model):
+        experts = model.get_submodule(name)
+        inside.add(name)
+        inside.update(f"{name}.{n}" for n, _ in experts.named_parameters())
+        inside.update(f"{name}.{n}" for n, _ in experts.named_modules() if n)
+    kept, dropped = {}, []
+    for pattern, style in plan.items():
+        if any(_matches(pattern, name) for name in inside):
+            dropped.append(
+                f"{pattern} ({style}) kept whole: graph mode splits experts over "
+                "parallel.ep_degree, not over tensor-parallel ranks"
+            )
+        else:
+            kept[pattern] = style
+    return kept, dropped
+
+
 def resolve_tp_plan(
     model: nn.Module,
     plan: Mapping[str, str],
@@ -89,12 +114,13 @@ def resolve_tp_plan(
 ) -> ResolvedTPPlan:
     """The modules ``plan`` splits over ``tp_size`` ranks, checked, without changing ``model``.
 
-    Raises :class:`ConfigError` naming the entry for an unknown style, a pattern that matches no
-    module, or a style on a module kind it does not fit. A module whose split dim ``tp_size``
-    does not divide is an error too when ``strict`` (a plan the user wrote), else it is kept
-    whole (replicated: correct, only not split) and listed in ``kept_whole`` (a model's own
-    plan, written for sizes that divide). ``where`` names the plan's source in messages. A later
-    pattern that matches the same module wins.
+    Raises :class:`ConfigError` naming the entry for an unknown style or a style on a module
+    kind it does not fit. When ``strict`` (a plan the user wrote) a pattern that matches no
+    module and a module whose split dim ``tp_size`` does not divide are errors too; else (a
+    model's own plan, written for a family of models and for sizes that divide) the pattern is
+    skipped and the module kept whole (replicated: correct, only not split), listed in
+    ``kept_whole``. ``where`` names the plan's source in messages. A later pattern that matches
+    the same module wins.
     """
     if not isinstance(plan, Mapping) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in plan.items()
@@ -109,6 +135,8 @@ def resolve_tp_plan(
                 f"of {sorted(STYLES)} (or override the entry with parallel.tp_plan)"
             )
         found = [name for name in modules if name and _matches(pattern, name)]
+        if not found and not strict:  # a model's own plan covers its family's variants
+            continue
         if not found:
             raise ConfigError(
                 f"{where}: pattern {pattern!r} matches no module of {type(model).__name__} "

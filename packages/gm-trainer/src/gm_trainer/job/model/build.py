@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from gm_config import ConfigError
@@ -82,7 +82,7 @@ def model_tp_plan(job: Any, model: nn.Module) -> ResolvedTPPlan:
     """What ``parallel.tp_size`` ranks split of ``model``: ``parallel.tp_plan`` when given (every
     entry must fit), else the model's own ``tp_plan`` (a HF model's, ``GPT.tp_plan``), whose
     modules that do not divide stay whole. :class:`ConfigError` for a plan that cannot run."""
-    from gm_trainer.parallel.tp_plan import resolve_tp_plan
+    from gm_trainer.parallel.tp_plan import resolve_tp_plan, without_experts
 
     tp, name = job.parallel.tp_size, type(model).__name__
     if job.tp_plan is not None:
@@ -94,9 +94,11 @@ def model_tp_plan(job: Any, model: nn.Module) -> ResolvedTPPlan:
             "(tp_plan); give one with parallel.tp_plan: {module pattern: colwise | rowwise ...}"
         )
     _check_heads(job, model, tp)
-    return resolve_tp_plan(
-        model, dict(plan), tp, where=f"{name}'s own TP plan (tp_plan)", strict=False
+    plan, experts = without_experts(model, plan)
+    resolved = resolve_tp_plan(
+        model, plan, tp, where=f"{name}'s own TP plan (tp_plan)", strict=False
     )
+    return replace(resolved, kept_whole=(*experts, *resolved.kept_whole))
 
 
 def _check_heads(job: Any, model: nn.Module, tp: int) -> None:
