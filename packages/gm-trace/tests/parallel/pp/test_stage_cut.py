@@ -1,5 +1,6 @@
-"""The ``pp_stages`` pass and the stage cut, in one process: the stages' forward and backward
-graphs, run one after the other, compute exactly what the whole graph computes."""
+"""The stage cut, in one process: the stages' forward and backward graphs, run one after the
+other, compute exactly what the whole graph computes. (The ``pp_stages`` pass that tags the
+nodes with their stages is ``test_stage_split.py``.)"""
 
 from __future__ import annotations
 
@@ -100,35 +101,6 @@ def test_batchnorm_stages_update_running_statistics_like_the_whole_graph():
     assert model.bn2.num_batches_tracked.item() == 1
 
 
-def test_automatic_stages_follow_execution_order_and_balance_parameters():
-    class Reordered(TinyGPT):  # registers norm before the layers, runs it after them
-        def __init__(self):
-            super().__init__(n_layers=4)
-            norm = self.norm
-            del self.norm
-            layers = self.layers
-            del self.layers
-            self.norm, self.layers = norm, layers
-
-    torch.manual_seed(0)
-    model = Reordered()
-    joint, _ = compile_joint(model, lm_loss, make_lm_batch(), PassConfig(pp_degree=2))
-    assert joint.stages.automatic
-    assert joint.stages.stages == (
-        ("tok_emb", "pos_emb", "layers.0", "layers.1"),
-        ("layers.2", "layers.3", "norm"),
-    )
-    counts = joint.stages.param_counts
-    assert sum(counts) == sum(p.numel() for p in model.parameters())
-
-
-def test_stages_against_the_data_flow_are_refused_naming_the_ops():
-    model, batch = _gpt(), make_lm_batch()
-    backwards = PassPlan(pp_stages=[["layers.2-3", "norm"], ["tok_emb", "pos_emb", "layers.0-1"]])
-    with pytest.raises(PipelineSplitError, match=r"in module 'layers.2.*from the later stage 1"):
-        compile_joint(model, lm_loss, batch, PassConfig(pp_degree=2), backwards)
-
-
 def test_a_stage_boundary_inside_a_block_still_cuts():
     """Stages may split a block (attention on one stage, its MLP on the next)."""
 
@@ -166,40 +138,6 @@ def test_a_non_tensor_crossing_a_boundary_is_refused():
         match=r"crosses from stage 0 to stage 1 but is not a tensor \((list|tuple)\)",
     ):
         cut_pipeline(joint, 2)
-
-
-class _ReadsLateWeightsFirst(torch.nn.Module):
-    """``a`` runs before ``b`` and ``c``, but the forward reads ``c.weight`` and ``b.weight``
-    at the top, as DTensor TP's parameter wraps do."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c = (torch.nn.Linear(8, 8) for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = 1 + 0 * (self.c.weight.sum() + self.b.weight.sum())  # read first, used last
-        return self.c(self.b(self.a(x))) * scale
-
-
-def _mse(model, x, y):
-    return F.mse_loss(model(x), y)
-
-
-@pytest.mark.parametrize("stages", [2, 3])
-def test_the_automatic_split_follows_where_modules_run_not_their_first_reader(stages):
-    """Ordered by the first reader, ``b`` and ``c`` would come before ``a`` and a cut would
-    run against the data flow (a PipelineSplitError on 713035a); ordered by where each
-    module runs, every automatic cut is valid and the stages compute the whole graph."""
-    torch.manual_seed(0)
-    model = _ReadsLateWeightsFirst()
-    batch = (torch.randn(4, 8), torch.randn(4, 8))
-    joint, _ = compile_joint(model, _mse, batch, PassConfig(pp_degree=stages))
-    assert [s[0] for s in joint.stages.stages] == ["a", "b", "c"][:stages]
-    whole = run_traced_graph(joint, copy.deepcopy(model), *batch)
-    loss, grads = _run_stages(cut_pipeline(joint, stages), model, batch)
-    assert torch.equal(loss, whole.loss)
-    for fqn, grad in whole.grads.items():
-        assert torch.equal(grads[fqn], grad), fqn
 
 
 def test_captured_tensors_reach_every_stage():
