@@ -20,6 +20,7 @@ from gm_passes import PassPipeline
 from gm_trace import run_traced_graph, trace_model_graph
 from gm_trace.graph import node_meta
 from gm_trace.graph.graph_build import tensor_bytes
+from gm_trace.graph.streams import COPY_STREAM, copy_source, is_copy_start, is_copy_wait, waits_of
 from gm_trace.memory.cost import estimate_activation_bytes, node_flops
 from gm_trace.memory.memory_plan import MemoryPlanPass
 from gm_trace.memory.offload import data_dependent_size
@@ -70,17 +71,26 @@ def test_each_offloaded_value_goes_out_after_forward_and_comes_back_before_backw
     by_name = {n.name: n for n in nodes}
     for name in plan.offloaded:
         value = by_name[name]
-        (host,) = [u for u in value.users if u.meta.get(node_meta.OFFLOADED) == "host"]
-        forward = [u for u in value.users if u is not host]
-        # Out after the last forward use; nothing in backward reads the device value any more.
+        # Each copy is a start on the copy stream and a wait: (host,) the copy to the host.
+        (host,) = waits_of(value)
+        out = host.args[0]
+        assert host.meta.get(node_meta.OFFLOADED) == "host", name
+        assert out.args[1] == torch.device("cpu") and out.args[3] == COPY_STREAM
+        forward = [u for u in value.users if u is not out]
+        # Out after the last forward use, waited for before backward starts; nothing in
+        # backward reads the device value any more.
         assert all(u.meta.get(node_meta.PHASE) == "forward" for u in forward), name
-        assert all(order[u] < order[host] < backward_starts for u in forward), name
-        assert host.kwargs["device"] == torch.device("cpu") and host.kwargs["non_blocking"]
-        (back,) = host.users
+        assert all(order[u] < order[out] < order[host] < backward_starts for u in forward), name
+        (back,) = waits_of(host)
+        copy_in = back.args[0]
         assert back.meta.get(node_meta.OFFLOADED) == "device", name
-        assert back.kwargs["device"] == value.meta["val"].device
-        assert back.meta[node_meta.PHASE] == "backward" and order[back] >= backward_starts
+        assert copy_in.args[1] == value.meta["val"].device and copy_in.args[3] == COPY_STREAM
+        # Back: started in backward, waited for just before its first reader.
+        assert backward_starts <= order[copy_in] < order[back], name
+        assert back.meta[node_meta.PHASE] == "backward"
         assert back.users and all(order[back] < order[u] for u in back.users), name
+        first = min(order[u] for u in back.users)  # only other copies' nodes in between
+        assert all(is_copy_start(n) or is_copy_wait(n) for n in nodes[order[back] + 1 : first])
         assert all(u.meta.get(node_meta.PHASE) == "backward" for u in back.users), name
         assert back.meta["val"].stride() == value.meta["val"].stride()
     assert len(copies(graph, "host")) == len(copies(graph, "device")) == len(plan.offloaded)
@@ -146,15 +156,17 @@ def test_the_prefetch_leads_its_reader_by_the_transfer_time(dropout_mlp):
         backward = [
             n
             for n in nodes
-            if n.meta.get(node_meta.PHASE) == "backward" and not n.meta.get(node_meta.OFFLOADED)
+            if n.meta.get(node_meta.PHASE) == "backward"
+            and not (is_copy_start(n) or is_copy_wait(n))
         ]
         out = []
         for back in copies(graph, "device"):
+            start = order[back.args[0]]  # where the copy back is issued
             first = min(order[u] for u in back.users)
             out.append(
                 (
-                    sum(order[n] < order[back] for n in backward),
-                    sum(order[back] < order[n] < first and node_flops(n) > 0 for n in backward),
+                    sum(order[n] < start for n in backward),
+                    sum(start < order[n] < first and node_flops(n) > 0 for n in backward),
                 )
             )
         return out
@@ -252,13 +264,25 @@ def test_on_an_accelerator_graph_offload_is_on_and_the_host_copies_leave_the_dev
     host = [n for n in nodes if n.meta.get(node_meta.OFFLOADED) == "host"]
     device = [n for n in nodes if n.meta.get(node_meta.OFFLOADED) == "device"]
     # The mask: drawn at random, nothing can recompute it; default rates recompute the rest.
-    ((value, copy_out),) = [(n.args[0], n) for n in host]
+    ((value, copy_out),) = [(copy_source(n), n) for n in host]
     assert str(value.target) == "aten.gt.Scalar" and plan.offloaded == [value.name]
     assert plan.offloaded_bytes == tensor_bytes(value) == 256 * 256
     assert copy_out.meta["val"].device == torch.device("cpu")
     assert copy_out.meta["val"].dtype == torch.bool
     ((copy_in,),) = [device]
-    assert copy_in.args[0] is copy_out and copy_in.meta["val"].device.type == "cuda"
+    assert copy_source(copy_in) is copy_out and copy_in.meta["val"].device.type == "cuda"
+    # Both copies run on the cuda device's copy stream: each start names it, its token is
+    # a meta tensor of the copy's layout, its wait is the copy.
+    for wait, to in ((copy_out, torch.device("cpu")), (copy_in, value.meta["val"].device)):
+        start = wait.args[0]
+        assert is_copy_start(start) and is_copy_wait(wait)
+        assert start.args[1] == to and start.args[3] == COPY_STREAM == wait.args[3]
+        assert start.args[2] == wait.args[2]  # the tag the copy is handed over under
+        assert start.meta["val"].device.type == "meta"
+        assert start.meta["val"].stride() == wait.meta["val"].stride()
+    nodes = list(graph_module.graph.nodes)
+    assert nodes.index(copy_out.args[0]) < nodes.index(copy_out) < nodes.index(copy_in.args[0])
+    assert nodes.index(copy_in) < min(nodes.index(u) for u in copy_in.users)
     assert plan.kept_bytes == without.kept_bytes - plan.offloaded_bytes
 
     # The static estimate counts device memory: at the loss (forward's end) the mask is gone

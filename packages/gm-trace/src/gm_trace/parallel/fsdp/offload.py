@@ -33,8 +33,9 @@ import torch.fx as fx
 
 from gm_trace.graph import node_meta
 from gm_trace.graph.graph_build import tensor_bytes
+from gm_trace.graph.streams import start_copy, wait_copy
 from gm_trace.memory.cost import on_host
-from gm_trace.memory.offload import HOST, accelerator, copy_node
+from gm_trace.memory.offload import HOST, accelerator
 
 _TO_COPY = torch.ops.aten._to_copy.default
 
@@ -65,14 +66,22 @@ def offload_decision(
 def copy_to(
     graph: fx.Graph, node: fx.Node, device: torch.device, direction: str, **meta: object
 ) -> fx.Node:
-    """``aten._to_copy(node, device=device, non_blocking=True)`` at the insertion point,
-    tagged :data:`~gm_trace.graph.node_meta.PARAM_OFFLOAD` ``direction`` (``"device"`` or
-    ``"host"``) and ``meta``."""
-    copy = copy_node(graph, node, device, **{node_meta.PARAM_OFFLOAD: direction, **meta})
-    for key in (node_meta.PHASE, "nn_module_stack"):
-        if key in node.meta:
-            copy.meta[key] = node.meta[key]
-    return copy
+    """Copy ``node`` to ``device`` on the copy stream (:mod:`gm_trace.graph.streams`): its
+    start and its wait at the insertion point, both with ``meta``, the wait (the copy,
+    which readers read) tagged :data:`~gm_trace.graph.node_meta.PARAM_OFFLOAD`
+    ``direction`` (``"device"`` or ``"host"``). Returns the wait; a caller that wants
+    compute to run while the copy does moves it later (:func:`wait_at_output`)."""
+    kept = {k: node.meta[k] for k in (node_meta.PHASE, "nn_module_stack") if k in node.meta}
+    start = start_copy(graph, node, device, **kept, **meta)
+    with graph.inserting_after(start):  # whichever way the caller inserts
+        return wait_copy(graph, start, **kept, **meta, **{node_meta.PARAM_OFFLOAD: direction})
+
+
+def wait_at_output(graph: fx.Graph, wait: fx.Node) -> None:
+    """Move a gradient row's wait (:func:`copy_to`) to just before the graph's output, which
+    is its only reader: the copy to the host then runs while backward goes on."""
+    graph.output_node().prepend(wait)
+    wait.meta.pop(node_meta.COMM_EPILOGUE, None)  # not moved with the epilogue any more
 
 
 def as_host(node: fx.Node) -> None:
