@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import recompute_bodies
 import torch
 from test_expert_loop import RoutedModel, mse
 from test_expert_loop import _batch as routed_batch
@@ -316,3 +317,17 @@ def test_a_value_of_a_routed_size_is_not_offloaded_and_the_rest_trains_bitwise()
     assert plan.offloaded and not any(data_dependent_size(nodes[name]) for name in plan.offloaded)
     assert "of a data-dependent size are not offloaded" in plan.describe()
     assert same_step(run_traced_graph(graph, model, *batch), run_traced_graph(joint, model, *batch))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world, cpu_offload", [(1, False), (2, False), (2, True)])
+def test_under_fsdp_the_copies_on_the_copy_stream_change_no_step(dist_pool, world, cpu_offload):
+    """FSDP on gloo ranks, 3 Adam steps: activation offload (and parameter offload) forced
+    on CPU run the copy stream's nodes and train bitwise like keeping every activation."""
+    for run in dist_pool(world).run(recompute_bodies.offload_on_streams, cpu_offload):
+        assert run["kept"]["starts"] == 0
+        offloaded = run["offloaded"]
+        assert offloaded["activation_copies"] > 0
+        assert (offloaded["parameter_copies"] > 0) == cpu_offload
+        copies = offloaded["activation_copies"] + offloaded["parameter_copies"]
+        assert offloaded["starts"] == copies
