@@ -42,6 +42,7 @@ from torch import Tensor
 __all__ = [
     "COPY_STREAM",
     "copy_source",
+    "copies_in_flight",
     "copy_start",
     "copy_wait",
     "is_copy_start",
@@ -74,6 +75,11 @@ class _InFlight:
 
 #: tag -> the copy a start issued and its wait has not taken yet.
 _IN_FLIGHT: dict[int, _InFlight] = {}
+
+
+def copies_in_flight() -> int:
+    """Copies started and not waited for yet: 0 after every complete run of a graph."""
+    return len(_IN_FLIGHT)
 
 
 def _token(source: Tensor) -> Tensor:
