@@ -41,8 +41,8 @@ from torch import Tensor
 
 __all__ = [
     "COPY_STREAM",
-    "copy_source",
     "copies_in_flight",
+    "copy_source",
     "copy_start",
     "copy_wait",
     "is_copy_start",

@@ -33,8 +33,8 @@ from gm_passes.graph_ops import is_collective, mutates_an_input, op_name
 from gm_trace.graph.aliasing import storage_of, written_storages
 from gm_trace.graph.compiled_step import BackendError
 from gm_trace.graph.dynamic_shapes import is_symbolic
-from gm_trace.graph.streams import is_copy_start
 from gm_trace.graph.fake_kernels import extra_fake_kernels
+from gm_trace.graph.streams import is_copy_start
 from gm_trace.passes.compile_cache import active_compile_cache
 
 # --------------------------------------------------------------------------- inductor
