@@ -2,21 +2,21 @@
 each rank's shards, their gradients and the optimizer state live in host memory.
 
 The graph's shard placeholders are host tensors. The fsdp pass copies each shard to the
-device as the first step of its all-gather's prologue, ``aten._to_copy(shard,
-device=<device>, non_blocking=True)`` (marked a prologue, so the overlap pass prefetches it
-with its all-gather by the ``prefetch_blocks`` rule, and the reshard pass copies it again
-with a re-gather), and copies each reduced gradient row back after its reduce-scatter,
-``aten._to_copy(grad, device="cpu", non_blocking=True)`` (marked an epilogue: it follows
-the collective's wait). The gradient outputs are then host tensors and the optimizer, eager
-or in the graph, updates on the host. The trainer puts the shards in (pinned) host memory
-when it applies the :class:`~gm_trace.parallel.fsdp.layout.ShardingLayout`
-(``ShardingLayout.offloaded``). Parameters the plan leaves unsharded stay on the device.
-
-The copies are activation offload's (:mod:`gm_trace.memory.offload`): one ``_to_copy`` on
-the compute stream each way, no side stream yet, so the transfers do not overlap compute.
-A host-to-device copy of pinned memory is ordered by the stream; a device-to-host copy with
-``non_blocking`` is not ordered with the host, so whoever reads the gradients on the host
-first waits for the device (:func:`wait_for_host_copies`, after every graph that copies).
+device as the first step of its all-gather's prologue and each reduced gradient row back to
+host memory after its reduce-scatter, both on the accelerator's copy stream
+(:mod:`gm_trace.graph.streams`: a start, where the copy is issued after an event of the
+compute stream, and a wait, where the compute stream waits for the copy's event). A shard's
+start and wait are prologue nodes, so the overlap pass prefetches them with their
+all-gather by the ``prefetch_blocks`` rule and the reshard pass copies them with a
+re-gather; a row's start is an epilogue node (it follows the collective's wait) and its
+wait sits just before the graph's output (:func:`wait_at_output`), so the row's copy runs
+while the later reductions finish. The gradient outputs are then host tensors and the
+optimizer, eager or in the graph, updates on the host. The trainer puts the shards in
+(pinned) host memory when it applies the
+:class:`~gm_trace.parallel.fsdp.layout.ShardingLayout` (``ShardingLayout.offloaded``).
+Parameters the plan leaves unsharded stay on the device. A device-to-host copy is not
+ordered with the host, so whoever reads the gradients on the host first waits for the
+device (:func:`wait_for_host_copies`, after every graph that copies).
 
 Where: only when the graph runs on an accelerator. On CPU host memory is device memory, so
 nothing is offloaded and ``pass_summary()`` says why; ``FSDPPass(offload_on_cpu=True)``
