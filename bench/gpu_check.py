@@ -5,7 +5,9 @@ Run: ``python bench/gpu_check.py [--layers 8] [--dim 1024] [--seq 1024] [--batch
 exits 0 (nothing to check there).
 
 1. Steps: eager PyTorch, graph mode, graph + Inductor, graph + Inductor + CUDA graphs
-   (``PassConfig.cuda_graphs=True``) and ``torch.compile`` train their own copy of the same
+   (``PassConfig.cuda_graphs=True``), graph mode with activation offload (its copies on the
+   copy stream, ``gm_trace.graph.streams``), the same under Inductor + CUDA graphs, and
+   ``torch.compile`` train their own copy of the same
    TinyGPT on the same batches, in turn (drift hits all alike). Per row: the median step
    time (CUDA-synchronised; the first step, which traces and compiles, apart), the peak
    memory allocated by one step above what was held before it, MFU (``6 x parameters x
@@ -36,6 +38,12 @@ TOLERANCE = 1e-3
 DEVICE = "cuda"
 #: Dense fp32 (no tensor cores) peak TFLOP/s of known devices, by a name fragment.
 PEAK_FP32_TFLOPS = {"H200": 67.0, "H100": 67.0, "A100": 19.5, "L40": 90.5, "A10": 31.2}
+#: A budget the planner meets partly by offloading (a link priced fast, so it does).
+OFFLOAD = {
+    "activation_memory_budget": 0.3,
+    "activation_offload": True,
+    "activation_offload_bandwidth_gbps": 1000.0,
+}
 
 
 def _configs() -> dict[str, dict | str | None]:
@@ -44,6 +52,13 @@ def _configs() -> dict[str, dict | str | None]:
         "graph": {},
         "graph + inductor": {"backend": "inductor"},
         "graph + inductor + cuda graphs": {"backend": "inductor", "cuda_graphs": True},
+        # Activation offload's copies on the copy stream, eager and captured.
+        "graph + activation offload": OFFLOAD,
+        "graph + inductor + cuda graphs + offload": {
+            "backend": "inductor",
+            "cuda_graphs": True,
+            **OFFLOAD,
+        },
         "torch.compile": "compile",
     }
 

@@ -400,8 +400,8 @@ def test_cuda_graphs_is_a_bool_or_auto_and_refuses_what_a_replay_cannot_hold():
             PassConfig(cuda_graphs=bad)
     with pytest.raises(ConfigError, match=r"cuda_graphs=True with dynamic_dims=.*replays the"):
         PassConfig(cuda_graphs=True, dynamic_dims={"input": {0: "batch"}})
-    with pytest.raises(ConfigError, match=r"cuda_graphs=True with activation_offload=True"):
-        PassConfig(cuda_graphs=True, activation_memory_budget=0.5, activation_offload=True)
+    # Activation offload's copies run on the copy stream, which a capture holds.
+    PassConfig(cuda_graphs=True, activation_memory_budget=0.5, activation_offload=True)
     with pytest.raises(ConfigError, match=r"does not capture pipeline stages yet"):
         PassConfig(cuda_graphs="auto", pp_degree=2, pp_microbatches=2)
     # "auto" falls back per graph instead.

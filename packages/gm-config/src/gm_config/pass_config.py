@@ -128,7 +128,7 @@ class PassConfig:
     one capture per input signature) and replay it after: the ``backend`` pass, with the
     graph as it is when ``backend`` is ``None``. ``True``: a graph that cannot be captured
     (inputs not on CUDA, symbolic dims, a collective on a host-side backend such as gloo,
-    activation offload) is a ``ConfigError``; ``"auto"``: such a graph runs uncaptured and
+    ``cpu_offload``) is a ``ConfigError``; ``"auto"``: such a graph runs uncaptured and
     ``pass_summary()`` says why; ``False``: off."""
 
     extra_passes: tuple[str, ...] = ()
@@ -444,10 +444,10 @@ class PassConfig:
             )
         if self.cuda_graphs is True:
             raise ConfigError(
-                "PassConfig.cuda_graphs=True with cpu_offload=True: the shard and gradient "
-                "copies run on the compute stream with host synchronisation (no copy stream "
-                "yet), which a CUDA graph cannot capture; set one of them to False (or "
-                "cuda_graphs='auto')"
+                "PassConfig.cuda_graphs=True with cpu_offload=True: the graph reads its shards "
+                "from host memory and the host reads the gradient rows after the step, which "
+                "a CUDA graph replay neither refreshes nor waits for; set one of them to "
+                "False (or cuda_graphs='auto')"
             )
 
     def _validate_cuda_graphs(self) -> None:
@@ -465,12 +465,6 @@ class PassConfig:
                 f"PassConfig.cuda_graphs=True with dynamic_dims={self.dynamic_dims!r}: a CUDA "
                 "graph replays the sizes it captured; drop dynamic_dims (pad_to_multiple keeps "
                 "the signatures few) or set cuda_graphs='auto'"
-            )
-        if self.activation_offload:
-            raise ConfigError(
-                "PassConfig.cuda_graphs=True with activation_offload=True: the offload copies "
-                "run on the compute stream with host synchronisation (no copy stream yet), "
-                "which a CUDA graph cannot capture; set one of them to False"
             )
 
     def _validate_cp(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import recompute_bodies
 import torch
 from test_expert_loop import RoutedModel, mse
 from test_expert_loop import _batch as routed_batch
@@ -18,13 +19,23 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from gm_config import ConfigError, PassConfig
 from gm_passes import PassPipeline
 from gm_trace import run_traced_graph, trace_model_graph
-from gm_trace.graph import node_meta
+from gm_trace.graph import node_meta, streams
 from gm_trace.graph.graph_build import tensor_bytes
+from gm_trace.graph.streams import COPY_STREAM, copy_source, is_copy_start, is_copy_wait, waits_of
 from gm_trace.memory.cost import estimate_activation_bytes, node_flops
 from gm_trace.memory.memory_plan import MemoryPlanPass
 from gm_trace.memory.offload import data_dependent_size
 from gm_trace.runtime.activation_meter import measure_activations
-from gm_trace.testing import REFERENCE_MODELS, TinyGPT, lm_loss, make_lm_batch
+from gm_trace.testing import (
+    MLP,
+    REFERENCE_MODELS,
+    TinyGPT,
+    lm_loss,
+    make_lm_batch,
+    make_regression_batch,
+    mse_loss,
+)
+from gm_trace.testing.compile import compile_joint
 
 #: A host link so fast that every value whose copy keeps its layout is cheaper to offload.
 FAST = {"activation_offload": True, "activation_offload_bandwidth_gbps": 1e9}
@@ -70,17 +81,26 @@ def test_each_offloaded_value_goes_out_after_forward_and_comes_back_before_backw
     by_name = {n.name: n for n in nodes}
     for name in plan.offloaded:
         value = by_name[name]
-        (host,) = [u for u in value.users if u.meta.get(node_meta.OFFLOADED) == "host"]
-        forward = [u for u in value.users if u is not host]
-        # Out after the last forward use; nothing in backward reads the device value any more.
+        # Each copy is a start on the copy stream and a wait: (host,) the copy to the host.
+        (host,) = waits_of(value)
+        out = host.args[0]
+        assert host.meta.get(node_meta.OFFLOADED) == "host", name
+        assert out.args[1] == torch.device("cpu") and out.args[3] == COPY_STREAM
+        forward = [u for u in value.users if u is not out]
+        # Out after the last forward use, waited for before backward starts; nothing in
+        # backward reads the device value any more.
         assert all(u.meta.get(node_meta.PHASE) == "forward" for u in forward), name
-        assert all(order[u] < order[host] < backward_starts for u in forward), name
-        assert host.kwargs["device"] == torch.device("cpu") and host.kwargs["non_blocking"]
-        (back,) = host.users
+        assert all(order[u] < order[out] < order[host] < backward_starts for u in forward), name
+        (back,) = waits_of(host)
+        copy_in = back.args[0]
         assert back.meta.get(node_meta.OFFLOADED) == "device", name
-        assert back.kwargs["device"] == value.meta["val"].device
-        assert back.meta[node_meta.PHASE] == "backward" and order[back] >= backward_starts
+        assert copy_in.args[1] == value.meta["val"].device and copy_in.args[3] == COPY_STREAM
+        # Back: started in backward, waited for just before its first reader.
+        assert backward_starts <= order[copy_in] < order[back], name
+        assert back.meta[node_meta.PHASE] == "backward"
         assert back.users and all(order[back] < order[u] for u in back.users), name
+        first = min(order[u] for u in back.users)  # only other copies' nodes in between
+        assert all(is_copy_start(n) or is_copy_wait(n) for n in nodes[order[back] + 1 : first])
         assert all(u.meta.get(node_meta.PHASE) == "backward" for u in back.users), name
         assert back.meta["val"].stride() == value.meta["val"].stride()
     assert len(copies(graph, "host")) == len(copies(graph, "device")) == len(plan.offloaded)
@@ -146,15 +166,17 @@ def test_the_prefetch_leads_its_reader_by_the_transfer_time(dropout_mlp):
         backward = [
             n
             for n in nodes
-            if n.meta.get(node_meta.PHASE) == "backward" and not n.meta.get(node_meta.OFFLOADED)
+            if n.meta.get(node_meta.PHASE) == "backward"
+            and not (is_copy_start(n) or is_copy_wait(n))
         ]
         out = []
         for back in copies(graph, "device"):
+            start = order[back.args[0]]  # where the copy back is issued
             first = min(order[u] for u in back.users)
             out.append(
                 (
-                    sum(order[n] < order[back] for n in backward),
-                    sum(order[back] < order[n] < first and node_flops(n) > 0 for n in backward),
+                    sum(order[n] < start for n in backward),
+                    sum(start < order[n] < first and node_flops(n) > 0 for n in backward),
                 )
             )
         return out
@@ -252,13 +274,25 @@ def test_on_an_accelerator_graph_offload_is_on_and_the_host_copies_leave_the_dev
     host = [n for n in nodes if n.meta.get(node_meta.OFFLOADED) == "host"]
     device = [n for n in nodes if n.meta.get(node_meta.OFFLOADED) == "device"]
     # The mask: drawn at random, nothing can recompute it; default rates recompute the rest.
-    ((value, copy_out),) = [(n.args[0], n) for n in host]
+    ((value, copy_out),) = [(copy_source(n), n) for n in host]
     assert str(value.target) == "aten.gt.Scalar" and plan.offloaded == [value.name]
     assert plan.offloaded_bytes == tensor_bytes(value) == 256 * 256
     assert copy_out.meta["val"].device == torch.device("cpu")
     assert copy_out.meta["val"].dtype == torch.bool
     ((copy_in,),) = [device]
-    assert copy_in.args[0] is copy_out and copy_in.meta["val"].device.type == "cuda"
+    assert copy_source(copy_in) is copy_out and copy_in.meta["val"].device.type == "cuda"
+    # Both copies run on the cuda device's copy stream: each start names it, its token is
+    # a meta tensor of the copy's layout, its wait is the copy.
+    for wait, to in ((copy_out, torch.device("cpu")), (copy_in, value.meta["val"].device)):
+        start = wait.args[0]
+        assert is_copy_start(start) and is_copy_wait(wait)
+        assert start.args[1] == to and start.args[3] == COPY_STREAM == wait.args[3]
+        assert start.args[2] == wait.args[2]  # the tag the copy is handed over under
+        assert start.meta["val"].device.type == "meta"
+        assert start.meta["val"].stride() == wait.meta["val"].stride()
+    nodes = list(graph_module.graph.nodes)
+    assert nodes.index(copy_out.args[0]) < nodes.index(copy_out) < nodes.index(copy_in.args[0])
+    assert nodes.index(copy_in) < min(nodes.index(u) for u in copy_in.users)
     assert plan.kept_bytes == without.kept_bytes - plan.offloaded_bytes
 
     # The static estimate counts device memory: at the loss (forward's end) the mask is gone
@@ -292,3 +326,40 @@ def test_a_value_of_a_routed_size_is_not_offloaded_and_the_rest_trains_bitwise()
     assert plan.offloaded and not any(data_dependent_size(nodes[name]) for name in plan.offloaded)
     assert "of a data-dependent size are not offloaded" in plan.describe()
     assert same_step(run_traced_graph(graph, model, *batch), run_traced_graph(joint, model, *batch))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world, cpu_offload", [(1, False), (2, False), (2, True)])
+def test_under_fsdp_the_copies_on_the_copy_stream_change_no_step(dist_pool, world, cpu_offload):
+    """FSDP on gloo ranks, 3 Adam steps: activation offload (and parameter offload) forced
+    on CPU run the copy stream's nodes and train bitwise like keeping every activation."""
+    for run in dist_pool(world).run(recompute_bodies.offload_on_streams, cpu_offload):
+        assert run["kept"]["starts"] == 0
+        offloaded = run["offloaded"]
+        assert offloaded["activation_copies"] > 0
+        assert (offloaded["parameter_copies"] > 0) == cpu_offload
+        copies = offloaded["activation_copies"] + offloaded["parameter_copies"]
+        assert offloaded["starts"] == copies
+
+
+@pytest.mark.inductor
+def test_the_copies_compile_with_inductor_and_hand_every_copy_over(tmp_path, monkeypatch):
+    """Inductor compiles the start and wait of each copy as fallback kernels, in the graph's
+    order (a wait before its start would find no copy), every copy handed over by the end
+    of the step, the numbers the uncompiled graph's within Inductor's own rtol."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = MLP(16, 32, 8)
+    batch = make_regression_batch(8, 16, 8, seed=0)
+    offload = {"activation_memory_budget": 0.0, **FAST}
+    forced = [MemoryPlanPass(offload_on_cpu=True)]
+    graph, _ = compile_joint(model, mse_loss, batch, PassConfig(**offload), passes=forced)
+    config = PassConfig(backend="inductor", **offload)
+    compiled, _ = compile_joint(model, mse_loss, batch, config, passes=forced)
+    assert compiled.compiled_step is not None and copies(compiled, "host")
+    assert compiled.graph_module.code == graph.graph_module.code
+    got, want = run_traced_graph(compiled, model, *batch), run_traced_graph(graph, model, *batch)
+    assert streams.copies_in_flight() == 0
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    for fqn, grad in want.grads.items():
+        torch.testing.assert_close(got.grads[fqn], grad, rtol=1e-5, atol=1e-6)

@@ -13,6 +13,7 @@ from gm_config import ConfigError, PassConfig
 from gm_trace import run_traced_graph
 from gm_trace.graph import node_meta
 from gm_trace.graph.compiled_step import BackendError
+from gm_trace.graph.streams import start_copy, wait_copy
 from gm_trace.passes.cuda_graphs import CudaGraphStep, mutated_inputs, why_not_capturable
 from gm_trace.testing import MLP, make_regression_batch, mse_loss
 from gm_trace.testing.compile import compile_joint
@@ -57,8 +58,13 @@ def _cuda_graph(*marks: str) -> fx.GraphModule:
     if "gloo" in marks:  # the all-gather op the graph uses on a gloo group
         g = graph.call_function(torch.ops.gm_c10d.all_gather_into_tensor.default, (y, 2, "cp"))
         outs.append(g)
-    if "offload" in marks:
-        y.meta[node_meta.OFFLOADED] = "host"
+    if "offload" in marks:  # activation offload: to the host and back on the copy stream
+        host = wait_copy(
+            graph, start_copy(graph, y, torch.device("cpu")), **{node_meta.OFFLOADED: "host"}
+        )
+        back = wait_copy(graph, start_copy(graph, host, y.meta["val"].device))
+        back.meta[node_meta.OFFLOADED] = "device"
+        outs.append(back)
     if "cpu_offload" in marks:  # a gradient row copied back to the host (cpu_offload)
         y.meta[node_meta.PARAM_OFFLOAD] = "host"
     graph.output(tuple(outs))
@@ -68,10 +74,9 @@ def _cuda_graph(*marks: str) -> fx.GraphModule:
 def test_why_a_cuda_graph_cannot_be_captured():
     assert why_not_capturable(_cuda_graph()) is None
     assert "runs on a gloo group (host-side" in why_not_capturable(_cuda_graph("gloo"))
-    assert "activation offload copies run on the compute stream" in why_not_capturable(
-        _cuda_graph("offload")
-    )
-    assert "cpu_offload's shard and gradient copies run on the compute stream" in (
+    # Activation offload's copies run on the copy stream, joined back by events: captured.
+    assert why_not_capturable(_cuda_graph("offload")) is None
+    assert "cpu_offload keeps the shards in host memory" in (
         why_not_capturable(_cuda_graph("cpu_offload"))
     )
 

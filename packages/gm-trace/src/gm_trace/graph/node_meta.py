@@ -70,14 +70,15 @@ backward (``True``)."""
 
 OFFLOADED = "gm_offloaded"
 """A copy the activation offload (:mod:`gm_trace.memory.offload`) made of a saved
-activation: ``"host"`` (in forward, to host memory) or ``"device"`` (in backward, back to the
-device, read by backward in place of the saved value)."""
+activation (its ``gm_streams.copy_wait`` node, :mod:`gm_trace.graph.streams`): ``"host"``
+(in forward, to host memory) or ``"device"`` (in backward, back to the device, read by
+backward in place of the saved value)."""
 
 PARAM_OFFLOAD = "gm_param_offload"
 """A copy parameter offload (``PassConfig.cpu_offload``, :mod:`gm_trace.parallel.fsdp`)
-made: ``"device"`` (a host shard copied to the device before its all-gather) or ``"host"``
-(a reduced gradient row copied back to host memory); ``"shard"`` on the placeholder of a
-shard kept in host memory."""
+made (its ``gm_streams.copy_wait`` node): ``"device"`` (a host shard copied to the device
+before its all-gather) or ``"host"`` (a reduced gradient row copied back to host memory);
+``"shard"`` on the placeholder of a shard kept in host memory."""
 
 REGATHER = "gm_regather"
 """A copy of an all-gather the reshard pass issues again for backward (``True``)."""

@@ -27,6 +27,7 @@ from gm_trace.graph.aliasing import storage_of
 from gm_trace.graph.dynamic_shapes import concrete_int
 from gm_trace.graph.graph_build import tensor_bytes
 from gm_trace.graph.profiler_output import quiet_profiler
+from gm_trace.graph.streams import copy_source, is_copy_start, waits_of
 
 #: Ops whose result shares its input's storage.
 VIEW_OPS = frozenset(
@@ -179,12 +180,12 @@ def on_host(node: fx.Node) -> bool:
         return False
     if node.meta.get(node_meta.PARAM_OFFLOAD) == "shard":
         return any(
-            u.meta.get(node_meta.PARAM_OFFLOAD) == "device" and u.meta["val"].device != val.device
-            for u in node.users
+            w.meta.get(node_meta.PARAM_OFFLOAD) == "device" and w.meta["val"].device != val.device
+            for w in waits_of(node)
         )
     if "host" not in (node.meta.get(node_meta.OFFLOADED), node.meta.get(node_meta.PARAM_OFFLOAD)):
         return False
-    source = node.all_input_nodes[0].meta.get("val")
+    source = copy_source(node).meta.get("val")
     return val.device != getattr(source, "device", val.device)
 
 
@@ -214,6 +215,8 @@ def estimate_live_bytes(
     delta = [0] * (end + 2)
     for node in nodes:
         if owner[node] is not node or (counts is not None and not counts(node)) or on_host(node):
+            continue
+        if is_copy_start(node):  # its token is a meta tensor: no memory
             continue
         nbytes = tensor_bytes(node, at)
         start = 0 if node.op == "placeholder" else order[node]

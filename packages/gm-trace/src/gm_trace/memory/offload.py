@@ -4,25 +4,25 @@ and bring it back before backward needs it.
 The budget policy (:func:`gm_trace.memory.policy.tag_offload`, ``PassConfig.activation_offload``)
 tags the values to offload ``"offload"``; :func:`apply_offload` rewrites the graph for them:
 
-- in forward, right after the value's last forward reader, ``aten._to_copy(v, device="cpu",
-  non_blocking=True)``: from an accelerator, ``_to_copy`` with ``non_blocking`` allocates the
-  host tensor in pinned memory, so the copy is asynchronous; the device value then dies;
-- in backward, ``aten._to_copy(host, device=<v's device>, non_blocking=True)`` issued a lead
-  before the first backward reader, and every backward reader (recompute copies included)
-  reads that copy. The lead: the backward nodes before the first reader whose FLOPs take as
-  long, at ``activation_offload_device_tflops``, as the transfer takes at
-  ``activation_offload_bandwidth_gbps`` (at least one node; never before backward starts).
+- in forward, right after the value's last forward reader, the copy to host memory starts
+  on the accelerator's copy stream (``gm_streams.copy_start``, :mod:`gm_trace.graph.streams`:
+  the copy stream waits for an event of the compute stream, so the producer is done; the
+  host tensor is pinned; the device value's memory is kept for the copy stream, then dies),
+  and the compute stream waits for it at the end of forward (``gm_streams.copy_wait``):
+  the copy overlaps the rest of forward, and the copy stream has joined the compute stream
+  before backward;
+- in backward, the copy back starts on the copy stream a lead before the first backward
+  reader, and the compute stream waits for it just before that reader; every backward
+  reader (recompute copies included) reads the copy. The lead: the backward nodes before
+  the first reader whose FLOPs take as long, at ``activation_offload_device_tflops``, as
+  the transfer takes at ``activation_offload_bandwidth_gbps`` (at least one node; never
+  before backward starts), so the transfer runs behind that compute.
 
-Both copies run on the current stream. That is correct without any event: the device-to-host
-copy, the host-to-device copy and the readers are ordered by the stream, the caching allocator
-reuses the freed device block only for work queued after the copy on that stream, and the
-pinned host block is released only after the copy that reads it has run (the host allocator
-records an event on it). It does not overlap the transfers with compute, so the policy
-prices them as time on the critical path, and the lead buys no overlap yet: it is where a
-side stream would issue the copy back, and the device copy is held from there to its reader
-(a few backward nodes' worth of memory). Copies on a side stream (issued after an event,
-waited on before the readers) would hide the transfers behind compute; they are not
-implemented.
+Each copy is two nodes, its start and its wait, joined by a data edge (a ``meta`` token), so
+passes that move nodes keep them in order; on CPU the same nodes run and copy at once. The
+policy still prices a transfer as if it were on the critical path (a conservative
+choice: a transfer longer than the compute around it is not hidden). The device copy is
+held from its start to its reader: a lead's worth of memory.
 
 Decision, per saved value (a storage group) the budget would free: offload it when its
 transfer, out and back, ``2 * bytes / bandwidth``, takes less time than recomputing it,
@@ -56,14 +56,13 @@ from gm_config import PassConfig
 from gm_trace.graph import node_meta
 from gm_trace.graph.aliasing import storage_of
 from gm_trace.graph.graph_build import tensor_bytes
+from gm_trace.graph.streams import start_copy, wait_copy
 from gm_trace.memory.cost import node_flops
 from gm_trace.memory.remat import OFFLOAD, tagged
 from gm_trace.memory.saved import SavedValues, phase
 
 #: Where offloaded values go.
 HOST = torch.device("cpu")
-
-_TO_COPY = torch.ops.aten._to_copy.default
 
 
 @dataclass
@@ -116,16 +115,6 @@ def _lead_flops(node: fx.Node, config: PassConfig) -> float:
     return seconds * config.activation_offload_device_tflops * 1e12
 
 
-def copy_node(graph: fx.Graph, source: fx.Node, device: torch.device, **meta: object) -> fx.Node:
-    """``aten._to_copy(source, device=device, non_blocking=True)`` at the graph's insertion
-    point, with its ``meta["val"]`` and ``meta``: the one copy both offloads insert
-    (activations here, parameters in :mod:`gm_trace.parallel.fsdp`)."""
-    copy = graph.call_function(_TO_COPY, (source,), {"device": device, "non_blocking": True})
-    copy.meta["val"] = _TO_COPY(source.meta["val"], device=device, non_blocking=True)
-    copy.meta.update(meta)
-    return copy
-
-
 def apply_offload(graph: fx.Graph, config: PassConfig) -> list[tuple[fx.Node, fx.Node]]:
     """Apply the ``"offload"`` tags of ``graph`` (module doc) and remove them; returns the
     (to host, to device) copies per offloaded value, in graph order."""
@@ -141,12 +130,24 @@ def apply_offload(graph: fx.Graph, config: PassConfig) -> list[tuple[fx.Node, fx
         val = value.meta["val"]
         forward = [u for u in value.users if phase(u) == "forward"]
         backward = sorted((u for u in value.users if phase(u) == "backward"), key=order.get)
-        with graph.inserting_after(max(forward, key=order.__getitem__, default=value)):
-            host = copy_node(
-                graph, value, HOST, **{node_meta.PHASE: "forward", node_meta.OFFLOADED: "host"}
-            )
+        last_forward = max(forward, key=order.__getitem__, default=value)
+        with graph.inserting_after(last_forward):
+            out = start_copy(graph, value, HOST, **{node_meta.PHASE: "forward"})
         if "nn_module_stack" in value.meta:
-            host.meta["nn_module_stack"] = value.meta["nn_module_stack"]
+            out.meta["nn_module_stack"] = value.meta["nn_module_stack"]
+        # Waited on at the end of forward: the copy overlaps the rest of forward, and the
+        # side stream has joined the compute stream before backward starts.
+        # (After the waits placed so far, before any copy back placed at backward's start.)
+        if order[last_forward] >= start:
+            place = graph.inserting_after(out)
+        elif pairs:
+            place = graph.inserting_after(pairs[-1][0])
+        else:
+            place = graph.inserting_before(nodes[start])
+        with place:
+            host = wait_copy(
+                graph, out, **{node_meta.PHASE: "forward", node_meta.OFFLOADED: "host"}
+            )
         # The lead: the backward nodes before the first reader that take the transfer's time.
         first = order[backward[0]]
         at, lead = first, _lead_flops(value, config)
@@ -154,11 +155,10 @@ def apply_offload(graph: fx.Graph, config: PassConfig) -> list[tuple[fx.Node, fx
             at -= 1
             lead -= node_flops(nodes[at])
         with graph.inserting_before(nodes[at]):
-            back = copy_node(
-                graph,
-                host,
-                val.device,
-                **{node_meta.PHASE: "backward", node_meta.OFFLOADED: "device"},
+            copy_in = start_copy(graph, host, val.device, **{node_meta.PHASE: "backward"})
+        with graph.inserting_before(backward[0]):
+            back = wait_copy(
+                graph, copy_in, **{node_meta.PHASE: "backward", node_meta.OFFLOADED: "device"}
             )
         for reader in backward:
             reader.replace_input_with(value, back)

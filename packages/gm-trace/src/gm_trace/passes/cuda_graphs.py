@@ -6,8 +6,11 @@ signature.
 
 Why a graph may not be captured (:func:`why_not_capturable`): its inputs are not on a CUDA
 device; a dim is symbolic (a replay has the captured sizes); a collective runs on a group of
-a host-side backend (gloo: the host waits for it, which a replay does not do); activation
-offload copies run on the compute stream with host synchronisation (no copy stream yet).
+a host-side backend (gloo: the host waits for it, which a replay does not do); parameter
+offload (``cpu_offload``: host shards and gradient rows). Activation offload is captured:
+its copies run on the copy stream, forked from and joined back to the capturing stream by
+events (:mod:`gm_trace.graph.streams`), and torch keeps the pinned host blocks a capture
+allocates for the graph.
 ``cuda_graphs=True`` makes any of these a :class:`~gm_config.ConfigError`; ``"auto"`` runs
 that graph uncaptured and the backend pass records the reason (``pass_summary()``). A
 capture that fails at the first call (an op that synchronises with the host) is a
@@ -74,15 +77,11 @@ def why_not_capturable(graph_module: fx.GraphModule) -> str | None:
                 f"collective {node.name} runs on a gloo group (host-side: the host waits for "
                 "it, a replay does not); use nccl"
             )
-    if any(n.meta.get(node_meta.OFFLOADED) for n in graph_module.graph.nodes):
-        return (
-            "activation offload copies run on the compute stream with host synchronisation "
-            "(no copy stream yet); set activation_offload=False"
-        )
     if any(n.meta.get(node_meta.PARAM_OFFLOAD) for n in graph_module.graph.nodes):
         return (
-            "cpu_offload's shard and gradient copies run on the compute stream with host "
-            "synchronisation (no copy stream yet); set cpu_offload=False"
+            "cpu_offload keeps the shards in host memory and the host reads the gradient "
+            "rows after the step (a replay neither refreshes host inputs nor waits for the "
+            "host); set cpu_offload=False"
         )
     return None
 

@@ -34,6 +34,7 @@ from gm_trace.graph.aliasing import storage_of, written_storages
 from gm_trace.graph.compiled_step import BackendError
 from gm_trace.graph.dynamic_shapes import is_symbolic
 from gm_trace.graph.fake_kernels import extra_fake_kernels
+from gm_trace.graph.streams import is_copy_start
 from gm_trace.passes.compile_cache import active_compile_cache
 
 # --------------------------------------------------------------------------- inductor
@@ -90,6 +91,9 @@ def compile_with_inductor(
     settings: dict[str, Any] = {}
     if expected:
         _register_gloo_all_gather_lowering()
+    # Copies on the copy stream (offload) are placed where they overlap compute: Inductor's
+    # peak-memory reordering would issue them late again.
+    if expected or any(is_copy_start(n) for n in graph_module.graph.nodes):
         known = inductor_config.get_config_copy()
         settings = {k: v for k, v in _KEEP_COLLECTIVES.items() if k in known}
     where: list[tuple[int, int]] = []

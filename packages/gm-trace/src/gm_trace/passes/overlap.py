@@ -3,8 +3,10 @@
 Two moves, both decided from graph structure only, so every rank decides the same:
 
 1. Wait sinking. Each ``wait_tensor`` — with the cheap epilogue the FSDP pass marked after it
-   (cutting a bucket apart, trimming padding) — moves down to just before the first node that
-   needs its result. Everything in between overlaps with the collective.
+   (cutting a bucket apart, trimming padding, starting a gradient row's copy to host memory)
+   — moves down to just before the first node that needs its result. Everything in between
+   overlaps with the collective. The waits of copies only the output reads (those rows,
+   :mod:`gm_trace.graph.streams`) then go last, so each copy runs while the later chains do.
 2. Prefetch (``PassConfig.prefetch_blocks = k``). All-gathers are ordered by when their block
    is first needed; the all-gather of block ``i`` (with its prologue) is issued just before
    block ``i - k`` starts computing, so at most ``k + 1`` gathered blocks are in flight ahead
@@ -25,6 +27,7 @@ from gm_passes import GraphPass, PassContext, PassResult
 from gm_passes.graph_ops import is_collective, is_wait
 from gm_trace.graph import node_meta
 from gm_trace.graph.graph_build import collective_kind, is_all_gather, tensor_bytes
+from gm_trace.graph.streams import is_copy_wait
 from gm_trace.memory.cost import estimate_peak_memory
 
 
@@ -49,6 +52,19 @@ def _sink_waits(graph: fx.Graph) -> int:
         if target is not node.next:
             target.prepend(node)
             moved += 1
+    return moved
+
+
+def _copy_waits_last(graph: fx.Graph) -> int:
+    """Copies only the output reads (gradient rows on their way to host memory) are waited
+    for after every sunk chain, in graph order: each copy starts on the copy stream right
+    after its epilogue, while the later chains run."""
+    output = graph.output_node()
+    waits = [n for n in graph.nodes if is_copy_wait(n) and set(n.users) == {output}]
+    moved = 0
+    for wait in waits:
+        moved += wait.next is not output
+        output.prepend(wait)
     return moved
 
 
@@ -111,6 +127,7 @@ class AutoOverlapPass(GraphPass):
         graph = graph_module.graph
         peak_before = estimate_peak_memory(graph_module)
         moved = _sink_waits(graph)
+        moved += _copy_waits_last(graph)
         prefetched = 0
         if ctx.config.prefetch_blocks is not None:
             prefetched = _prefetch(graph, ctx.config.prefetch_blocks)

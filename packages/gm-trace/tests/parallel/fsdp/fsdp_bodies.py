@@ -156,6 +156,7 @@ def cpu_offload(rank: int, world: int, kind: str, overrides: dict, steps: int = 
     offload is asked for but not forced (a CPU graph: nothing to move)."""
     from gm_trace.graph import node_meta
     from gm_trace.graph.graph_build import is_all_gather
+    from gm_trace.graph.streams import copy_source, is_copy_start, is_copy_wait
     from gm_trace.parallel.fsdp import FSDPPass, describe_offload, offload_traffic
 
     runs = {}
@@ -174,12 +175,24 @@ def cpu_offload(rank: int, world: int, kind: str, overrides: dict, steps: int = 
         # before it when the overlap pass moved it (prefetch), or among the first nodes.
         copies = [n for n in nodes if n.meta.get(node_meta.PARAM_OFFLOAD) == "device"]
         for copy in copies:
-            assert copy.args[0].op == "placeholder", copy
+            # Started on the copy stream from the host shard, waited for right before the
+            # rest of the prologue reads it.
+            start = copy.args[0]
+            assert is_copy_start(start) and copy_source(copy).op == "placeholder", copy
             gather = copy
             while not is_all_gather(gather):
                 (gather,) = gather.users
-            between = nodes[nodes.index(copy) : nodes.index(gather)]
+            between = nodes[nodes.index(start) : nodes.index(gather)]
             assert all(n.meta.get(node_meta.COMM_PROLOGUE) for n in between), between
+        # Each gradient row goes to the host on the copy stream: started with the epilogue
+        # of its reduce-scatter, waited for among the last nodes, before the output reads it.
+        rows = [n for n in nodes if n.meta.get(node_meta.PARAM_OFFLOAD) == "host"]
+        output = nodes[-1]
+        for row in rows:
+            assert list(row.users) == [output] and is_copy_start(row.args[0])
+            assert all(is_copy_wait(n) for n in nodes[nodes.index(row) : -1]), row
+        starts = [nodes.index(row.args[0]) for row in rows]
+        assert not rows or max(starts) < min(nodes.index(row) for row in rows)
         stats = pipeline.context.stats["fsdp"]
         layout = joint.sharding  # None: one rank without offload shards nothing
         runs[name] = {

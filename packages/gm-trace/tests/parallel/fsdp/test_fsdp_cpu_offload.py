@@ -9,6 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from gm_trace.graph.streams import COPY_STREAM, is_copy_start
 from gm_trace.memory.cost import on_host
 from gm_trace.parallel.fsdp import offload_traffic
 from gm_trace.parallel.fsdp.offload import as_host, copy_to, offload_decision
@@ -27,9 +28,14 @@ def test_on_an_accelerator_graph_the_host_shard_and_its_copy_are_placed_and_coun
     as_host(shard)
     with graph.inserting_after(shard):
         copy = copy_to(graph, shard, device, "device")
-    shard.replace_all_uses_with(copy, delete_user_cb=lambda user: user is not copy)
+    start = copy.args[0]
+    shard.replace_all_uses_with(copy, delete_user_cb=lambda user: user is not start)
     assert shard.meta["val"].device.type == "cpu" and copy.meta["val"].device.type == "cuda"
     assert on_host(shard) and not on_host(copy)
+    # The copy runs on the cuda device's copy stream: its start names it, its wait is read.
+    assert is_copy_start(start) and start.args[:2] == (shard, device)
+    assert start.args[3] == COPY_STREAM and start.meta["val"].device.type == "meta"
+    assert list(graph.nodes)[:4] == [shard, start, copy, graph.find_nodes(op="placeholder")[1]]
     assert offload_traffic(graph_module) == {"device": (1, 64 * 32 * 4)}
     # On CPU: off unless forced; forced, the copies stay on the host (counted as the device).
     assert offload_decision(True, [], on_cpu=False)[0] is None

@@ -2,21 +2,21 @@
 each rank's shards, their gradients and the optimizer state live in host memory.
 
 The graph's shard placeholders are host tensors. The fsdp pass copies each shard to the
-device as the first step of its all-gather's prologue, ``aten._to_copy(shard,
-device=<device>, non_blocking=True)`` (marked a prologue, so the overlap pass prefetches it
-with its all-gather by the ``prefetch_blocks`` rule, and the reshard pass copies it again
-with a re-gather), and copies each reduced gradient row back after its reduce-scatter,
-``aten._to_copy(grad, device="cpu", non_blocking=True)`` (marked an epilogue: it follows
-the collective's wait). The gradient outputs are then host tensors and the optimizer, eager
-or in the graph, updates on the host. The trainer puts the shards in (pinned) host memory
-when it applies the :class:`~gm_trace.parallel.fsdp.layout.ShardingLayout`
-(``ShardingLayout.offloaded``). Parameters the plan leaves unsharded stay on the device.
-
-The copies are activation offload's (:mod:`gm_trace.memory.offload`): one ``_to_copy`` on
-the compute stream each way, no side stream yet, so the transfers do not overlap compute.
-A host-to-device copy of pinned memory is ordered by the stream; a device-to-host copy with
-``non_blocking`` is not ordered with the host, so whoever reads the gradients on the host
-first waits for the device (:func:`wait_for_host_copies`, after every graph that copies).
+device as the first step of its all-gather's prologue and each reduced gradient row back to
+host memory after its reduce-scatter, both on the accelerator's copy stream
+(:mod:`gm_trace.graph.streams`: a start, where the copy is issued after an event of the
+compute stream, and a wait, where the compute stream waits for the copy's event). A shard's
+start and wait are prologue nodes, so the overlap pass prefetches them with their
+all-gather by the ``prefetch_blocks`` rule and the reshard pass copies them with a
+re-gather; a row's start is an epilogue node (it follows the collective's wait) and its
+wait sits just before the graph's output (:func:`wait_at_output`), so the row's copy runs
+while the later reductions finish. The gradient outputs are then host tensors and the
+optimizer, eager or in the graph, updates on the host. The trainer puts the shards in
+(pinned) host memory when it applies the
+:class:`~gm_trace.parallel.fsdp.layout.ShardingLayout` (``ShardingLayout.offloaded``).
+Parameters the plan leaves unsharded stay on the device. A device-to-host copy is not
+ordered with the host, so whoever reads the gradients on the host first waits for the
+device (:func:`wait_for_host_copies`, after every graph that copies).
 
 Where: only when the graph runs on an accelerator. On CPU host memory is device memory, so
 nothing is offloaded and ``pass_summary()`` says why; ``FSDPPass(offload_on_cpu=True)``
@@ -33,8 +33,9 @@ import torch.fx as fx
 
 from gm_trace.graph import node_meta
 from gm_trace.graph.graph_build import tensor_bytes
+from gm_trace.graph.streams import start_copy, wait_copy
 from gm_trace.memory.cost import on_host
-from gm_trace.memory.offload import HOST, accelerator, copy_node
+from gm_trace.memory.offload import HOST, accelerator
 
 _TO_COPY = torch.ops.aten._to_copy.default
 
@@ -65,14 +66,22 @@ def offload_decision(
 def copy_to(
     graph: fx.Graph, node: fx.Node, device: torch.device, direction: str, **meta: object
 ) -> fx.Node:
-    """``aten._to_copy(node, device=device, non_blocking=True)`` at the insertion point,
-    tagged :data:`~gm_trace.graph.node_meta.PARAM_OFFLOAD` ``direction`` (``"device"`` or
-    ``"host"``) and ``meta``."""
-    copy = copy_node(graph, node, device, **{node_meta.PARAM_OFFLOAD: direction, **meta})
-    for key in (node_meta.PHASE, "nn_module_stack"):
-        if key in node.meta:
-            copy.meta[key] = node.meta[key]
-    return copy
+    """Copy ``node`` to ``device`` on the copy stream (:mod:`gm_trace.graph.streams`): its
+    start and its wait at the insertion point, both with ``meta``, the wait (the copy,
+    which readers read) tagged :data:`~gm_trace.graph.node_meta.PARAM_OFFLOAD`
+    ``direction`` (``"device"`` or ``"host"``). Returns the wait; a caller that wants
+    compute to run while the copy does moves it later (:func:`wait_at_output`)."""
+    kept = {k: node.meta[k] for k in (node_meta.PHASE, "nn_module_stack") if k in node.meta}
+    start = start_copy(graph, node, device, **kept, **meta)
+    with graph.inserting_after(start):  # whichever way the caller inserts
+        return wait_copy(graph, start, **kept, **meta, **{node_meta.PARAM_OFFLOAD: direction})
+
+
+def wait_at_output(graph: fx.Graph, wait: fx.Node) -> None:
+    """Move a gradient row's wait (:func:`copy_to`) to just before the graph's output, which
+    is its only reader: the copy to the host then runs while backward goes on."""
+    graph.output_node().prepend(wait)
+    wait.meta.pop(node_meta.COMM_EPILOGUE, None)  # not moved with the epilogue any more
 
 
 def as_host(node: fx.Node) -> None:

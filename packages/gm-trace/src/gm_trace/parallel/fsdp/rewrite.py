@@ -27,7 +27,7 @@ from gm_trace.graph.graph_build import (
 from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.memory.offload import HOST
 from gm_trace.parallel.fsdp.layout import ShardedParam, ShardingLayout
-from gm_trace.parallel.fsdp.offload import as_host, copy_to
+from gm_trace.parallel.fsdp.offload import as_host, copy_to, wait_at_output
 from gm_trace.parallel.fsdp.sharding import RowShard, block_of
 
 
@@ -331,6 +331,8 @@ class Rewrite:
                         self.graph, local, HOST, "host", **{node_meta.COMM_EPILOGUE: True}
                     )
                 _set_output_at(self.graph, param.grad_index, local)
+                if self.offload_to is not None:
+                    wait_at_output(self.graph, local)
         _erase_if_unused(self.graph, outputs)
 
     def _split(self, node: fx.Node, bucket: list[_ShardedParam], dim: int) -> list[fx.Node]:
