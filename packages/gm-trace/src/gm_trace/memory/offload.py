@@ -169,6 +169,7 @@ def apply_offload(graph: fx.Graph, config: PassConfig) -> list[tuple[fx.Node, fx
         stage = node.meta.get(node_meta.STAGE)
         if phase(node) == "backward" or stage in backward:
             backward.setdefault(stage, []).append(node)
+    index = {node: i for line in backward.values() for i, node in enumerate(line)}
     pairs = []
     values = tagged(nodes, OFFLOAD)
     for value in values:
@@ -192,7 +193,7 @@ def apply_offload(graph: fx.Graph, config: PassConfig) -> list[tuple[fx.Node, fx
         # The lead: the stage's backward nodes before the first reader that take the
         # transfer's time (at least one; never before the value or the stage's backward).
         line = backward[where]
-        first = line.index(readers[0])
+        first = index[readers[0]]
         at, lead = first, _lead_flops(value, config)
         while at > 0 and order[line[at - 1]] > order[value] and (lead > 0 or at == first):
             at -= 1
