@@ -98,8 +98,10 @@ class PassConfig:
     rows back to the host after the reduce-scatter; the optimizer updates on the host. Host
     tensors are pinned when the device is an accelerator. Parameters the plan leaves
     unsharded stay on the device. On a CPU-only run the device is the host: nothing is
-    offloaded and ``pass_summary()`` says so. Needs ``fsdp_enabled``; not with
-    ``pp_degree > 1`` or ``cuda_graphs=True``."""
+    offloaded and ``pass_summary()`` says so. Under ``pp_degree > 1`` each stage's shards
+    (over its data-parallel ranks; one rank gets an fsdp group of one) are offloaded and its
+    reduction, once per optimizer step, copies the gradient rows to the host. Needs
+    ``fsdp_enabled``; not with ``cuda_graphs=True``."""
 
     recompute_pointwise: bool = dataclasses.field(default=True, metadata=_runs("recompute"))
     """Run the ``recompute`` pass: a saved activation that a few pointwise ops compute from
@@ -428,19 +430,13 @@ class PassConfig:
 
     def _validate_cpu_offload(self) -> None:
         """``cpu_offload`` moves FSDP's shards: not without the fsdp pass, not where the copies
-        are not wired (pipeline stages) or cannot be captured (CUDA graphs)."""
+        cannot be captured (CUDA graphs)."""
         if not self.cpu_offload:
             return
         if not self.fsdp_enabled:
             raise ConfigError(
                 "PassConfig.cpu_offload=True keeps the FSDP shards in host memory, but "
                 "fsdp_enabled=False shards nothing; set fsdp_enabled=True or cpu_offload=False"
-            )
-        if self.pp_degree > 1:
-            raise ConfigError(
-                f"PassConfig.cpu_offload=True with pp_degree={self.pp_degree}: parameter "
-                "offload is not implemented for pipeline stages yet; set pp_degree=1 or "
-                "cpu_offload=False"
             )
         if self.cuda_graphs is True:
             raise ConfigError(

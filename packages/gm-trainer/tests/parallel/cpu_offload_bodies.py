@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from gm_config import PassConfig
+from gm_trace.graph import node_meta
 from gm_trace.parallel.fsdp import FSDPPass, full_parameter
 from gm_trace.testing import TinyGPT, lm_loss, make_lm_batch
 from gm_trainer.checkpoint import load_checkpoint, save_checkpoint
@@ -124,3 +125,41 @@ def accumulation(rank: int, world: int, optimizer: dict, forced: bool = True) ->
     differ = bitwise(results[False][1], results[True][1])
     assert not differ, differ
     return {"losses": results[True][0]}
+
+
+def pipeline(rank: int, world: int) -> dict:
+    """Two pipeline stages (1F1B, 2 micro-batches) x FSDP over the ``world // 2`` ranks of
+    each stage (on 2 ranks an fsdp group of one, as without a pipeline): ``STEPS`` steps
+    offloaded == not offloaded, bitwise (losses and this rank's stage's parameters); with
+    offload, how many gradient rows the stage's reduction copies to the host, and the
+    summary."""
+    dp = world // 2
+    results = {}
+    for offload in (False, True):
+        run = GraphTrainer(
+            gpt(),
+            lm_loss,
+            PassConfig(cpu_offload=offload, pp_degree=2, pp_microbatches=2),
+            optimizer_config={"name": "adam", "lr": 1e-2},
+            passes=[FSDPPass(offload_on_cpu=True)] if offload else [],
+        )
+        losses = steps(run, rank % dp, dp, 0, STEPS)
+        reduction = run.pipeline.reduction
+        owned = {fqn for p in run.pipeline.programs.values() for g in p.grads.values() for fqn in g}
+        owned |= set(reduction.grad_fqns) if reduction is not None else set()
+        params = {
+            fqn: full_parameter(run.model, fqn, run.sharding, run.fsdp_group).detach().clone()
+            for fqn in sorted(owned)  # the same collective order on every rank
+        }
+        results[offload] = (losses, params, run, reduction)
+    (plain, plain_params, _, _), (losses, params, run, reduction) = results[False], results[True]
+    assert losses == plain, (losses, plain)
+    assert params and not bitwise(plain_params, params), bitwise(plain_params, params)
+    return {
+        "summary": run.pass_summary(),
+        "offloaded": run.sharding.offloaded,
+        "rows_to_host": sum(
+            n.meta.get(node_meta.PARAM_OFFLOAD) == "host"
+            for n in reduction.graph_module.graph.nodes
+        ),
+    }

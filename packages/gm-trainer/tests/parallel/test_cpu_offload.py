@@ -37,6 +37,16 @@ def test_checkpoint_round_trip_on_two_ranks(dist_pool, tmp_path):
     dist_pool(2).run(bodies.checkpoint_round_trip, str(tmp_path))
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipeline_stages_are_bitwise_the_run_without_offload(world, dist_pool):
+    """PP 2 x FSDP over each stage's ranks (one on 2 ranks): the shards go to the device in
+    the stages' graphs and the gradient rows to the host in each stage's reduction."""
+    for result in dist_pool(world).run(bodies.pipeline, timeout=600):
+        assert result["offloaded"] and result["rows_to_host"] > 0, result
+        assert "cpu offload: forced on CPU (tests)" in result["summary"], result["summary"]
+        assert "the deferred reduction copies" in result["summary"], result["summary"]
+
+
 @pytest.mark.parametrize(
     ("world", "optimizer", "forced"),
     [(2, {}, True), (2, {"in_graph": True}, True), (1, {"in_graph": True}, True), (1, {}, False)],

@@ -15,12 +15,16 @@ from eager_reference import world_mean_losses
 from hf_configs import tiny_llama
 
 from gm_config import PassConfig, PassPlan, Role
+from gm_trace.graph import node_meta
 from gm_trace.graph.graph_build import collective_kind
+from gm_trace.memory.memory_plan import MemoryPlanPass
 from gm_trace.parallel.fsdp import full_parameter
+from gm_trace.parallel.pp import BACKWARD, FORWARD
 from gm_trace.testing import TinyGPT, lm_loss
 from gm_trace.testing.parity import parity_tolerance
 from gm_trainer import GraphTrainer
 from gm_trainer.pipeline.costs import planned, stage_costs
+from gm_trainer.pipeline.schedule import INPUT_GRAD, WEIGHT_GRAD
 
 STEPS, LR = 5, 1e-3
 VOCAB, SEQ = 64, 8
@@ -93,10 +97,12 @@ def parity(
     backend: str | None = None,
     in_graph: bool = False,
     clip: float | None = None,
+    offload: bool = False,
 ) -> dict:
     """``STEPS`` Adam steps of the pipeline (x FSDP over ``world // pp``) == one eager process
     on the global batch; what each stage ran and the warnings (``in_graph``: the update
-    asked in the graph; ``clip``: clipped to that global norm, here and in eager)."""
+    asked in the graph; ``clip``: clipped to that global norm, here and in eager;
+    ``offload``: activation offload forced on CPU at budget 0, :data:`OFFLOAD`)."""
     make, train_fn = MODELS[case]
     model = make()
     dp = world // pp
@@ -109,10 +115,12 @@ def parity(
         pp_schedule=schedule,
         pp_virtual_stages=virtual,
         backend=backend,
+        **(OFFLOAD if offload else {}),
     )
     plan = PassPlan(pp_stages=STAGES[case]) if named_stages else None
     optimizer = {"lr": LR, "in_graph": in_graph, "grad_clip": clip}
-    trainer = GraphTrainer(model, train_fn, config, plan, optimizer_config=optimizer)
+    passes = [MemoryPlanPass(offload_on_cpu=True)] if offload else []
+    trainer = GraphTrainer(model, train_fn, config, plan, optimizer_config=optimizer, passes=passes)
     dp_index = rank % dp
     rows = slice(dp_index * rows_per_dp, (dp_index + 1) * rows_per_dp)
     batches = (global_batch(step, rows_per_dp * dp) for step in range(STEPS))
@@ -133,12 +141,13 @@ def parity(
     reduction = trainer.pipeline.reduction  # under FSDP the stages' gradients land here
     owned = {fqn for program in programs for fqns in program.grads.values() for fqn in fqns}
     owned |= set(reduction.grad_fqns) if reduction is not None else set()
-    worst = 0.0
+    worst, params = 0.0, {}
     for fqn in sorted(owned):
         actual = full_parameter(trainer.model, fqn, trainer.sharding, trainer.fsdp_group)
         expected = reference.get_parameter(fqn).detach()
         torch.testing.assert_close(actual, expected, **parity_tolerance(STEPS), msg=fqn)
         worst = max(worst, (actual - expected).abs().max().item())
+        params[fqn] = actual.detach().clone()
     collectives = Counter(
         f"{half}/{collective_kind(n)}"
         for program in programs
@@ -166,6 +175,8 @@ def parity(
         "planned": planned(config, trainer.pipeline.cut).bubble_fraction,
         "stage": trainer.topology.pp_stage,
         "owned": sorted(owned),
+        "params": params,
+        "copies": offload_copies(trainer.pipeline),
         "reduction": dict(reduced),
         "worst": worst,
         "losses": losses,
@@ -180,6 +191,62 @@ def parity(
         "compiled": sorted(trainer.pipeline.compiled),
         "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
         "in_graph": trainer.optimizer_in_graph,
+    }
+
+
+#: Activation offload forced at budget 0 over a host link so fast that every saved activation
+#: whose copy keeps its layout is cheaper to offload than to recompute.
+OFFLOAD = {
+    "activation_memory_budget": 0.0,
+    "activation_offload": True,
+    "activation_offload_bandwidth_gbps": 1e9,
+}
+
+
+def offload_copies(pipeline) -> dict[str, dict[str, int]]:
+    """Per graph this rank runs (``"0/forward"``, ``"1/weight_grad"`` ...): its activation
+    offload copies by kind (``"host"``: out, ``"device"``: back), and the copies back it
+    reads from another graph instead of making them (``"held"``: a device copy held between
+    graphs)."""
+    graphs = {}
+    for stage, program in pipeline.programs.items():
+        graphs.update({f"{stage}/{half}": getattr(program, half) for half in (FORWARD, BACKWARD)})
+    for stage, split in pipeline.current.splits.items():
+        graphs.update(
+            {f"{stage}/{half}": getattr(split, half) for half in (INPUT_GRAD, WEIGHT_GRAD)}
+        )
+    found = {}
+    for name, half in graphs.items():
+        kinds: Counter = Counter()
+        for n in half.graph_module.graph.nodes:
+            kind = n.meta.get(node_meta.OFFLOADED)
+            if n.op == "call_function" and kind:
+                kinds[kind] += 1
+            elif n.op == "placeholder" and kind == "device":
+                kinds["held"] += 1
+        found[name] = dict(kinds)
+    return found
+
+
+def offload_against_plain(rank: int, world: int, schedule: str, virtual: int) -> dict:
+    """:func:`parity` of TinyGPT over 2 stages per rank pair (``virtual`` per rank), 4
+    micro-batches, without and with activation offload (:data:`OFFLOAD`)."""
+    return {
+        offload: parity(
+            rank,
+            world,
+            "tinygpt",
+            2,
+            schedule,
+            4,
+            virtual == 1,
+            virtual,
+            None,
+            False,
+            None,
+            offload,
+        )
+        for offload in (False, True)
     }
 
 

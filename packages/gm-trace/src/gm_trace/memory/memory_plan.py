@@ -16,9 +16,11 @@ reads the all-gathered weight backward holds anyway; under ``reshard_after_forwa
 re-gathered one, or, for a copy that runs before its block's re-gather (the last block's,
 recomputed during the head's backward), the forward one, which then lives until that copy
 (``MemoryPlan.weights_held`` names them: parameter memory traded for activation memory).
-Under pipeline parallelism each stage's graph is planned on its own. Offload runs on
-accelerators only (off on CPU and under pipeline parallelism; not measured on an
-accelerator yet).
+Under pipeline parallelism each stage's graph is planned on its own: its budget is a share of
+its own save-everything bytes, and its offload copies run in its own forward and backward
+graphs (:func:`gm_trace.memory.offload.apply_offload`), each micro-batch in flight holding its
+own host copies. Offload runs on accelerators only (off on CPU unless forced for tests; not
+measured on an accelerator yet).
 
 Runs after ``fsdp``, ``reshard`` and ``recompute`` (which it replaces when a budget is set),
 before ``optimizer`` (whose in-place updates come after the copies) and ``overlap``.
@@ -69,6 +71,9 @@ class MemoryPlan:
     kept: list[str] = field(default_factory=list)
     stages: dict[int, tuple[int, int]] = field(default_factory=dict)
     """Under pipeline parallelism, per stage: (save-everything bytes, kept bytes)."""
+    stages_offloaded: dict[int, int] = field(default_factory=dict)
+    """Under pipeline parallelism, per stage: the saved bytes its micro-batches hold in host
+    memory instead (the copies are kept per micro-batch in flight)."""
     weights_held: list[str] = field(default_factory=list)
     """Under ``reshard_after_forward``: the parameters whose forward all-gather a recompute
     copy reads because it runs before the re-gather (held until then: parameter memory)."""
@@ -89,6 +94,11 @@ class MemoryPlan:
             )
             + "".join(
                 f"\n  stage {stage}: kept {_mib(kept)} of {_mib(every)}"
+                + (
+                    f", offloaded {_mib(self.stages_offloaded[stage])} per micro-batch"
+                    if stage in self.stages_offloaded
+                    else ""
+                )
                 for stage, (every, kept) in sorted(self.stages.items())
             )
             + (f"\n  offload: {self.offload}" if self.offload else "")
@@ -153,10 +163,7 @@ class MemoryPlanPass(GraphPass):
         if config.activation_memory_budget is not None:
             tag_budget(info, config.activation_memory_budget)
             offload = tag_offload(
-                info,
-                config,
-                config.activation_memory_budget * before,
-                on_cpu=self.offload_on_cpu,
+                info, config, config.activation_memory_budget, on_cpu=self.offload_on_cpu
             )
         else:
             tag_presets(info, config.selective_recompute, config.full_recompute_modules)
@@ -194,6 +201,8 @@ class MemoryPlanPass(GraphPass):
         )
         if set(every) - {None}:
             plan.stages = {s: (every[s], kept.get(s, 0)) for s in every if s is not None}
+            if config.activation_offload and offload.note.startswith("on"):
+                plan.stages_offloaded = {s: offload.by_stage.get(s, 0) for s in plan.stages}
         ctx.record(self.name, plan=plan)
         ctx.publish(self.name, plan)
         return PassResult(graph_module, bool(copies) or bool(offload.units))

@@ -38,8 +38,21 @@ Where: only when the graph's activations live on an accelerator (``cuda``, ``xpu
 On CPU host memory *is* device memory, so the policy never offloads there and the summary
 says why. For tests, ``MemoryPlanPass(offload_on_cpu=True)`` applies the same rewrite on
 CPU: the copies are real and run, but they move no bytes off the device (the measured
-activations do not go down). Under pipeline parallelism offload is off (not implemented).
-Offload was implemented and tested on CPU only; it was not measured on an accelerator.
+activations do not go down). Offload was implemented and tested on CPU only; it was not
+measured on an accelerator.
+
+Under pipeline parallelism the plan runs on the whole staged graph before it is cut
+(:mod:`gm_trace.parallel.pp.stage_cut`), each stage to its own budget. A value moves when one
+stage alone holds it from its forward to its backward (:func:`held_by_one_stage`: it computes
+the value or receives it, and sends it nowhere); both copies (start and wait) take that
+stage, so the copy out runs in the stage's forward graph, after its last forward reader
+there, and the copy back in its backward graph, the lead counted over that stage's backward
+nodes. The host copy is then one of the values the stage keeps per micro-batch
+(``StageProgram.keep``), so every micro-batch in flight under 1F1B, interleaved or
+zero-bubble schedules holds its own; where
+the backward is split into ``B`` and ``W`` each half that reads the value copies it back
+itself (:mod:`gm_trace.parallel.pp.weight_split`), so ``W`` reads the host copy rather than a
+device copy held since ``B``.
 """
 
 from __future__ import annotations
@@ -59,7 +72,7 @@ from gm_trace.graph.graph_build import tensor_bytes
 from gm_trace.graph.streams import start_copy, wait_copy
 from gm_trace.memory.cost import node_flops
 from gm_trace.memory.remat import OFFLOAD, tagged
-from gm_trace.memory.saved import SavedValues, phase
+from gm_trace.memory.saved import SavedValues, backward_readers, phase
 
 #: Where offloaded values go.
 HOST = torch.device("cpu")
@@ -75,6 +88,8 @@ class OffloadPlan:
     """Device bytes the offloaded groups no longer hold from forward into backward."""
     note: str = ""
     """One line for the summary: on, off and why, or forced on CPU."""
+    by_stage: dict[object, int] = field(default_factory=dict)
+    """:attr:`freed_bytes` per pipeline stage (one entry, None, without stages)."""
 
     @property
     def nodes(self) -> set[fx.Node]:
@@ -110,6 +125,21 @@ def is_offloadable(facts: SavedValues, node: fx.Node) -> bool:
     return storage not in facts.returned and storage not in facts.written(node, facts.last)
 
 
+def held_by_one_stage(node: fx.Node) -> bool:
+    """Under pipeline parallelism, whether one stage alone holds the saved value ``node``
+    between its forward and its backward, so its copies can run in that stage's halves:
+    every reader of ``node`` is in that stage, which computes ``node`` or receives it from an
+    earlier one. A value this stage also sends stays held by its send until the step ends
+    (offloading frees nothing), and an op on the batch alone is computed again by every half
+    that reads it (nothing is held). Without stages: always."""
+    own = node.meta.get(node_meta.STAGE)
+    stages = {u.meta.get(node_meta.STAGE) for u in node.users} - {None}
+    if own is None:
+        return not stages
+    readers = {r.meta.get(node_meta.STAGE) for r in backward_readers(node)}
+    return len(readers) == 1 and stages == readers and own <= min(readers)
+
+
 def _lead_flops(node: fx.Node, config: PassConfig) -> float:
     seconds = tensor_bytes(node) / (config.activation_offload_bandwidth_gbps * 1e9)
     return seconds * config.activation_offload_device_tflops * 1e12
@@ -117,11 +147,21 @@ def _lead_flops(node: fx.Node, config: PassConfig) -> float:
 
 def apply_offload(graph: fx.Graph, config: PassConfig) -> list[tuple[fx.Node, fx.Node]]:
     """Apply the ``"offload"`` tags of ``graph`` (module doc) and remove them; returns the
-    (to host, to device) copies per offloaded value, in graph order."""
+    (to host, to device) copies per offloaded value, in graph order. Under pipeline
+    parallelism the copies take the stage of the value's readers (:func:`held_by_one_stage`):
+    the copy out lands in that stage's forward graph, the copy back in its backward graph,
+    and the lead counts that stage's backward nodes only."""
     nodes = list(graph.nodes)
     order = {node: i for i, node in enumerate(nodes)}
     phases = [phase(n) for n in nodes]
     start = phases.index("backward") if "backward" in phases else len(nodes)
+    # Per stage (None without stages), its nodes in order from where its backward starts.
+    backward: dict[object, list[fx.Node]] = {}
+    for node in nodes:
+        stage = node.meta.get(node_meta.STAGE)
+        if phase(node) == "backward" or stage in backward:
+            backward.setdefault(stage, []).append(node)
+    index = {node: i for line in backward.values() for i, node in enumerate(line)}
     pairs = []
     values = tagged(nodes, OFFLOAD)
     for value in values:
@@ -129,15 +169,18 @@ def apply_offload(graph: fx.Graph, config: PassConfig) -> list[tuple[fx.Node, fx
     for value in values:
         val = value.meta["val"]
         forward = [u for u in value.users if phase(u) == "forward"]
-        backward = sorted((u for u in value.users if phase(u) == "backward"), key=order.get)
+        readers = sorted((u for u in value.users if phase(u) == "backward"), key=order.get)
+        where = readers[0].meta.get(node_meta.STAGE)
+        stage = {node_meta.STAGE: where} if where is not None else {}
         last_forward = max(forward, key=order.__getitem__, default=value)
         with graph.inserting_after(last_forward):
-            out = start_copy(graph, value, HOST, **{node_meta.PHASE: "forward"})
+            out = start_copy(graph, value, HOST, **{node_meta.PHASE: "forward"}, **stage)
         if "nn_module_stack" in value.meta:
             out.meta["nn_module_stack"] = value.meta["nn_module_stack"]
-        # Waited on at the end of forward: the copy overlaps the rest of forward, and the
-        # side stream has joined the compute stream before backward starts.
-        # (After the waits placed so far, before any copy back placed at backward's start.)
+        # Waited on at the end of forward (of the stage's forward graph under a pipeline):
+        # the copy overlaps the rest of forward, and the side stream has joined the compute
+        # stream before backward starts. (After the waits placed so far, before any copy
+        # back placed at backward's start.)
         if order[last_forward] >= start:
             place = graph.inserting_after(out)
         elif pairs:
@@ -146,21 +189,26 @@ def apply_offload(graph: fx.Graph, config: PassConfig) -> list[tuple[fx.Node, fx
             place = graph.inserting_before(nodes[start])
         with place:
             host = wait_copy(
-                graph, out, **{node_meta.PHASE: "forward", node_meta.OFFLOADED: "host"}
+                graph, out, **{node_meta.PHASE: "forward", node_meta.OFFLOADED: "host"}, **stage
             )
-        # The lead: the backward nodes before the first reader that take the transfer's time.
-        first = order[backward[0]]
+        # The lead: the stage's backward nodes before the first reader that take the
+        # transfer's time (at least one; never before the value or the stage's backward).
+        line = backward[where]
+        first = index[readers[0]]
         at, lead = first, _lead_flops(value, config)
-        while at - 1 >= max(start, order[value] + 1) and (lead > 0 or at == first):
+        while at > 0 and order[line[at - 1]] > order[value] and (lead > 0 or at == first):
             at -= 1
-            lead -= node_flops(nodes[at])
-        with graph.inserting_before(nodes[at]):
-            copy_in = start_copy(graph, host, val.device, **{node_meta.PHASE: "backward"})
-        with graph.inserting_before(backward[0]):
+            lead -= node_flops(line[at])
+        with graph.inserting_before(line[at]):
+            copy_in = start_copy(graph, host, val.device, **{node_meta.PHASE: "backward"}, **stage)
+        with graph.inserting_before(readers[0]):
             back = wait_copy(
-                graph, copy_in, **{node_meta.PHASE: "backward", node_meta.OFFLOADED: "device"}
+                graph,
+                copy_in,
+                **{node_meta.PHASE: "backward", node_meta.OFFLOADED: "device"},
+                **stage,
             )
-        for reader in backward:
+        for reader in readers:
             reader.replace_input_with(value, back)
         pairs.append((host, back))
     return pairs

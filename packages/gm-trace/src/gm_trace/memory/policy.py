@@ -46,7 +46,13 @@ from gm_trace.graph import node_meta
 from gm_trace.graph.aliasing import storage_of
 from gm_trace.graph.graph_build import tensor_bytes
 from gm_trace.memory.cost import group_bytes, is_view, node_flops, op_base, storage_groups
-from gm_trace.memory.offload import OffloadPlan, accelerator, data_dependent_size, is_offloadable
+from gm_trace.memory.offload import (
+    OffloadPlan,
+    accelerator,
+    data_dependent_size,
+    held_by_one_stage,
+    is_offloadable,
+)
 from gm_trace.memory.remat import (
     OFFLOAD,
     RECOMPUTE,
@@ -200,16 +206,15 @@ def _early_pulls(facts: SavedValues, copies: CopyPlan) -> set[fx.Node]:
 
 
 def tag_offload(
-    facts: SavedValues, config: PassConfig, target_bytes: float, *, on_cpu: bool = False
+    facts: SavedValues, config: PassConfig, budget: float, *, on_cpu: bool = False
 ) -> OffloadPlan:
-    """After :func:`tag_budget`: retag ``"offload"`` the groups to move to host memory to
-    hold at most ``target_bytes`` (module doc; the pricing: :mod:`gm_trace.memory.offload`).
+    """After :func:`tag_budget`: retag ``"offload"`` the groups to move to host memory so
+    that each pipeline stage (the whole graph without stages) holds at most ``budget`` of its
+    save-everything bytes (module doc; the pricing: :mod:`gm_trace.memory.offload`).
     ``on_cpu``: offload on CPU too (tests: the copies move nothing off the device)."""
     if not config.activation_offload:
         return OffloadPlan()
     device = accelerator(facts.nodes)
-    if any(n.meta.get(node_meta.STAGE) is not None for n in facts.nodes):
-        return OffloadPlan(note="off under pipeline parallelism (not implemented)")
     if device is None and not on_cpu:
         return OffloadPlan(
             note="off, the graph runs on cpu (host memory is device memory: nothing to gain)"
@@ -221,7 +226,7 @@ def tag_offload(
     every = set(facts.saved) | facts.state_kept
 
     def movable(unit: list[fx.Node]) -> bool:
-        return all(is_offloadable(facts, n) for n in unit)
+        return all(is_offloadable(facts, n) and held_by_one_stage(n) for n in unit)
 
     def cheaper(unit: list[fx.Node]) -> bool:
         chain = recompute_slice(facts, unit, every - set(unit)) or ()
@@ -230,20 +235,21 @@ def tag_offload(
         )
 
     chosen: list[list[fx.Node]] = []
-    kept = 0
+    target = {stage: budget * nbytes for stage, nbytes in facts.held_by_stage().items()}
+    kept = dict.fromkeys(target, 0)
     for unit in units:
         if unit[0] in dropped:
             if cheaper(unit) and movable(unit):
                 chosen.append(unit)
         else:
-            kept += group_bytes(unit)
-    # What recompute could not free: offload kept values, largest first.
+            kept[facts.stage_of(unit)] += group_bytes(unit)
+    # What recompute could not free: offload kept values, largest first, stage by stage.
     spare = [u for u in units if u[0] not in dropped and movable(u)]
     for unit in sorted(spare, key=lambda u: -group_bytes(u)):
-        if kept <= target_bytes:
-            break
-        chosen.append(unit)
-        kept -= group_bytes(unit)
+        stage = facts.stage_of(unit)
+        if kept[stage] > target[stage]:
+            chosen.append(unit)
+            kept[stage] -= group_bytes(unit)
     tag([n for unit in chosen for n in unit], OFFLOAD)
     where = (
         f"to host memory over {config.activation_offload_bandwidth_gbps:g} GB/s"
@@ -255,7 +261,17 @@ def tag_offload(
     routed = sum(data_dependent_size(n) for n in facts.saved)
     if routed:
         note += f"; {routed} saved values of a data-dependent size are not offloaded"
-    return OffloadPlan(units=chosen, freed_bytes=sum(group_bytes(u) for u in chosen), note=note)
+    shared = sum(not held_by_one_stage(n) for n in facts.saved)
+    if shared:
+        note += (
+            f"; {shared} saved values another pipeline stage also reads (or sends) stay on "
+            "the device"
+        )
+    freed: dict[Any, int] = {}
+    for unit in chosen:
+        stage = facts.stage_of(unit)
+        freed[stage] = freed.get(stage, 0) + group_bytes(unit)
+    return OffloadPlan(units=chosen, freed_bytes=sum(freed.values()), note=note, by_stage=freed)
 
 
 # --------------------------------------------------------------------------- the presets

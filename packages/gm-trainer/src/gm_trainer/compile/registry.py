@@ -319,7 +319,9 @@ class GraphCache:
             experts = describe_fsdp_experts(stats.get("fsdp", {}))
             if experts:
                 text += f"\n{experts}"
-            offload = describe_offload(stats.get("fsdp", {}), self.entries[i].joint.graph_module)
+            joint = self.entries[i].joint
+            reduction = joint.deferred.graph_module if joint.deferred is not None else None
+            offload = describe_offload(stats.get("fsdp", {}), joint.graph_module, reduction)
             if offload:
                 text += f"\n\n{offload}"
             graphs = stats.get("backend", {}).get("cuda_graphs")

@@ -239,7 +239,7 @@ def _world_groups(
     found: dict[Role, dist.ProcessGroup | None] = {}
     lead = ((pp,), (Axis.PP,)) if pp > 1 else ((), ())
     device = detect_device_type()
-    one_rank_fsdp = fsdp_wanted and cpu_offload and dp == 1 and pp == 1 and dist.is_initialized()
+    one_rank_fsdp = fsdp_wanted and cpu_offload and dp == 1 and dist.is_initialized()
     if pp > 1 or (fsdp_wanted and world > 1) or one_rank_fsdp:
         device_mesh = init_device_mesh(
             device, (*lead[0], dp), mesh_dim_names=(*lead[1], Axis.DP_SHARD)

@@ -278,6 +278,7 @@ class PipelineRunner:
         if measured is not None:  # the batch is an input, not an activation
             params |= {t.untyped_storage().data_ptr() for batch in batches for t in batch}
         held = peak = 0
+        device = self.topology.device  # an offloaded activation's host copy is not counted
         incoming = messages.post(actions[0], step.sizes)
         for index, action in enumerate(actions):
             # The next action's receives are posted first, so they arrive during this one.
@@ -286,15 +287,15 @@ class PipelineRunner:
             kept = (action.stage, action.microbatch)
             if action.phase == FORWARD:
                 self._forward(step, action, received)
-                held += _bytes(step.envs[kept], params)
+                held += _bytes(step.envs[kept], params, device)
                 peak = max(peak, held)
                 if measured is not None:
-                    measured.add(action.stage, _storages(step.envs[kept], params))
+                    measured.add(action.stage, _storages(step.envs[kept], params, device))
             else:
-                held -= _bytes(step.envs[kept], params)
+                held -= _bytes(step.envs[kept], params, device)
                 self._backward(step, action, received, train=measured is None)
                 if kept in step.envs:  # B ran: W's values stay until it runs
-                    held += _bytes(step.envs[kept], params)
+                    held += _bytes(step.envs[kept], params, device)
         sent = messages.finish()
         loss = self._loss(step)
         if measured is not None:
@@ -452,20 +453,22 @@ def pipeline_seed(seed: int, stage: int, dp_rank: int) -> int:
     return int.from_bytes(digest[:8], "big") >> 1  # 63 bits: every generator takes them
 
 
-def _storages(env: Env, exclude: set[int]) -> dict[int, int]:
-    """The distinct storages ``env`` holds, other than those in ``exclude``: bytes by id (an
-    int it holds, a data-dependent size, has none)."""
+def _storages(env: Env, exclude: set[int], device: torch.device) -> dict[int, int]:
+    """The distinct storages on ``device`` ``env`` holds, other than those in ``exclude``:
+    bytes by id (an int it holds, a data-dependent size, has none; an offloaded
+    activation's copy in host memory, away from an accelerator, is not counted)."""
     storages = {
         t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
         for t in env.values()
-        if isinstance(t, torch.Tensor)
+        if isinstance(t, torch.Tensor) and t.device.type == device.type
     }
     return {ptr: n for ptr, n in storages.items() if ptr not in exclude}
 
 
-def _bytes(env: Env, exclude: set[int]) -> int:
-    """Bytes of the distinct storages ``env`` holds, other than those in ``exclude``."""
-    return sum(_storages(env, exclude).values())
+def _bytes(env: Env, exclude: set[int], device: torch.device) -> int:
+    """Bytes of the distinct storages on ``device`` ``env`` holds, other than those in
+    ``exclude``."""
+    return sum(_storages(env, exclude, device).values())
 
 
 __all__ = [

@@ -115,8 +115,12 @@ def offload_traffic(graph_module: fx.GraphModule) -> dict[str, tuple[int, int]]:
     return traffic
 
 
-def describe_offload(stats: dict, graph_module: fx.GraphModule | None) -> str:
-    """The ``pass_summary()`` line of parameter offload (``""`` when not asked for)."""
+def describe_offload(
+    stats: dict, graph_module: fx.GraphModule | None, reduction: fx.GraphModule | None = None
+) -> str:
+    """The ``pass_summary()`` line of parameter offload (``""`` when not asked for);
+    ``reduction``: the graph's deferred reduction (accumulation, pipeline stages), which
+    copies the gradient rows to the host instead of the step graph."""
     note = stats.get("cpu_offload")
     if not note:
         return ""
@@ -129,5 +133,11 @@ def describe_offload(stats: dict, graph_module: fx.GraphModule | None) -> str:
             f"copies, {to_host[1]} bytes of gradient rows to the host in {to_host[0]} copies; "
             f"{stats.get('offloaded_bytes', 0)} bytes of shards held on the host (and their "
             "gradients and optimizer state)"
+        )
+    deferred = offload_traffic(reduction).get("host") if reduction is not None else None
+    if deferred:
+        text += (
+            f"; the deferred reduction copies {deferred[1]} bytes of gradient rows to the host "
+            f"in {deferred[0]} copies once per optimizer step"
         )
     return text

@@ -37,7 +37,7 @@ from gm_trace.graph.captured import CAPTURED_INPUT
 from gm_trace.graph.dynamic_shapes import concrete_int
 from gm_trace.graph.graph_build import tensor_bytes
 from gm_trace.graph.joint_graph import JointGraph
-from gm_trace.memory.cost import is_view
+from gm_trace.memory.cost import is_view, on_host
 from gm_trace.parallel.pp.stage_split import (
     PipelineSplitError,
     check_flow,
@@ -125,7 +125,8 @@ class StageProgram:
     data-dependent sizes (unbacked ``SymInt``: expert parallelism's routed row counts) the
     stage's forward computed for its backward, as ints."""
     held_bytes: int
-    """Static estimate of the bytes ``keep`` holds per micro-batch, from the traced shapes."""
+    """Static estimate of the device bytes ``keep`` holds per micro-batch, from the traced
+    shapes (an offloaded activation's host copy is not device memory)."""
     grads: Mapping[Key, tuple[str, ...]]
     """Gradient outputs this stage computes: key -> the parameter FQNs it is the gradient of."""
     loss: Key | None
@@ -222,14 +223,15 @@ def cut_pipeline(joint: JointGraph, n_stages: int) -> PipelineCut:
 
 
 def _held_bytes(kept: list[fx.Node]) -> int:
-    """Bytes of the distinct tensors ``kept`` holds: a view counts as its base, a view of a
-    parameter or of the batch as nothing."""
+    """Device bytes of the distinct tensors ``kept`` holds: a view counts as its base, a view
+    of a parameter or of the batch as nothing, an offloaded activation's host copy as
+    nothing (:func:`~gm_trace.memory.cost.on_host`)."""
     bases = set()
     for node in kept:
         while is_view(node) and node.target is not operator.getitem:
             node = node.all_input_nodes[0]
         bases.add(node)
-    return sum(tensor_bytes(b) for b in bases if b.op != "placeholder")
+    return sum(tensor_bytes(b) for b in bases if b.op != "placeholder" and not on_host(b))
 
 
 def _stages(nodes: list[fx.Node]) -> dict[fx.Node, int]:

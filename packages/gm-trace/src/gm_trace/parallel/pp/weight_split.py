@@ -14,9 +14,12 @@ backward, so the split is a cut of the stage's backward graph
 
 ``B`` returns, besides its own outputs, the values of its nodes that ``W`` reads: the *W
 stash*, held from a micro-batch's ``B`` until its ``W`` and counted in
-:attr:`WeightSplit.stash_bytes`. Neither half changes an op: each micro-batch computes the
-same values as the unsplit backward, in the same order within each half, so gradients
-accumulated in micro-batch order are bitwise those of the unsplit backward.
+:attr:`WeightSplit.stash_bytes`. An offloaded activation (:mod:`gm_trace.memory.offload`) is
+not stashed: each half that reads it copies it back to the device from the host copy the
+micro-batch keeps, so between ``B`` and ``W`` it stays in host memory. Neither half changes
+an op: each micro-batch computes the same values as the unsplit backward, in the same order
+within each half, so gradients accumulated in micro-batch order are bitwise those of the
+unsplit backward.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from gm_passes.graph_ops import mutates_an_input
+from gm_trace.graph import node_meta
+from gm_trace.graph.streams import is_copy_start
 from gm_trace.parallel.pp.stage_cut import HalfGraph, Key, _half_graph, _held_bytes
 
 __all__ = ["WeightSplit", "split_weight_grads"]
@@ -78,9 +83,15 @@ def split_weight_grads(backward: HalfGraph, grads: set[Key]) -> WeightSplit:
         if not more:
             break
         in_b |= _closure(more)
-    members_b = [n for n in computing if n in in_b]
-    members_w = [n for n in computing if n not in in_b]
-    everything = dict.fromkeys(graph.nodes, 0)  # one stage: no op is copied into a half
+    # An offloaded activation's copy back to the device is made by each half that reads it
+    # (as an op on the batch is), so W reads the host copy, not a device copy held from B.
+    # (The copy's start and its wait both: each half issues and waits for its own copy.)
+    back = {n for n in computing if n.meta.get(node_meta.OFFLOADED) == "device"}
+    back |= {start for n in back for start in n.all_input_nodes if is_copy_start(start)}
+    members_b = [n for n in computing if n in in_b and n not in back]
+    members_w = [n for n in computing if n not in in_b and n not in back]
+    # one stage: no op is copied into a half, but the copies back
+    everything = {n: 0 for n in graph.nodes if n not in back}
     half_b = _half_graph(backward.graph_module, members_b, everything)
     half_w = _half_graph(backward.graph_module, members_w, everything)
     stash = tuple(k for k in half_w.inputs if k in set(half_b.outputs))
