@@ -166,7 +166,7 @@ def guards_of(symbolic: SymbolicInputs) -> ShapeGuards:
                 add(sympy.Le(dim.symbol, int(bounds.upper)), "range")
     for symbol, value in env.replacements.items():
         if symbol in variables:
-            add(sympy.Eq(symbol, value), "equal")
+            add(sympy.Eq(symbol, value))  # "divisible" where a pass wrote it n * k
     for guard in env.guards:
         if not _is_bound(guard.expr):  # ``seq <= 128``: the ShapeEnv narrowed the range above
             add(guard.expr)

@@ -105,6 +105,15 @@ def _permute(rw, node):
     return _dims_moved(rw, node, lambda d: dims.index(d))
 
 
+def _to_the_end(end, size) -> bool:
+    """A slice's ``end`` past the last element (``x[1:]`` traces the largest int64: no
+    symbolic size is known to be below it)."""
+    return end is None or (isinstance(end, int) and end >= _INT64_MAX) or known(end >= size)
+
+
+_INT64_MAX = 2**63 - 1
+
+
 def _slice(rw, node):
     source = node.args[0]
     p = rw.plc[source]
@@ -116,7 +125,7 @@ def _slice(rw, node):
     step = args[4] if len(args) > 4 else 1
     whole = (
         known(start is None or start == 0)
-        and (end is None or known(end >= shape[dim]))
+        and _to_the_end(end, shape[dim])
         and known(step == 1)
     )
     if p == P or (isinstance(p, Seq) and dim != p.dim):
@@ -144,7 +153,7 @@ def _slice_backward(rw, node):
     dim = norm_dim(dim, len(sizes))
     if p == P:
         return rw.copy_op(node), P
-    whole = known(start == 0) and known(end >= sizes[dim]) and known(step == 1)
+    whole = known(start == 0) and _to_the_end(end, sizes[dim]) and known(step == 1)
     if dim == p.dim and not whole:
         return None
     if dim == p.dim:
