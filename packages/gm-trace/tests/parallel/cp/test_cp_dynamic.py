@@ -17,6 +17,7 @@ import sympy
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from cp_models import hf_loss, tiny_llama
 
 from gm_config import PassConfig, Role
 from gm_passes import PassPipeline
@@ -31,41 +32,11 @@ ROWS, SEQ = 2, 16
 DIMS = {"input['input_ids']": {1: "seq"}, "label": {1: "seq"}}
 
 
-@pytest.fixture
-def fake_world():
-    """Rank 0 of 2 on the ``fake`` backend (collectives do nothing)."""
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
-
-    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=2)
-    yield
-    dist.destroy_process_group()
-
-
-def _model():
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=61,
-        hidden_size=32,
-        num_hidden_layers=1,
-        intermediate_size=48,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
-    )
-    return transformers.LlamaForCausalLM(config)
-
-
-def _loss(model, input, label):
-    return model(**input, labels=label).loss
-
-
 def _split(seq: int, balance: bool):
     """The symbolic graph traced at ``seq``, after the cp pass: (joint, graph, record)."""
     ids = torch.randint(0, 61, (ROWS, seq), generator=torch.Generator().manual_seed(0))
-    joint = trace_model_graph(_model(), _loss, {"input_ids": ids}, ids, dynamic_dims=DIMS)
+    model = tiny_llama(layers=1, key_heads=2, positions=64)
+    joint = trace_model_graph(model, hf_loss, {"input_ids": ids}, ids, dynamic_dims=DIMS)
     joint = joint.replace(graph_module=copy.deepcopy(joint.graph_module))
     config = PassConfig(cp_degree=2, fsdp_enabled=False, cp_load_balance=balance)
     pipeline = PassPipeline([ContextParallelPass()], config)

@@ -130,9 +130,7 @@ class ContextParallelPass(GraphPass):
                 "the cp pass needs the traced JointGraph: run it through joint_graph.through"
             )
         balance = _load_balance(ctx.config, graph_module)
-        cut, seq, shown = _cut_inputs(
-            graph_module, ctx.graph_info, ctx.config.cp_dims, cp, balance
-        )
+        cut, seq, shown = _cut_inputs(graph_module, ctx.graph_info, ctx.config.cp_dims, cp, balance)
         scale = _fsdp_covers(ctx, group)
         layout = SeqLayout(cp, dist.get_rank(group), seq, balance)
         cap = ctx.config.bucket_cap_mb

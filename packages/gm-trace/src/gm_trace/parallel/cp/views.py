@@ -123,11 +123,7 @@ def _slice(rw, node):
     start = args[2] if len(args) > 2 else None
     end = args[3] if len(args) > 3 else None
     step = args[4] if len(args) > 4 else 1
-    whole = (
-        known(start is None or start == 0)
-        and _to_the_end(end, shape[dim])
-        and known(step == 1)
-    )
+    whole = known(start is None or start == 0) and _to_the_end(end, shape[dim]) and known(step == 1)
     if p == P or (isinstance(p, Seq) and dim != p.dim):
         return rw.copy_op(node), p
     if whole:
