@@ -37,6 +37,11 @@ leave the graph whole: all-reduced over cp, or, when the fsdp pass will reduce e
 gradient over a group that holds the cp group (``MeshContext``'s ``fsdp_shard`` is
 ``dp_shard x cp``), multiplied by ``cp`` so that fsdp's mean over that group is the mean over
 data-parallel ranks (one collective, not two).
+
+A symbolic sequence (``dynamic_dims``) stays symbolic: the pass writes its length as ``n x k``
+(``n`` the chunks, :func:`~gm_trace.graph.dynamic_shapes.as_multiple`, which guards the
+divisibility), every size it derives is exact in ``k`` and written as graph nodes, so one graph
+serves every length the split divides; another length is traced anew and refused by name.
 """
 
 from __future__ import annotations
