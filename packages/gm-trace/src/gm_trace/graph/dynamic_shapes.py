@@ -181,8 +181,8 @@ def as_multiple(size: torch.SymInt, n: int, at_least: int = 1) -> torch.SymInt:
     hint = concrete_int(size)
     if hint % n or hint < at_least or not isinstance(size.node.expr, sympy.Symbol):
         raise DynamicShapeError(
-            f"the symbolic size {size} (traced at {hint}) cannot be split into {n} equal "
-            f"pieces of at least {at_least // n or 1}"
+            f"the symbolic size {size} (traced at {hint}) is no input dim that splits into "
+            f"{n} equal pieces of {at_least} elements or more in all"
         )
     env = size.node.shape_env
     torch._check(size % n == 0)
@@ -194,6 +194,8 @@ def as_multiple(size: torch.SymInt, n: int, at_least: int = 1) -> torch.SymInt:
     k = env.create_symintnode(symbol, hint=hint // n, source=source)
     # The ShapeEnv solves for the larger symbol: every size in ``size`` now reads ``n * k``.
     torch._check(size == n * k)
+    if size.node.expr != n * symbol:
+        raise DynamicShapeError(f"the ShapeEnv kept {size} rather than {n} * {symbol}")
     return k
 
 
