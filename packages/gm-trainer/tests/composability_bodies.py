@@ -31,6 +31,7 @@ on 1, 2, 4 or 8 ranks; without any the cell runs on one rank):
 ``accumulation``    ``train(accumulation_steps=2)``
 ``in_graph``        ``OptimizerConfig(in_graph=True)``
 ``dynamic``         ``dynamic_dims`` on the sequence, which changes every micro-batch
+                    (with ``cp``, rounded up to a multiple of 2: the padding the split asks for)
 ``reshard``         ``PassConfig(reshard_after_forward=True)``
 ``bf16``            ``PassConfig(param_dtype="bfloat16")``
 ``inductor``        ``PassConfig(backend="inductor")``
@@ -275,7 +276,8 @@ class Setup:
     def seq(self, step: int, micro: int) -> int:
         if "dynamic" not in self.features:
             return SEQ
-        return SEQS[(step * self.accumulation + micro) % len(SEQS)]
+        seq = SEQS[(step * self.accumulation + micro) % len(SEQS)]
+        return -(-seq // self.cp) * self.cp  # the cp split needs a length it divides
 
     def notes(self) -> list[str]:
         """Why a feature of this cell changes nothing (:data:`INERT`)."""

@@ -164,6 +164,41 @@ def warn_static_fallback(error: Exception) -> None:
     )
 
 
+def as_multiple(size: torch.SymInt, n: int, at_least: int = 1) -> torch.SymInt:
+    """``size`` (a symbolic size of the trace) expressed as ``n * k`` for a new size ``k``,
+    so that ``size // n`` (and ``size // d`` for any divisor ``d`` of ``n``) is exact: a
+    split of the dim into ``n`` equal pieces views and slices without guards.
+
+    Records the guards ``size % n == 0`` and ``size >= at_least`` over the input size (the
+    graph's :class:`~gm_trace.graph.guards.ShapeGuards` then refuse a batch that breaks
+    them). Returns ``k``, whose value for a batch is ``size // n``
+    (:func:`~gm_trace.graph.guards.guards_of` writes assumptions about ``k`` so). Raises
+    :class:`DynamicShapeError` when the traced size breaks them itself (the caller says why
+    it needs them first).
+    """
+    from torch._dynamo.source import ConstantSource
+
+    hint = concrete_int(size)
+    if hint % n or hint < at_least or not isinstance(size.node.expr, sympy.Symbol):
+        raise DynamicShapeError(
+            f"the symbolic size {size} (traced at {hint}) is no input dim that splits into "
+            f"{n} equal pieces of {at_least} elements or more in all"
+        )
+    env = size.node.shape_env
+    torch._check(size % n == 0)
+    torch._check(size >= at_least)
+    source = ConstantSource(f"{size.node.expr}_div_{n}")
+    symbol = env.create_symbol(
+        hint // n, source, dynamic_dim=DimDynamic.DYNAMIC, do_not_specialize_zero_one=True
+    )
+    k = env.create_symintnode(symbol, hint=hint // n, source=source)
+    # The ShapeEnv solves for the larger symbol: every size in ``size`` now reads ``n * k``.
+    torch._check(size == n * k)
+    if size.node.expr != n * symbol:
+        raise DynamicShapeError(f"the ShapeEnv kept {size} rather than {n} * {symbol}")
+    return k
+
+
 def concrete_int(value: Any, at: Mapping[sympy.Symbol, int] | None = None) -> int:
     """``value`` as an int: a ``SymInt`` evaluated at the sizes ``at`` (symbol -> size),
     else at the sizes it was traced with. Adds no guard."""

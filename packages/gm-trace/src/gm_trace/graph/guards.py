@@ -43,6 +43,9 @@ class ShapeGuards:
 
     dims: tuple[SymbolicDim, ...]
     guards: tuple[ShapeGuard, ...]
+    derived: tuple[tuple[sympy.Symbol, sympy.Symbol, int], ...] = ()
+    """``(k, s, n)``: a size a pass wrote as ``s = n * k``
+    (:func:`~gm_trace.graph.dynamic_shapes.as_multiple`); ``k`` is ``s // n``."""
     _source: SymbolicInputs | None = field(default=None, compare=False, repr=False)
     _checks: list[Any] = field(default_factory=list, compare=False, repr=False)
     _seen: dict[tuple[int, ...], str | None] = field(
@@ -78,7 +81,9 @@ class ShapeGuards:
         unknown = sorted(set(sizes) - set(by_name))
         if unknown:
             raise KeyError(f"no symbolic dim named {unknown}; this graph has {sorted(by_name)}")
-        return {by_name[name]: int(size) for name, size in sizes.items()}
+        at = {by_name[name]: int(size) for name, size in sizes.items()}
+        at.update({k: at[s] // n for k, s, n in self.derived if s in at})
+        return at
 
     def sizes(self, leaves: Sequence[Any]) -> tuple[int, ...] | str:
         """Each dim's size in a batch's leaves, or why they do not fit (one name, two sizes)."""
@@ -139,10 +144,12 @@ def guards_of(symbolic: SymbolicInputs) -> ShapeGuards:
     dims = tuple(symbolic.dims.values())
     variables = {dim.symbol: sympy.Symbol(f"_v{i}", integer=True) for i, dim in enumerate(dims)}
     names = {dim.symbol: sympy.Symbol(dim.name, integer=True) for dim in dims}
+    derived = _derived(env.replacements, set(variables))
+    in_inputs = {k: FloorDiv(s, n) for k, s, n in derived}
     found: dict[str, ShapeGuard] = {}
 
     def add(expr: Any, kind: str | None = None) -> None:
-        expr = sympy.sympify(expr)
+        expr = sympy.sympify(expr).xreplace(in_inputs)
         if expr is sympy.true or not expr.free_symbols <= set(variables):
             return  # trivially true, or about sizes only known while running (unbacked)
         code = PythonPrinter().doprint(expr.xreplace(variables))
@@ -159,14 +166,28 @@ def guards_of(symbolic: SymbolicInputs) -> ShapeGuards:
                 add(sympy.Le(dim.symbol, int(bounds.upper)), "range")
     for symbol, value in env.replacements.items():
         if symbol in variables:
-            add(sympy.Eq(symbol, value), "equal")
+            add(sympy.Eq(symbol, value))  # "divisible" where a pass wrote it n * k
     for guard in env.guards:
         if not _is_bound(guard.expr):  # ``seq <= 128``: the ShapeEnv narrowed the range above
             add(guard.expr)
     for asserts in env.deferred_runtime_asserts.values():
         for runtime_assert in asserts:
             add(runtime_assert.expr)
-    return ShapeGuards(dims, tuple(found.values()), symbolic)
+    return ShapeGuards(dims, tuple(found.values()), derived, symbolic)
+
+
+def _derived(
+    replacements: Mapping[sympy.Symbol, sympy.Expr], inputs: set[sympy.Symbol]
+) -> tuple[tuple[sympy.Symbol, sympy.Symbol, int], ...]:
+    """``(k, s, n)`` for each input size ``s`` replaced by ``n * k``, ``k`` no input size."""
+    found = []
+    for symbol, value in replacements.items():
+        if symbol not in inputs or not isinstance(value, sympy.Mul) or len(value.args) != 2:
+            continue
+        n, k = sorted(value.args, key=lambda a: not a.is_Integer)
+        if n.is_Integer and isinstance(k, sympy.Symbol) and k not in inputs:
+            found.append((k, symbol, int(n)))
+    return tuple(found)
 
 
 def _is_bound(expr: sympy.Basic) -> bool:

@@ -96,7 +96,7 @@ def compile_with_inductor(
     if expected or any(is_copy_start(n) for n in graph_module.graph.nodes):
         known = inductor_config.get_config_copy()
         settings = {k: v for k, v in _KEEP_COLLECTIVES.items() if k in known}
-    where: list[tuple[int, int]] = []
+    where: list[tuple[int, int, int]] = []
     if any(is_symbolic(t) for t in example_inputs):
         known = inductor_config.get_config_copy()
         settings.update({k: v for k, v in _SYMBOLIC_NO_CACHE.items() if k in known})
@@ -121,7 +121,7 @@ def compile_with_inductor(
         return fn
 
     def with_sizes(*args: Any) -> Any:
-        return fn(*(args[i].size(d) for i, d in where), *args)
+        return fn(*(args[i].size(d) // n for i, d, n in where), *args)
 
     return with_sizes
 
@@ -140,23 +140,26 @@ def _no_autograd_cache(settings: dict[str, Any]) -> Iterator[None]:
 
 def _with_size_inputs(
     graph_module: fx.GraphModule, example_inputs: list[Tensor]
-) -> tuple[list[Any], list[tuple[int, int]]]:
-    """Prepend one int placeholder per symbolic size of an input, as dynamo's graphs take
-    them: Inductor's passes expect each symbol to come from a node (a joint graph may need a
-    size only inside a decomposition, as ``mse_loss_backward`` divides by the element count).
-    Returns the new example inputs and, per size input, the (input, dim) it is read from."""
+) -> tuple[list[Any], list[tuple[int, int, int]]]:
+    """Prepend one int placeholder per symbol in the sizes of the inputs, as dynamo's graphs
+    take them: Inductor's passes expect each symbol to come from a node (a joint graph may need
+    a size only inside a decomposition, as ``mse_loss_backward`` divides by the element count).
+    A dim of ``n x k`` (the cp pass's sequence) gives ``k``. Returns the new example inputs
+    and, per size input, the (input, dim, n) it is read from: ``size(dim) // n``."""
     graph = graph_module.graph
     first = graph.find_nodes(op="placeholder")[0]
     sizes: list[Any] = []
-    where: list[tuple[int, int]] = []
+    where: list[tuple[int, int, int]] = []
     seen = set()
     for index, tensor in enumerate(example_inputs):
         for dim, size in enumerate(tensor.shape):
-            symbol = size.node.expr if isinstance(size, torch.SymInt) else None
-            if symbol is not None and symbol.is_Symbol and symbol not in seen:
+            if not isinstance(size, torch.SymInt):
+                continue
+            n, symbol = size.node.expr.as_coeff_Mul()
+            if symbol.is_Symbol and n.is_Integer and n > 0 and symbol not in seen:
                 seen.add(symbol)
-                sizes.append(size)
-                where.append((index, dim))
+                sizes.append(size // int(n))
+                where.append((index, dim, int(n)))
     with graph.inserting_before(first):
         for k, size in enumerate(sizes):
             graph.placeholder(f"gm_size_{k}").meta["val"] = size

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from cp_models import hf_loss, tiny_llama
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from gm_config import PassConfig, Role
@@ -37,35 +38,9 @@ _CPU = aten._scaled_dot_product_flash_attention_for_cpu.default
 _CPU_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
-@pytest.fixture
-def fake_world():
-    """Rank 0 of 2 on the ``fake`` backend (collectives do nothing)."""
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
-
-    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=2)
-    yield
-    dist.destroy_process_group()
-
-
 def _model():
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=61,
-        hidden_size=32,
-        num_hidden_layers=LAYERS,
-        intermediate_size=48,
-        num_attention_heads=4,
-        num_key_value_heads=4,  # the CUDA kernels' metas take as many key heads as query heads
-        max_position_embeddings=SEQ,
-        attn_implementation="sdpa",
-    )
-    return transformers.LlamaForCausalLM(config)
-
-
-def _loss(model, input, label):
-    return model(**input, labels=label).loss
+    # the CUDA kernels' metas take as many key heads as query heads
+    return tiny_llama(LAYERS, key_heads=4, positions=SEQ)
 
 
 def _batch(padded: bool):
@@ -167,7 +142,7 @@ def _to_cuda_kernels(graph_module: fx.GraphModule, kernel: str) -> fx.GraphModul
 
 @functools.cache
 def _traced(padded: bool):
-    return trace_model_graph(_model(), _loss, *_batch(padded))
+    return trace_model_graph(_model(), hf_loss, *_batch(padded))
 
 
 def _rewritten(kernel: str | None, padded: bool, balance: bool | None = None):

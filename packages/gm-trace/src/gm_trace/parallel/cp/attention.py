@@ -26,7 +26,15 @@ import operator
 import torch
 import torch.fx as fx
 
-from gm_trace.parallel.cp.rewrite import ContextParallelError, P, R, Rewriter, Seq, module_of
+from gm_trace.parallel.cp.rewrite import (
+    ContextParallelError,
+    P,
+    R,
+    Rewriter,
+    Seq,
+    known,
+    module_of,
+)
 
 __all__ = ["ATTENTION_RULES"]
 
@@ -63,9 +71,9 @@ def _build_causal_mask(rw: Rewriter, dtype: torch.dtype, device: torch.device) -
 def _aligned(rw: Rewriter, mask: fx.Node, query: fx.Node) -> fx.Node:
     """``mask`` as the CUDA kernels read it: ``[batch, heads, S/cp, S]`` (broadcast), rows
     padded to a multiple of 16 elements and sliced back."""
-    b, h, rows = (int(s) for s in query.meta["val"].shape[:3])
+    b, h, rows = query.meta["val"].shape[:3]
     cols = mask.meta["val"].shape[-1]
-    if cols % _ALIGN:
+    if not known(cols % _ALIGN == 0):  # a symbolic length pads 1 to 16 elements
         padded = rw.emit(aten.constant_pad_nd.default, (mask, [0, _ALIGN - cols % _ALIGN]))
         mask = rw.emit(aten.slice.Tensor, (padded, -1, 0, cols))
     return rw.emit(aten.expand.default, (mask, [b, h, rows, cols]))

@@ -37,6 +37,11 @@ leave the graph whole: all-reduced over cp, or, when the fsdp pass will reduce e
 gradient over a group that holds the cp group (``MeshContext``'s ``fsdp_shard`` is
 ``dp_shard x cp``), multiplied by ``cp`` so that fsdp's mean over that group is the mean over
 data-parallel ranks (one collective, not two).
+
+A symbolic sequence (``dynamic_dims``) stays symbolic: the pass writes its length as ``n x k``
+(``n`` the chunks, :func:`~gm_trace.graph.dynamic_shapes.as_multiple`, which guards the
+divisibility), every size it derives is exact in ``k`` and written as graph nodes, so one graph
+serves every length the split divides; another length is traced anew and refused by name.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import torch.fx as fx
 
 from gm_config import PassConfig, PassPlan, Role, fsdp_requested
 from gm_passes import GraphPass, PassContext, PassResult
+from gm_trace.graph.dynamic_shapes import as_multiple, concrete_int, formula
 from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.parallel.cp.rewrite import ContextParallelError, Rewriter, Seq, SeqLayout
 from gm_trace.parallel.cp.rules import RULES
@@ -129,7 +135,7 @@ class ContextParallelPass(GraphPass):
                 "the cp pass needs the traced JointGraph: run it through joint_graph.through"
             )
         balance = _load_balance(ctx.config, graph_module)
-        cut, seq = _cut_inputs(graph_module, ctx.graph_info, ctx.config.cp_dims, cp, balance)
+        cut, seq, shown = _cut_inputs(graph_module, ctx.graph_info, ctx.config.cp_dims, cp, balance)
         scale = _fsdp_covers(ctx, group)
         layout = SeqLayout(cp, dist.get_rank(group), seq, balance)
         cap = ctx.config.bucket_cap_mb
@@ -140,7 +146,7 @@ class ContextParallelPass(GraphPass):
             self.name,
             degree=cp,
             group=str(Role.CP),
-            sequence=seq,
+            sequence=seq if isinstance(seq, int) else shown,
             load_balance=balance,
             attention=len(rewriter.attention),
             whole_ops=sorted(rewriter.replicated_ops),
@@ -169,7 +175,9 @@ def _cut_inputs(
     cp_dims: dict[str, int] | None,
     cp: int,
     balance: bool,
-) -> tuple[dict[fx.Node, int], int]:
+) -> tuple[dict[fx.Node, int], int | torch.SymInt, str]:
+    """The leaves to cut (placeholder -> dim), the sequence length and how it reads (its
+    value, or the name of a symbolic one)."""
     placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
     signature = joint.input_signature
     tensor_paths = [p for p, s in zip(signature.paths, signature.leaves) if s[0] == "Tensor"]
@@ -178,39 +186,46 @@ def _cut_inputs(
     dims = cp_leaf_dims(list(signature.paths), shapes, cp_dims)
     tensor_index = {i: j for j, i in enumerate(i for i, s in enumerate(shapes) if s is not None)}
     cut: dict[fx.Node, int] = {}
-    lengths: dict[str, int] = {}
+    lengths: dict[str, int | torch.SymInt] = {}
     for i, dim in dims.items():
         node = leaf_nodes[tensor_index[i]]
-        size = node.meta["val"].shape[dim]
-        if not isinstance(size, int):
-            raise ContextParallelError(
-                f"{signature.paths[i]} dim {dim} is symbolic ({size}); the cp split needs a "
-                "static sequence length (leave that dim out of dynamic_dims)"
-            )
         cut[node] = dim
-        lengths[signature.paths[i]] = size
+        lengths[signature.paths[i]] = node.meta["val"].shape[dim]
     if not cut:
         raise ContextParallelError(
             "PassConfig.cp_degree > 1 but no tensor leaf of (input, label) has a sequence dim "
             "to split; name them in PassConfig.cp_dims, e.g. {'input': 1, 'label': 1}"
         )
-    if len(set(lengths.values())) > 1:
+    names = joint.shape_guards.names if joint.shape_guards is not None else {}
+    shown = {path: formula(size, names) for path, size in lengths.items()}
+    if len(set(shown.values())) > 1:
         raise ContextParallelError(
-            f"the cp dims hold different lengths {lengths}; every split dim is the one "
+            f"the cp dims hold different lengths {shown}; every split dim is the one "
             "sequence (set PassConfig.cp_dims to the leaves and dims that are)"
         )
     seq = next(iter(lengths.values()))
+    symbolic = isinstance(seq, torch.SymInt)
+    where = ", ".join(lengths)
+    if symbolic:  # the length of this batch, which the graph is traced at
+        where = f"{next(iter(shown.values()))}: {where}"
+    length = concrete_int(seq)
     # A piece of one token would lose its dim to ops that squeeze size-1 dims.
-    if seq % cp or seq // cp < 2:
+    if length % cp or length // cp < 2:
         raise ContextParallelError(
-            f"sequence length {seq} ({', '.join(lengths)}) is not divisible by "
+            f"sequence length {length} ({where}) is not divisible by "
             f"PassConfig.cp_degree={cp} into pieces of two tokens or more; pad the sequence to a "
             f"multiple of {cp} (at least {2 * cp})"
         )
-    if balance and seq % (2 * cp):
+    chunks = 2 * cp if balance else cp
+    if balance and length % chunks:
         raise ContextParallelError(
-            f"sequence length {seq} ({', '.join(lengths)}) is not divisible into "
-            f"2 x PassConfig.cp_degree = {2 * cp} chunks for the load-balanced split; pad the "
-            f"sequence to a multiple of {2 * cp}, or set PassConfig.cp_load_balance=False"
+            f"sequence length {length} ({where}) is not divisible into "
+            f"2 x PassConfig.cp_degree = {chunks} chunks for the load-balanced split; pad the "
+            f"sequence to a multiple of {chunks}, or set PassConfig.cp_load_balance=False"
         )
-    return cut, seq
+    if not symbolic:
+        return cut, seq, str(seq)
+    # One graph for every length the split divides: the sequence becomes ``chunks x k`` (a
+    # guard refuses other lengths, whose batch is traced anew and meets the errors above).
+    as_multiple(seq, chunks, at_least=2 * cp)
+    return cut, seq, next(iter(shown.values()))

@@ -36,11 +36,14 @@ class Seq:
 
 @dataclass(frozen=True)
 class SeqLayout:
-    """Which chunks of the sequence rank ``rank`` of ``cp`` holds (module docstring)."""
+    """Which chunks of the sequence rank ``rank`` of ``cp`` holds (module docstring).
+
+    ``seq`` is an int, or under a symbolic sequence a ``SymInt`` the trace knows to be a
+    multiple of :attr:`chunks` (``as_multiple``): every size below is then exact in it."""
 
     cp: int
     rank: int
-    seq: int
+    seq: int | torch.SymInt
     load_balance: bool = False
 
     @property
@@ -165,7 +168,7 @@ class SeqMoves:
         for index, (perm, rest) in enumerate(restore):
             width = 1
             for s in rest:
-                width *= int(s)
+                width = width * s  # a SymInt under a symbolic sequence
             piece = buffer
             if len(restore) > 1:
                 piece = self.emit(aten.slice.Tensor, (buffer, 1, start, start + width))

@@ -17,14 +17,17 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from gm_config import ConfigError
 from gm_trace.graph import node_meta
 from gm_trace.graph.collectives import all_gather_op
+from gm_trace.graph.dynamic_shapes import no_zero_one_specialization
 from gm_trace.graph.graph_build import fake_mode_of
+from gm_trace.graph.sym_nodes import SizeNodes
 from gm_trace.parallel.cp.layout import Seq, SeqLayout, SeqMoves
 
-__all__ = ["ContextParallelError", "P", "R", "Rewriter", "Seq", "SeqLayout"]
+__all__ = ["ContextParallelError", "P", "R", "Rewriter", "Seq", "SeqLayout", "known"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -53,6 +56,12 @@ def op_name(target: Any) -> str:
     """``add`` for ``aten.add.Tensor``; the string of any other target."""
     packet = getattr(target, "_overloadpacket", None)
     return packet.__name__ if packet is not None else str(target)
+
+
+def known(condition: Any) -> bool:
+    """True where ``condition`` holds for every size (a plain bool; over symbolic sizes, what
+    the trace can prove): the rules decide by it and so add no guard on the sizes."""
+    return statically_known_true(condition)
 
 
 def is_tensor_node(node: Any) -> bool:
@@ -96,6 +105,8 @@ class Rewriter:
         self.old = graph_module.graph
         self.new = fx.Graph(owning_module=graph_module)
         self.mode = fake_mode_of(self.old)
+        #: Symbolic sizes (a dynamic sequence) as nodes of the new graph.
+        self.sizes = SizeNodes(self.new, self.emit)
         self.layout, self.group_name = layout, group.group_name
         self.cp, self.rank, self.seq, self.local = layout.cp, layout.rank, layout.seq, layout.local
         self.env: dict[fx.Node, Any] = {}
@@ -116,8 +127,9 @@ class Rewriter:
     # --- emitting ---------------------------------------------------------------------------
 
     def emit(self, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
-        """``target(*args, **kwargs)`` in the new graph, with the current node's meta."""
-        kwargs = kwargs or {}
+        """``target(*args, **kwargs)`` in the new graph, with the current node's meta; a
+        ``SymInt`` among the arguments is read from the graph's sizes (:class:`SizeNodes`)."""
+        args, kwargs = self.sizes(tuple(args)), self.sizes(kwargs or {})
         node = self.new.call_function(target, args, kwargs)
         if self.current is not None:
             meta = self.current.meta
@@ -125,8 +137,9 @@ class Rewriter:
             if self.current.op == "placeholder":
                 node.meta[node_meta.PHASE] = "forward"
         fake_args, fake_kwargs = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
-        with unset_fake_temporarily(), self.mode:
+        with unset_fake_temporarily(), self.mode, no_zero_one_specialization():
             node.meta["val"] = target(*fake_args, **fake_kwargs)
+        self.sizes.know(node)
         return node
 
     def once(self, key: tuple[Any, ...], build: Callable[[], fx.Node]) -> fx.Node:
@@ -276,6 +289,8 @@ class Rewriter:
         inputs = [a for a in node.all_input_nodes if self.plc.get(a) not in (None, R)]
         if not inputs:  # every operand whole: the op as it was
             return self.copy_op(node), self._placement_of_whole_result(node)
+        if isinstance(node.meta.get("val"), torch.SymInt):  # a size of a split value
+            return self.sizes(node.meta["val"]), None
         namespace = getattr(target, "namespace", None)
         if namespace in _COLLECTIVE_NAMESPACES:  # another group's (TP's): see cp_rules
             rule = self.rules.get(f"{namespace}::{name}")
@@ -322,6 +337,15 @@ class Rewriter:
 
     def shape(self, old: fx.Node) -> list[int]:
         return list(old.meta["val"].shape)
+
+    def value(self, old_arg: Any) -> Any:
+        """A size argument of an old node as a value (an int or a ``SymInt``, which
+        :meth:`emit` writes as a node); any other argument as it is."""
+        if isinstance(old_arg, fx.Node) and not is_tensor_node(old_arg):
+            return old_arg.meta.get("val", old_arg)
+        if isinstance(old_arg, (list, tuple)):
+            return type(old_arg)(self.value(a) for a in old_arg)
+        return old_arg
 
     def local_shape(self, shape: list[int], placement: Placement) -> list[int]:
         if isinstance(placement, Seq):

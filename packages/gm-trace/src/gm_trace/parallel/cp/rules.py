@@ -21,6 +21,7 @@ from gm_trace.parallel.cp.rewrite import (
     Rewriter,
     Seq,
     is_tensor_node,
+    known,
     op_name,
 )
 from gm_trace.parallel.cp.views import VIEW_RULES, norm_dim
@@ -86,8 +87,7 @@ def _pointwise(rw: Rewriter, node: fx.Node):
         val = a.meta["val"]
         aligned = lead.dim - (out_ndim - val.dim())
         size = val.shape[aligned] if aligned >= 0 else 1
-        rw.plc[a]
-        if size == 1:
+        if known(size == 1):
             return rw.to(a, R)
         want = Seq(aligned, lead.outer)
         return rw.to(a, want)
@@ -175,7 +175,7 @@ def _addmm(rw, node):
     out = plan[2]
     if isinstance(out, Seq) and isinstance(bias, fx.Node):
         aligned = out.dim - (2 - bias.meta["val"].dim())
-        if aligned >= 0 and bias.meta["val"].shape[aligned] > 1:
+        if aligned >= 0 and not known(bias.meta["val"].shape[aligned] == 1):
             bias_new = rw.to(bias, Seq(aligned, out.outer))
         else:
             bias_new = rw.env[bias]

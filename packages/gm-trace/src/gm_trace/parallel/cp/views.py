@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from gm_trace.parallel.cp.rewrite import P, Rewriter, Seq
+from gm_trace.parallel.cp.rewrite import P, Rewriter, Seq, known
 
 __all__ = ["VIEW_RULES", "norm_dim"]
 
@@ -22,7 +22,7 @@ aten = torch.ops.aten
 def _prod(values) -> int:
     out = 1
     for v in values:
-        out *= int(v)
+        out = out * v  # SymInts stay symbolic
     return out
 
 
@@ -37,10 +37,10 @@ def _view(rw: Rewriter, node: fx.Node):
     after = (in_shape[p.dim] // (p.outer * rw.seq)) * _prod(in_shape[p.dim + 1 :])
     for k in range(len(out_shape)):
         pre, rest = _prod(out_shape[:k]), _prod(out_shape[k + 1 :])
-        if before % pre or after % rest:
+        if not (known(before % pre == 0) and known(after % rest == 0)):
             continue
         outer, inner = before // pre, after // rest
-        if out_shape[k] == outer * rw.seq * inner:
+        if known(out_shape[k] == outer * rw.seq * inner):
             placement = Seq(k, outer)
             local = rw.local_shape(out_shape, placement)
             return rw.copy_op(node, (rw.env[source], local)), placement
@@ -48,7 +48,7 @@ def _view(rw: Rewriter, node: fx.Node):
 
 
 def _expand(rw: Rewriter, node: fx.Node):
-    source, sizes = node.args[0], list(node.args[1])
+    source, sizes = node.args[0], list(rw.value(node.args[1]))
     p = rw.plc[source]
     if p == P:
         return rw.copy_op(node), P
@@ -84,9 +84,9 @@ def _squeeze(rw, node):
     ndim = len(in_shape)
     if len(node.args) > 1:
         dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
-        dims = {norm_dim(d, ndim) for d in dims if in_shape[norm_dim(d, ndim)] == 1}
+        dims = {norm_dim(d, ndim) for d in dims if known(in_shape[norm_dim(d, ndim)] == 1)}
     else:
-        dims = {d for d, s in enumerate(in_shape) if s == 1}
+        dims = {d for d, s in enumerate(in_shape) if known(s == 1)}
     return _dims_moved(rw, node, lambda d: None if d in dims else d - sum(1 for x in dims if x < d))
 
 
@@ -105,15 +105,25 @@ def _permute(rw, node):
     return _dims_moved(rw, node, lambda d: dims.index(d))
 
 
+def _to_the_end(end, size) -> bool:
+    """A slice's ``end`` past the last element (``x[1:]`` traces the largest int64: no
+    symbolic size is known to be below it)."""
+    return end is None or (isinstance(end, int) and end >= _INT64_MAX) or known(end >= size)
+
+
+_INT64_MAX = 2**63 - 1
+
+
 def _slice(rw, node):
     source = node.args[0]
     p = rw.plc[source]
     shape = rw.shape(source)
     dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, len(shape))
-    start = node.args[2] if len(node.args) > 2 else None
-    end = node.args[3] if len(node.args) > 3 else None
-    step = node.args[4] if len(node.args) > 4 else 1
-    whole = (start in (None, 0)) and (end is None or end >= shape[dim]) and step == 1
+    args = rw.value(node.args)
+    start = args[2] if len(args) > 2 else None
+    end = args[3] if len(args) > 3 else None
+    step = args[4] if len(args) > 4 else 1
+    whole = known(start is None or start == 0) and _to_the_end(end, shape[dim]) and known(step == 1)
     if p == P or (isinstance(p, Seq) and dim != p.dim):
         return rw.copy_op(node), p
     if whole:
@@ -134,12 +144,12 @@ def _select(rw, node):
 
 
 def _slice_backward(rw, node):
-    grad, sizes, dim, start, end, step = node.args
+    grad, sizes, dim, start, end, step = (node.args[0], *rw.value(node.args[1:]))
     p = rw.plc[grad]
     dim = norm_dim(dim, len(sizes))
     if p == P:
         return rw.copy_op(node), P
-    whole = start == 0 and end >= sizes[dim] and step == 1
+    whole = known(start == 0) and _to_the_end(end, sizes[dim]) and known(step == 1)
     if dim == p.dim and not whole:
         return None
     if dim == p.dim:
@@ -160,7 +170,9 @@ def _split(rw, node):
 
 
 def _cat(rw, node):
-    tensors = [t for t in node.args[0] if t.meta["val"].dim() != 1 or t.meta["val"].numel() > 0]
+    tensors = [
+        t for t in node.args[0] if t.meta["val"].dim() != 1 or not known(t.meta["val"].numel() == 0)
+    ]
     dim = node.args[1] if len(node.args) > 1 else 0
     if len(tensors) == 1:  # torch.cat skips legacy empty 1-d tensors
         return rw.to(tensors[0], rw.plc[tensors[0]]), rw.plc[tensors[0]]
