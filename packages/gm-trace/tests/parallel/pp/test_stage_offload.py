@@ -16,6 +16,7 @@ from gm_config import PassConfig, PassPlan
 from gm_passes import PassPipeline
 from gm_trace import trace_model_graph
 from gm_trace.graph import node_meta
+from gm_trace.graph.streams import is_copy_start, is_copy_wait
 from gm_trace.memory.memory_plan import MemoryPlanPass
 from gm_trace.parallel.pp import cut_pipeline, split_weight_grads
 from gm_trace.testing import TinyGPT, lm_loss, make_lm_batch
@@ -30,7 +31,8 @@ OFFLOAD = {
 
 
 def copies(graph_module: torch.fx.GraphModule, kind: str) -> list[torch.fx.Node]:
-    """The offload copies of ``kind`` (``"host"``: out, ``"device"``: back) a graph runs."""
+    """The offload copies of ``kind`` (``"host"``: out, ``"device"``: back) a graph runs: the
+    waits of the copies (:mod:`gm_trace.graph.streams`), whose output is the copy."""
     return [
         n
         for n in graph_module.graph.nodes
@@ -99,9 +101,11 @@ def test_each_stage_copies_out_in_its_forward_and_back_in_its_backward(cuts):
         assert not copies(program.backward.graph_module, "host")
         # The host copy is what the micro-batch keeps; its copy back reads it in backward.
         for node in out:
-            assert node.kwargs["device"] == torch.device("cpu"), node.name
+            assert is_copy_wait(node) and node.args[1] == torch.device("cpu"), node.name
             assert node.name in program.forward.outputs and node.name in program.keep
-        assert {n.args[0].name for n in back} == {n.name for n in out}
+        # each copy back starts in the stage's backward from the kept host copy
+        assert all(is_copy_start(n.args[0]) for n in back)
+        assert {n.args[0].args[0].name for n in back} == {n.name for n in out}
         # The offloaded device values themselves are no longer kept for backward.
         assert not set(plan.offloaded) & set(program.keep), program.stage
     # The plan says so per stage.
