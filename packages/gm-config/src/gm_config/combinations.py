@@ -28,14 +28,10 @@ class Unsupported:
     """Refused by the ``gm-train`` job only (``GraphTrainer`` itself does not refuse it)."""
 
 
-EP_CP = Unsupported(("ep", "cp"), "expert parallelism with context parallelism")
 EP_TP = Unsupported(("ep", "tp"), "expert parallelism with tensor parallelism", True)
 
 #: Every refused combination, the library's first.
-UNSUPPORTED: tuple[Unsupported, ...] = (
-    EP_CP,
-    EP_TP,
-)
+UNSUPPORTED: tuple[Unsupported, ...] = (EP_TP,)
 
 
 def refused(degrees: Mapping[str, int], *, gm_train: bool = False) -> Unsupported | None:
