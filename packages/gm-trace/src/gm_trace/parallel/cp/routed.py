@@ -128,6 +128,17 @@ def _seq_operands(rw: Rewriter, args: tuple, p: Seq) -> list[Any]:
     return [rw.to(a, p) if is_tensor_node(a) else a for a in args]
 
 
+def _histc(rw: Rewriter, node: fx.Node):
+    """A histogram of the tokens over a fixed range (the load-balancing loss's tokens per
+    expert): the local histograms sum to the whole one."""
+    given = [*node.args[1:]]
+    _, low, high = given + [100, 0, 0][len(given) :]  # histc's defaults: bins, min, max
+    low, high = node.kwargs.get("min", low), node.kwargs.get("max", high)
+    if not isinstance(rw.plc[node.args[0]], Seq) or not low < high:
+        return None
+    return rw.copy_op(node), P
+
+
 def _index_whole_by_seq(rw: Rewriter, node: fx.Node):
     """``index(whole, [tokens' ids])``: each token's row of a whole tensor (an expert's
     weights in ``batched_mm``), split as the ids are."""
@@ -300,6 +311,7 @@ ROUTING_RULES: dict[str, Rule] = {
     "sort": _sort,
     "scatter": _scatter,
     "scatter_add": _scatter,
+    "histc": _histc,
     "index": _index_whole_by_seq,
     "index_put": _index_put_summing,
     **{name: _new for name in _NEW},
