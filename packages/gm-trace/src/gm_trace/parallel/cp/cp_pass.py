@@ -49,9 +49,8 @@ from gm_config import PassConfig, PassPlan, Role, fsdp_requested
 from gm_passes import GraphPass, PassContext, PassResult
 from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.parallel.cp.rewrite import ContextParallelError, Rewriter, Seq, SeqLayout
-from gm_trace.parallel.cp.routed import routed_rule
+from gm_trace.parallel.cp.routed import routing_of
 from gm_trace.parallel.cp.rules import RULES
-from gm_trace.parallel.ep import expert_counter_fqns
 
 __all__ = ["ContextParallelError", "ContextParallelPass", "Seq", "cp_leaf_dims"]
 
@@ -136,10 +135,8 @@ class ContextParallelPass(GraphPass):
         layout = SeqLayout(cp, dist.get_rank(group), seq, balance)
         cap = ctx.config.bucket_cap_mb
         bucket = None if cap is None else int(cap * 2**20)
-        counters = expert_counter_fqns(ctx.model) if ctx.model is not None else frozenset()
-        rewriter = Rewriter(
-            graph_module, layout, group, RULES, scale, bucket, routed_rule, counters
-        )
+        routing = routing_of(ctx.model)
+        rewriter = Rewriter(graph_module, layout, group, RULES, scale, bucket, routing)
         graph_module.graph = rewriter.run(cut)
         ctx.record(
             self.name,

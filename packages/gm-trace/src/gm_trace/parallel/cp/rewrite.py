@@ -29,7 +29,17 @@ from gm_trace.graph.collectives import all_gather_op
 from gm_trace.graph.graph_build import fake_mode_of
 from gm_trace.parallel.cp.layout import Seq, SeqLayout, SeqMoves
 
-__all__ = ["ContextParallelError", "L", "P", "R", "Rewriter", "Rows", "Seq", "SeqLayout"]
+__all__ = [
+    "ContextParallelError",
+    "L",
+    "P",
+    "R",
+    "Rewriter",
+    "Routing",
+    "Rows",
+    "Seq",
+    "SeqLayout",
+]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -48,6 +58,18 @@ class Rows:
 
     dim: int
     outer: int = 1
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Expert parallelism as the cp pass sees it (:mod:`.routed`)."""
+
+    rule: Callable[[Rewriter, fx.Node], Any]
+    """The rule of every op that reads a routed (``L`` / ``Rows``) value."""
+    groups: frozenset[str] = frozenset()
+    """torch's names of the groups EP's all-to-alls exchange tokens on."""
+    counters: frozenset[str] = frozenset()
+    """FQNs of EP's per-rank counters (routed tokens, bytes): they add this rank's part."""
 
 
 def is_routed(placement: Any) -> bool:
@@ -107,14 +129,10 @@ class Rewriter:
         rules: Mapping[str, Callable[[Rewriter, fx.Node], Any]],
         scale_partial_grads: bool = False,
         bucket_bytes: int | None = None,
-        routed: Callable[[Rewriter, fx.Node], Any] | None = None,
-        local_buffers: frozenset[str] = frozenset(),
+        routing: Routing | None = None,
     ) -> None:
         self.rules = rules
-        #: The rule of every op that reads a routed (``L`` / ``Rows``) value.
-        self.routed = routed
-        #: FQNs of per-rank counters (EP's routed-token counts): they add this rank's part.
-        self.local_buffers = local_buffers
+        self.routing = routing
         #: Gradients leave as ``cp x`` their partial sum (fsdp then takes the mean over a
         #: group holding the cp ranks) instead of all-reduced over cp.
         self.scale_partial_grads = scale_partial_grads
@@ -320,8 +338,8 @@ class Rewriter:
         inputs = [a for a in node.all_input_nodes if self.plc.get(a) not in (None, R)]
         if not inputs:  # every operand whole: the op as it was
             return self.copy_op(node), self._placement_of_whole_result(node)
-        if self.routed is not None and any(is_routed(self.plc[a]) for a in inputs):
-            return self.routed(self, node)
+        if self.routing is not None and any(is_routed(self.plc[a]) for a in inputs):
+            return self.routing.rule(self, node)
         namespace = getattr(target, "namespace", None)
         if namespace in _COLLECTIVE_NAMESPACES:  # another group's (TP's): see cp_rules
             rule = self.rules.get(f"{namespace}::{name}")

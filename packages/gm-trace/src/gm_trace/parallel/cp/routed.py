@@ -35,6 +35,7 @@ from gm_trace.parallel.cp.rewrite import (
     P,
     R,
     Rewriter,
+    Routing,
     Rows,
     Seq,
     is_routed,
@@ -43,8 +44,9 @@ from gm_trace.parallel.cp.rewrite import (
     op_name,
 )
 from gm_trace.parallel.cp.views import norm_dim
+from gm_trace.parallel.ep import expert_counter_fqns, expert_shards
 
-__all__ = ["ROUTING_RULES", "routed_rule"]
+__all__ = ["ROUTING_RULES", "routing_of"]
 
 aten = torch.ops.aten
 Rule = Callable[[Rewriter, fx.Node], Any]
@@ -54,6 +56,12 @@ _ZEROS = {"zeros", "new_zeros", "zeros_like"}
 _NEW = ("new_zeros", "new_ones", "new_empty", "new_full")
 #: Elementwise on a ``Rows`` index without the pointwise tag (``order // top_k``).
 _ELEMENTWISE = {"floor_divide"}
+#: Ops that read an operand at positions another gives: positions in this rank's piece
+#: (``Rows``) index nothing whole.
+_INDEXING = {
+    "index", "index_select", "gather", "take", "embedding", "index_put", "index_copy",
+    "index_add", "scatter", "scatter_add", "scatter_reduce",
+}  # fmt: skip
 
 
 def _tensors(node: fx.Node) -> list[fx.Node]:
@@ -89,14 +97,17 @@ def _topk(rw: Rewriter, node: fx.Node):
 
 
 def _sort(rw: Rewriter, node: fx.Node):
-    """Along another dim: per token. Along the sequence: this rank's tokens sorted among
-    themselves (what EP's dispatch wants), ``Rows``."""
+    """Along another dim: per token. Along the sequence, under expert parallelism: this
+    rank's tokens sorted among themselves (what EP's dispatch wants), ``Rows``; without it
+    (a kernel un-permuting with positions it made itself) the sort runs whole."""
     source = node.args[0]
     p = rw.plc[source]
     if not isinstance(p, Seq):
         return None
     dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else -1)
     dim = norm_dim(dim, source.meta["val"].dim())
+    if dim == p.dim and not (rw.routing and rw.routing.groups):
+        return None
     out = Rows(p.dim, p.outer) if dim == p.dim else p
     return rw.copy_op(node), (out, out)
 
@@ -213,14 +224,18 @@ def _scalar(rw: Rewriter, node: fx.Node):
 
 
 def _all_to_all(rw: Rewriter, node: fx.Node):
-    """Another group's all-to-all (EP's) exchanges what each rank holds: its own tokens."""
+    """EP's all-to-all exchanges what each rank holds: its own tokens (another group's
+    runs on whole operands, as any op without a rule)."""
+    if rw.routing is None or node.args[-1] not in rw.routing.groups:
+        return None
     return rw.copy_op(node), L
 
 
 def _counter_add(rw: Rewriter, node: fx.Node):
     """EP's per-rank counters (tokens per expert, bytes sent) add this rank's part."""
     buffer, other = node.args[:2]
-    if rw.plc[buffer] != R or buffer.meta.get(node_meta.FQN) not in rw.local_buffers:
+    counters = rw.routing.counters if rw.routing is not None else frozenset()
+    if rw.plc[buffer] != R or buffer.meta.get(node_meta.FQN) not in counters:
         return None
     if rw.plc.get(other) not in (P, L):
         return None
@@ -290,7 +305,8 @@ def _local(rw: Rewriter, node: fx.Node):
     )
     # Positions in this rank's piece index nothing whole.
     whole = [a for a, p in zip(tensors, placements) if p == R and is_tensor_node(a)]
-    indexes_whole = rows and not elementwise and any(a.meta["val"].dim() > 0 for a in whole)
+    indexing = op_name(node.target) in _INDEXING
+    indexes_whole = rows and indexing and any(a.meta["val"].dim() > 0 for a in whole)
     if others or indexes_whole:
         raise ContextParallelError(
             f"the cp pass cannot split {node.target} in {module_of(node)}: it reads this "
@@ -333,7 +349,16 @@ _ROUTED: dict[str, Rule] = {
 }
 
 
-def routed_rule(rw: Rewriter, node: fx.Node) -> tuple[Any, Any]:
+def routing_of(model: torch.nn.Module | None) -> Routing:
+    """The routing of ``model``'s experts modules that expert parallelism split (none:
+    ``Routing`` with no group, whose rules then never make ``Rows``)."""
+    shards = expert_shards(model) if model is not None else {}
+    groups = frozenset(shard.group_name for shard in shards.values())
+    counters = expert_counter_fqns(model) if shards else frozenset()
+    return Routing(_routed_rule, groups, counters)
+
+
+def _routed_rule(rw: Rewriter, node: fx.Node) -> tuple[Any, Any]:
     """The rule of an op one of whose operands is routed (``L`` / ``Rows``)."""
     namespace = getattr(node.target, "namespace", None)
     name = op_name(node.target)
