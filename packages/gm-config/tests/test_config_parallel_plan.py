@@ -122,6 +122,12 @@ def test_for_world_fills_dp_shard_with_the_ranks_left_over():
         ),
         ({"ep": 3}, 4, r"ep=3 .*does not divide the 4 data-parallel ranks.*\[1, 2, 4\]"),
         ({"ep": 2, "pp": 2}, 2, r"ep=2 .*does not divide the 1 data-parallel ranks"),
+        (
+            {"ep": 4, "cp": 2},
+            2,
+            r"ep=4 .*does not divide the 2 data-parallel ranks of a stage \(dp_shard=1 .* x "
+            r"cp=2 .*\); an ep group is made of ep of them \(choose ep among \[1, 2\]\)",
+        ),
     ],
 )
 def test_for_world_refuses_degrees_the_world_does_not_hold(degrees, world, says):
@@ -169,6 +175,13 @@ def test_gradient_sync_needs_the_fsdp_pass_for_ep_and_for_stages_of_several_rank
     ParallelPlan(pp=2).for_world(2).check_gradient_sync(fsdp=False)  # one rank per stage
 
 
+def test_an_ep_group_borrows_the_cp_ranks():
+    """torchtitan's rule: EP splits the FSDP group (dp_shard x cp), so ep 2 x cp 2 runs on
+    2 ranks (the ep group is the cp group) and on 4 (dp_shard 2)."""
+    assert ParallelPlan(ep=2, cp=2).for_world(2).dp_shard == 1
+    assert ParallelPlan(ep=4, cp=2).for_world(4).fsdp == 4
+
+
 def test_pass_config_degrees_are_a_view_of_one_plan():
     config = PassConfig(fsdp_degree=4, tp_size=2, cp_degree=2)
     assert config.parallel == ParallelPlan(dp_shard=2, tp=2, cp=2)
@@ -176,8 +189,8 @@ def test_pass_config_degrees_are_a_view_of_one_plan():
     assert PassConfig(pp_degree=2).parallel.pp == 2
     assert PassConfig(ep_degree=2).parallel.ep == PassConfig(ep_degree=2).ep_degree == 2
     # One copy of each rule: PassConfig refuses what the plan refuses, with the plan's error.
-    with pytest.raises(MeshError, match=r"ep=2 .* with cp=2"):
-        PassConfig(ep_degree=2, cp_degree=2)
+    with pytest.raises(MeshError, match=r"ep=4 .*does not divide the 2 data-parallel ranks"):
+        PassConfig(fsdp_degree=2, cp_degree=2, ep_degree=4)
     with pytest.raises(MeshError, match=r"PassConfig.fsdp_degree=3 with cp_degree=2"):
         PassConfig(fsdp_degree=3, cp_degree=2)
 

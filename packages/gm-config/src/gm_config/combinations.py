@@ -28,10 +28,9 @@ class Unsupported:
     """Refused by the ``gm-train`` job only (``GraphTrainer`` itself does not refuse it)."""
 
 
-EP_CP = Unsupported(("ep", "cp"), "expert parallelism with context parallelism")
-
-#: Every refused combination, the library's first.
-UNSUPPORTED: tuple[Unsupported, ...] = (EP_CP,)
+#: Every refused combination, the library's first. None today: every combination of the
+#: parallel dimensions trains (docs/composability.md).
+UNSUPPORTED: tuple[Unsupported, ...] = ()
 
 
 def refused(degrees: Mapping[str, int], *, gm_train: bool = False) -> Unsupported | None:
@@ -54,4 +53,6 @@ def limitations_markdown() -> str:
         dims = " x ".join(f"`{dim}`" for dim in entry.dims)
         by = "gm-train only" if entry.gm_train_only else "`GraphTrainer` and gm-train"
         lines.append(f"  - {entry.what[0].upper()}{entry.what[1:]} ({dims}): refused by {by}.")
+    if not lines:
+        lines.append("  - None: every combination of the parallel dimensions trains.")
     return "\n".join(lines) + "\n"

@@ -103,8 +103,9 @@ class ParallelPlan:
     """The degrees of every parallel dimension of a run, validated on construction.
 
     Ranks are laid out as ``pp x dp_replicate x dp_shard x cp x tp`` (the last varies
-    fastest); FSDP shards over ``dp_shard x cp``, expert parallelism splits ``dp_shard`` into
-    groups of ``ep``. :meth:`for_world` fills ``dp_shard`` from the world size.
+    fastest); FSDP shards over ``dp_shard x cp``, expert parallelism splits those
+    ``dp_shard x cp`` ranks into groups of ``ep`` consecutive ones. :meth:`for_world` fills
+    ``dp_shard`` from the world size.
     """
 
     dp_replicate: int = 1
@@ -129,7 +130,7 @@ class ParallelPlan:
 
     ep: int = 1
     """Expert-parallel ranks: the routed experts of each MoE layer are split over groups of this
-    many data-parallel ranks of a stage."""
+    many ranks of a stage's FSDP group (``dp_shard x cp``: a cp rank routes its own tokens)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -147,11 +148,16 @@ class ParallelPlan:
                     f"got {value!r}"
                 )
         self._validate_combinations()
-        if self.dp_shard is not None and self.dp_shard % self.ep:
+        # An ep group borrows ranks of the FSDP group (dp_shard x cp, torchtitan's rule):
+        # routing is per token, so a cp rank exchanges its own tokens like a dp rank.
+        if self.fsdp is not None and self.fsdp % self.ep:
+            ranks = (
+                f"{self.fsdp} data-parallel ranks of a stage ({_named('dp_shard', self.dp_shard)}"
+            )
+            ranks += f" x {_named('cp', self.cp)})" if self.cp > 1 else ")"
             raise MeshError(
-                f"{_named('ep', self.ep)} does not divide the {self.dp_shard} data-parallel "
-                f"ranks of a stage ({_named('dp_shard', self.dp_shard)}); an ep group is made "
-                f"of ep of them (choose ep among {divisors(self.dp_shard)})"
+                f"{_named('ep', self.ep)} does not divide the {ranks}; an ep group is made "
+                f"of ep of them (choose ep among {divisors(self.fsdp)})"
             )
 
     def _validate_combinations(self) -> None:

@@ -6,9 +6,10 @@ pairs routed to each expert and the bytes their all-to-alls sent to other ranks
 (:mod:`gm_trace.parallel.ep.split`); :func:`expert_load` sums them over the world once
 per optimizer step (a collective) and zeroes them.
 
-Each routed token counts once: a rank counts the tokens of its own micro-batches, which no
-other data-parallel rank (of its ep group, of the ranks holding the same experts, of another
-HSDP replica) routes, and the stepper's buffer sync leaves the counters alone. Only the ranks
+Each routed token counts once: a rank counts the tokens of its own micro-batches (under
+context parallelism its piece of their sequence), which no other data-parallel or cp rank
+(of its ep group, of the ranks holding the same experts, of another HSDP replica) routes, and
+the stepper's buffer sync leaves the counters alone. Only the ranks
 of one tensor-parallel group route the same tokens: their first rank's count stands for the
 group.
 """

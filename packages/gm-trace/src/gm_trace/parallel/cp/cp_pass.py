@@ -55,6 +55,7 @@ from gm_passes import GraphPass, PassContext, PassResult
 from gm_trace.graph.dynamic_shapes import as_multiple, concrete_int, formula
 from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.parallel.cp.rewrite import ContextParallelError, Rewriter, Seq, SeqLayout
+from gm_trace.parallel.cp.routed import routing_of
 from gm_trace.parallel.cp.rules import RULES
 
 __all__ = ["ContextParallelError", "ContextParallelPass", "Seq", "cp_leaf_dims"]
@@ -140,7 +141,8 @@ class ContextParallelPass(GraphPass):
         layout = SeqLayout(cp, dist.get_rank(group), seq, balance)
         cap = ctx.config.bucket_cap_mb
         bucket = None if cap is None else int(cap * 2**20)
-        rewriter = Rewriter(graph_module, layout, group, RULES, scale, bucket)
+        routing = routing_of(ctx.model)
+        rewriter = Rewriter(graph_module, layout, group, RULES, scale, bucket, routing)
         graph_module.graph = rewriter.run(cut)
         ctx.record(
             self.name,

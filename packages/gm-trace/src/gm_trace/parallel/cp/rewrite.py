@@ -3,14 +3,19 @@ placement along the sequence, and the collectives that move a value between plac
 
 ``Seq(dim, outer)``: this rank's contiguous ``1/cp`` of the sequence, which sits in global
 dim ``dim`` with ``outer`` elements before it; ``R``: whole on every rank; ``P``: a partial
-sum on every rank. The op rules (:mod:`gm_trace.parallel.cp.rules`) decide each op's
-placement; this module owns the walk, the conversions and their cache.
+sum on every rank. Expert parallelism's routed tokens add two (:mod:`.routed`): ``Rows(dim,
+outer)``, this rank's tokens as ``Seq`` holds them but in an order of its own (sorted by
+expert), and ``L``, this rank's own rows (or numbers) with no global counterpart: what its
+all-to-alls exchange. Neither is ever gathered or reduced. The op rules
+(:mod:`gm_trace.parallel.cp.rules`) decide each op's placement; this module owns the walk,
+the conversions and their cache.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,13 +32,53 @@ from gm_trace.graph.graph_build import fake_mode_of
 from gm_trace.graph.sym_nodes import SizeNodes
 from gm_trace.parallel.cp.layout import Seq, SeqLayout, SeqMoves
 
-__all__ = ["ContextParallelError", "P", "R", "Rewriter", "Seq", "SeqLayout", "known"]
+__all__ = [
+    "ContextParallelError",
+    "L",
+    "P",
+    "R",
+    "Rewriter",
+    "Routing",
+    "Rows",
+    "Seq",
+    "SeqLayout",
+    "known",
+]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 R = "R"
 P = "P"
+L = "L"
+"""This rank's own value, from its own tokens, with no global counterpart: expert
+parallelism's routed rows (data-dependent counts), the numbers and indices made from them."""
+
+
+@dataclass(frozen=True)
+class Rows:
+    """This rank's tokens along ``dim`` as ``Seq(dim, outer)`` holds them, in an order of its
+    own (sorted by expert); as indices, positions in this rank's piece. Never gathered."""
+
+    dim: int
+    outer: int = 1
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Expert parallelism as the cp pass sees it (:mod:`.routed`)."""
+
+    rule: Callable[[Rewriter, fx.Node], Any]
+    """The rule of every op that reads a routed (``L`` / ``Rows``) value."""
+    groups: frozenset[str] = frozenset()
+    """torch's names of the groups EP's all-to-alls exchange tokens on."""
+    counters: frozenset[str] = frozenset()
+    """FQNs of EP's per-rank counters (routed tokens, bytes): they add this rank's part."""
+
+
+def is_routed(placement: Any) -> bool:
+    """``L`` or ``Rows``: a value only this rank's own computation gives meaning to."""
+    return placement == L or isinstance(placement, Rows)
 
 
 Placement = Any  # Seq | "R" | "P" | None (not a tensor) | tuple of those
@@ -94,8 +139,10 @@ class Rewriter:
         rules: Mapping[str, Callable[[Rewriter, fx.Node], Any]],
         scale_partial_grads: bool = False,
         bucket_bytes: int | None = None,
+        routing: Routing | None = None,
     ) -> None:
         self.rules = rules
+        self.routing = routing
         #: Gradients leave as ``cp x`` their partial sum (fsdp then takes the mean over a
         #: group holding the cp ranks) instead of all-reduced over cp.
         self.scale_partial_grads = scale_partial_grads
@@ -171,6 +218,12 @@ class Rewriter:
         key = (value, have, want, phase)
         if key in self._cache:
             return self._cache[key]
+        if is_routed(have) or is_routed(want):
+            raise ContextParallelError(
+                f"the cp pass cannot turn {have} into {want} for {old.name} ({old.target}) in "
+                f"{module_of(old)}: this rank's routed rows (expert parallelism's tokens) have "
+                "no whole value to gather; only ops that act per token may read them"
+            )
         if have == R and isinstance(want, Seq):
             out = self._cut(value, want)
         elif isinstance(have, Seq) and want == R:
@@ -245,6 +298,16 @@ class Rewriter:
 
     def _output(self, node: fx.Node) -> None:
         outs = node.args[0]
+        routed = [o for o in outs[1:] if isinstance(o, fx.Node) and self.plc.get(o) == L]
+        if routed and not self.scale_partial_grads:
+            # An expert gradient sums the rows this rank's experts got from its ep group:
+            # summed over cp it would add other experts' (ep groups borrow cp ranks).
+            raise ContextParallelError(
+                f"the gradients {[o.meta.get(node_meta.GRAD_OF, o.name) for o in routed]} come "
+                "from routed rows (expert parallelism) and need the fsdp pass to reduce them "
+                "over a group holding the cp group (MeshContext.build(cp=..., ep=...) lays "
+                "fsdp_shard out as dp_shard x cp); leave PassConfig.fsdp_enabled on"
+            )
         partial = list(
             dict.fromkeys(
                 o
@@ -262,7 +325,7 @@ class Rewriter:
         new_outs = []
         for i, out in enumerate(outs):
             have = self.plc.get(out) if isinstance(out, fx.Node) else None
-            if have == P and i > 0 and self.scale_partial_grads:
+            if have in (P, L) and i > 0 and self.scale_partial_grads:
                 self.current = out
                 new_outs.append(self.emit(aten.mul.Tensor, (self.env[out], float(self.cp))))
             elif out in reduced:
@@ -289,6 +352,8 @@ class Rewriter:
         inputs = [a for a in node.all_input_nodes if self.plc.get(a) not in (None, R)]
         if not inputs:  # every operand whole: the op as it was
             return self.copy_op(node), self._placement_of_whole_result(node)
+        if self.routing is not None and any(is_routed(self.plc[a]) for a in inputs):
+            return self.routing.rule(self, node)
         if isinstance(node.meta.get("val"), torch.SymInt):  # a size of a split value
             return self.sizes(node.meta["val"]), None
         namespace = getattr(target, "namespace", None)

@@ -24,6 +24,7 @@ from gm_trace.parallel.cp.rewrite import (
     known,
     op_name,
 )
+from gm_trace.parallel.cp.routed import ROUTING_RULES
 from gm_trace.parallel.cp.views import VIEW_RULES, norm_dim
 
 __all__ = ["RULES"]
@@ -87,7 +88,7 @@ def _pointwise(rw: Rewriter, node: fx.Node):
         val = a.meta["val"]
         aligned = lead.dim - (out_ndim - val.dim())
         size = val.shape[aligned] if aligned >= 0 else 1
-        if known(size == 1):
+        if known(size == 1):  # a data-dependent size is never asked
             return rw.to(a, R)
         want = Seq(aligned, lead.outer)
         return rw.to(a, want)
@@ -299,4 +300,5 @@ RULES: dict[str, Callable[[Rewriter, fx.Node], Any]] = {
     "nll_loss_backward": _nll_backward,
     **ATTENTION_RULES,
     **OTHER_GROUP_RULES,
+    **ROUTING_RULES,
 }

@@ -185,7 +185,11 @@ def _cat(rw, node):
     lead = seqs[0]
     ndim = tensors[0].meta["val"].dim()
     if norm_dim(dim, ndim) == lead.dim:
-        return None
+        # Equal pieces split alike (each layer's router logits): more rows before the split.
+        shapes = {tuple(t.meta["val"].shape) for t in tensors}
+        if placements != {lead} or len(shapes) > 1:
+            return None
+        return rw.copy_op(node), Seq(lead.dim, lead.outer * len(tensors))
     new = [rw.to(t, lead) for t in tensors]
     return rw.copy_op(node, (new, dim)), lead
 

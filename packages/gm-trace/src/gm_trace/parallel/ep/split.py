@@ -134,7 +134,9 @@ class ExpertParallelMixin:
         ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
         computed = super().forward(rows, local_ids.unsqueeze(-1), ones)
         back = _AllToAll.apply(computed, send, recv, shard.group_name)
-        pairs = torch.zeros_like(back).index_copy(0, order, back)
+        # Into a buffer of the pairs' own (static) count, not one shaped like ``back`` (whose
+        # count is the routed sizes' sum): context parallelism then sees where its tokens are.
+        pairs = back.new_zeros(tokens * top_k, hidden).index_copy(0, order, back)
         # As transformers' kernels weight and sum: per pair, then over the K choices.
         weighted = pairs * top_k_weights.reshape(-1).unsqueeze(-1)
         return weighted.view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
