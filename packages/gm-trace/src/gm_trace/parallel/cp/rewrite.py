@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
 
 from gm_config import ConfigError
 from gm_trace.graph import node_meta
@@ -354,8 +354,11 @@ class Rewriter:
             return self.copy_op(node), self._placement_of_whole_result(node)
         if self.routing is not None and any(is_routed(self.plc[a]) for a in inputs):
             return self.routing.rule(self, node)
-        if isinstance(node.meta.get("val"), torch.SymInt):  # a size of a split value
-            return self.sizes(node.meta["val"]), None
+        val = node.meta.get("val")
+        # A size of a split value, read from the graph's sizes; a data-dependent count (an
+        # unbacked symbol: EP's routed rows) is computed by its own op, below.
+        if isinstance(val, torch.SymInt) and not free_unbacked_symbols(val):
+            return self.sizes(val), None
         namespace = getattr(target, "namespace", None)
         if namespace in _COLLECTIVE_NAMESPACES:  # another group's (TP's): see cp_rules
             rule = self.rules.get(f"{namespace}::{name}")
