@@ -206,12 +206,15 @@ class OptimizerUpdatePass(GraphPass):
         spec = resolve_update(spec, ctx.groups, sharded, ctx.model)
         placeholders = graph_module.graph.find_nodes(op="placeholder")
         spec = bucketed(spec, {n.meta.get(node_meta.FQN): n.meta["val"] for n in placeholders})
+        before = sum(n.op == "call_function" for n in graph_module.graph.nodes)
         _Emitter(graph_module.graph, joint.grad_output_index, spec).emit()
+        added = sum(n.op == "call_function" for n in graph_module.graph.nodes) - before
         ctx.publish(OPTIMIZER_UPDATE, spec)
         ctx.record(
             self.name,
             params_updated=len(spec.params),
             buckets=len(spec.buckets),
+            nodes_added=added,
             clip=spec.max_norm,
         )
         return PassResult(graph_module, True)
