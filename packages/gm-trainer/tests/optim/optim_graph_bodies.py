@@ -40,7 +40,9 @@ def clipped_trainers(model, loss_fn, **options) -> list[GraphTrainer]:
     ]
 
 
-def in_graph_equals_eager_update(rank: int, world: int, optimizer: dict, backend=None):
+def in_graph_equals_eager_update(
+    rank: int, world: int, optimizer: dict, backend=None, steps: int = STEPS
+):
     """The same trainer with the optimizer in and out of the graph, on the same local
     batches: per step the loss and global norm, and at the end every local shard and every
     optimizer state tensor. Returns the largest differences and what the run looked like."""
@@ -58,7 +60,7 @@ def in_graph_equals_eager_update(rank: int, world: int, optimizer: dict, backend
             )
         )
     records = []
-    for step in range(STEPS):
+    for step in range(steps):
         x, y = make_lm_batch(2 * world, 16, 64, seed=step)
         x, y = x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]
         records.append([(t.train_step(x, y).item(), t.optimizer_step()) for t in trainers])
@@ -81,7 +83,26 @@ def in_graph_equals_eager_update(rank: int, world: int, optimizer: dict, backend
         "in_graph": graph.optimizer_in_graph,
         "lrs": [eager.optimizer.param_groups[0]["lr"], graph.optimizer.param_groups[0]["lr"]],
         "sharded": graph.sharding is not None,
+        "eager_foreach": eager.optimizer.param_groups[0]["foreach"],
     }
+
+
+def update_nodes(n_layers: int, optimizer: dict) -> dict[str, int]:
+    """What the optimizer pass adds to one process's step graph of TinyGPT with ``n_layers``
+    layers: call_function nodes (the pass's record of the graph before and after), commits,
+    and the parameters it updates."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab_size=64, dim=32, n_layers=n_layers, n_heads=4, max_seq_len=16)
+    config = {"lr": 1e-2, **optimizer, "in_graph": True}
+    trainer = GraphTrainer(model, lm_loss, PassConfig(), optimizer_config=config)
+    x, y = make_lm_batch(2, 16, 64, seed=0)
+    trainer.train_step(x, y)
+    trainer.optimizer_step()
+    (joint,) = trainer.registry.graphs()
+    nodes = joint.graph_module.graph.nodes
+    commits = sum(n.target is torch.ops.gm_optim.commit_if_finite.default for n in nodes)
+    stats = trainer.pipelines[0].context.stats["optimizer"]
+    return {"added": stats["nodes_added"], "commits": commits, "params": stats["params_updated"]}
 
 
 def _collective_bytes(graph_module) -> dict[str, int]:

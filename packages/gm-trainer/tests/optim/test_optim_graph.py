@@ -42,6 +42,34 @@ def test_in_graph_update_equals_eager_update_one_process(optimizer):
     _check(bodies.in_graph_equals_eager_update(0, 1, optimizer))
 
 
+#: torch.optim's multi-tensor code, whose op order the graph's foreach nodes take.
+FOREACH = {
+    "adam-clip": {"name": "adam", "grad_clip": 0.05, "kwargs": {"foreach": True}},
+    "sgd-momentum": {
+        "name": "sgd",
+        "weight_decay": 0.01,
+        "kwargs": {"momentum": 0.9, "foreach": True},
+    },
+}
+
+
+@pytest.mark.parametrize("optimizer", FOREACH.values(), ids=FOREACH.keys())
+def test_in_graph_update_equals_eager_foreach_update_over_five_steps(optimizer):
+    result = bodies.in_graph_equals_eager_update(0, 1, optimizer, steps=5)
+    assert result["eager_foreach"] is True
+    _check(result)
+
+
+@pytest.mark.parametrize("optimizer", [OPTIMIZERS["adam-clip"], OPTIMIZERS["sgd-nesterov-clip"]])
+def test_update_nodes_do_not_grow_with_the_parameter_count(optimizer):
+    small, large = bodies.update_nodes(1, optimizer), bodies.update_nodes(4, optimizer)
+    assert large["params"] > 2 * small["params"]
+    # One bucket (one group, dtype and device): the same foreach nodes for any model.
+    assert small["added"] == large["added"] < 60, (small, large)
+    commits = 3 if optimizer["name"] == "adam" else 2  # the params and each state list
+    assert small["commits"] == large["commits"] == commits
+
+
 @pytest.mark.distributed
 def test_in_graph_update_equals_eager_update_under_fsdp(dist_pool):
     for result in dist_pool(2).run(bodies.in_graph_equals_eager_update, OPTIMIZERS["adam-clip"]):

@@ -138,11 +138,13 @@ def global_grad_norm(
     """
 
     # Not torch.nn.utils.get_total_norm: the squares of many shards and ranks are summed in
-    # float64 here, where that function sums in the gradients' own (maybe bf16) dtype.
+    # float64 here, where that function sums in the gradients' own (maybe bf16) dtype. One
+    # foreach call, the op the in-graph update's norm takes (bitwise the same sums).
     def squares(grads: Sequence[torch.Tensor]) -> torch.Tensor:
         if not grads:
             return torch.zeros((), dtype=torch.float64)
-        return torch.stack([g.detach().double().pow(2).sum().cpu() for g in grads]).sum()
+        parts = torch._foreach_powsum([g.detach() for g in grads], 2, dtype=torch.float64)
+        return torch.stack([part.cpu() for part in parts]).sum()
 
     over_fsdp = torch.stack([squares(sharded), squares(sharded_tp)])
     if group is not None and dist.get_world_size(group) > 1:

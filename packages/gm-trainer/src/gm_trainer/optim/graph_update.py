@@ -17,13 +17,9 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from gm_trace.graph.groups import ParallelGroups
-from gm_trace.passes.optimizer_update import (
-    GroupRule,
-    OptimizerUpdate,
-    ParamUpdate,
-    StageUpdate,
-    build_stage_update,
-)
+from gm_trace.passes.optimizer_rules import GroupRule
+from gm_trace.passes.optimizer_spec import OptimizerUpdate, ParamUpdate
+from gm_trace.passes.optimizer_update import StageUpdate, build_stage_update
 from gm_trainer.errors import TrainingError
 from gm_trainer.optim.config import OptimizerConfig, initial_state
 from gm_trainer.parallel.tp import tp_shard_dims
@@ -117,15 +113,24 @@ def _refuse_ungrouped(fqns: Sequence[str]) -> None:
 
 
 class _Slot(NamedTuple):
-    """One parameter of the traced update: where its inputs and its step count are."""
+    """One parameter of the traced update (in bucket order): where its step count is."""
 
     fqn: str
     rule: int
     """The index of the group it was traced with (``OptimizerUpdate.groups``)."""
     step: int | None
     """The index of its ``state["step"]`` in :attr:`GraphStepInputs._steps` (``None``: SGD)."""
-    scalars: tuple[torch.Tensor, ...]
-    """Its scalar inputs, in :attr:`GroupRule.scalars` order."""
+
+
+class _Fill(NamedTuple):
+    """One scalar input of the traced update: a value per parameter of a bucket."""
+
+    tensor: torch.Tensor
+    """The 1-D float64 input the graph reads."""
+    slots: range
+    """Its parameters' indices in :attr:`GraphStepInputs._slots`."""
+    name: str
+    """The scalar (:attr:`GroupRule.scalars`)."""
 
 
 class OptimizerOwner(Protocol):
@@ -173,9 +178,9 @@ class GraphUpdatePlanner:
 
 class GraphStepInputs:
     """Builds the graph's optimizer inputs for one step: bumps ``state["step"]`` and computes
-    the per-step scalars of each parameter exactly as ``torch.optim``'s single-tensor code
-    does: from the learning rate (and AdamW's weight decay) of the parameter's live group
-    and its own step count.
+    the per-step scalars of each parameter exactly as ``torch.optim`` does: from the learning
+    rate (and AdamW's weight decay) of the parameter's live group and its own step count;
+    each bucket's values of a scalar go in one 1-D tensor.
 
     The list of state tensors is built once and reused while ``optimizer.state`` still holds
     the same tensors (a checkpoint load that replaces them is noticed by identity); which
@@ -186,7 +191,7 @@ class GraphStepInputs:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self.params = dict(model.named_parameters())
-        self._scalars: dict[tuple[str, str], torch.Tensor] = {}
+        self._fills: list[_Fill] = []
         self._spec: OptimizerUpdate | None = None
         self._inputs: list[Any] = []
         self._checks: list[tuple[torch.Tensor, str, torch.Tensor]] = []
@@ -220,6 +225,7 @@ class GraphStepInputs:
             torch._foreach_add_(self._steps, 1)  # each state["step"] += 1, as torch.optim
             steps = torch.stack(self._steps).tolist()  # one read for all parameters
         computed: dict[tuple[int, int, float], dict[str, float]] = {}
+        per_slot = []
         for slot, live in zip(self._slots, self._live):
             step = steps[slot.step] if slot.step is not None else 0.0
             values = computed.get((live, slot.rule, step))
@@ -232,8 +238,10 @@ class GraphStepInputs:
                     weight_decay=float(group["weight_decay"]),
                 )
                 computed[(live, slot.rule, step)] = values
-            for tensor, value in zip(slot.scalars, values.values()):
-                tensor.fill_(value)
+            per_slot.append(values)
+        for fill in self._fills:  # one copy per bucket and scalar
+            values = [per_slot[i][fill.name] for i in fill.slots]
+            fill.tensor.copy_(torch.tensor(values, dtype=torch.float64))
         return list(self._inputs)
 
     def undo(self) -> None:
@@ -252,31 +260,27 @@ class GraphStepInputs:
                 group = optimizer.param_groups[where[id(param)]]
                 optimizer.state[param].update(initial_state(optimizer, param, group))
         self._inputs, self._checks, self._steps, self._slots = [], [], [], []
+        self._fills = []
+        first: list[int] = []  # each bucket's first slot
+        for bucket in spec.buckets:
+            first.append(len(self._slots))
+            for fqn in bucket.fqns:
+                step = optimizer.state[self.params[fqn]].get("step")
+                if step is not None:
+                    self._steps.append(step)
+                    self._checks.append((self.params[fqn], "step", step))
+                at = len(self._steps) - 1 if step is not None else None
+                self._slots.append(_Slot(fqn, bucket.group, at))
         for kind, owner, name in spec.input_keys():
-            param = self.params[owner]
             if kind == "scalar":
-                tensor = self._scalars.setdefault(
-                    (owner, name), torch.empty((), dtype=torch.float64)
-                )
+                size = len(spec.buckets[owner].fqns)
+                tensor = torch.empty((size,), dtype=torch.float64)
+                self._fills.append(_Fill(tensor, range(first[owner], first[owner] + size), name))
             else:
+                param = self.params[owner]
                 tensor = optimizer.state[param][name]
                 self._checks.append((param, name, tensor))
             self._inputs.append(tensor)
-        for p in spec.params:
-            param = self.params[p.fqn]
-            step = optimizer.state[param].get("step")
-            if step is not None:
-                self._steps.append(step)
-                self._checks.append((param, "step", step))
-            names = spec.groups[p.group].scalars
-            self._slots.append(
-                _Slot(
-                    p.fqn,
-                    p.group,
-                    len(self._steps) - 1 if step is not None else None,
-                    tuple(self._scalars[(p.fqn, name)] for name in names),
-                )
-            )
         self._spec, self._lists = spec, None
 
     def _place(self, groups: list[dict[str, Any]]) -> None:
