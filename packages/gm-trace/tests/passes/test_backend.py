@@ -111,6 +111,30 @@ def test_inductor_matches_the_graph_over_adam_steps(build, inductor_cache):
 
 
 @pytest.mark.inductor
+def test_inductor_compiles_a_graph_with_data_dependent_sizes(inductor_cache):
+    # transformers' per-expert loop captures as a static loop whose rows per expert depend on
+    # the routing (unbacked sizes, as EP's routed rows): Inductor must trace those again.
+    from test_expert_loop import DIM, TOKENS, RoutedModel, mse
+
+    torch.manual_seed(0)
+    model = RoutedModel()
+
+    def batch(step):
+        g = torch.Generator().manual_seed(step)
+        return torch.randn(TOKENS, 8, generator=g), torch.randn(TOKENS, DIM, generator=g)
+
+    reference, _ = compile_graph(model, mse, batch(0), None)
+    compiled, _ = compile_graph(model, mse, batch(0), "inductor")
+    assert isinstance(compiled.compiled_step, CompiledStep)
+    for step in range(STEPS):  # each batch routes other rows to each expert: other sizes
+        expected = run_traced_graph(reference, model, *batch(step))
+        actual = run_traced_graph(compiled, model, *batch(step))
+        torch.testing.assert_close(actual.loss, expected.loss, rtol=1e-5, atol=1e-6)
+        for fqn, grad in expected.grads.items():
+            torch.testing.assert_close(actual.grads[fqn], grad, rtol=1e-5, atol=1e-6, msg=fqn)
+
+
+@pytest.mark.inductor
 @pytest.mark.distributed
 def test_inductor_matches_the_graph_under_fsdp_on_two_ranks(dist_pool, inductor_cache):
     """fsdp + overlap + buckets on 2 gloo ranks: the compiled graph issues the graph's

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from gm_passes.graph_ops import is_collective, mutates_an_input, op_name
 from gm_trace.graph.aliasing import storage_of, written_storages
@@ -97,12 +98,16 @@ def compile_with_inductor(
         known = inductor_config.get_config_copy()
         settings = {k: v for k, v in _KEEP_COLLECTIVES.items() if k in known}
     where: list[tuple[int, int, int]] = []
+    data_dependent = _data_dependent(graph_module)
+    if data_dependent:
+        example_inputs = _traced_inputs(graph_module)
     if any(is_symbolic(t) for t in example_inputs):
         known = inductor_config.get_config_copy()
         settings.update({k: v for k, v in _SYMBOLIC_NO_CACHE.items() if k in known})
         example_inputs, where = _with_size_inputs(graph_module, example_inputs)
     _views_as_reshapes(graph_module)
-    cache = active_compile_cache() if not where else None  # a symbolic graph: caches are off
+    # a symbolic or data-dependent graph: caches are off
+    cache = active_compile_cache() if not (where or data_dependent) else None
     entry = cache.entry(graph_module, example_inputs) if cache else contextlib.nullcontext()
     with (
         entry,
@@ -124,6 +129,24 @@ def compile_with_inductor(
         return fn(*(args[i].size(d) // n for i, d, n in where), *args)
 
     return with_sizes
+
+
+def _data_dependent(graph_module: fx.GraphModule) -> bool:
+    """Whether a node's value has a size or value only the data decides (an unbacked symbol:
+    EP's routed row counts, ``nonzero``, ``.item()``)."""
+    return any(
+        free_unbacked_symbols(n.meta.get("val"))
+        for n in graph_module.graph.nodes
+        if n.op != "output"
+    )
+
+
+def _traced_inputs(graph_module: fx.GraphModule) -> list[Any]:
+    """The graph's own fake inputs (its placeholders' values). Inductor traces the graph on
+    fake tensors again, and only the trace's fake mode, whose ShapeEnv allows data-dependent
+    sizes and scalars, can run an op like ``nonzero`` or ``.item()`` there: a fresh one (what
+    real example inputs get) refuses them."""
+    return [n.meta["val"] for n in graph_module.graph.find_nodes(op="placeholder")]
 
 
 @contextlib.contextmanager
