@@ -120,6 +120,22 @@ def _eager_step(model, optimizer):
     return step
 
 
+def interleaved_times(step_fns: dict, batches: list) -> dict:
+    """Each step function's wall times per batch, the functions taking turns on every batch
+    (so machine load falls on all alike), every rank between barriers; the first two batches
+    (compiles, warm-up) are not counted."""
+    times: dict = {row: [] for row in step_fns}
+    for i, batch in enumerate(batches):
+        for row, step in step_fns.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step(batch)
+            dist.barrier()
+            if i >= 2:
+                times[row].append(time.perf_counter() - start)
+    return times
+
+
 def _graph_step(trainer, accumulation: int = 1, compute_only: bool = False):
     from gm_trainer.step.accumulation import MicroBatches
 
@@ -305,15 +321,7 @@ def interleaved(rank: int, world: int, n_layers: int, steps: int, rows: list[str
             step_fns[row] = _graph_step(trainer, k, compute_only=kind == "compute")
         else:
             step_fns[row] = _train_window(trainer, k)
-    times: dict[str, list[float]] = {row: [] for row in rows}
-    for i, batch in enumerate(batches):
-        for row, step in step_fns.items():
-            dist.barrier()
-            start = time.perf_counter()
-            step(batch)
-            dist.barrier()
-            if i >= 2:
-                times[row].append(time.perf_counter() - start)
+    times = interleaved_times(step_fns, batches)
     result = {row: {"step_s": statistics.median(t)} for row, t in times.items()}
     for row, trainer in trainers.items():
         result[row]["bytes_per_step"] = _graph_bytes_per_step(trainer, k)

@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
-from fsdp_bench import BATCH_PER_RANK, _batches, _graph_step, _model  # bench/ is sys.path[0]
+from fsdp_bench import (  # bench/ is sys.path[0]
+    BATCH_PER_RANK,
+    _batches,
+    _graph_step,
+    _model,
+    interleaved_times,
+)
 
 from gm_config import PassConfig
 from gm_trace.testing import lm_loss
@@ -43,15 +48,7 @@ def profile_ranks(rank: int, world: int, n_layers: int, steps: int) -> dict:
         )
         for in_graph in (False, True)
     }
-    times: dict[bool, list[float]] = {in_graph: [] for in_graph in step_fns}
-    for i, batch in enumerate(batches):
-        for in_graph, step in step_fns.items():
-            dist.barrier()
-            start = time.perf_counter()
-            step(batch)
-            dist.barrier()
-            if i >= 2:
-                times[in_graph].append(time.perf_counter() - start)
+    times = interleaved_times(step_fns, batches)
     result = {}
     for in_graph, step in step_fns.items():
         dist.barrier()

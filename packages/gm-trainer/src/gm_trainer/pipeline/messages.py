@@ -113,21 +113,25 @@ class StageMessages:
                 work.wait()
         return len(self.pending)
 
+    def _waiter(self) -> str:
+        return f"rank {self.topology.rank} ({self.describe_rank()}) waited"
+
     def _describe_receive(self, t: Transfer, action: Action) -> str:
-        what = "activations" if t.phase == FORWARD else "gradients"
         return (
-            f"rank {self.topology.rank} ({self.describe_rank()}) waited in the {action.phase} "
-            f"of micro-batch {action.microbatch} (stage {action.stage}) for rank "
-            f"{self.peer(t.src)} (stage {t.src}) to send the {what} of that micro-batch"
+            f"{self._waiter()} in the {action.phase} of micro-batch {action.microbatch} (stage "
+            f"{action.stage}) for rank {self.peer(t.src)} (stage {t.src}) to send the "
+            f"{_what(t)} of that micro-batch"
         )
 
     def _describe_send(self, t: Transfer, m: int) -> str:
-        what = "activations" if t.phase == FORWARD else "gradients"
         return (
-            f"rank {self.topology.rank} ({self.describe_rank()}) waited for rank "
-            f"{self.peer(t.dst)} (stage {t.dst}) to take the {what} of micro-batch {m} "
-            f"that stage {t.src} sent after its {t.phase}"
+            f"{self._waiter()} for rank {self.peer(t.dst)} (stage {t.dst}) to take the "
+            f"{_what(t)} of micro-batch {m} that stage {t.src} sent after its {t.phase}"
         )
+
+
+def _what(t: Transfer) -> str:
+    return "activations" if t.phase == FORWARD else "gradients"
 
 
 def _laid_out(tensor: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
