@@ -45,7 +45,8 @@ COMM_EPILOGUE = "gm_comm_epilogue"
 """A reshape or slice that only unpacks a collective's output, moved with it."""
 
 BUCKET = "gm_bucket"
-"""A collective of the fsdp pass: the FQNs of the parameters in its bucket."""
+"""A collective of the fsdp pass: the FQNs of the parameters in its bucket (its all-gathers,
+and its gradient reductions: reduce-scatters and a replicated parameter's all-reduce)."""
 
 FULL_PARAM = "gm_full_param"
 """The node holding a whole parameter rebuilt by an all-gather: that parameter's FQN."""

@@ -177,10 +177,13 @@ def gradient_reductions(graph_module: fx.GraphModule, ctx: PassContext) -> Gradi
     output = graph.output_node()
     outputs = list(output.args[0])
     grad_index = ctx.graph_info.grad_output_index
+    # The fsdp pass's gradient reductions (its bucket's FQNs on each): another collective on
+    # the same ranks (context parallelism's, whose group the FSDP group may be) is no cut.
     cuts = [
         n
         for n in graph.nodes
         if collective_kind(n) in ("reduce_scatter_tensor", "all_reduce")
+        and node_meta.BUCKET in n.meta
         and n.args[-1] in groups
         and _reaches(n, output)
     ]

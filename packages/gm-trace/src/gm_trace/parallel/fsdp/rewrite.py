@@ -184,7 +184,7 @@ class Rewrite:
             if with_grads:
                 self._reduce_scatter(with_grads)
         for fqn, group in replicated.items():
-            self._all_reduce(grads[fqn], group)
+            self._all_reduce(grads[fqn], group, fqn)
         layout = ShardingLayout(
             self.group.name,
             self.group.degree,
@@ -351,12 +351,13 @@ class Rewrite:
         role = node_meta.COMM_PROLOGUE if prologue else node_meta.COMM_EPILOGUE
         return call(self.graph, self.mode, op, *args, **{role: True})
 
-    def _all_reduce(self, index: int, group: ShardGroup) -> None:
+    def _all_reduce(self, index: int, group: ShardGroup, fqn: str) -> None:
         output = _output_at(self.graph, index)
         with self.graph.inserting_before(output.next):
             grad = self._in_reduce_dtype(output)
             scaled = call(self.graph, self.mode, aten.div.Tensor, grad, self.divisor)
-            reduced = self._across_replicas(self._all_reduce_over(scaled, group.name))
+            bucket = {node_meta.BUCKET: [fqn]}
+            reduced = self._across_replicas(self._all_reduce_over(scaled, group.name, **bucket))
             reduced = self._cast(reduced, output.meta["val"].dtype)
         _set_output_at(self.graph, index, reduced)
         _erase_if_unused(self.graph, [output])
@@ -380,8 +381,10 @@ class Rewrite:
             return node
         return self._all_reduce_over(node, self.replicate_name)
 
-    def _all_reduce_over(self, node: fx.Node, group_name: str) -> fx.Node:
-        reduced = call(self.graph, self.mode, c10d.all_reduce.default, node, "sum", group_name)
+    def _all_reduce_over(self, node: fx.Node, group_name: str, **meta: object) -> fx.Node:
+        reduced = call(
+            self.graph, self.mode, c10d.all_reduce.default, node, "sum", group_name, **meta
+        )
         self._count("all_reduce", node)
         return self._wait(reduced)
 
