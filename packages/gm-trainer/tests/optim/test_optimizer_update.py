@@ -1,4 +1,5 @@
-"""The whole step in the graph. OptimizerConfig(in_graph=True): the update traced into the
+"""The ``optimizer`` pass (gm_trace.passes.optimizer_update): the whole step in the graph.
+OptimizerConfig(in_graph=True): the update traced into the
 step's graph equals the eager update of the same trainer (bitwise on CPU), with FSDP,
 clipping and an LR schedule. train(accumulation_steps=k) under FSDP: one reduction per
 optimizer step instead of k, the same training as reducing each micro-batch."""
