@@ -143,11 +143,11 @@ def test_an_ep_group_across_pipeline_stages_is_refused() -> None:
 
 
 def test_gm_train_accepts_ep_with_pp() -> None:
-    from test_moe import _job
+    from test_moe import moe_job
 
     from gm_config import ConfigError
 
-    job = _job(ep_degree=2, pp_degree=2, pp_microbatches=2)
+    job = moe_job(ep_degree=2, pp_degree=2, pp_microbatches=2)
     job.check_world_size(4)
     with pytest.raises(
         ConfigError,
@@ -194,9 +194,9 @@ def test_pp2_ep2_checkpoint_loads_without_pipeline_or_ep_and_back(tmp_path) -> N
 def test_gm_train_pp2_ep2_logs_expert_load(tmp_path) -> None:
     import yaml
     from test_job_cli import gm_train, metrics
-    from test_moe import _job
+    from test_moe import moe_job
 
-    job = _job(ep_degree=2, pp_degree=2, pp_microbatches=2).to_dict()
+    job = moe_job(ep_degree=2, pp_degree=2, pp_microbatches=2).to_dict()
     job["train"]["global_batch_size"] = 8
     job["data"]["max_bytes"] = 200000
     job["logging"].update(interval=1, run_dir="run")
