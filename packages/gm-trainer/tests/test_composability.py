@@ -23,9 +23,7 @@ BROKEN: dict[tuple[str, ...], str] = {}
 #: uninterrupted run's in its last bits (1.0155356508788416 vs ...418; losses and every other
 #: step equal) on this CI machine, also on the main of e767c1a; resume under PP is not yet
 #: bitwise on every CPU (see docs/composability.md).
-MACHINE_DEPENDENT: dict[tuple[str, ...], str] = {
-    ("pp", "resume"): "the first resumed step's grad norm differs in its last bits on some CPUs",
-}
+MACHINE_DEPENDENT: dict[tuple[str, ...], str] = {}
 
 #: Cells that match eager with the update run eagerly (``in_graph`` falls back, warning why).
 #: None today: PP and TP take it in the graph too (issue 38).

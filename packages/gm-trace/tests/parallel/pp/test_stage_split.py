@@ -125,6 +125,26 @@ def test_automatic_stages_balance_the_blocks_parameters(degree, virtual, expecte
     assert max(counts) == _best_largest_stage(sizes, degree * virtual)
 
 
+@pytest.mark.parametrize("dims", [{0: "batch"}, {0: "batch", 1: "seq"}], ids=["batch", "batch+seq"])
+def test_a_symbolic_graph_splits_like_the_static_one(dims):
+    # make_fx reads a size where it first meets it (inside layers.0) and points every later
+    # use there: an int crossing stages that forbade the balanced cut, so a symbolic graph
+    # of a run got another split than its static one. Sizes are read from the batch now.
+    config = PassConfig(pp_degree=2)
+    static, _ = compile_joint(_gpt(), lm_loss, make_lm_batch(), config)
+    symbolic, _ = compile_joint(
+        _gpt(), lm_loss, make_lm_batch(), config, dynamic_dims={"input": dims, "label": dims}
+    )
+    assert any(
+        isinstance(n.meta.get("val"), torch.SymInt) for n in symbolic.graph_module.graph.nodes
+    )
+    assert symbolic.stages.stages == static.stages.stages
+    assert [list(s) for s in static.stages.stages] == [
+        ["tok_emb", "pos_emb", "layers.0", "layers.1"],
+        ["layers.2", "layers.3", "norm"],
+    ]
+
+
 def test_automatic_stages_follow_execution_order_and_balance_parameters():
     class Reordered(TinyGPT):  # registers norm before the layers, runs it after them
         def __init__(self):

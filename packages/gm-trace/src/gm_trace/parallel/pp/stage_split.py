@@ -82,6 +82,7 @@ class PipelineStagesPass(GraphPass):
 
     def run(self, graph_module: fx.GraphModule, ctx: PassContext) -> PassResult:
         graph = graph_module.graph
+        _sizes_from_the_batch(graph)
         numels = {
             n.meta[node_meta.FQN]: n.meta["val"].numel()
             for n in graph.nodes
@@ -103,6 +104,38 @@ class PipelineStagesPass(GraphPass):
         ctx.publish(PIPELINE_STAGES, StageAssignment(stages, counts, named is None))
         ctx.record(self.name, stages=[list(s) for s in stages], params_per_stage=list(counts))
         return PassResult(graph_module, True)
+
+
+def _sizes_from_the_batch(graph: fx.Graph) -> None:
+    """A symbolic graph reads each size symbol where the trace first met it (a ``sym_size``
+    of some activation, inside one block) and every later use points there: an int crossing
+    stages, which forbids the cuts after that block (so another split than the static
+    graph's of the same model) and which no cut could carry. A symbol that is a dim of a
+    batch input is read from that input instead: an op on the batch alone, which every stage
+    that needs it computes for itself."""
+    dims: dict[object, tuple[fx.Node, int]] = {}
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    for node in placeholders:
+        val = node.meta.get("val")
+        if node.meta.get(node_meta.ROLE) != "input" or not isinstance(val, torch.Tensor):
+            continue
+        for dim, size in enumerate(val.shape):
+            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                dims.setdefault(size.node.expr, (node, dim))
+    if not dims:
+        return
+    for node in list(graph.nodes):
+        val = node.meta.get("val")
+        if node.target is not torch.ops.aten.sym_size.int or not isinstance(val, torch.SymInt):
+            continue
+        found = dims.get(val.node.expr)
+        if found is None or node.args[0] is found[0]:
+            continue
+        with graph.inserting_after(placeholders[-1]):
+            read = graph.call_function(torch.ops.aten.sym_size.int, found)
+        read.meta["val"] = val
+        node.replace_all_uses_with(read)
+        graph.erase_node(node)
 
 
 def _blocks_in_use_order(graph: fx.Graph, numels: Mapping[str, int]) -> list[tuple[str, int]]:
@@ -190,6 +223,8 @@ def _explicit_stage(node: fx.Node, stages: tuple[tuple[str, ...], ...]) -> int |
     if node.op == "placeholder":
         fqn = node.meta.get(node_meta.FQN)
         return stage_of(fqn, stages) if fqn is not None else None
+    if isinstance(node.meta.get("val"), torch.SymInt):  # a size: staged by what it reads
+        return None
     for path, _ in reversed(list(node.meta.get("nn_module_stack", {}).values())):
         found = stage_of(path, stages) if path else None
         if found is not None:
