@@ -330,7 +330,7 @@ class PipelineRunner:
         if phase != WEIGHT_GRAD:
             step.messages.send(program.transfers("send", BACKWARD), m, env)
         if phase == INPUT_GRAD:
-            wanted = {*self.current.splits[program.stage].weight_grad.inputs, *program.grads}
+            wanted = {*self.current.half(program.stage, WEIGHT_GRAD).inputs, *program.grads}
             step.envs[program.stage, m] = {
                 k: env[k] for k in wanted if k in env and k not in program.slots
             }
@@ -345,8 +345,7 @@ class PipelineRunner:
                 add_to_grad(self.model.get_parameter(fqn), grad, step.weight)
 
     def _run(self, stage: int, phase: str, env: Env) -> None:
-        owner, phase = self.current.half(stage, phase)
-        half = getattr(owner, phase)
+        half = self.current.half(stage, phase)
         args = [env[k] for k in half.inputs]
         compiled = self.compiled.get((stage, phase))
         with torch.no_grad():
@@ -366,10 +365,6 @@ class PipelineRunner:
                 env[key] = step.extra[slot.extra]
         return env
 
-    def _peer(self, stage: int) -> int:
-        """The global rank running ``stage`` in this rank's pipeline."""
-        return self.topology.pp_ranks[self.placement[stage]]
-
     def _loss(self, step: _Step) -> torch.Tensor:
         """The mean micro-batch loss, from the stage that computes it, on every rank."""
         if step.losses:
@@ -378,7 +373,7 @@ class PipelineRunner:
             output = self.current_joint.graph_module.graph.output_node()
             dtype = output.args[0][0].meta["val"].dtype
             loss = torch.empty((), dtype=dtype, device=self.topology.device)
-        source = self._peer(self.cut.loss_stage)
+        source = step.messages.peer(self.cut.loss_stage)
         doing = (
             f"rank {self.topology.rank} ({self.describe_rank()}) waited for the loss of this "
             f"step from rank {source} (stage {self.cut.loss_stage}, which computes it)"

@@ -18,6 +18,7 @@ from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.parallel.pp import (
     BACKWARD,
     FORWARD,
+    HalfGraph,
     PipelineCut,
     StageProgram,
     WeightSplit,
@@ -48,11 +49,10 @@ class AdoptedGraph:
     """Per stage of this rank, under a zero-bubble schedule: its backward as ``B`` and
     ``W``."""
 
-    def half(self, stage: int, phase: str) -> tuple[StageProgram | WeightSplit, str]:
-        """The program holding ``phase`` of ``stage`` (``B`` and ``W`` live in its split)."""
-        if phase in (INPUT_GRAD, WEIGHT_GRAD):
-            return self.splits[stage], phase
-        return self.programs[stage], phase
+    def half(self, stage: int, phase: str) -> HalfGraph:
+        """The graph ``stage`` runs for ``phase`` (``B`` and ``W`` live in its split)."""
+        owner = self.splits[stage] if phase in (INPUT_GRAD, WEIGHT_GRAD) else self.programs[stage]
+        return getattr(owner, phase)
 
 
 class StageGraphs:
