@@ -124,17 +124,20 @@ def _sizes_from_the_batch(graph: fx.Graph) -> None:
                 dims.setdefault(size.node.expr, (node, dim))
     if not dims:
         return
+    reads: dict[object, fx.Node] = {}  # one read of the batch per symbol
     for node in list(graph.nodes):
         val = node.meta.get("val")
         if node.target is not torch.ops.aten.sym_size.int or not isinstance(val, torch.SymInt):
             continue
-        found = dims.get(val.node.expr)
+        symbol = val.node.expr
+        found = dims.get(symbol)
         if found is None or node.args[0] is found[0]:
             continue
-        with graph.inserting_after(placeholders[-1]):
-            read = graph.call_function(torch.ops.aten.sym_size.int, found)
-        read.meta["val"] = val
-        node.replace_all_uses_with(read)
+        if symbol not in reads:
+            with graph.inserting_after(placeholders[-1]):
+                reads[symbol] = graph.call_function(torch.ops.aten.sym_size.int, found)
+            reads[symbol].meta["val"] = val
+        node.replace_all_uses_with(reads[symbol])
         graph.erase_node(node)
 
 
