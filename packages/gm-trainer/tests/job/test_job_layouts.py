@@ -7,9 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
-from test_job_cli import gm_train, metrics, tiny_losses
-from test_moe import moe_job
+from test_job_cli import tiny_losses
+from test_moe import train_moe_job
 
 from gm_trace.testing.parity import parity_tolerance
 
@@ -45,16 +44,15 @@ def test_ep_x_tp_splits_attention_and_keeps_experts_whole(tmp_path: Path) -> Non
     losses, summaries = {}, {}
     layouts = (("ep", 2, {"ep_degree": 2}), ("eptp", 4, {"ep_degree": 2, "tp_size": 2}))
     for name, nproc, parallel in layouts:
-        job = moe_job(**parallel).to_dict()
-        job["data"]["max_bytes"] = 200000
-        job["train"]["steps"] = STEPS
-        job["logging"].update(interval=1, run_dir=name)
-        job["checkpoint"].update(interval=None, at_end=False)
-        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(job))
-        result = gm_train(f"{name}.yaml", "--nproc", str(nproc), cwd=tmp_path, timeout=600)
-        assert result.returncode == 0, result.stdout + result.stderr
-        losses[name] = [record["loss"] for record in metrics(tmp_path / name)]
-        summaries[name] = result.stdout + (tmp_path / name / "passes.txt").read_text()
+        records, summaries[name] = train_moe_job(
+            tmp_path,
+            nproc,
+            name=name,
+            train={"steps": STEPS},
+            checkpoint={"interval": None, "at_end": False},
+            **parallel,
+        )
+        losses[name] = [record["loss"] for record in records]
     tolerance = parity_tolerance(STEPS)
     assert losses["eptp"] == pytest.approx(
         losses["ep"], rel=tolerance["rtol"], abs=tolerance["atol"]

@@ -304,25 +304,48 @@ def test_gm_train_ep_degree_is_checked_before_any_rank_starts() -> None:
         JobConfig.from_dict({"parallel": {"ep_degree": 2}}).check_world_size(2)
 
 
-@full_only
-def test_gm_train_ep2_logs_expert_load(tmp_path) -> None:
+def train_moe_job(
+    tmp_path,
+    nproc: int,
+    *,
+    name: str = "run",
+    timeout: float = 600,
+    train=None,
+    checkpoint=None,
+    **parallel,
+) -> tuple[list[dict], str]:
+    """Train :func:`moe_job` with ``parallel`` (and ``train`` / ``checkpoint`` section
+    overrides) on ``nproc`` ranks, its run folder ``tmp_path / name``; its metrics records,
+    and its stdout followed by its ``passes.txt``."""
     import yaml
     from test_job_cli import gm_train, metrics
 
-    job = moe_job(ep_degree=2).to_dict()
+    job = moe_job(**parallel).to_dict()
+    job["train"].update(train or {})
+    job["checkpoint"].update(checkpoint or {})
     job["data"]["max_bytes"] = 200000
-    job["logging"].update(interval=1, run_dir="run")
-    (tmp_path / "moe.yaml").write_text(yaml.safe_dump(job))
-    result = gm_train("moe.yaml", "--nproc", "2", cwd=tmp_path, timeout=600)
+    job["logging"].update(interval=1, run_dir=name)
+    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(job))
+    result = gm_train(f"{name}.yaml", "--nproc", str(nproc), cwd=tmp_path, timeout=timeout)
     assert result.returncode == 0, result.stdout + result.stderr
-    records = metrics(tmp_path / "run")
-    assert len(records) == 2
+    return metrics(tmp_path / name), result.stdout + (tmp_path / name / "passes.txt").read_text()
+
+
+def assert_expert_load_logged(records: list[dict]) -> None:
+    """Every logged step carries the expert-load metrics of an EP run."""
     for record in records:
-        # 2 layers x 4 rows x 16 tokens x top-2 routed pairs, spread over 8 experts
         assert record["moe_tokens_per_expert_max"] >= record["moe_tokens_per_expert_min"] >= 0
         assert record["moe_expert_imbalance"] >= 1.0
         assert record["moe_all_to_all_bytes"] > 0
-    assert "expert parallelism: ep 2" in (tmp_path / "run" / "passes.txt").read_text()
+
+
+@full_only
+def test_gm_train_ep2_logs_expert_load(tmp_path) -> None:
+    records, summary = train_moe_job(tmp_path, 2, ep_degree=2)
+    # 2 layers x 4 rows x 16 tokens x top-2 routed pairs, spread over 8 experts
+    assert len(records) == 2
+    assert_expert_load_logged(records)
+    assert "expert parallelism: ep 2" in summary
 
 
 # --------------------------------------------------------------------------- per-expert loop

@@ -192,23 +192,13 @@ def test_pp2_ep2_checkpoint_loads_without_pipeline_or_ep_and_back(tmp_path) -> N
 
 @full_only
 def test_gm_train_pp2_ep2_logs_expert_load(tmp_path) -> None:
-    import yaml
-    from test_job_cli import gm_train, metrics
-    from test_moe import moe_job
+    from test_moe import assert_expert_load_logged, train_moe_job
 
-    job = moe_job(ep_degree=2, pp_degree=2, pp_microbatches=2).to_dict()
-    job["train"]["global_batch_size"] = 8
-    job["data"]["max_bytes"] = 200000
-    job["logging"].update(interval=1, run_dir="run")
-    (tmp_path / "moe.yaml").write_text(yaml.safe_dump(job))
-    result = gm_train("moe.yaml", "--nproc", "4", cwd=tmp_path, timeout=900)
-    assert result.returncode == 0, result.stdout + result.stderr
-    records = metrics(tmp_path / "run")
+    records, passes = train_moe_job(
+        tmp_path, 4, timeout=900, train={"global_batch_size": 8}, ep_degree=2, pp_degree=2,
+        pp_microbatches=2,
+    )  # fmt: skip
+    # 8 rows x 16 tokens x top-2 routed pairs per layer, spread over 4 experts
     assert len(records) == 2
-    for record in records:
-        # 8 rows x 16 tokens x top-2 routed pairs per layer, spread over 4 experts
-        assert record["moe_tokens_per_expert_max"] >= record["moe_tokens_per_expert_min"] >= 0
-        assert record["moe_expert_imbalance"] >= 1.0
-        assert record["moe_all_to_all_bytes"] > 0
-    passes = (tmp_path / "run" / "passes.txt").read_text()
+    assert_expert_load_logged(records)
     assert "expert parallelism: ep 2" in passes and "pipeline stage 0: 5, 1: 5" in passes

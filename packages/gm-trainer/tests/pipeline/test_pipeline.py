@@ -83,23 +83,18 @@ def test_pp2_fsdp2_reduce_scatters_each_parameter_once_per_step_as_fsdp2_does(di
     )
 
 
+def _in_graph_clip_parity(dist_pool, world: int, timeout: int) -> list:
+    """TinyGPT in 2 stages under 1F1B, 4 micro-batches, the clipped update in the graph, on
+    ``world`` ranks (FSDP over the ranks each stage has), against eager."""
+    args = ("tinygpt", 2, "1f1b", 4, True, 1, None, True, bodies.IN_GRAPH_CLIP)
+    return dist_pool(world).run(bodies.parity, *args, timeout=timeout)
+
+
 def test_pp2_takes_the_update_in_a_graph_and_clips_like_eager(dist_pool):
     """``OptimizerConfig(in_graph=True)`` under 1F1B (an eager fallback before): each rank's
     stage updates in a graph after its last backward, clipped by the norm over every stage
     (one all-reduce over the pipeline), as ``clip_grad_norm_`` on the whole model."""
-    results = dist_pool(2).run(
-        bodies.parity,
-        "tinygpt",
-        2,
-        "1f1b",
-        4,
-        True,
-        1,
-        None,
-        True,
-        bodies.IN_GRAPH_CLIP,
-        timeout=300,
-    )
+    results = _in_graph_clip_parity(dist_pool, 2, timeout=300)
     bodies.took_the_update_in_a_graph(results, ["all_reduce/pp"])
 
 
@@ -114,19 +109,7 @@ def test_a_nonfinite_gradient_on_one_stage_masks_every_stages_update_graph(dist_
 def test_pp2_fsdp2_takes_the_update_in_a_graph_and_clips_like_eager(dist_pool):
     """PP x FSDP x in_graph: the stages' shards are reduced once per step, then the graph's
     norm sums them over the FSDP group and the stages over the pipeline."""
-    results = dist_pool(4).run(
-        bodies.parity,
-        "tinygpt",
-        2,
-        "1f1b",
-        4,
-        True,
-        1,
-        None,
-        True,
-        bodies.IN_GRAPH_CLIP,
-        timeout=600,
-    )
+    results = _in_graph_clip_parity(dist_pool, 4, timeout=600)
     bodies.took_the_update_in_a_graph(results, ["all_reduce/fsdp", "all_reduce/pp"])
 
 
