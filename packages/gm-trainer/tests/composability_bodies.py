@@ -15,7 +15,9 @@ A cell (:func:`run_cell`, a rank body) ends in one outcome:
   to the uninterrupted one. bf16 compares
   against eager with the same casts (parameters cast to bfloat16 inside the step, gradients
   reaching the fp32 masters through the casts) at the bfloat16 tolerance, the updates in norm
-  (as the model zoo's bf16 row does).
+  (as the model zoo's bf16 row does), or within twice eager's own noise where a parameter's
+  bf16 sums make that larger (:func:`bf16_noise`: an MoE expert's gradient, summed over
+  tokens in bfloat16, moves by a few percent when only the order of the tokens changes).
 - ``fallback``: a match, but ``OptimizerConfig(in_graph=True)`` fell back to the eager update.
 - ``refused``: a :class:`~gm_config.ConfigError` before the first optimizer step.
 - ``broken``: any other exception, a refusal after training began, a hang, or a difference.
@@ -158,6 +160,9 @@ SEQS = (8, 6, 7, 5, 8, 4, 6, 7)  # sequence length per micro-batch with "dynamic
 # global norm matter to every update.
 OPTIMIZER = {"name": "sgd", "lr": 0.5, "grad_clip": 0.5, "kwargs": {"momentum": 0.9}}
 LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-5
+#: A bf16 update may differ from eager's by this many times eager's own noise (bf16_noise):
+#: two orders of the same sums are two draws of that noise, whose distance is about the same.
+BF16_NOISE_FACTOR = 2.0
 
 
 def cells(full: bool = True, having: Iterable[str] = ()) -> list[tuple[str, ...]]:
@@ -319,9 +324,13 @@ def _with_casts(train_fn: Callable[..., torch.Tensor], dtype: torch.dtype):
     return cast_fn
 
 
-def eager_reference(setup: Setup, model: torch.nn.Module, train_fn) -> dict[str, Any]:
+def eager_reference(
+    setup: Setup, model: torch.nn.Module, train_fn, *, reverse_rows: bool = False
+) -> dict[str, Any]:
     """One process, the whole model, the global batches: per step the loss and the global
-    gradient norm before clipping, and the parameters at the end."""
+    gradient norm before clipping, and the parameters at the end; with bf16 also each
+    parameter's :func:`bf16_noise`. ``reverse_rows`` runs every slice's rows in reverse order:
+    the same sums, taken in another order."""
     model = copy.deepcopy(model)
     fn = _with_casts(train_fn, torch.bfloat16) if setup.bf16 else train_fn
     kwargs = OPTIMIZER["kwargs"]
@@ -334,8 +343,11 @@ def eager_reference(setup: Setup, model: torch.nn.Module, train_fn) -> dict[str,
         for micro in range(k):
             input, label = _batch(setup, step, micro)
             per = input.shape[0] // n
-            pieces = [fn(model, input[i * per : (i + 1) * per], label[i * per : (i + 1) * per])
+            slices = [(input[i * per : (i + 1) * per], label[i * per : (i + 1) * per])
                       for i in range(n)]  # fmt: skip
+            if reverse_rows:
+                slices = [(x.flip(0), y.flip(0)) for x, y in slices]
+            pieces = [fn(model, x, y) for x, y in slices]
             loss = (pieces[0] if n == 1 else sum(pieces) / n).float() / k
             loss.backward()
             total += loss.item()
@@ -346,6 +358,28 @@ def eager_reference(setup: Setup, model: torch.nn.Module, train_fn) -> dict[str,
         norms.append(norm.item())
     params = {fqn: p.detach().clone() for fqn, p in model.named_parameters()}
     return {"losses": losses, "norms": norms, "params": params}
+
+
+def bf16_noise(
+    setup: Setup, model: torch.nn.Module, train_fn, reference: dict[str, Any]
+) -> dict[str, float]:
+    """Per parameter, how far eager's own bf16 update moves when only the order of its sums
+    changes (each slice's rows reversed), relative to the update's norm.
+
+    bfloat16 keeps 8 bits, and some sums run in it: the backward of an indexed weight (an MoE
+    expert's, ``gate_up_proj[expert_ids]``) adds every token's contribution into a bfloat16
+    gradient. Reordering the tokens then moves an expert's update by a few percent in eager
+    alone, which is as large as ``parity_tolerance``'s bfloat16 bound; another order across
+    ranks (expert parallelism's dispatch) is the same kind of change, so the bound for such a
+    parameter is :data:`BF16_NOISE_FACTOR` times this noise where that is the larger."""
+    initial = dict(model.named_parameters())
+    reordered = eager_reference(setup, model, train_fn, reverse_rows=True)["params"]
+    noise = {}
+    for fqn, expected in reference["params"].items():
+        update = expected - initial[fqn].detach()
+        moved = (reordered[fqn] - expected).norm() / update.norm().clamp_min(1e-12)
+        noise[fqn] = moved.item()
+    return noise
 
 
 # --------------------------------------------------------------------------- one run
@@ -473,8 +507,13 @@ def compare(
             error = (update - expected_update).norm() / expected_update.norm().clamp_min(1e-12)
             figures["param"] = max(figures["param"], error.item())
             rtol = parity_tolerance(STEPS, torch.bfloat16)["rtol"]
-            if not error <= rtol:
-                problems.append(f"{fqn}: the update differs by {error:.2e} of its norm")
+            noise = reference["noise"][fqn]
+            figures["noise"] = max(figures.get("noise", 0.0), noise)
+            if not error <= max(rtol, BF16_NOISE_FACTOR * noise):
+                problems.append(
+                    f"{fqn}: the update differs by {error:.2e} of its norm (eager's own "
+                    f"reduction-order noise: {noise:.2e})"
+                )
             continue
         diff = (actual - expected).abs().max().item() if actual.numel() else 0.0
         figures["param"] = max(figures["param"], diff)
@@ -542,6 +581,8 @@ def run_cell(rank: int, world: int, cell: tuple[str, ...], root: str) -> dict[st
     model, train_fn = _model(setup, seed=0)
     initial = {fqn: p.detach().clone() for fqn, p in model.named_parameters()}
     reference = eager_reference(setup, model, train_fn)
+    if setup.bf16:
+        reference["noise"] = bf16_noise(setup, model, train_fn, reference)
     result: dict[str, Any] = {"notes": setup.notes(), "figures": {}, "where": ""}
     phase, trainer = "setup", None
     with warnings.catch_warnings(record=True) as caught:
