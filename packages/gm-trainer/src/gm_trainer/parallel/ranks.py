@@ -131,6 +131,19 @@ def broadcast_buffers(
                 offset += b.numel()
 
 
+def data_parallel_totals(counts: Sequence[int], topology: Topology) -> list[int]:
+    """Each of this rank's ``counts`` (tokens, samples) summed over the data-parallel ranks:
+    what the step consumed, not this rank's count times the number of ranks (ranks may take
+    batches of different lengths). One all-reduce over the world, divided by the ranks of a
+    replica: TP, CP and pipeline peers pass the same batch, so each counts it once."""
+    if topology.world_size == 1:
+        return list(counts)
+    total = torch.tensor(counts, dtype=torch.int64, device=topology.collective_device)
+    dist.all_reduce(total)
+    peers = topology.world_size // topology.data_parallel_size
+    return [int(v) // peers for v in total.tolist()]
+
+
 def mean_over_world(loss: torch.Tensor, world_size: int, device: torch.device) -> float:
     """The mean of this rank's ``(1,)`` float loss over the world (one all-reduce)."""
     if world_size > 1:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from gm_trainer.parallel.ranks import mean_over_world
+from gm_trainer.parallel.ranks import data_parallel_totals, mean_over_world
 from gm_trainer.step.accumulation import MicroBatches
 from gm_trainer.step.executor import StepExecutor
 from gm_trainer.step.expert_load import expert_load_metrics
@@ -134,14 +134,14 @@ def _optimizer_step(
     loss = mean_over_world(window.mean_loss(), topology.world_size, topology.collective_device)
     grad_norm = stepper.step(window.final_scale(), loss)
     elapsed = time.perf_counter() - started
-    ranks = topology.data_parallel_size
+    tokens, samples = data_parallel_totals([window.tokens, window.samples], topology)
     return {
         "step": state.step,
         "loss": loss,
         "grad_norm": grad_norm,
         "step_time_s": elapsed,
-        "tokens_per_s": window.tokens * ranks / elapsed,
-        "samples_per_s": window.samples * ranks / elapsed,
+        "tokens_per_s": tokens / elapsed,
+        "samples_per_s": samples / elapsed,
         "memory_mb": peak_memory_mb(topology.device),
         "memory_kind": "host_rss" if topology.device.type == "cpu" else "device_peak",
         "lr": stepper.optimizer.param_groups[0].get("lr", float("nan")),
