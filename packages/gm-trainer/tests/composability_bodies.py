@@ -637,7 +637,24 @@ def run_cell(rank: int, world: int, cell: tuple[str, ...], root: str) -> dict[st
 
 def not_engaged(setup: Setup, summary: str) -> list[str]:
     """Why a feature the cell asked for did nothing, from ``pass_summary()`` (a silent no-op
-    is not a match of that feature): offload that offloaded no bytes."""
+    is not a match of that feature): offload that offloaded no bytes; context parallelism
+    that split no attention, or kept a dynamic sequence whole (a pipeline's summary shows
+    its stages, not the passes: not checked there)."""
+    return _cp_not_engaged(setup, summary) + _offload_not_engaged(setup, summary)
+
+
+def _cp_not_engaged(setup: Setup, summary: str) -> list[str]:
+    if "cp" not in setup.features or "pp" in setup.features:
+        return []
+    said = [line for line in summary.splitlines() if line.startswith("context parallelism:")]
+    if not said or any(" 0 attention ops" in line for line in said):
+        return [f"context parallelism split no attention: {said or 'no cp line'}"]
+    if "dynamic" in setup.features and not all("(symbolic)" in line for line in said):
+        return [f"context parallelism did not keep the sequence symbolic: {said}"]
+    return []
+
+
+def _offload_not_engaged(setup: Setup, summary: str) -> list[str]:
     if "offload" not in setup.features:
         return []
     offloaded = re.findall(r"offloaded (\d+\.\d+) MiB", summary)

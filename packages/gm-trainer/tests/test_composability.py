@@ -167,3 +167,14 @@ def test_the_bf16_bound_is_eager_noise_wide_and_still_catches_a_wrong_update():
     short = {fqn: initial[fqn] + 0.8 * (p - initial[fqn]) for fqn, p in reordered.items()}
     problems, _ = bodies.compare(setup, losses, norms, short, initial, reference)
     assert any("experts" in p for p in problems), problems
+
+
+def test_a_cp_cell_that_split_nothing_or_kept_its_length_whole_says_so():
+    said = "context parallelism: cp 2, the sequence seq (symbolic) in contiguous pieces; 2 at"
+    setup = bodies.Setup.of(("cp", "dynamic"))
+    assert bodies.not_engaged(setup, said) == []
+    assert "no cp line" in bodies.not_engaged(setup, "pipeline: ...")[0]
+    assert "no attention" in bodies.not_engaged(setup, said.replace(" 2 at", " 0 attention ops"))[0]
+    whole = said.replace("seq (symbolic)", "8")
+    assert "symbolic" in bodies.not_engaged(setup, whole)[0]
+    assert bodies.not_engaged(bodies.Setup.of(("cp", "fsdp")), whole) == []

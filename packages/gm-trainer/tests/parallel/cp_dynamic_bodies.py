@@ -67,5 +67,8 @@ def lengths_on_one_graph(rank: int, world: int, balance: bool) -> dict[str, Any]
         "worst_param": worst,
         "compiled": compiled,
         "cp": cp_stats,
+        "said": [
+            line for line in trainer.pass_summary().splitlines() if line.startswith("context")
+        ],
         "refused": refused,
     }

@@ -24,6 +24,14 @@ def test_one_graph_trains_every_length_like_one_eager_process(dist_pool, balance
         assert result["compiled"] == 1  # one capture for every length
         assert result["cp"]["sequence"] == "seq" and result["cp"]["load_balance"] is balance
         assert result["cp"]["attention"] == 2  # both layers' sdpa split
+        split = "load-balanced chunks" if balance else "contiguous pieces"
+        assert result["said"] == [
+            f"context parallelism: cp 2, the sequence seq (symbolic) in {split}; 2 attention "
+            f"ops on gathered keys and values; per step {result['cp']['gathers']} all-gathers, "
+            f"{result['cp']['reduce_scatters']} reduce-scatters, {result['cp']['all_reduces']} "
+            f"all-reduces; gradients {result['cp']['grads']}; run whole: "
+            + ", ".join(result["cp"]["whole_ops"])
+        ]
         chunks, odd = (4, 14) if balance else (2, 15)
         assert re.search(
             rf"ContextParallelError: sequence length {odd} \(seq: input\['input_ids'\], "

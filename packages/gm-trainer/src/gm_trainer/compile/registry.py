@@ -36,6 +36,7 @@ from gm_passes import PassPipeline
 from gm_trace.graph.dynamic_shapes import DynamicShapeError, leaf_dims
 from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.graph.signature import InputSignature, flatten_io
+from gm_trace.parallel.cp import describe as describe_cp
 from gm_trace.parallel.ep import describe as describe_ep
 from gm_trace.parallel.fsdp import describe_experts as describe_fsdp_experts
 from gm_trace.parallel.fsdp import describe_offload
@@ -313,6 +314,9 @@ class GraphCache:
             memory = stats.get("memory_plan", {}).get("plan")
             if memory is not None:
                 text += "\n\n" + memory.describe()
+            cp = describe_cp(stats.get("cp", {}))
+            if cp:
+                text += f"\n\n{cp}"
             ep = describe_ep(stats.get("ep", {}))
             if ep:
                 text += f"\n\n{ep}"

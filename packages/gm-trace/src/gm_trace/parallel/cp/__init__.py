@@ -4,6 +4,11 @@ each value's placement; the op rules (:mod:`.rules`, :mod:`.views`, :mod:`.atten
 :mod:`.other_groups`) decide each op's; :mod:`.layout` owns where the tokens sit and the
 collectives that move a value between placements."""
 
-from gm_trace.parallel.cp.cp_pass import ContextParallelError, ContextParallelPass, cp_leaf_dims
+from gm_trace.parallel.cp.cp_pass import (
+    ContextParallelError,
+    ContextParallelPass,
+    cp_leaf_dims,
+    describe,
+)
 
-__all__ = ["ContextParallelError", "ContextParallelPass", "cp_leaf_dims"]
+__all__ = ["ContextParallelError", "ContextParallelPass", "cp_leaf_dims", "describe"]

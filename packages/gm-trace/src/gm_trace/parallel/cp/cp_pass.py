@@ -26,10 +26,11 @@ positions, a given mask is cut to the local query rows. Its backward re-gathers 
 values (so the forward's gathered copy is not held until backward) and returns partial key /
 value gradients, reduce-scattered where they meet the sequence-split projection. Attention
 written as matmuls and a softmax (HF's ``eager`` attention) needs no rule of its own: the
-matmul rules gather the keys and values and sum their gradients. The split is contiguous,
-not the load-balanced ``r, 2cp-1-r`` chunks: the kernels here compute every score of the
-``S/cp x S`` block and mask it, so each rank does the same work either way; balancing pays
-only with a kernel that skips masked blocks.
+matmul rules gather the keys and values and sum their gradients. The split is contiguous on
+CPU, whose kernels compute every score of the ``S/cp x S`` block and mask it (each rank does
+the same work either way), and load-balanced (rank ``r`` holds chunks ``r`` and
+``2cp-1-r``) on accelerators, whose causal kernels skip masked blocks
+(``PassConfig.cp_load_balance``).
 
 The loss: ``nll_loss_forward`` with mean reduction becomes a local sum and token count,
 all-reduced together, divided: the mean over every token of the batch, as eager. Gradients
@@ -58,7 +59,7 @@ from gm_trace.parallel.cp.rewrite import ContextParallelError, Rewriter, Seq, Se
 from gm_trace.parallel.cp.routed import routing_of
 from gm_trace.parallel.cp.rules import RULES
 
-__all__ = ["ContextParallelError", "ContextParallelPass", "Seq", "cp_leaf_dims"]
+__all__ = ["ContextParallelError", "ContextParallelPass", "Seq", "cp_leaf_dims", "describe"]
 
 
 def cp_leaf_dims(
@@ -231,3 +232,19 @@ def _cut_inputs(
     # guard refuses other lengths, whose batch is traced anew and meets the errors above).
     as_multiple(seq, chunks, at_least=2 * cp)
     return cut, seq, next(iter(shown.values()))
+
+
+def describe(stats: dict) -> str:
+    """The ``pass_summary()`` line of the ``cp`` pass's statistics ("" when it did not run)."""
+    if "degree" not in stats:
+        return ""
+    sequence = stats["sequence"]
+    length = f"{sequence}" if isinstance(sequence, int) else f"{sequence} (symbolic)"
+    split = "load-balanced chunks" if stats["load_balance"] else "contiguous pieces"
+    whole = f"; run whole: {', '.join(stats['whole_ops'])}" if stats["whole_ops"] else ""
+    return (
+        f"context parallelism: cp {stats['degree']}, the sequence {length} in {split}; "
+        f"{stats['attention']} attention ops on gathered keys and values; per step "
+        f"{stats['gathers']} all-gathers, {stats['reduce_scatters']} reduce-scatters, "
+        f"{stats['all_reduces']} all-reduces; gradients {stats['grads']}{whole}"
+    )
