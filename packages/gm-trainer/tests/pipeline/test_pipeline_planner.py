@@ -53,6 +53,18 @@ def test_zero_bubble_schedules_cut_1f1b_bubble_at_its_memory():
     assert plans["interleaved_1f1b"].bubble_fraction == pytest.approx(3 / 19)
 
 
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (3, 6), (4, 8), (8, 16), (3, 5)])
+def test_bubble_rates_are_the_papers_and_zbv_reaches_the_least_any_order_can(p, m):
+    """Qi et al.'s bubble rates at unit costs: 1F1B (p - 1) / m, ZB-H1 (p - 1) / 3m. ZB-V's
+    last rank runs stages p - 1 and p, and cannot start before p - 1 forwards of one stage:
+    its rate is at least p - 1 over its 6m units of work, and the plan reaches that bound
+    (the paper's table rounds it to 0), one sixth of 1F1B's."""
+    rates = {name: plan_schedule(name, p, m, v).bubble_rate for name, v in SCHEDULES}
+    assert rates["1f1b"] == pytest.approx((p - 1) / m)
+    assert rates["zb1p"] == pytest.approx((p - 1) / (3 * m))
+    assert rates["zbv"] == pytest.approx((p - 1) / (6 * m))
+
+
 @pytest.mark.parametrize(("name", "virtual"), SCHEDULES)
 @pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8), (3, 5), (4, 2)])
 def test_every_action_runs_once_after_what_it_reads(name, virtual, p, m):

@@ -87,6 +87,14 @@ class SchedulePlan:
         busiest = max(self.busy)
         return (self.makespan - busiest) / self.makespan if self.makespan else 0.0
 
+    @property
+    def bubble_rate(self) -> float:
+        """Idle over compute time of the busiest rank, ``(makespan - busy) / busy``: the bubble
+        rate of Qi et al.'s tables (at unit costs ``(p - 1) / m`` for 1F1B, ``(p - 1) / 3m``
+        for ZB-H1), which the simulation reproduces."""
+        busiest = max(self.busy)
+        return (self.makespan - busiest) / busiest if busiest else 0.0
+
     def compute_actions(self, rank: int) -> list[Action]:
         """Rank ``rank``'s forwards, backwards and weight gradients, in order."""
         return [a for a in self.actions[rank] if a.phase not in (SEND, RECEIVE)]
