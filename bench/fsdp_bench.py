@@ -123,10 +123,13 @@ def _eager_step(model, optimizer):
 def interleaved_times(step_fns: dict, batches: list) -> dict:
     """Each step function's wall times per batch, the functions taking turns on every batch
     (so machine load falls on all alike), every rank between barriers; the first two batches
-    (compiles, warm-up) are not counted."""
+    (compiles, warm-up) are not counted. The turns run forward on even batches and backward on
+    odd ones, so that no function always runs first (after the barrier's idle) or always
+    right after the same other one."""
     times: dict = {row: [] for row in step_fns}
     for i, batch in enumerate(batches):
-        for row, step in step_fns.items():
+        turns = list(step_fns.items())
+        for row, step in turns if i % 2 == 0 else reversed(turns):
             dist.barrier()
             start = time.perf_counter()
             step(batch)

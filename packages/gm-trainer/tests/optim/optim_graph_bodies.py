@@ -89,8 +89,8 @@ def in_graph_equals_eager_update(
 
 def update_nodes(n_layers: int, optimizer: dict) -> dict[str, int]:
     """What the optimizer pass adds to one process's step graph of TinyGPT with ``n_layers``
-    layers: call_function nodes (the pass's record of the graph before and after), commits,
-    and the parameters it updates."""
+    layers: call_function nodes (the pass's record of the graph before and after), update
+    ops, and the parameters it updates."""
     torch.manual_seed(0)
     model = TinyGPT(vocab_size=64, dim=32, n_layers=n_layers, n_heads=4, max_seq_len=16)
     config = {"lr": 1e-2, **optimizer, "in_graph": True}
@@ -100,9 +100,10 @@ def update_nodes(n_layers: int, optimizer: dict) -> dict[str, int]:
     trainer.optimizer_step()
     (joint,) = trainer.registry.graphs()
     nodes = joint.graph_module.graph.nodes
-    commits = sum(n.target is torch.ops.gm_optim.commit_if_finite.default for n in nodes)
+    ops = (torch.ops.gm_optim.adam_update_.default, torch.ops.gm_optim.sgd_update_.default)
+    updates = sum(n.target in ops for n in nodes)
     stats = trainer.pipelines[0].context.stats["optimizer"]
-    return {"added": stats["nodes_added"], "commits": commits, "params": stats["params_updated"]}
+    return {"added": stats["nodes_added"], "updates": updates, "params": stats["params_updated"]}
 
 
 def _collective_bytes(graph_module) -> dict[str, int]:

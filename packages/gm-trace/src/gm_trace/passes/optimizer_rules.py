@@ -1,24 +1,29 @@
-"""The update math of the ``optimizer`` pass: each rule (Adam, AdamW, SGD) as ``aten._foreach_*``
-nodes over the parameters of one bucket, and the masked commit.
+"""The update math of the ``optimizer`` pass: each rule (Adam, AdamW, SGD) as one custom op
+per bucket that updates the bucket's parameters and states in place when the step is finite.
 
 A bucket is the parameters of one group of one device and dtype (``torch.optim`` groups its
-foreach lists the same way), so a bucket's update is a fixed number of nodes however many
-parameters it holds. The op sequence is that of ``torch.optim``'s multi-tensor
-(``foreach=True``) code, which on CPU is also the op sequence of its single-tensor code; the
-Python scalars that depend on the learning rate or the step arrive as one 1-D float64 tensor
-per bucket and scalar (a value per parameter, each parameter's own step count), split into
-0-d tensors with one ``unbind``. Each value is computed out of place and committed by
-:func:`commit_if_finite`: aten has no foreach ``where``, and a step whose norm is not finite
-must change no weight and no state (the ``found_inf`` of ``_fused_adam``).
+foreach lists the same way), so a bucket's update is one node however many parameters it
+holds. Inside, the op runs ``torch.optim``'s multi-tensor (``foreach=True``) code, in place
+and op for op (which on CPU is also the arithmetic of its single-tensor code): the Python
+scalars that depend on the learning rate or the step arrive as one 1-D float64 CPU tensor per
+bucket and scalar (a value per parameter, each parameter's own step count) and become the
+same Python floats ``torch.optim`` computes.
+
+A step whose norm is not finite must change no weight and no state (the ``found_inf`` of
+``GradScaler`` / ``_fused_adam``). On CPU the op reads the flag (there is no device to wait
+for) and runs the update in place, or not at all: no copy of a parameter or a state, so the
+update needs no memory beyond ``torch.optim``'s temporaries. On an accelerator, where reading
+the flag would stall the stream, it updates copies and commits each with ``where`` (aten has
+no foreach ``where``), as the masked kernels do.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import torch
-import torch.fx as fx
 from torch import Tensor
 
 aten = torch.ops.aten
@@ -73,108 +78,199 @@ class GroupRule:
         return _STATES[self.kind]
 
 
-@torch.library.custom_op("gm_optim::commit_if_finite", mutates_args=("targets",))
-def commit_if_finite(targets: list[Tensor], values: list[Tensor], finite: Tensor) -> None:
-    """``targets[i].copy_(values[i])`` for every ``i`` when ``finite`` (a 0-d bool) is true,
-    else nothing. On CPU the flag is read (no device to wait for) and the copy is one foreach
-    call; elsewhere each copy selects with ``where``, so nothing waits for the flag."""
-    if finite.device.type == "cpu":
+Update = Callable[[list[list[Tensor]]], None]
+"""Updates the lists it is given (parameters, then states) in place."""
+
+
+def if_finite(
+    update: Update,
+    targets: list[list[Tensor]],
+    finite: Tensor,
+    *,
+    read_flag: bool | None = None,
+) -> None:
+    """Run ``update`` on the lists ``targets`` (parameters, states) when the 0-d bool
+    ``finite`` is true, else change nothing. ``read_flag`` (default: on a CPU) reads the flag
+    and updates the targets themselves; otherwise ``update`` runs on copies and each target
+    selects its new value with ``where``, so nothing waits for the flag."""
+    if read_flag if read_flag is not None else finite.device.type == "cpu":
         if bool(finite):
-            torch._foreach_copy_(targets, values)
+            update(targets)
         return
-    torch._foreach_copy_(targets, [torch.where(finite, v, t) for t, v in zip(targets, values)])
+    copies = [[t.clone() for t in ts] for ts in targets]
+    update(copies)
+    for ts, cs in zip(targets, copies):
+        torch._foreach_copy_(ts, [torch.where(finite, c, t) for t, c in zip(ts, cs)])
 
 
-@commit_if_finite.register_fake
-def _(targets: list[Tensor], values: list[Tensor], finite: Tensor) -> None:
+def _values(scalars: Tensor) -> list[float]:
+    """A bucket's per-parameter scalar (a 1-D float64 CPU tensor) as Python floats."""
+    return scalars.tolist()
+
+
+def adam_math(
+    grads: Sequence[Tensor],
+    neg_step_size: Tensor,
+    bias_correction2_sqrt: Tensor,
+    decay: Tensor | None,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    maximize: bool,
+) -> Update:
+    """``torch.optim.adam._multi_tensor_adam`` (amsgrad off, not capturable) for one bucket,
+    on ``[params, exp_avgs, exp_avg_sqs]``: AdamW's decoupled decay when ``decay`` (per
+    parameter ``1 - lr * weight_decay``) is given, Adam's L2 ``weight_decay`` otherwise."""
+    step_size, bc2_sqrt = _values(neg_step_size), _values(bias_correction2_sqrt)
+    decays = _values(decay) if decay is not None else None
+
+    def update(targets: list[list[Tensor]]) -> None:
+        params, exp_avgs, exp_avg_sqs = targets
+        gs = torch._foreach_neg(grads) if maximize else grads
+        if decays is not None:
+            # Always, so that the decay follows param_groups: torch.optim skips it when
+            # weight_decay == 0, and then each factor is 1.0, which changes no bit.
+            torch._foreach_mul_(params, decays)
+        elif weight_decay != 0:
+            gs = torch._foreach_add(gs, params, alpha=weight_decay)
+        torch._foreach_lerp_(exp_avgs, gs, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, gs, gs, 1 - beta2)
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, bc2_sqrt)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
+
+    return update
+
+
+def sgd_math(
+    grads: Sequence[Tensor],
+    neg_lr: Tensor,
+    momentum: float,
+    nesterov: bool,
+    weight_decay: float,
+    maximize: bool,
+) -> Update:
+    """``torch.optim.sgd._multi_tensor_sgd`` (dampening 0, dense gradients) for one bucket,
+    on ``[params, momentum_buffers]``. The buffers start at zero: ``0 * momentum + grad`` is
+    ``torch.optim``'s first ``grad.clone()``."""
+    lrs = _values(neg_lr)
+
+    def update(targets: list[list[Tensor]]) -> None:
+        params, bufs = targets
+        gs = torch._foreach_neg(grads) if maximize else grads
+        if weight_decay != 0:
+            gs = torch._foreach_add(gs, params, alpha=weight_decay)
+        if momentum != 0:
+            torch._foreach_mul_(bufs, momentum)
+            torch._foreach_add_(bufs, gs)
+            gs = torch._foreach_add(gs, bufs, alpha=momentum) if nesterov else bufs
+        if len(set(lrs)) == 1:  # one group's learning rate: torch.optim's very call
+            torch._foreach_add_(params, gs, alpha=lrs[0])
+        else:
+            for p, g, lr in zip(params, gs, lrs):
+                p.add_(g, alpha=lr)
+
+    return update
+
+
+_ADAM_MUTATES = ("params", "exp_avgs", "exp_avg_sqs")
+
+
+@torch.library.custom_op("gm_optim::adam_update_", mutates_args=_ADAM_MUTATES)
+def adam_update_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    neg_step_size: Tensor,
+    bias_correction2_sqrt: Tensor,
+    decay: Tensor | None,
+    finite: Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    maximize: bool,
+) -> None:
+    """:func:`adam_math` on one bucket's parameters and states when ``finite``
+    (:func:`if_finite`)."""
+    update = adam_math(grads, neg_step_size, bias_correction2_sqrt, decay, beta1, beta2, eps,
+                       weight_decay, maximize)  # fmt: skip
+    if_finite(update, [params, exp_avgs, exp_avg_sqs], finite)
+
+
+@adam_update_.register_fake
+def _(params, grads, exp_avgs, exp_avg_sqs, neg_step_size, bias_correction2_sqrt, decay,
+      finite, beta1, beta2, eps, weight_decay, maximize) -> None:  # fmt: skip
     return None
 
 
-class BucketNodes(NamedTuple):
-    """What one bucket's update is built from."""
-
-    op: Any
-    """Adds a node to the graph: ``op(target, *args, **kwargs) -> fx.Node``."""
-    rule: GroupRule
-    """The optimizer and hyper-parameters of the bucket's group."""
-    params: list[fx.Node]
-    """The parameters (local shards), updated in place."""
-    grads: Any
-    """Their (reduced, clipped) gradients: a list of nodes or a node whose value is a list."""
-    states: dict[str, list[fx.Node]]
-    """Each state's tensors (``exp_avg``, ``exp_avg_sq``; ``momentum_buffer``), updated in
-    place."""
-    scalars: dict[str, fx.Node]
-    """Each per-step scalar: a 1-D float64 node, one value per parameter."""
-
-
-#: ``(tensors to update, the node of their new values)``, committed together.
-Commit = tuple[list[fx.Node], fx.Node]
+@torch.library.custom_op("gm_optim::sgd_update_", mutates_args=("params", "momentum_buffers"))
+def sgd_update_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor],
+    neg_lr: Tensor,
+    finite: Tensor,
+    momentum: float,
+    nesterov: bool,
+    weight_decay: float,
+    maximize: bool,
+) -> None:
+    """:func:`sgd_math` on one bucket's parameters and momentum buffers when ``finite``
+    (:func:`if_finite`)."""
+    update = sgd_math(grads, neg_lr, momentum, nesterov, weight_decay, maximize)
+    if_finite(update, [params, momentum_buffers], finite)
 
 
-def emit_update(nodes: BucketNodes) -> list[Commit]:
-    """The nodes of one bucket's update, out of place; returns what to commit."""
-    return _sgd(nodes) if nodes.rule.kind == "sgd" else _adam(nodes)
+@sgd_update_.register_fake
+def _(params, grads, momentum_buffers, neg_lr, finite, momentum, nesterov, weight_decay,
+      maximize) -> None:  # fmt: skip
+    return None
 
 
-def _per_param(nodes: BucketNodes, name: str) -> fx.Node:
-    """The scalar ``name`` as a list of 0-d tensors, one per parameter."""
-    return nodes.op(aten.unbind.int, nodes.scalars[name])
-
-
-def _adam(nodes: BucketNodes) -> list[Commit]:
-    """``torch.optim.adam._multi_tensor_adam`` (amsgrad off, not capturable)."""
-    op, rule, params, grads = nodes.op, nodes.rule, nodes.params, nodes.grads
-    exp_avgs, exp_avg_sqs = nodes.states["exp_avg"], nodes.states["exp_avg_sq"]
-    beta1, beta2 = rule.betas
-    if rule.maximize:
-        grads = op(aten._foreach_neg.default, grads)
-    new_params: Any = params
-    if rule.kind == "adamw":
-        # Always, so that the decay follows param_groups: torch.optim skips the multiplication
-        # when weight_decay == 0, and then decay is 1.0, which changes no bit.
-        new_params = op(aten._foreach_mul.List, params, _per_param(nodes, "decay"))
-    elif rule.weight_decay != 0:
-        grads = op(aten._foreach_add.List, grads, params, alpha=rule.weight_decay)
-    new_avgs = op(aten._foreach_lerp.Scalar, exp_avgs, grads, 1 - beta1)
-    new_sqs = op(
-        aten._foreach_addcmul.Scalar,
-        op(aten._foreach_mul.Scalar, exp_avg_sqs, beta2),
-        grads,
-        grads,
-        value=1 - beta2,
-    )
-    denom = op(
-        aten._foreach_div.List,
-        op(aten._foreach_sqrt.default, new_sqs),
-        _per_param(nodes, "bias_correction2_sqrt"),
-    )
-    denom = op(aten._foreach_add.Scalar, denom, rule.eps)
-    # addcdiv_(exp_avg, denom, value=-step_size) computes self + (value * t1) / t2; a value
-    # per parameter from a tensor has no overload a fake tensor runs, so the product first.
-    steps = op(aten._foreach_mul.List, new_avgs, _per_param(nodes, "neg_step_size"))
-    new_params = op(aten._foreach_addcdiv.Scalar, new_params, steps, denom)
-    return [(params, new_params), (exp_avgs, new_avgs), (exp_avg_sqs, new_sqs)]
-
-
-def _sgd(nodes: BucketNodes) -> list[Commit]:
-    """``torch.optim.sgd._multi_tensor_sgd`` (dampening 0, dense gradients)."""
-    op, rule, params, grads = nodes.op, nodes.rule, nodes.params, nodes.grads
-    commits: list[Commit] = []
-    if rule.maximize:
-        grads = op(aten._foreach_neg.default, grads)
-    if rule.weight_decay != 0:
-        grads = op(aten._foreach_add.List, grads, params, alpha=rule.weight_decay)
-    if rule.momentum != 0:
-        bufs = nodes.states["momentum_buffer"]
-        new_bufs = op(
-            aten._foreach_add.List, op(aten._foreach_mul.Scalar, bufs, rule.momentum), grads
+def emit_update(
+    op: Callable[..., Any],
+    rule: GroupRule,
+    params: list[Any],
+    grads: Any,
+    states: dict[str, list[Any]],
+    scalars: dict[str, Any],
+    finite: Any,
+) -> Any:
+    """The node of one bucket's update: ``op(target, *args, **kwargs)`` adds it to the graph.
+    ``grads`` is a list of nodes or a node whose value is a list; ``states`` and ``scalars``
+    by the names :attr:`GroupRule.states` / :attr:`GroupRule.scalars` give."""
+    if rule.kind == "sgd":
+        return op(
+            torch.ops.gm_optim.sgd_update_.default,
+            params,
+            grads,
+            states.get("momentum_buffer", []),
+            scalars["neg_lr"],
+            finite,
+            rule.momentum,
+            rule.nesterov,
+            rule.weight_decay,
+            rule.maximize,
         )
-        commits.append((bufs, new_bufs))
-        if rule.nesterov:
-            grads = op(aten._foreach_add.List, grads, new_bufs, alpha=rule.momentum)
-        else:
-            grads = new_bufs
-    # param.add_(grad, alpha=-lr) with the learning rate from a tensor: addcmul, bitwise the same.
-    new_params = op(aten._foreach_addcmul.Scalar, params, grads, _per_param(nodes, "neg_lr"))
-    return [(params, new_params), *commits]
+    beta1, beta2 = rule.betas
+    return op(
+        torch.ops.gm_optim.adam_update_.default,
+        params,
+        grads,
+        states["exp_avg"],
+        states["exp_avg_sq"],
+        scalars["neg_step_size"],
+        scalars["bias_correction2_sqrt"],
+        scalars.get("decay"),
+        finite,
+        beta1,
+        beta2,
+        rule.eps,
+        rule.weight_decay if rule.kind == "adam" else 0.0,
+        rule.maximize,
+    )

@@ -5,19 +5,19 @@ shard). This pass consumes them where they are: it appends, before the output, t
 gradient norm (per-gradient float64 sums of squares in one ``_foreach_powsum`` per kind of
 gradient, one all-reduce over the FSDP group for the sharded ones, one over the TP group for
 the slices of TP-split parameters), the clip to ``max_norm`` when asked, and then the update
-of Adam, AdamW or SGD on the local shards, as ``aten._foreach_*`` nodes over each bucket of
-parameters (one group, device and dtype: :func:`bucketed`), so the graph gains a fixed number
-of update nodes however many parameters the model has (the math:
-:mod:`gm_trace.passes.optimizer_rules`). The parameters and the optimizer states
-(``exp_avg`` …, graph inputs) are updated IN PLACE; the graph no longer returns gradients, so
-nothing is kept on ``.grad``.
+of Adam, AdamW or SGD on the local shards, one ``gm_optim::adam_update_`` /
+``gm_optim::sgd_update_`` node per bucket of parameters (one group, device and dtype:
+:func:`bucketed`), so the graph gains a fixed number of nodes however many parameters the
+model has (the math: :mod:`gm_trace.passes.optimizer_rules`). The parameters and the
+optimizer states (``exp_avg`` …, graph inputs) are updated IN PLACE; the graph no longer
+returns gradients, so nothing is kept on ``.grad``.
 
 A step whose global norm is not finite, or whose loss is not finite on any rank, changes
-nothing: each update is computed out of place and committed by one
-``gm_optim::commit_if_finite`` per list (the ``found_inf`` masking of ``GradScaler`` /
-``_fused_adam``), so the weights and states keep their values and the caller raises or skips
-as ``GraphTrainer(nonfinite=...)`` says. The loss's finiteness rides in the norm's
-all-reduce: a non-finite loss anywhere makes the returned norm ``inf``.
+nothing: each update op takes the norm's finite flag (the ``found_inf`` of ``GradScaler`` /
+``_fused_adam``) and skips on CPU, masks on an accelerator, so the weights and states keep
+their values and the caller raises or skips as ``GraphTrainer(nonfinite=...)`` says. The
+loss's finiteness rides in the norm's all-reduce: a non-finite loss anywhere makes the
+returned norm ``inf``.
 
 Outputs become ``(loss, grad_norm, *mutated_state)``. New placeholders follow the label's
 tensors: first the per-step scalars of each bucket (:attr:`GroupRule.scalars`, each a 1-D
@@ -29,10 +29,10 @@ learning rate of every group, and AdamW's decoupled weight decay, follow ``param
 between steps; the other hyper-parameters of each parameter's group are baked in
 (:class:`GroupRule`).
 
-The op sequence is that of ``torch.optim``'s multi-tensor (``foreach=True``) code, with the
-Python scalars that depend on the learning rate or the step passed in as tensors, so a step
-is bitwise the eager step on CPU (whose default single-tensor code takes the same ops one
-parameter at a time). Order: the clip and the finite-check need the norm over every shard
+The ops are ``torch.optim``'s multi-tensor (``foreach=True``) code, with the Python scalars
+that depend on the learning rate or the step passed in as tensors, so a step is bitwise the
+eager step on CPU (whose default single-tensor code takes the same arithmetic one parameter
+at a time). Order: the clip and the finite-check need the norm over every shard
 before any update is committed, so the updates follow the norm's all-reduce.
 A pipeline's stages take the same ops in a graph of their own (:func:`build_stage_update`,
 run after the schedule), whose norm also sums every stage's squares over the pipeline group.
@@ -60,7 +60,7 @@ from gm_trace.graph import node_meta
 from gm_trace.graph.graph_build import fake_mode_of
 from gm_trace.graph.groups import ParallelGroups
 from gm_trace.graph.joint_graph import OPTIMIZER_UPDATE, SHARDING_LAYOUT
-from gm_trace.passes.optimizer_rules import BucketNodes, GroupRule, emit_update
+from gm_trace.passes.optimizer_rules import GroupRule, emit_update
 from gm_trace.passes.optimizer_spec import (
     OptimizerUpdate,
     OptimizerUpdateError,
@@ -89,9 +89,6 @@ c10d = torch.ops._c10d_functional
 
 #: ``meta[node_meta.ROLE]`` of the placeholders this pass adds.
 OPTIMIZER_INPUT = "optimizer"
-#: The masked commit of :mod:`gm_trace.passes.optimizer_rules`.
-_COMMIT = torch.ops.gm_optim.commit_if_finite.default
-
 
 class OptimizerUpdatePass(GraphPass):
     """Trace the optimizer update into the graph (module docstring). Added by
@@ -248,17 +245,15 @@ class _Emitter:
             bucket_grads: Any = [grads[fqn] for fqn in bucket.fqns]
             if coef is not None:
                 bucket_grads = self.op(aten._foreach_mul.Tensor, bucket_grads, coef)
-            nodes = BucketNodes(
+            emit_update(
                 self.op,
                 rule,
                 [params[fqn] for fqn in bucket.fqns],
                 bucket_grads,
                 {n: [inputs[("state", fqn, n)] for fqn in bucket.fqns] for n in rule.states},
                 {name: inputs[("scalar", b, name)] for name in rule.scalars},
+                finite,
             )
-            for targets, values in emit_update(nodes):
-                # Keep the old values unless the step is finite: found_inf masking.
-                self.op(_COMMIT, targets, values, finite)
         kept = [o for i, o in enumerate(outputs) if i not in set(index.values())]
         self.output.args = ((kept[0], norm, *kept[1:]),)
 
