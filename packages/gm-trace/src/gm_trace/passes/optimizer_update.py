@@ -90,6 +90,7 @@ c10d = torch.ops._c10d_functional
 #: ``meta[node_meta.ROLE]`` of the placeholders this pass adds.
 OPTIMIZER_INPUT = "optimizer"
 
+
 class OptimizerUpdatePass(GraphPass):
     """Trace the optimizer update into the graph (module docstring). Added by
     ``GraphTrainer`` when ``OptimizerConfig.in_graph`` is set; reads what to trace from
