@@ -15,6 +15,7 @@ from gm_trace.graph import node_meta
 from gm_trace.graph.compiled_step import BackendError
 from gm_trace.graph.streams import start_copy, wait_copy
 from gm_trace.passes.cuda_graphs import CudaGraphStep, mutated_inputs, why_not_capturable
+from gm_trace.passes.optimizer_update import OPTIMIZER_INPUT
 from gm_trace.testing import MLP, make_regression_batch, mse_loss
 from gm_trace.testing.compile import compile_joint
 
@@ -67,6 +68,11 @@ def _cuda_graph(*marks: str) -> fx.GraphModule:
         outs.append(back)
     if "cpu_offload" in marks:  # a gradient row copied back to the host (cpu_offload)
         y.meta[node_meta.PARAM_OFFLOAD] = "host"
+    if "in_graph" in marks:  # the optimizer pass's per-step scalars: a host input
+        lr = graph.placeholder("opt_0_neg_step_size")
+        with FakeTensorMode():
+            lr.meta["val"] = torch.empty(1, dtype=torch.float64)
+        lr.meta[node_meta.ROLE] = OPTIMIZER_INPUT
     graph.output(tuple(outs))
     return fx.GraphModule(torch.nn.Module(), graph)
 
@@ -78,6 +84,9 @@ def test_why_a_cuda_graph_cannot_be_captured():
     assert why_not_capturable(_cuda_graph("offload")) is None
     assert "cpu_offload keeps the shards in host memory" in (
         why_not_capturable(_cuda_graph("cpu_offload"))
+    )
+    assert "optimizer update in the graph (OptimizerConfig(in_graph=True)) reads its " in (
+        why_not_capturable(_cuda_graph("in_graph"))
     )
 
 

@@ -7,7 +7,8 @@ signature.
 Why a graph may not be captured (:func:`why_not_capturable`): its inputs are not on a CUDA
 device; a dim is symbolic (a replay has the captured sizes); a collective runs on a group of
 a host-side backend (gloo: the host waits for it, which a replay does not do); parameter
-offload (``cpu_offload``: host shards and gradient rows). Activation offload is captured:
+offload (``cpu_offload``: host shards and gradient rows); the optimizer update in the graph
+(its per-step scalars are host values a replay would keep). Activation offload is captured:
 its copies run on the copy stream, forked from and joined back to the capturing stream by
 events (:mod:`gm_trace.graph.streams`), and torch keeps the pinned host blocks a capture
 allocates for the graph.
@@ -39,6 +40,7 @@ from gm_trace.graph import node_meta
 from gm_trace.graph.compiled_step import BackendError
 from gm_trace.graph.dynamic_shapes import is_symbolic
 from gm_trace.graph.groups import group_named
+from gm_trace.passes.optimizer_update import OPTIMIZER_INPUT
 
 __all__ = ["CudaGraphStep", "why_not_capturable"]
 
@@ -60,6 +62,12 @@ def _group_backend(name: Any) -> str | None:
 def why_not_capturable(graph_module: fx.GraphModule) -> str | None:
     """Why ``graph_module`` cannot run as a CUDA graph, or ``None`` when it can."""
     placeholders = graph_module.graph.find_nodes(op="placeholder")
+    if any(p.meta.get(node_meta.ROLE) == OPTIMIZER_INPUT for p in placeholders):
+        return (
+            "the optimizer update in the graph (OptimizerConfig(in_graph=True)) reads its "
+            "per-step scalars (learning rate, bias corrections) on the host, which a replay "
+            "would keep at their captured values; set in_graph=False to capture the step"
+        )
     vals = [p.meta.get("val") for p in placeholders]
     devices = sorted({v.device.type for v in vals if isinstance(v, Tensor)})
     if devices != ["cuda"]:
