@@ -36,12 +36,8 @@ from gm_passes import PassPipeline
 from gm_trace.graph.dynamic_shapes import DynamicShapeError, leaf_dims
 from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.graph.signature import InputSignature, flatten_io
-from gm_trace.parallel.cp import describe as describe_cp
-from gm_trace.parallel.ep import describe as describe_ep
-from gm_trace.parallel.fsdp import describe_experts as describe_fsdp_experts
-from gm_trace.parallel.fsdp import describe_offload
-from gm_trace.passes.overlap import format_schedule
 from gm_trainer.compile.graph_key import describe_module_state, module_state_key
+from gm_trainer.compile.pass_report import describe_passes
 from gm_trainer.errors import TrainingError
 from gm_trainer.parallel.ranks import agree_on_digest
 
@@ -311,29 +307,9 @@ class GraphCache:
             text = f"signature {i}: {self.describe(i)}\n\n{pipeline.describe()}"
             text += f"\n\n{pipeline.summary()}"
             stats = pipeline.context.stats if pipeline.context else {}
-            memory = stats.get("memory_plan", {}).get("plan")
-            if memory is not None:
-                text += "\n\n" + memory.describe()
-            cp = describe_cp(stats.get("cp", {}))
-            if cp:
-                text += f"\n\n{cp}"
-            ep = describe_ep(stats.get("ep", {}))
-            if ep:
-                text += f"\n\n{ep}"
-            experts = describe_fsdp_experts(stats.get("fsdp", {}))
-            if experts:
-                text += f"\n{experts}"
-            joint = self.entries[i].joint
-            reduction = joint.deferred.graph_module if joint.deferred is not None else None
-            offload = describe_offload(stats.get("fsdp", {}), joint.graph_module, reduction)
-            if offload:
-                text += f"\n\n{offload}"
-            graphs = stats.get("backend", {}).get("cuda_graphs")
-            if graphs:
-                text += f"\n\ncuda graphs: {graphs}"
-            overlap = stats.get("overlap", {})
-            if overlap.get("schedule"):
-                text += "\n\ncollective schedule:\n" + format_schedule(overlap["schedule"])
+            passes = describe_passes(stats, self.entries[i].joint)
+            if passes:
+                text += f"\n\n{passes}"
             parts.append(text)
         return "\n\n".join(parts)
 
