@@ -361,10 +361,13 @@ def eager_reference(
 
 
 def bf16_noise(
-    setup: Setup, model: torch.nn.Module, train_fn, reference: dict[str, Any]
+    initial: dict[str, torch.Tensor],
+    expected: dict[str, torch.Tensor],
+    reordered: dict[str, torch.Tensor],
 ) -> dict[str, float]:
     """Per parameter, how far eager's own bf16 update moves when only the order of its sums
-    changes (each slice's rows reversed), relative to the update's norm.
+    changes, relative to the update's norm: ``expected`` and ``reordered`` are the
+    parameters :func:`eager_reference` ends with, plain and with ``reverse_rows``.
 
     bfloat16 keeps 8 bits, and some sums run in it: the backward of an indexed weight (an MoE
     expert's, ``gate_up_proj[expert_ids]``) adds every token's contribution into a bfloat16
@@ -372,12 +375,10 @@ def bf16_noise(
     alone, which is as large as ``parity_tolerance``'s bfloat16 bound; another order across
     ranks (expert parallelism's dispatch) is the same kind of change, so the bound for such a
     parameter is :data:`BF16_NOISE_FACTOR` times this noise where that is the larger."""
-    initial = dict(model.named_parameters())
-    reordered = eager_reference(setup, model, train_fn, reverse_rows=True)["params"]
     noise = {}
-    for fqn, expected in reference["params"].items():
-        update = expected - initial[fqn].detach()
-        moved = (reordered[fqn] - expected).norm() / update.norm().clamp_min(1e-12)
+    for fqn, value in expected.items():
+        update = value - initial[fqn]
+        moved = (reordered[fqn] - value).norm() / update.norm().clamp_min(1e-12)
         noise[fqn] = moved.item()
     return noise
 
@@ -582,7 +583,8 @@ def run_cell(rank: int, world: int, cell: tuple[str, ...], root: str) -> dict[st
     initial = {fqn: p.detach().clone() for fqn, p in model.named_parameters()}
     reference = eager_reference(setup, model, train_fn)
     if setup.bf16:
-        reference["noise"] = bf16_noise(setup, model, train_fn, reference)
+        reordered = eager_reference(setup, model, train_fn, reverse_rows=True)["params"]
+        reference["noise"] = bf16_noise(initial, reference["params"], reordered)
     result: dict[str, Any] = {"notes": setup.notes(), "figures": {}, "where": ""}
     phase, trainer = "setup", None
     with warnings.catch_warnings(record=True) as caught:

@@ -157,12 +157,12 @@ def test_the_bf16_bound_is_eager_noise_wide_and_still_catches_a_wrong_update():
     model, train_fn = bodies._model(setup, seed=0)
     initial = {fqn: p.detach().clone() for fqn, p in model.named_parameters()}
     reference = bodies.eager_reference(setup, model, train_fn)
-    reference["noise"] = bodies.bf16_noise(setup, model, train_fn, reference)
+    reordered = bodies.eager_reference(setup, model, train_fn, reverse_rows=True)["params"]
+    reference["noise"] = bodies.bf16_noise(initial, reference["params"], reordered)
     experts = [fqn for fqn in initial if ".experts." in fqn]
     assert experts and max(reference["noise"][fqn] for fqn in experts) > 1e-2
     assert max(reference["noise"].values()) < 0.1  # noise, not another result
     losses, norms = reference["losses"], reference["norms"]
-    reordered = bodies.eager_reference(setup, model, train_fn, reverse_rows=True)["params"]
     assert bodies.compare(setup, losses, norms, reordered, initial, reference)[0] == []
     short = {fqn: initial[fqn] + 0.8 * (p - initial[fqn]) for fqn, p in reordered.items()}
     problems, _ = bodies.compare(setup, losses, norms, short, initial, reference)

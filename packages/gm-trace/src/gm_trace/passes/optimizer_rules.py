@@ -26,8 +26,6 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-aten = torch.ops.aten
-
 _SCALARS = {
     "adam": ("neg_step_size", "bias_correction2_sqrt"),
     "adamw": ("neg_step_size", "bias_correction2_sqrt", "decay"),

@@ -24,12 +24,13 @@ def describe_passes(stats: dict[str, Any], joint: JointGraph) -> str:
     memory = stats.get("memory_plan", {}).get("plan")
     if memory is not None:
         blocks.append(memory.describe())
-    for line in (describe_cp(stats.get("cp", {})), describe_ep(stats.get("ep", {}))):
-        if line:
-            blocks.append(line)
-    experts = describe_fsdp_experts(stats.get("fsdp", {}))
-    if experts:  # under the ep line, no blank line between
-        blocks[-1:] = ["\n".join([*blocks[-1:], experts])]
+    cp = describe_cp(stats.get("cp", {}))
+    if cp:
+        blocks.append(cp)
+    # FSDP's line on the experts' shards sits under expert parallelism's, in one block.
+    ep = [describe_ep(stats.get("ep", {})), describe_fsdp_experts(stats.get("fsdp", {}))]
+    if any(ep):
+        blocks.append("\n".join(line for line in ep if line))
     reduction = joint.deferred.graph_module if joint.deferred is not None else None
     offload = describe_offload(stats.get("fsdp", {}), joint.graph_module, reduction)
     if offload:

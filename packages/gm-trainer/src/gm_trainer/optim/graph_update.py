@@ -6,7 +6,8 @@ real ``torch.optim`` optimizer in place, so checkpoints (``optimizer.state``), L
 (``param_groups[i]["lr"]``) and ``optimizer.state_dict()`` keep working. What ``torch.optim``
 computes in Python per step — ``state["step"] += 1`` and the scalars that follow from the
 learning rate and the step (Adam's ``lr / (1 - beta1**step)``, ...) — is done here, in the
-same float64 arithmetic, and handed to the graph as 0-d tensors.
+same float64 arithmetic, and handed to the graph as one 1-D float64 tensor per bucket and
+scalar (a value per parameter).
 """
 
 from __future__ import annotations
