@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from gm_trainer.job.run_folder.folder import PLOT_INSTALL, plot_unavailable
+from gm_trainer.job.run_folder.plots import PLOT_INSTALL, plot_unavailable
 
 
 def _missing(module: str) -> bool:

@@ -14,7 +14,8 @@ from gm_trainer.checkpoint.durable import replacing
 from gm_trainer.compile.registry import STEP
 from gm_trainer.job.config.job_config import JobConfig
 from gm_trainer.job.run.progress import Progress
-from gm_trainer.job.run_folder.folder import PLOT_INSTALL, RunFolder, plot_unavailable
+from gm_trainer.job.run_folder.folder import RunFolder
+from gm_trainer.job.run_folder.plots import PLOT_INSTALL, plot_unavailable
 
 if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer

@@ -51,6 +51,7 @@ from gm_trainer.job.run_folder.files import (
     create_unique_dir,
     mark_run_dir,
 )
+from gm_trainer.job.run_folder.plots import PLOT_INSTALL, plot_loss, plot_memory, plot_unavailable
 from gm_trainer.logs import console_logger
 
 #: The checkpoints of a run: ``<run_dir>/checkpoints/step-XXXXXXXX``.
@@ -222,74 +223,6 @@ def summarize(records: Sequence[Mapping[str, Any]], **extra: Any) -> dict[str, A
         summary["peak_memory_mb"] = max(r["memory_mb"] for r in records)
     summary.update(extra)
     return summary
-
-
-#: How to get ``loss.png`` where matplotlib is missing.
-PLOT_INSTALL = "pip install 'gm-trainer[plot]'"
-
-
-def plot_unavailable() -> str | None:
-    """Why :func:`plot_loss` cannot draw here (matplotlib is an optional extra), or ``None``."""
-    try:
-        import matplotlib.backends.backend_agg
-        import matplotlib.figure  # noqa: F401
-    except ImportError as e:
-        if (e.name or "").partition(".")[0] == "matplotlib":
-            return "matplotlib is not installed"
-        return f"matplotlib cannot be imported ({e})"  # installed, but broken
-    return None
-
-
-def plot_loss(records: Sequence[Mapping[str, Any]], path: Path) -> None:
-    """Save the loss-vs-step curve as a PNG (Agg canvas: no display, no global backend).
-    Needs matplotlib (``pip install 'gm-trainer[plot]'``)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6.4, 4.0), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".", label="train")
-    held = [r for r in records if "eval_loss" in r]  # train.eval_interval: the held-out loss
-    if held:
-        ax.plot([r["step"] for r in held], [r["eval_loss"] for r in held], marker="o", label="eval")
-        ax.legend()
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title("gm-train: training loss")
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, format="png")  # the name may be a temporary one
-
-
-def plot_memory(
-    phases: Sequence[str],
-    estimated: Sequence[int],
-    measured: Sequence[int] | None,
-    path: Path,
-    title: str,
-) -> None:
-    """Save activation memory over one step (MiB per graph node, forward then backward) as a
-    PNG: the graph's estimate and, when given, the measured bytes. Needs matplotlib."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6.4, 4.0), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    mib = 2.0**20
-    ax.plot([b / mib for b in estimated], label="estimated")
-    if measured is not None:
-        ax.plot([b / mib for b in measured], label="measured", linestyle="--")
-    if "backward" in phases:
-        ax.axvline(list(phases).index("backward"), color="grey", alpha=0.5, label="backward")
-    ax.legend()
-    ax.set_xlabel("graph node")
-    ax.set_ylabel("activations (MiB)")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, format="png")
 
 
 def read_metrics(path: str | Path, up_to_step: int | None = None) -> list[dict[str, Any]]:
