@@ -4,11 +4,12 @@ Collectives with Inductor
 -------------------------
 The graph's collectives must be issued in the same order on every rank: the order the graph
 (and the ``fsdp`` / ``overlap`` passes) gave them. Inductor keeps the order of the collectives
-it knows, but ``gm_c10d::all_gather_into_tensor`` (the gloo all-gather of
-:mod:`gm_trace.graph.collectives`) is a custom op to it: as a plain fallback kernel its input buffer
-was reused while the gather was still in flight, which corrupted the gathered parameters. This
-module lowers it like ``_c10d_functional.all_gather_into_tensor`` (a collective kernel: its
-input stays alive until ``wait_tensor``, it joins Inductor's collective ordering). Graphs with
+it knows, but ``gm_c10d::all_gather_into_tensor`` and ``gm_c10d::reduce_scatter_tensor`` (the gloo
+collectives of :mod:`gm_trace.graph.collectives`) are custom ops to it: as a plain fallback
+kernel the all-gather's input buffer was reused while the gather was still in flight, which
+corrupted the gathered parameters. This module lowers them like their
+``_c10d_functional`` namesakes (collective kernels: the input stays alive until
+``wait_tensor``, they join Inductor's collective ordering). Graphs with
 collectives are compiled with Inductor's collective reordering, bucketing and peak-memory
 reordering off, and with the Python wrapper, whose generated code is then checked: it must
 issue exactly the graph's collectives, in the graph's order, else the pass fails. Inductor
@@ -91,7 +92,7 @@ def compile_with_inductor(
         _check_cpp_compiler()
     settings: dict[str, Any] = {}
     if expected:
-        _register_gloo_all_gather_lowering()
+        _register_gloo_collective_lowerings()
     # Copies on the copy stream (offload) are placed where they overlap compute: Inductor's
     # peak-memory reordering would issue them late again.
     if expected or any(is_copy_start(n) for n in graph_module.graph.nodes):
@@ -391,8 +392,8 @@ def _summary(ops: list[str], limit: int = 8) -> str:
     return shown + (f", ... (+{len(ops) - limit})" if len(ops) > limit else "")
 
 
-def _register_gloo_all_gather_lowering() -> None:
-    """Lower ``gm_c10d::all_gather_into_tensor`` as Inductor lowers the functional all-gather."""
+def _register_gloo_collective_lowerings() -> None:
+    """Lower the ``gm_c10d`` collectives as Inductor lowers the functional ones."""
     global _lowering_registered
     if _lowering_registered:
         return
@@ -403,14 +404,14 @@ def _register_gloo_all_gather_lowering() -> None:
         register_lowering,
     )
 
-    import gm_trace.graph.collectives  # noqa: F401  (defines the op)
+    import gm_trace.graph.collectives  # noqa: F401  (defines the ops)
 
-    op = torch.ops.gm_c10d.all_gather_into_tensor
+    for op in (torch.ops.gm_c10d.all_gather_into_tensor, torch.ops.gm_c10d.reduce_scatter_tensor):
 
-    def all_gather(inp: Any, group_size: int, group_name: str) -> Any:
-        node = ir._CollectiveKernel.create_out_of_place(op.default, inp, group_size, group_name)
-        return ir.TensorBox.create(node)
+        def collective(inp: Any, *args: Any, op: Any = op) -> Any:
+            node = ir._CollectiveKernel.create_out_of_place(op.default, inp, *args)
+            return ir.TensorBox.create(node)
 
-    add_layout_constraint(op, constrain_to_fx_strides)
-    register_lowering(op)(all_gather)
+        add_layout_constraint(op, constrain_to_fx_strides)
+        register_lowering(op)(collective)
     _lowering_registered = True

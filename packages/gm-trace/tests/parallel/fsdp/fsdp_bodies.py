@@ -143,6 +143,42 @@ def many_gathers_in_flight(rank: int, world: int):
     return str(gather)
 
 
+def reduce_scatters_in_flight(rank: int, world: int, dtype: str):
+    """20 reduce-scatters in flight while compute runs, sum and avg, of inputs every rank can
+    rebuild: each result is the rank-order sum of every rank's chunk, bit for bit; on 2 ranks
+    it is also gloo's own reduce-scatter's, bit for bit."""
+    from gm_trace.graph.collectives import reduce_scatter_op
+
+    group = dist.group.WORLD
+    scatter = reduce_scatter_op(group)
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    dt = getattr(torch, dtype)
+
+    def inputs(r: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(r)
+        return [torch.randn(world * 96, 5, generator=g).to(dt) for _ in range(20)]
+
+    every = [inputs(r) for r in range(world)]
+    x = torch.randn(256, 128)
+    for reduce_op in ("sum", "avg"):
+        pending = [scatter(t, reduce_op, world, group.group_name) for t in every[rank]]
+        for i, out in enumerate(pending):
+            torch.mm(x, x.t()).sum()
+            chunks = [every[r][i].view(world, 96, 5)[rank] for r in range(world)]
+            expected = torch.sum(torch.stack(chunks), dim=0)
+            if reduce_op == "avg":
+                expected = expected / world
+            got = wait(out)
+            assert got.dtype == dt and torch.equal(got, expected), (reduce_op, i)
+            if world == 2:
+                gloo = torch.empty_like(got)
+                dist.reduce_scatter_tensor(
+                    gloo, every[rank][i], op=getattr(dist.ReduceOp, reduce_op.upper())
+                )
+                assert torch.equal(got, gloo), (reduce_op, i, (got - gloo).abs().max())
+    return str(scatter)
+
+
 # --- groups as values (issue 37) -------------------------------------------------------------
 
 

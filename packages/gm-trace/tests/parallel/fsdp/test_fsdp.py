@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fsdp_bodies as bodies
+import harness_bodies
 import pytest
 import torch
 
@@ -31,7 +32,7 @@ def test_parity_holds_under_other_kernels(threads, onednn):
     """Another thread count and another BLAS path (oneDNN off) change the kernels and their
     rounding; the tolerance must hold for them, not only for this machine's defaults."""
     with DistributedPool(2, threads=threads) as pool:
-        threads_used = pool.run(bodies.ranks_and_threads)
+        threads_used = pool.run(harness_bodies.ranks_and_threads)
         assert [t for _, _, t in threads_used] == [threads, threads]
         pool.run(parity, "gpt", {}, (), onednn)
 
@@ -120,6 +121,15 @@ def test_plan_selection_includes_ancestors_and_tied_aliases():
 def test_many_all_gathers_in_flight_on_gloo(dist_pool):
     ops = dist_pool(2).run(bodies.many_gathers_in_flight)
     assert ops[0] == "gm_c10d.all_gather_into_tensor.default"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gloo_reduce_scatter_sums_in_rank_order(dist_pool, world, dtype):
+    """The gloo reduce-scatter (an all-to-all and a local sum) with many in flight: the
+    rank-order sum bit for bit, and gloo's own result on 2 ranks."""
+    ops = dist_pool(world).run(bodies.reduce_scatters_in_flight, dtype)
+    assert ops[0] == "gm_c10d.reduce_scatter_tensor.default"
 
 
 def test_a_bucket_never_mixes_groups():

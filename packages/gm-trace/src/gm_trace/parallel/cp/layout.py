@@ -94,10 +94,11 @@ class SeqMoves:
         layout: SeqLayout,
         group_name: str,
         all_gather: Any,
+        reduce_scatter_op: Any,
         stats: dict[str, int],
     ) -> None:
         self.emit, self.layout, self.group_name = emit, layout, group_name
-        self.all_gather, self.stats = all_gather, stats
+        self.all_gather, self.reduce_scatter_op, self.stats = all_gather, reduce_scatter_op, stats
 
     # --- shapes -----------------------------------------------------------------------------
 
@@ -230,9 +231,7 @@ class SeqMoves:
             grid = self.emit(aten.view.default, (buffer, [want.outer, lay.cp, rows, *shape[1:]]))
             swapped = _contiguous(self.emit, self.emit(aten.transpose.int, (grid, 0, 1)))
             buffer = self.emit(aten.view.default, (swapped, shape))
-        scattered = self.emit(
-            c10d.reduce_scatter_tensor.default, (buffer, "sum", lay.cp, self.group_name)
-        )
+        scattered = self.emit(self.reduce_scatter_op, (buffer, "sum", lay.cp, self.group_name))
         scattered = self.emit(c10d.wait_tensor.default, (scattered,))
         return self._apart(scattered, restore, like)
 

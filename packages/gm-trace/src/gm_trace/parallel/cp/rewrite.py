@@ -26,7 +26,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statica
 
 from gm_config import ConfigError
 from gm_trace.graph import node_meta
-from gm_trace.graph.collectives import all_gather_op
+from gm_trace.graph.collectives import all_gather_op, reduce_scatter_op
 from gm_trace.graph.dynamic_shapes import no_zero_one_specialization
 from gm_trace.graph.graph_build import fake_mode_of
 from gm_trace.graph.sym_nodes import SizeNodes
@@ -166,6 +166,7 @@ class Rewriter:
             layout,
             self.group_name,
             all_gather_op(group),
+            reduce_scatter_op(group),
             self.stats,
         )
         self.attention: list[str] = []

@@ -35,7 +35,7 @@ import torch.fx as fx
 
 from gm_config import PassConfig, PassPlan, Role, fsdp_requested
 from gm_passes import GraphPass, PassContext, PassResult
-from gm_trace.graph.collectives import all_gather_op
+from gm_trace.graph.collectives import all_gather_op, reduce_scatter_op
 from gm_trace.graph.joint_graph import SHARDING_LAYOUT, JointGraph
 from gm_trace.parallel.ep import expert_param_fqns
 from gm_trace.parallel.fsdp.offload import offload_decision
@@ -49,7 +49,13 @@ __all__ = ["FSDPPass", "describe_experts"]
 
 
 def _shard_group(group: dist.ProcessGroup) -> ShardGroup:
-    return ShardGroup(group.group_name, group.size(), dist.get_rank(group), all_gather_op(group))
+    return ShardGroup(
+        group.group_name,
+        group.size(),
+        dist.get_rank(group),
+        all_gather_op(group),
+        reduce_scatter_op(group),
+    )
 
 
 def _experts(ctx: PassContext) -> tuple[frozenset[str], ShardGroup] | None:

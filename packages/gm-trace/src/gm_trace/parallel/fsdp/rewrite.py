@@ -47,6 +47,9 @@ class ShardGroup:
     all_gather: Any = c10d.all_gather_into_tensor.default
     """The all-gather op for its backend (see gm_trace.graph.collectives: gloo needs its own)."""
 
+    reduce_scatter: Any = c10d.reduce_scatter_tensor.default
+    """The reduce-scatter op for its backend (gloo's own is an all-reduce: see collectives)."""
+
 
 @dataclass
 class _ShardedParam:
@@ -307,7 +310,7 @@ class Rewrite:
             scattered = call(
                 self.graph,
                 self.mode,
-                c10d.reduce_scatter_tensor.default,
+                group.reduce_scatter,
                 scaled,
                 "sum",
                 group.degree,
