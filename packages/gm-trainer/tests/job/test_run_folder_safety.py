@@ -18,8 +18,9 @@ from test_job_cli import TINY, gm_train
 
 from gm_config import ConfigError
 from gm_trainer.checkpoint.durable import replacing
-from gm_trainer.job.cli import check_run_config, main
+from gm_trainer.job.cli import main
 from gm_trainer.job.config.job_config import JobConfig
+from gm_trainer.job.run_folder.choice import check_run_config
 from gm_trainer.job.run_folder.files import (
     LOCK_NAME,
     RUN_MARKER,
