@@ -20,14 +20,15 @@ SCALED = "lm_head.weight"
 
 
 class ScaleOneGradient(GraphPass):
-    """A wrong user pass: returns one gradient times 1.001 (a node it adds, without meta)."""
+    """A wrong user pass: returns one gradient times ``factor`` (a node it adds, without
+    meta)."""
 
     name = "scale_one_gradient"
     runs_after = ("fsdp",)
     runs_before = ("recompute", "overlap")
 
-    def __init__(self, fqn: str = SCALED) -> None:
-        self.fqn = fqn
+    def __init__(self, fqn: str = SCALED, factor: float = 1.001) -> None:
+        self.fqn, self.factor = fqn, factor
         self.added: str | None = None
 
     def run(self, graph_module: Any, ctx: PassContext) -> PassResult:
@@ -36,7 +37,9 @@ class ScaleOneGradient(GraphPass):
         outputs = list(output.args[0])
         position = ctx.graph_info.grad_output_index[self.fqn]
         with graph.inserting_before(output):
-            scaled = graph.call_function(torch.ops.aten.mul.Tensor, (outputs[position], 1.001))
+            scaled = graph.call_function(
+                torch.ops.aten.mul.Tensor, (outputs[position], self.factor)
+            )
         outputs[position] = scaled
         output.args = (tuple(outputs),)
         self.added = scaled.name
@@ -78,11 +81,14 @@ def summary(result) -> dict[str, Any]:
     }
 
 
-def compare_on_ranks(rank: int, world: int) -> dict[str, Any]:
-    """On the unmodified pipeline, then with the wrong pass: what compare_passes reports."""
+def compare_on_ranks(
+    rank: int, world: int, scaled: str = SCALED, factor: float = 1.001
+) -> dict[str, Any]:
+    """On the unmodified pipeline, then with a wrong pass that scales the gradient of
+    ``scaled``: what compare_passes reports."""
     batch = local(global_batch(0), rank, world)
     clean = compare_passes(llama_trainer(), batch)
-    wrong_pass = ScaleOneGradient()
+    wrong_pass = ScaleOneGradient(scaled, factor)
     wrong = compare_passes(llama_trainer([wrong_pass]), batch)
     return {"clean": summary(clean), "wrong": summary(wrong), "added": wrong_pass.added}
 

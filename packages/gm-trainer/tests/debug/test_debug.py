@@ -4,6 +4,7 @@ step, and the first node of it that differs; running it changes nothing."""
 from __future__ import annotations
 
 import debug_bodies as bodies
+import pytest
 import torch
 from extras import HF, PLOT
 
@@ -117,8 +118,14 @@ def test_the_rng_is_restored_dropout_masks_of_the_next_step_are_the_same():
     assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
 
 
-def test_on_two_gloo_ranks(dist_pool):
-    results = dist_pool(2).run(bodies.compare_on_ranks)
+@pytest.mark.parametrize(
+    ("scaled", "factor"),
+    # The second: not the first parameter of its layer's FSDP bucket, whose reduce-scatter
+    # every gradient of the bucket flows through (its gradient is small: scaled further).
+    [("lm_head.weight", 1.001), ("model.layers.0.mlp.down_proj.weight", 1.5)],
+)
+def test_on_two_gloo_ranks(dist_pool, scaled, factor):
+    results = dist_pool(2).run(bodies.compare_on_ranks, scaled, factor)
     for result in results:
         clean, wrong = result["clean"], result["wrong"]
         assert clean["ok"] and clean["culprit"] is None, clean["text"]
@@ -126,7 +133,7 @@ def test_on_two_gloo_ranks(dist_pool):
         assert wrong["ranks"] == (0, 1)
         name, op, module, _ = wrong["node"]
         assert name == result["added"] and op == "call_function aten.mul.Tensor"
-        assert module.startswith("lm_head")
+        assert module.startswith(scaled.removesuffix(".weight") + " ("), module
 
 
 @PLOT

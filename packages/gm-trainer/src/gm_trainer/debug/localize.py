@@ -21,6 +21,7 @@ import torch.fx as fx
 from torch import Tensor
 
 from gm_passes.graph_ops import is_collective, is_wait
+from gm_trace.graph import node_meta
 
 #: Runs one graph node by node, calling ``on_node(node, value)`` after each.
 RunNodes = Callable[[Callable[[fx.Node, Any], None]], None]
@@ -175,15 +176,35 @@ def _node_report(node: fx.Node, diff: float | None) -> NodeReport:
 
 
 def _nearest_traced_input(node: fx.Node) -> fx.Node | None:
-    """The closest node upstream of ``node`` (breadth first) that the tracer recorded."""
+    """The closest node upstream of ``node`` (breadth first) that the tracer recorded. A
+    pass's gradient of a parameter (the fsdp pass's piece of a bucket: every gradient of the
+    bucket flows into its reduce-scatter) stands for the traced gradient of that parameter."""
     seen, frontier = {node}, list(node.all_input_nodes)
     while frontier:
         for candidate in frontier:
             if "stack_trace" in candidate.meta:
                 return candidate
+            traced = _traced_gradient(candidate)
+            if traced is not None:
+                return traced
         seen.update(frontier)
         frontier = [i for n in frontier for i in n.all_input_nodes if i not in seen]
     return None
+
+
+def _traced_gradient(node: fx.Node) -> fx.Node | None:
+    """The traced node that is the gradient of the parameters ``node`` is the gradient of."""
+    fqns = node.meta.get(node_meta.GRAD_OF)
+    if not fqns:
+        return None
+    return next(
+        (
+            n
+            for n in node.graph.nodes
+            if "stack_trace" in n.meta and set(fqns) <= set(n.meta.get(node_meta.GRAD_OF, ()))
+        ),
+        None,
+    )
 
 
 def _module_of(node: fx.Node) -> str | None:

@@ -333,6 +333,9 @@ class Rewrite:
                     local = copy_to(
                         self.graph, local, HOST, "host", **{node_meta.COMM_EPILOGUE: True}
                     )
+                # The graph now returns this node as the gradient (what compare_passes
+                # reports a change of by the parameter's own module, not the bucket's first).
+                local.meta[node_meta.GRAD_OF] = [param.fqn]
                 _set_output_at(self.graph, param.grad_index, local)
                 if self.offload_to is not None:
                     wait_at_output(self.graph, local)
