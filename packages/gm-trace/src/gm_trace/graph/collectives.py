@@ -22,11 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch._C._distributed_c10d import (
-    _create_work_from_future,
-    _register_work,
-    _resolve_process_group,
-)
+from torch._C._distributed_c10d import _register_work, _resolve_process_group
 
 # torch 2.13 renamed all_gather_into_tensor (now a deprecated alias); older torch has only it.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -52,6 +48,23 @@ def _(input: Tensor, group_size: int, group_name: str) -> Tensor:
     return _gathered_like(input, group_size)
 
 
+class _FutureWork(dist.Work):
+    """The work of a future: its wait raises the future's error. (torch 2.13's
+    ``_create_work_from_future`` waits and reports success for a failed future, so a graph
+    would read a sum that never happened.)"""
+
+    def __init__(self, future: torch.futures.Future) -> None:
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout: object = None) -> bool:
+        self._future.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
 def _scattered_like(input: Tensor, group_size: int) -> Tensor:
     return input.new_empty((input.shape[0] // group_size, *input.shape[1:]))
 
@@ -71,13 +84,14 @@ def reduce_scatter_tensor(
     group = _resolve_process_group(group_name)
     work = dist.all_to_all_single(received, input.contiguous(), group=group, async_op=True)
 
-    def reduce(_):  # runs on the thread that completes the all-to-all
+    def reduce(sent: torch.futures.Future) -> Tensor:  # on the thread that completes it
+        sent.value()  # raises the all-to-all's error (a timeout, a lost peer): no stale sum
         torch.sum(received.view(group_size, *out.shape), dim=0, out=out)
         if reduce_op == "avg":
             out.div_(group_size)
         return out
 
-    _register_work(out, _create_work_from_future(work.get_future().then(reduce)))
+    _register_work(out, _FutureWork(work.get_future().then(reduce)))
     return out
 
 

@@ -179,6 +179,25 @@ def reduce_scatters_in_flight(rank: int, world: int, dtype: str):
     return str(scatter)
 
 
+def reduce_scatter_without_a_peer(rank: int, world: int) -> str:
+    """Rank 0 reduce-scatters while rank 1 never joins: the wait raises gloo's timeout rather
+    than return a sum of whatever the receive buffer held."""
+    import time
+
+    from gm_trace.graph.collectives import reduce_scatter_op
+
+    if rank == 1:
+        time.sleep(4)  # past rank 0's collective timeout
+        return "absent"
+    group = dist.group.WORLD
+    out = reduce_scatter_op(group)(torch.ones(world * 8), "sum", world, group.group_name)
+    try:
+        torch.ops._c10d_functional.wait_tensor.default(out)
+    except RuntimeError as exc:
+        return type(exc).__name__
+    return "returned"
+
+
 # --- groups as values (issue 37) -------------------------------------------------------------
 
 

@@ -132,6 +132,11 @@ def test_gloo_reduce_scatter_sums_in_rank_order(dist_pool, world, dtype):
     assert ops[0] == "gm_c10d.reduce_scatter_tensor.default"
 
 
+def test_gloo_reduce_scatter_raises_when_a_peer_never_joins():
+    with DistributedPool(2, collective_timeout=1.5) as pool:
+        assert pool.run(bodies.reduce_scatter_without_a_peer) == ["RuntimeError", "absent"]
+
+
 def test_a_bucket_never_mixes_groups():
     """Expert parameters split over ``ep_replicate`` and the rest over ``fsdp``: one block's
     consecutive parameters of one group share a bucket, a change of group starts another."""
