@@ -20,6 +20,7 @@ from gm_trainer.job.config.job_config import (
     DEFAULT_CONFIG_PATH,
     CheckpointConfig,
     JobConfig,
+    TrainConfig,
     apply_overrides,
     load_config,
 )
@@ -86,7 +87,11 @@ def test_defaults() -> None:
         "eps": 1e-8,
         "weight_decay": 0.0,
         "grad_clip": 1.0,
+        "in_graph": False,
     }
+    assert TrainConfig(optimizer_in_graph=True).optimizer_config()["in_graph"] is True
+    with pytest.raises(ConfigError, match="optimizer_in_graph"):
+        TrainConfig(optimizer_in_graph="yes")
 
 
 def test_partial_file_fills_the_rest_with_defaults(tmp_path: Path) -> None:

@@ -93,6 +93,12 @@ class TrainConfig(Section):
     optimizer: str = "adam"
     """``adam`` or the name of any ``torch.optim`` optimizer class (e.g. ``AdamW``)."""
 
+    optimizer_in_graph: bool = False
+    """Trace the update and the ``grad_clip`` into the step's graph
+    (``OptimizerConfig.in_graph``): each shard is updated where its gradient is reduced, and no
+    gradient is kept between steps. Adam, AdamW and SGD trace; another optimizer runs the
+    eager update and says why."""
+
     seed: int = 0
     """Seed of the model's initial weights (identical on every rank)."""
 
@@ -152,6 +158,7 @@ class TrainConfig(Section):
             "eps": self.eps,
             "weight_decay": self.weight_decay,
             "grad_clip": self.grad_clip,
+            "in_graph": self.optimizer_in_graph,
         }
 
 

@@ -152,7 +152,8 @@ def estimate_rank(trainer: GraphTrainer, config: JobConfig, joint: Any) -> dict[
         peak_graph = estimate_peak_memory(graph)
         # In the graph's peak: its inputs (parameters, buffers, batch) and the gradients.
         activations = max(0, peak_graph - _placeholder_bytes(graph) - grad_bytes)
-        peak = peak_graph + opt_bytes
+        # The update in the graph takes the optimizer's state as inputs: in the peak already.
+        peak = peak_graph + (0 if trainer.optimizer_in_graph else opt_bytes)
         _collectives(graph, accumulation, groups, collectives)
         flight = 1
     else:

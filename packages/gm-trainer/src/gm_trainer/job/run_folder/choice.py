@@ -49,6 +49,7 @@ LATER_KEYS = frozenset(
         ("data", ("allow_changed_corpus",)),  # issue #31
         ("train", ("eval_interval",)),
         ("checkpoint", ("export",)),
+        ("train", ("optimizer_in_graph",)),  # issue #38
     )
     for key in keys
 )
