@@ -244,6 +244,16 @@ def test_bad_value_is_a_clear_error(override: str, expected: str) -> None:
     assert expected in error_of([override])
 
 
+def test_an_error_names_the_overrides_beside_the_file() -> None:
+    # The value at fault is the command line's, not the embedded default's.
+    message = error_of(["parallel.pp_degree=2", "parallel.pp_schedule=zbv"])
+    assert message.startswith(
+        "the embedded default config with the overrides parallel.pp_degree=2 "
+        "parallel.pp_schedule=zbv: "
+    )
+    assert "set pp_virtual_stages=2" in message
+
+
 def _float_keys() -> list[str]:
     """Every float field of the job config, found from the dataclasses (none forgotten)."""
     import dataclasses

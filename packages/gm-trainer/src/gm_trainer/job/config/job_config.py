@@ -436,7 +436,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     Errors are :class:`ConfigError` prefixed with the file they came from.
     """
     data = read_yaml(path if path is not None else DEFAULT_CONFIG_PATH)
-    source = path if path is not None else "the embedded default config"
+    source = str(path) if path is not None else "the embedded default config"
+    if overrides:  # the value at fault may be an override's, not the file's
+        source += f" with the overrides {' '.join(overrides)}"
     try:
         if data is not None and not isinstance(data, Mapping):
             raise ConfigError(f"the file must hold a mapping of sections, got {data!r}")
