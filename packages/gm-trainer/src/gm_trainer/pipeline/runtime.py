@@ -278,6 +278,7 @@ class PipelineRunner:
         if measured is not None:  # the batch is an input, not an activation
             params |= {t.untyped_storage().data_ptr() for batch in batches for t in batch}
         held = peak = 0
+        holds: dict[tuple[int, int], int] = {}  # bytes each kept env added to ``held``
         device = self.topology.device  # an offloaded activation's host copy is not counted
         incoming = messages.post(actions[0], step.sizes)
         for index, action in enumerate(actions):
@@ -287,15 +288,18 @@ class PipelineRunner:
             kept = (action.stage, action.microbatch)
             if action.phase == FORWARD:
                 self._forward(step, action, received)
-                held += _bytes(step.envs[kept], params, device)
+                storages = _storages(step.envs[kept], params, device)
+                holds[kept] = sum(storages.values())
+                held += holds[kept]
                 peak = max(peak, held)
                 if measured is not None:
-                    measured.add(action.stage, _storages(step.envs[kept], params, device))
+                    measured.add(action.stage, storages)
             else:
-                held -= _bytes(step.envs[kept], params, device)
+                held -= holds.pop(kept)  # a kept env is replaced, never changed in place
                 self._backward(step, action, received, train=measured is None)
                 if kept in step.envs:  # B ran: W's values stay until it runs
-                    held += _bytes(step.envs[kept], params, device)
+                    holds[kept] = sum(_storages(step.envs[kept], params, device).values())
+                    held += holds[kept]
         sent = messages.finish()
         loss = self._loss(step)
         if measured is not None:
@@ -458,12 +462,6 @@ def _storages(env: Env, exclude: set[int], device: torch.device) -> dict[int, in
         if isinstance(t, torch.Tensor) and t.device.type == device.type
     }
     return {ptr: n for ptr, n in storages.items() if ptr not in exclude}
-
-
-def _bytes(env: Env, exclude: set[int], device: torch.device) -> int:
-    """Bytes of the distinct storages on ``device`` ``env`` holds, other than those in
-    ``exclude``."""
-    return sum(_storages(env, exclude, device).values())
 
 
 __all__ = [
