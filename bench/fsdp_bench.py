@@ -325,7 +325,7 @@ def interleaved(rank: int, world: int, n_layers: int, steps: int, rows: list[str
         else:
             step_fns[row] = _train_window(trainer, k)
     times = interleaved_times(step_fns, batches)
-    result = {row: {"step_s": statistics.median(t)} for row, t in times.items()}
+    result = {row: {"step_s": statistics.median(t), "times": t} for row, t in times.items()}
     for row, trainer in trainers.items():
         result[row]["bytes_per_step"] = _graph_bytes_per_step(trainer, k)
     return result
@@ -457,6 +457,7 @@ def main() -> int:
 def run_interleaved(args) -> int:
     rows = [r for r in INTERLEAVED_ROWS if args.inductor or "inductor" not in r]
     report = {"torch": torch.__version__, "interleaved": {}}
+    paired: dict[str, dict] = {}
     lines = [
         "| layers | k | row | s/step | vs fsdp2 keep | vs compute only | MiB/step |",
         "|---|---|---|---|---|---|---|",
@@ -470,6 +471,8 @@ def run_interleaved(args) -> int:
                 row: {
                     "step_s": max(r[row]["step_s"] for r in per_rank),
                     "bytes_per_step": per_rank[0][row].get("bytes_per_step"),
+                    # A turn ends at a barrier: its time is the slower rank's.
+                    "times": [max(ts) for ts in zip(*(r[row]["times"] for r in per_rank))],
                 }
                 for row in wanted
             }
@@ -483,12 +486,54 @@ def run_interleaved(args) -> int:
                     f"| {n_layers} | {k} | {row} | {r['step_s']:.4f} | {r['step_s'] / base:.2f} "
                     f"| {r['step_s'] / compute:.2f} | {mib:.2f} |"
                 )
+            paired[f"{n_layers}x{k}"] = {
+                f"{a} / {b}": paired_ratio(result[a]["times"], result[b]["times"])
+                for a, b in PAIRED
+                if a in result and b in result
+            }
+    report["paired"] = paired
+    lines += [
+        "",
+        "Paired: the ratio of the two rows' times in each turn (the same batch, one after the "
+        "other), its median and quartiles over the turns:",
+        "",
+        "| layers x k | ratio | median | q1 | q3 | turns at or under 1 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for shape, ratios in paired.items():
+        for name, r in ratios.items():
+            lines.append(
+                f"| {shape} | {name} | {r['median']:.3f} | {r['q1']:.3f} | {r['q3']:.3f} "
+                f"| {r['at_most_1']} of {r['turns']} |"
+            )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print("\n".join(lines))
     print(f"\nwritten to {out}")
     return 0
+
+
+#: The ratios the interleaved run also gives turn by turn (issue #38's targets).
+PAIRED = (
+    ("graph: optimizer in graph", "graph: default"),
+    ("graph: default", "fsdp2 keep"),
+    ("graph: optimizer in graph", "fsdp2 keep"),
+)
+
+
+def paired_ratio(times: list[float], base: list[float]) -> dict[str, float]:
+    """``times`` over ``base`` turn by turn: the median and quartiles of the ratios (a busy
+    moment of the machine hits both rows of one turn), and how many turns were at most 1."""
+    ratios = [t / b for t, b in zip(times, base)]
+    q1, median, q3 = statistics.quantiles(ratios, n=4)
+    return {
+        "median": median,
+        "q1": q1,
+        "q3": q3,
+        "at_most_1": sum(r <= 1.0 for r in ratios),
+        "turns": len(ratios),
+    }
 
 
 def format_report(report: dict) -> str:
