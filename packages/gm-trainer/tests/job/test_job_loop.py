@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
-from gm_trainer.job.run.hooks import logged_steps
+from gm_trainer.job.run.hooks import PipelineBubble, logged_steps
 from gm_trainer.job.run.loop import Records, StepHook, train_steps
 from gm_trainer.job.run.telemetry import StepProfiler
+from gm_trainer.pipeline.runtime import PipelineStats
 
 
 class _Trainer:
@@ -92,6 +93,28 @@ def test_hooks_are_closed_when_a_step_fails() -> None:
             hooks=[_Spy("a", seen)],
         )
     assert "a after 2" not in seen and seen[-1] == "a close"
+
+
+def test_pipeline_bubble_is_each_steps_share_over_all_its_windows() -> None:
+    waits = {1: [9.0, 9.0], 2: [1.0, 3.0], 3: [2.0, 2.0], 4: [0.0, 6.0]}  # per window
+    made: dict[str, PipelineStats] = {}  # the stages exist from the first step's compile on
+
+    class _Pipeline(_Trainer):
+        def train(self, batches, max_steps, accumulation_steps):  # type: ignore[no-untyped-def]
+            stats = made.setdefault("stats", PipelineStats())
+            for wait in waits[self.step + 1]:  # one schedule per window, as the runner runs
+                stats.total_wait_s += wait
+                stats.total_step_s += 10.0
+            return super().train(batches, max_steps, accumulation_steps)
+
+    hook = PipelineBubble(lambda: made.get("stats"), skip={1, 3})
+    train_steps(_Pipeline(), iter(range(100)), steps=4, accumulation=2, hooks=[hook])  # type: ignore[arg-type]
+    assert hook.bubbles == [4.0 / 20.0, 6.0 / 20.0]  # steps 2 and 4, each over both windows
+    assert hook.report(world_size=1, rank=0) == {
+        "schedule_measured_bubble": [0.25],  # the median
+        "schedule_measured_steps": 2,
+    }
+    assert hook.report(world_size=1, rank=1) == {}
 
 
 def test_logged_steps_are_every_interval_and_the_first_and_the_last() -> None:

@@ -73,6 +73,15 @@ def test_a_pipeline_job_trains_evaluates_and_resumes_bitwise(tmp_path: Path) -> 
     assert_peak_estimated(tmp_path / "straight")  # PP 2: the plan's estimate vs the measured
     summary = json.loads((tmp_path / "straight" / "summary.json").read_text())
     assert (summary["world_size"], summary["pp_degree"], summary["steps"]) == (2, 2, 4)
+    # Measured beside planned: each rank's median bubble over steps 3 and 4 (the first step
+    # and the one the memory probe profiles are left out); the resumed run counts none.
+    measured = summary["schedule_measured_bubble"]
+    assert len(measured) == 2 and all(0.0 <= b < 1.0 for b in measured), measured
+    assert summary["schedule_measured_steps"] == 2
+    planned = plan_schedule("gpipe", 2, 2).bubble_fraction
+    assert f"pipeline bubble: planned {planned:.1%} (unit costs), measured rank 0 " in out
+    resumed_summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    assert "schedule_measured_bubble" not in resumed_summary
     # schedule.png of a pipeline run: the planner's schedule, its bubble in the summary
     assert summary["schedule_planned_bubble"] == plan_schedule("gpipe", 2, 2).bubble_fraction
     passes = (tmp_path / "straight" / "passes.txt").read_text()

@@ -71,11 +71,26 @@ class PipelineStats:
     messages: int = 0
     """Point-to-point messages this rank sent (and, alike, received) in the step."""
     steps: int = 0
+    """Schedules run (one per ``train_step``: an accumulation window runs several)."""
+    total_wait_s: float = 0.0
+    """``wait_s`` summed over every schedule run so far."""
+    total_step_s: float = 0.0
+    """``step_s`` summed likewise."""
 
     @property
     def bubble_fraction(self) -> float:
         """Share of the step this stage waited for other stages."""
         return self.wait_s / self.step_s if self.step_s else 0.0
+
+    def totals(self) -> tuple[float, float]:
+        """``(total_wait_s, total_step_s)`` now, for :meth:`bubble_since`."""
+        return self.total_wait_s, self.total_step_s
+
+    def bubble_since(self, totals: tuple[float, float]) -> float | None:
+        """Share of the time the schedules run since ``totals`` were read waited for other
+        stages (an optimizer step's, over all its accumulation windows); ``None``: none ran."""
+        waited, ran = self.total_wait_s - totals[0], self.total_step_s - totals[1]
+        return waited / ran if ran > 0 else None
 
 
 @dataclass
@@ -305,11 +320,14 @@ class PipelineRunner:
         if measured is not None:
             measured.peak_bytes = peak
             return loss
-        self.stats.wait_s = messages.wait_s
-        self.stats.messages = sent
-        self.stats.step_s = time.perf_counter() - started
-        self.stats.peak_held_bytes = peak
-        self.stats.steps += 1
+        stats = self.stats
+        stats.wait_s = messages.wait_s
+        stats.messages = sent
+        stats.step_s = time.perf_counter() - started
+        stats.peak_held_bytes = peak
+        stats.steps += 1
+        stats.total_wait_s += stats.wait_s
+        stats.total_step_s += stats.step_s
         return loss
 
     def _forward(self, step: _Step, action: Action, received: Receives) -> None:

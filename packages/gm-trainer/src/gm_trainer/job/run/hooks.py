@@ -2,8 +2,9 @@
 
 The runner passes them to :func:`~gm_trainer.job.run.loop.train_steps` in this order:
 :class:`~gm_trainer.job.run.telemetry.StepProfiler` (every rank), :class:`MemoryProbe` (every
-rank), :class:`LogRecords` (rank 0), :class:`Evaluate` (every rank: it gathers),
-:class:`WriteMetrics` (rank 0), :class:`SaveCheckpoints` (every rank writes its shards).
+rank), :class:`PipelineBubble` (every rank of a pipeline), :class:`LogRecords` (rank 0),
+:class:`Evaluate` (every rank: it gathers), :class:`WriteMetrics` (rank 0),
+:class:`SaveCheckpoints` (every rank writes its shards).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from gm_trainer.job.run.progress import Progress
     from gm_trainer.job.run.telemetry import Telemetry
     from gm_trainer.job.run_folder.folder import RunFolder
+    from gm_trainer.pipeline.runtime import PipelineStats
     from gm_trainer.trainer import GraphTrainer
 
 
@@ -218,3 +220,44 @@ class MemoryProbe(StepHook):
             "measured_peak_bytes": [m for _, m in gathered],
         }
         return plan, section
+
+
+class PipelineBubble(StepHook):
+    """The bubble this rank measured in each optimizer step of a pipeline run (the share of
+    its schedules' time spent waiting for other stages, over every accumulation window), and
+    at the end every rank's median, for the summary beside the planner's figure. The steps in
+    ``skip`` are not counted: the session's first (the schedule's first run) and the one the
+    memory probe runs under the profiler."""
+
+    def __init__(self, stats: Callable[[], PipelineStats | None], skip: Collection[int]) -> None:
+        self.stats = stats
+        self.skip = skip
+        self.bubbles: list[float] = []
+        self._totals = (0.0, 0.0)
+
+    def before_step(self, step: int) -> None:
+        stats = self.stats()  # None until the first compile made the stages
+        self._totals = stats.totals() if stats is not None else (0.0, 0.0)
+
+    def after_step(self, record: dict[str, Any]) -> None:
+        stats = self.stats()
+        bubble = stats.bubble_since(self._totals) if stats is not None else None
+        if bubble is not None and record["step"] not in self.skip:
+            self.bubbles.append(bubble)
+
+    def report(self, world_size: int, rank: int) -> dict[str, Any]:
+        """Rank 0: ``schedule_measured_bubble`` (each rank's median over the steps counted)
+        and ``schedule_measured_steps``; ``{}`` elsewhere or when no step was counted. A
+        collective: every rank calls it."""
+        import statistics
+
+        import torch.distributed as dist
+
+        mine = statistics.median(self.bubbles) if self.bubbles else None
+        gathered: list[Any] = [mine]
+        if world_size > 1:
+            gathered = [None] * world_size
+            dist.all_gather_object(gathered, mine)
+        if rank != 0 or any(b is None for b in gathered):
+            return {}
+        return {"schedule_measured_bubble": gathered, "schedule_measured_steps": len(self.bubbles)}

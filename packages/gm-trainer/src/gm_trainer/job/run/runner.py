@@ -29,6 +29,7 @@ from gm_trainer.job.run.hooks import (
     Evaluate,
     LogRecords,
     MemoryProbe,
+    PipelineBubble,
     SaveCheckpoints,
     WriteMetrics,
     logged_steps,
@@ -48,6 +49,7 @@ from gm_trainer.optim.lr_schedule import restore_scheduler, set_base_lrs
 from gm_trainer.parallel.device import init_distributed
 
 if TYPE_CHECKING:
+    from gm_trainer.pipeline.runtime import PipelineStats
     from gm_trainer.trainer import GraphTrainer
 
 #: The settings that decide which windows step ``i`` trains on: a resumed run that changes
@@ -205,7 +207,7 @@ def _train(
     if folder is not None:  # rank 0: MFU on the records, TensorBoard / W&B
         flops = job_flops_per_token(config, model, n_params)
         telemetry = Telemetry(config, run_dir, flops, trainer.device, world_size, start_step)
-    hooks, probe, saves = _step_hooks(
+    hooks, probe, saves, bubble = _step_hooks(
         config,
         trainer,
         job_data,
@@ -226,6 +228,7 @@ def _train(
             progress.close()
     wall = time.perf_counter() - start
     memory = probe.report(config, world_size)  # every rank: it gathers
+    measured_bubble = bubble.report(world_size, trainer.rank) if bubble is not None else {}
     first_batch = next(iter(batches_from(0)))  # what the schedule and activations replay
     schedule = plot_schedule(trainer, first_batch, config, folder)
     # Every rank: measuring runs the graph once more, with its collectives.
@@ -266,7 +269,16 @@ def _train(
         resumed_from_step=start_step if resume is not None else None,
         memory=measured if memory is not None else None,
         **schedule,
+        **measured_bubble,
     )
+    if measured_bubble:
+        bubbles = measured_bubble["schedule_measured_bubble"]
+        per_rank = ", ".join(f"rank {r} {b:.1%}" for r, b in enumerate(bubbles))
+        progress.write(
+            f"pipeline bubble: planned {schedule['schedule_planned_bubble']:.1%} (unit costs), "
+            f"measured {per_rank} (median of {measured_bubble['schedule_measured_steps']} "
+            "steps)"
+        )
     steps = (
         f"steps {start_step + 1}..{trainer.step}" if resume is not None else f"{trainer.step} steps"
     )
@@ -326,9 +338,10 @@ def _step_hooks(
     folder: RunFolder | None,
     progress: Progress | None,
     telemetry: Telemetry | None,
-) -> tuple[list[StepHook], MemoryProbe, SaveCheckpoints]:
+) -> tuple[list[StepHook], MemoryProbe, SaveCheckpoints, PipelineBubble | None]:
     """The hooks of this rank's step loop, in their order (:mod:`gm_trainer.job.run.hooks`),
-    with the two whose results the summary reads: the memory probe and the saver. ``folder``,
+    with those whose results the summary reads: the memory probe, the saver and, under a
+    pipeline, the measured bubble. ``folder``,
     ``progress`` and ``telemetry`` are rank 0's (``None`` elsewhere); ``fingerprint``: the
     training data's, saved with each checkpoint."""
     t, c = config.train, config.checkpoint
@@ -365,6 +378,15 @@ def _step_hooks(
         config.profile.start_step, config.profile.end_step, run_dir, trainer.rank
     )
     hooks: list[StepHook] = [profiler, probe]
+    bubble = None
+    if config.parallel.pp_degree > 1:
+
+        def stats() -> PipelineStats | None:
+            pipeline = trainer.pipeline
+            return pipeline.stats if pipeline is not None else None
+
+        bubble = PipelineBubble(stats, skip={start_step + 1, probe_step})
+        hooks.append(bubble)
     logged = logged_steps(config.logging.interval, t.steps)
     if progress is not None and telemetry is not None:
         hooks.append(LogRecords(progress, telemetry, logged))
@@ -373,7 +395,7 @@ def _step_hooks(
     if folder is not None:
         hooks.append(WriteMetrics(folder, logged, eval_steps))
     hooks.append(saves)
-    return hooks, probe, saves
+    return hooks, probe, saves, bubble
 
 
 def _reconcile(trainer: GraphTrainer, config: JobConfig, saved: Any) -> list[str]:
