@@ -184,13 +184,28 @@ def batch_size(input: Any) -> int:
 
 def peak_memory_mb(device: torch.device) -> float:
     """The device's peak allocated memory since the last call (``torch.accelerator``: CUDA,
-    NPU, XPU ...), reset each time; on a CPU the process's peak resident memory (RSS)."""
+    NPU, XPU ...), reset each time; on a CPU the process's peak resident memory (RSS) since
+    the last call, reset each time too where Linux lets a process reset it (elsewhere: since
+    the process started)."""
     if device.type != "cpu" and torch.accelerator.is_available():
         peak = torch.accelerator.max_memory_allocated(device) / 2**20
         torch.accelerator.reset_peak_memory_stats(device)
         return peak
     # ru_maxrss is in KiB on Linux: the peak resident memory of this process.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    _reset_peak_rss()
+    return peak
+
+
+def _reset_peak_rss() -> None:
+    """Start the process's peak RSS over from its current RSS, so that each step's record
+    is that step's peak and not the high-water mark of the whole process (Linux: "5" to
+    ``/proc/self/clear_refs``; where that is missing or refused, nothing changes)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def print_record(record: dict[str, Any]) -> None:
