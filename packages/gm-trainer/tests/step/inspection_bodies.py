@@ -3,6 +3,7 @@ with dropout and BatchNorm, its trainers, and what a run carries from step to st
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -89,19 +90,24 @@ def assert_same(before: Any, after: Any, where: str) -> None:
         assert before == after, f"{where}: {before!r} -> {after!r}"
 
 
-def pipeline_measure_leaves_the_run(rank: int, world: int) -> dict[str, Any]:
+def pipeline_measure_leaves_the_run(
+    rank: int, world: int, schedule: str = "1f1b", in_graph: bool = False
+) -> dict[str, Any]:
     """Under ``pp_degree=2`` (each rank a stage, its generators seeded per stage):
     ``measure_activations`` after 3 steps, then 3 more, against the same run without it;
-    every rank passes the same batches. Returns both runs' losses and this rank's state."""
-    config = PassConfig(pp_degree=2, pp_microbatches=2)
+    every rank passes the same batches. Returns both runs' losses and this rank's state
+    (the pipeline's step statistics included: a measurement is not a step)."""
+    config = PassConfig(pp_degree=2, pp_microbatches=2, pp_schedule=schedule)
     data = batches()
-    straight = make_trainer(False, config)
+    straight = make_trainer(in_graph, config)
     expected = straight.train(data, log_fn=lambda r: None)
-    inspected = make_trainer(False, config)
+    inspected = make_trainer(in_graph, config)
     first = inspected.train(data[:3], log_fn=lambda r: None)
     before = run_state(inspected)
+    stats = dataclasses.asdict(inspected.pipeline.stats)
     profile = inspected.measure_activations(*data[3])
     assert_same(before, run_state(inspected), f"rank {rank}: measure_activations")
+    assert stats == dataclasses.asdict(inspected.pipeline.stats), f"rank {rank}: stats"
     rest = inspected.train(data[3:], log_fn=lambda r: None)
     reference = straight.model.state_dict()
     same = all(torch.equal(v, reference[k]) for k, v in inspected.model.state_dict().items())

@@ -62,10 +62,15 @@ def test_inspection_puts_back_a_run_the_block_changed() -> None:
 @pytest.mark.skipif(
     os.environ.get("GM_MEMORY") != "full", reason="2 pipeline runs: GM_MEMORY=full (nox -s memory)"
 )
-def test_measure_activations_in_a_pipeline_leaves_the_stages_generators(dist_pool):
+@pytest.mark.parametrize(
+    ("schedule", "in_graph"), [("1f1b", False), ("zb1p", True)], ids=["1f1b", "zb1p-in-graph"]
+)
+def test_measure_activations_in_a_pipeline_leaves_the_stages_generators(
+    dist_pool, schedule: str, in_graph: bool
+):
     """Each stage draws its dropout masks from generators seeded for its place: measuring
-    mid-training puts them back too."""
-    for result in dist_pool(2).run(pipeline_measure_leaves_the_run):
+    mid-training puts them back too (the B/W split and the stages' own update as well)."""
+    for result in dist_pool(2).run(pipeline_measure_leaves_the_run, schedule, in_graph):
         ours, straight = result["losses"]
         assert ours == straight and result["same_state"], result
         assert result["stages"], result
