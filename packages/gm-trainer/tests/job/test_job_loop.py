@@ -13,7 +13,7 @@ import pytest
 from gm_trainer.job.run.hooks import PipelineBubble, logged_steps
 from gm_trainer.job.run.loop import Records, StepHook, train_steps
 from gm_trainer.job.run.telemetry import StepProfiler
-from gm_trainer.pipeline.runtime import PipelineStats
+from gm_trainer.pipeline.stats import PipelineStats
 
 
 class _Trainer:

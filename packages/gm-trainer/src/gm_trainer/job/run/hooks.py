@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from gm_trainer.job.run.progress import Progress
     from gm_trainer.job.run.telemetry import Telemetry
     from gm_trainer.job.run_folder.folder import RunFolder
-    from gm_trainer.pipeline.runtime import PipelineStats
+    from gm_trainer.pipeline.stats import PipelineStats
     from gm_trainer.trainer import GraphTrainer
 
 

@@ -49,7 +49,7 @@ from gm_trainer.optim.lr_schedule import restore_scheduler, set_base_lrs
 from gm_trainer.parallel.device import init_distributed
 
 if TYPE_CHECKING:
-    from gm_trainer.pipeline.runtime import PipelineStats
+    from gm_trainer.pipeline.stats import PipelineStats
     from gm_trainer.trainer import GraphTrainer
 
 #: The settings that decide which windows step ``i`` trains on: a resumed run that changes
