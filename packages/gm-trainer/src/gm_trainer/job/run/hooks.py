@@ -226,8 +226,8 @@ class PipelineBubble(StepHook):
     """The bubble this rank measured in each optimizer step of a pipeline run (the share of
     its schedules' time spent waiting for other stages, over every accumulation window), and
     at the end every rank's median, for the summary beside the planner's figure. The steps in
-    ``skip`` are not counted: the session's first (the schedule's first run) and the one the
-    memory probe runs under the profiler."""
+    ``skip`` are not counted: the session's first (the schedule's first run) and those run
+    under torch's profiler (the memory probe's, ``profile.start_step..end_step``)."""
 
     def __init__(self, stats: Callable[[], PipelineStats | None], skip: Collection[int]) -> None:
         self.stats = stats

@@ -385,7 +385,12 @@ def _step_hooks(
             pipeline = trainer.pipeline
             return pipeline.stats if pipeline is not None else None
 
-        bubble = PipelineBubble(stats, skip={start_step + 1, probe_step})
+        # Not counted: the first step, and those run under torch's profiler (the probe's).
+        profiled = set()
+        if config.profile.start_step is not None:
+            last = config.profile.end_step or config.profile.start_step
+            profiled = set(range(config.profile.start_step, last + 1))
+        bubble = PipelineBubble(stats, skip={start_step + 1, probe_step, *profiled})
         hooks.append(bubble)
     logged = logged_steps(config.logging.interval, t.steps)
     if progress is not None and telemetry is not None:
