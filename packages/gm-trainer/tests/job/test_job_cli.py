@@ -304,6 +304,18 @@ def test_the_run_folder_holds_the_step_schedule_of_both_ranks(
     assert summary["schedule_collectives"] == [8, 8]
 
 
+@pytest.mark.distributed
+def test_the_summary_states_each_checkpoint_save(
+    two_rank_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    summary = json.loads((two_rank_run[1] / "summary.json").read_text())
+    # One save, at the end: its time is the total, the median and the slowest alike.
+    assert summary["checkpoints_saved"] == 1
+    total = summary["checkpoint_time_s"]
+    assert total > 0
+    assert summary["checkpoint_save_median_s"] == summary["checkpoint_save_max_s"] == total
+
+
 @PLOT
 @pytest.mark.distributed
 def test_the_run_folder_holds_the_loss_curve(

@@ -118,6 +118,10 @@ def test_checkpoints_on_the_interval_at_the_end_and_pruned(runs: dict[str, Any])
     summary = json.loads((root / "straight" / "summary.json").read_text())
     assert summary["last_checkpoint"].endswith("straight/checkpoints/step-00000008")
     assert summary["resumed_from"] is None and summary["checkpoint_time_s"] > 0
+    # Steps 3, 6 and 8: the total of three saves, each no slower than the slowest.
+    assert summary["checkpoints_saved"] == 3
+    assert summary["checkpoint_save_median_s"] <= summary["checkpoint_save_max_s"]
+    assert summary["checkpoint_save_max_s"] <= summary["checkpoint_time_s"]
 
 
 @pytest.mark.distributed

@@ -9,6 +9,7 @@ rank), :class:`PipelineBubble` (every rank of a pipeline), :class:`LogRecords` (
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
@@ -111,7 +112,7 @@ class SaveCheckpoints(StepHook):
 
     ``extra`` is saved with each checkpoint, with ``data_state()`` (where the data stream
     stands) under ``"data"`` and the LR schedule's state. Owns :attr:`last` and
-    :attr:`seconds`.
+    :attr:`durations`.
     """
 
     def __init__(
@@ -136,8 +137,8 @@ class SaveCheckpoints(StepHook):
         self.progress = progress
         self.last: Path | None = None
         """The newest checkpoint this run saved."""
-        self.seconds = 0.0
-        """The time spent saving, on this rank."""
+        self.durations: list[float] = []
+        """Seconds each save of this session took, on this rank."""
 
     def after_step(self, record: dict[str, Any]) -> None:
         step = record["step"]
@@ -151,14 +152,25 @@ class SaveCheckpoints(StepHook):
             checkpoint_dir(self.run_dir, step),
             extra=scheduler_extra(trainer.lr_scheduler, extra),
         )
-        self.seconds += time.perf_counter() - started
+        self.durations.append(time.perf_counter() - started)
         if self.folder is not None and self.progress is not None:  # rank 0, after the commit
             pruned = prune_checkpoints(self.folder.checkpoints_dir, self.keep_last)
             gone = f" | removed {', '.join(p.name for p in pruned)}" if pruned else ""
             self.progress.write(
                 f"checkpoint {checkpoint_dir(self.run_dir, step)} "
-                f"saved in {time.perf_counter() - started:.2f} s{gone}"
+                f"saved in {self.durations[-1]:.2f} s{gone}"
             )
+
+    def report(self) -> dict[str, Any]:
+        """The summary's figures of this session's saves: their count, total time, and the
+        median and slowest save (``None`` without a save)."""
+        durations = self.durations
+        return {
+            "checkpoints_saved": len(durations),
+            "checkpoint_time_s": sum(durations),
+            "checkpoint_save_median_s": statistics.median(durations) if durations else None,
+            "checkpoint_save_max_s": max(durations, default=None),
+        }
 
 
 class MemoryProbe(StepHook):
@@ -249,8 +261,6 @@ class PipelineBubble(StepHook):
         """Rank 0: ``schedule_measured_bubble`` (each rank's median over the steps counted)
         and ``schedule_measured_steps``; ``{}`` elsewhere or when no step was counted. A
         collective: every rank calls it."""
-        import statistics
-
         import torch.distributed as dist
 
         mine = statistics.median(self.bubbles) if self.bubbles else None

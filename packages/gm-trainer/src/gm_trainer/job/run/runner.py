@@ -263,7 +263,7 @@ def _train(
         parameters=n_params,
         tokens_per_step=t.global_batch_size * m.seq_len,
         wall_time_s=wall,
-        checkpoint_time_s=saves.seconds,
+        **saves.report(),
         last_checkpoint=str(last_checkpoint) if last_checkpoint is not None else None,
         resumed_from=str(resume) if resume is not None else None,
         resumed_from_step=start_step if resume is not None else None,
