@@ -526,7 +526,8 @@ def paired_ratio(times: list[float], base: list[float]) -> dict[str, float]:
     """``times`` over ``base`` turn by turn: the median and quartiles of the ratios (a busy
     moment of the machine hits both rows of one turn), and how many turns were at most 1."""
     ratios = [t / b for t, b in zip(times, base)]
-    q1, median, q3 = statistics.quantiles(ratios, n=4)
+    # quantiles needs two turns; one turn is its own median and quartiles
+    q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
     return {
         "median": median,
         "q1": q1,
