@@ -657,3 +657,11 @@ def test_gm_train_refuses_every_combination_of_the_table_in_its_words(entry: Uns
     message = str(info.value)
     assert f"{entry.what} is not supported" in message, message
     assert all(f"{JOB_KEYS[dim]}=2" in message for dim in entry.dims), message
+
+
+def test_the_zero_bubble_example_is_a_valid_four_rank_job() -> None:
+    example = Path(__file__).resolve().parents[4] / "examples" / "zero_bubble" / "config.yaml"
+    config = load_config(example)
+    assert config.parallel.pp_schedule == "zbv" and config.train.optimizer_in_graph
+    plan = config.parallel_plan.for_world(4)
+    assert (plan.pp, plan.fsdp) == (2, 2)
