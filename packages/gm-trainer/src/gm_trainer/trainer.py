@@ -46,6 +46,7 @@ from gm_trainer.optim.graph_update import GraphUpdatePlanner
 from gm_trainer.optim.nonfinite import check_nonfinite_mode
 from gm_trainer.parallel.device import default_device
 from gm_trainer.parallel.mesh import MeshError, ResolvedMesh, resolve_mesh_context
+from gm_trainer.parallel.ranks import all_ranks
 from gm_trainer.parallel.topology import ResolvedRun, Topology
 from gm_trainer.pipeline.runtime import PipelineRunner
 from gm_trainer.step.deferred import DeferredGrads
@@ -455,10 +456,7 @@ class GraphTrainer:
         input, label = self.device_batch(*batch)
         with self.inspection():
             timelines = [measure_step(joint, self.model, input, label, self.rank)]
-        if self.world_size > 1:  # an eager gather, outside the graph
-            gathered: list[Any] = [None] * self.world_size
-            dist.all_gather_object(gathered, timelines[0])
-            timelines = gathered
+        timelines = all_ranks(timelines[0], self.world_size)  # eager, outside the graph
         if self.rank == 0 and path is not None:
             from gm_trainer.timeline.plot import plot_timelines
 

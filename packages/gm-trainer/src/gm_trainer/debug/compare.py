@@ -37,6 +37,7 @@ from gm_trace.parallel.fsdp import ShardingLayout, full_parameter
 from gm_trace.runtime.node_values import run_node_by_node
 from gm_trace.runtime.run_graph import graph_args, run_traced_graph
 from gm_trainer.debug.localize import NodeReport, first_changed_node
+from gm_trainer.parallel.ranks import all_ranks
 from gm_trainer.step.snapshot import ModelSnapshot
 
 if TYPE_CHECKING:
@@ -229,7 +230,7 @@ class _Comparison:
             reports[0] = StageReport(0, TRACED, 0.0, (), reports[0].eager_diff)
 
         mine = next((r.index for r in reports if r.changed), None)
-        firsts = self._all_ranks(mine)
+        firsts = all_ranks(mine, self.topology.world_size)
         culprit_index = min((f for f in firsts if f is not None), default=None)
         first_node = None
         if culprit_index is not None and culprit_index > 0:
@@ -239,7 +240,7 @@ class _Comparison:
             )
         ranks: tuple[int, ...] = ()
         if culprit_index is not None:  # every rank agrees on it: all gather again
-            changed = self._all_ranks(reports[culprit_index].changed)
+            changed = all_ranks(reports[culprit_index].changed, self.topology.world_size)
             ranks = tuple(r for r, c in enumerate(changed) if c)
         return PassComparison(
             rank=self.topology.rank,
@@ -312,14 +313,6 @@ class _Comparison:
             shard = self.layout.shard_of(fqn)
             held[fqn] = grad[shard.start : shard.stop] if shard is not None else grad
         return held
-
-    def _all_ranks(self, value: Any) -> list[Any]:
-        """``value`` of every rank (an eager collective outside the graphs)."""
-        if self.topology.world_size == 1:
-            return [value]
-        gathered: list[Any] = [None] * self.topology.world_size
-        dist.all_gather_object(gathered, value)
-        return gathered
 
     # ------------------------------------------------------------------ comparing
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -129,6 +130,16 @@ def broadcast_buffers(
             for b in same:
                 b.detach().copy_(flat[offset : offset + b.numel()].view_as(b))
                 offset += b.numel()
+
+
+def all_ranks(value: Any, world_size: int) -> list[Any]:
+    """``value`` of every rank, in rank order (an eager ``all_gather_object`` over the
+    world, outside the graphs; a collective: every rank calls it). One rank: ``[value]``."""
+    if world_size == 1:
+        return [value]
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def data_parallel_totals(counts: Sequence[int], topology: Topology) -> list[int]:

@@ -21,6 +21,7 @@ from gm_trainer.job.run.loop import Records, StepHook
 from gm_trainer.job.run.placement import layout_of
 from gm_trainer.job.run_folder.folder import checkpoint_dir, prune_checkpoints
 from gm_trainer.optim.lr_schedule import scheduler_extra
+from gm_trainer.parallel.ranks import all_ranks
 
 if TYPE_CHECKING:
     from gm_trainer.job.config.job_config import JobConfig
@@ -206,8 +207,6 @@ class MemoryProbe(StepHook):
     ) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """``(plan, summary's memory section)`` on rank 0, ``None`` elsewhere or when no step
         was measured (a resumed run with nothing left). A collective: every rank calls it."""
-        import torch.distributed as dist
-
         if self.measured is None:
             return None
         trainer = self.trainer
@@ -217,10 +216,7 @@ class MemoryProbe(StepHook):
             (estimate_rank(trainer, config, joint) for joint in joints),
             key=lambda e: e["peak_bytes"],
         )
-        gathered: list[Any] = [(mine, self.measured)]
-        if world_size > 1:
-            gathered = [None] * world_size
-            dist.all_gather_object(gathered, (mine, self.measured))
+        gathered = all_ranks((mine, self.measured), world_size)
         if trainer.rank != 0:
             return None
         stages = range(config.parallel.pp_degree)
@@ -261,13 +257,8 @@ class PipelineBubble(StepHook):
         """Rank 0: ``schedule_measured_bubble`` (each rank's median over the steps counted)
         and ``schedule_measured_steps``; ``{}`` elsewhere or when no step was counted. A
         collective: every rank calls it."""
-        import torch.distributed as dist
-
         mine = statistics.median(self.bubbles) if self.bubbles else None
-        gathered: list[Any] = [mine]
-        if world_size > 1:
-            gathered = [None] * world_size
-            dist.all_gather_object(gathered, mine)
+        gathered = all_ranks(mine, world_size)
         if rank != 0 or any(b is None for b in gathered):
             return {}
         return {"schedule_measured_bubble": gathered, "schedule_measured_steps": len(self.bubbles)}

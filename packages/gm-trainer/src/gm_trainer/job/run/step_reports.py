@@ -8,14 +8,13 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
-
 from gm_trainer.checkpoint.durable import replacing
 from gm_trainer.compile.registry import STEP
 from gm_trainer.job.config.job_config import JobConfig
 from gm_trainer.job.run.progress import Progress
 from gm_trainer.job.run_folder.folder import RunFolder
 from gm_trainer.job.run_folder.plots import PLOT_INSTALL, plot_unavailable
+from gm_trainer.parallel.ranks import all_ranks
 
 if TYPE_CHECKING:
     from gm_trainer.trainer import GraphTrainer
@@ -86,10 +85,7 @@ def compare_passes_report(
     from gm_trainer.debug import compare_passes
 
     result = compare_passes(trainer, batch)
-    reports = [result]
-    if trainer.world_size > 1:
-        reports = [None] * trainer.world_size
-        dist.all_gather_object(reports, result)
+    reports = all_ranks(result, trainer.world_size)
     if folder is None or progress is None:
         return None
     text = "\n\n".join(r.describe() for r in reports) + "\n"
