@@ -134,6 +134,9 @@ def test_the_profiler_hook_records_its_steps_only(tmp_path: Path) -> None:
     )
     trace = json.loads((tmp_path / "profile" / "rank1.json").read_text())
     assert trace["traceEvents"]
+    assert list(profiler.steps) == [2, 3]
+    assert list(StepProfiler(4, None, tmp_path, rank=0).steps) == [4]  # end: start alone
+    assert not StepProfiler(None, None, tmp_path, rank=0).steps
     # A run resumed after the profiled steps records nothing.
     late = StepProfiler(2, 3, tmp_path / "late", rank=0)
     train_steps(

@@ -386,11 +386,7 @@ def _step_hooks(
             return pipeline.stats if pipeline is not None else None
 
         # Not counted: the first step, and those run under torch's profiler (the probe's).
-        profiled = set()
-        if config.profile.start_step is not None:
-            last = config.profile.end_step or config.profile.start_step
-            profiled = set(range(config.profile.start_step, last + 1))
-        bubble = PipelineBubble(stats, skip={start_step + 1, probe_step, *profiled})
+        bubble = PipelineBubble(stats, skip={start_step + 1, probe_step, *profiler.steps})
         hooks.append(bubble)
     logged = logged_steps(config.logging.interval, t.steps)
     if progress is not None and telemetry is not None:

@@ -83,6 +83,11 @@ class StepProfiler(StepHook):
         self.path = run_dir / "profile" / f"rank{rank}.json"
         self._profiler: Any = None
 
+    @property
+    def steps(self) -> range:
+        """The steps it profiles (empty without ``start``)."""
+        return range(self.start, self.end + 1) if self.start is not None else range(0)
+
     def before_step(self, step: int) -> None:
         if step == self.start:
             self._begin()
