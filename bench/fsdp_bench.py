@@ -31,6 +31,7 @@ import torch.distributed as dist
 from gm_config import PassConfig
 from gm_trace.testing import TinyGPT, lm_loss, make_lm_batch
 from gm_trace.testing.distributed import DistributedPool, DistributedTestError
+from gm_trainer.step.loop import reset_peak_rss
 
 DIM, HEADS, SEQ, VOCAB, BATCH_PER_RANK = 128, 4, 128, 256, 8
 NO_RECOMPUTE = {"recompute_pointwise": False}
@@ -89,12 +90,6 @@ def _batches(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _rss_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field))
-
-
-def _reset_peak_rss() -> None:
-    # Writing 5 to clear_refs resets the peak resident set size (VmHWM) on Linux.
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def _timed_steps(step_fn, batches, warmup: int) -> float:
@@ -222,7 +217,7 @@ def distributed_config(rank: int, world: int, n_layers: int, steps: int, config:
 
     gc.collect()
     baseline = _rss_kib("VmRSS")
-    _reset_peak_rss()
+    reset_peak_rss()
     batches = [
         tuple(t[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK] for t in batch)
         for batch in _batches(steps, BATCH_PER_RANK * world)

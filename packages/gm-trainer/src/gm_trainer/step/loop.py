@@ -193,11 +193,11 @@ def peak_memory_mb(device: torch.device) -> float:
         return peak
     # ru_maxrss is in KiB on Linux: the peak resident memory of this process.
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    _reset_peak_rss()
+    reset_peak_rss()
     return peak
 
 
-def _reset_peak_rss() -> None:
+def reset_peak_rss() -> None:
     """Start the process's peak RSS over from its current RSS, so that each step's record
     is that step's peak and not the high-water mark of the whole process (Linux: "5" to
     ``/proc/self/clear_refs``; where that is missing or refused, nothing changes)."""
