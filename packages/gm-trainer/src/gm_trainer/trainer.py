@@ -45,6 +45,8 @@ from gm_trainer.optim.config import OptimizerConfig
 from gm_trainer.optim.graph_update import GraphUpdatePlanner
 from gm_trainer.optim.nonfinite import check_nonfinite_mode
 from gm_trainer.parallel.device import default_device
+from gm_trainer.parallel.live_parameters import move_real_state
+from gm_trainer.parallel.materialize import InitWeights
 from gm_trainer.parallel.mesh import MeshError, ResolvedMesh, resolve_mesh_context
 from gm_trainer.parallel.ranks import all_ranks
 from gm_trainer.parallel.topology import ResolvedRun, Topology
@@ -88,6 +90,15 @@ class GraphTrainer:
             optimizer's (:meth:`state_dict`, ``save_checkpoint`` / ``load_checkpoint``).
         dynamic_dims: batch dims traced as symbols, one graph for all their sizes: path ->
             ``{dim: name}``, as ``PassConfig.dynamic_dims`` (:mod:`gm_trainer.compile.registry`).
+        init_weights: for a model built on the meta device: ``fn(module)`` fills the tensors
+            ``module`` owns itself, in place; called for each such module, children first, on
+            whole tensors in host memory (default: each module's ``reset_parameters()`` and a
+            Hugging Face model's ``_init_weights``, replayed as a real build runs them).
+
+    A model built under ``torch.device("meta")`` (all of it or some modules) is traced as it
+    is; at the first compile each rank allocates only the pieces it keeps, with the values a
+    real build on one process would have had after the same ``torch.manual_seed``
+    (:mod:`gm_trainer.parallel.materialize`).
     """
 
     def __init__(
@@ -106,6 +117,7 @@ class GraphTrainer:
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
         passes: Sequence[GraphPass] = (),
         dynamic_dims: Mapping[str, Mapping[int, str]] | None = None,
+        init_weights: InitWeights | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -138,7 +150,8 @@ class GraphTrainer:
         self.optimizer_config = OptimizerConfig.from_dict(optimizer_config)
         self.nonfinite = check_nonfinite_mode(nonfinite)
         self.device = torch.device(device) if device is not None else default_device()
-        self.model = model.to(self.device)
+        move_real_state(model, self.device)  # meta tensors are allocated at the first compile
+        self.model = model
         self.train_fn = train_fn
         self.graph_cache_size = graph_cache_size
         distributed = dist.is_available() and dist.is_initialized()
@@ -162,6 +175,7 @@ class GraphTrainer:
             GraphUpdatePlanner(self.optimizer_config, self.model, self.stepper),
             self.registry,
             passes,
+            init_weights,
         )
         self.graph_dump_dir = graph_dump_dir
         self.executor = StepExecutor(
@@ -191,7 +205,7 @@ class GraphTrainer:
                 "optimizer state lives there; call to() before the first batch"
             )
         self.device = device
-        self.model.to(device)
+        move_real_state(self.model, device)
         self.executor.move_to(device)
         return self
 

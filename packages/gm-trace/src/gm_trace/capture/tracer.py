@@ -167,6 +167,7 @@ def trace_model_graph(
     cast_input_modules: Sequence[str] = ("",),
     dynamic_dims: Mapping[str, Mapping[int, str]] | None = None,
     dynamic_fallback: bool = False,
+    meta_device: torch.device | None = None,
 ) -> JointGraph:
     """Trace ``train_fn(model, input, label)`` plus its backward into one joint graph.
 
@@ -195,6 +196,10 @@ def trace_model_graph(
             ``shape_guards`` allow; ``input_signature`` then shows them by name.
         dynamic_fallback: when the symbolic trace fails, warn and trace with static shapes
             instead of raising (for dims found changing rather than named by the user).
+        meta_device: where a state tensor on the meta device (a model built under
+            ``torch.device("meta")``, not materialized yet) is traced: a fake tensor on this
+            device, so the graph is the one its materialized model runs. ``None``: the
+            device of the first input tensor (CPU without one).
 
     Returns:
         A :class:`JointGraph`: the ``GraphModule`` (calling convention in this module's
@@ -275,8 +280,14 @@ def trace_model_graph(
     unknown = sorted(set(shapes) - set(state_fqns))
     if unknown:
         raise KeyError(f"state_shapes names {unknown}, which are not state FQNs of the model")
+    if meta_device is None:
+        meta_device = next((leaf.device for leaf in leaves if isinstance(leaf, Tensor)), None)
+    meta_device = torch.device(meta_device or "cpu")
     traced_state = [
-        _TraceAs(shapes[fqn], t) if fqn in shapes else t for fqn, t in zip(state_fqns, state)
+        _TraceAs(shapes.get(fqn, t.shape), t, meta_device if t.is_meta else None)
+        if fqn in shapes or t.is_meta
+        else t
+        for fqn, t in zip(state_fqns, state)
     ]
     io_args = [symbolic.leaf(i, leaves[i]) if symbolic else leaves[i] for i in tensor_pos]
 
@@ -285,7 +296,8 @@ def trace_model_graph(
 
     # A capture error says whether eager fails the same way; the live model can run the step
     # eagerly only when it is traced as it is (not as full shapes of shards, not cast).
-    eager_check = eager if not shapes and param_dtype is None else None
+    materialized = not any(t.is_meta for t in state)
+    eager_check = eager if not shapes and param_dtype is None and materialized else None
     # A symbolic trace that may fall back to static shapes reports no failure of its own.
     falls_back = symbolic is not None and dynamic_fallback
     try:
@@ -360,15 +372,17 @@ def _module_named(model: nn.Module, fqn: str, what: str) -> nn.Module:
 
 @dataclass(frozen=True)
 class _TraceAs:
-    """Trace a state tensor as a fake tensor of ``shape`` (its dtype, device, requires_grad)."""
+    """Trace a state tensor as a fake tensor of ``shape`` (its dtype, requires_grad, and its
+    device unless ``device`` is given: where a meta tensor will be materialized)."""
 
     shape: torch.Size
     like: Tensor
+    device: torch.device | None = None
 
     def fake(self) -> Tensor:
         # Called inside the FakeTensorMode: torch.empty makes a fake tensor, not memory.
         return torch.empty(
-            self.shape, dtype=self.like.dtype, device=self.like.device
+            self.shape, dtype=self.like.dtype, device=self.device or self.like.device
         ).requires_grad_(self.like.requires_grad)
 
 

@@ -33,6 +33,7 @@ from gm_trainer.compile.registry import ACCUMULATE, LAST, STEP, GraphCache, Grap
 from gm_trainer.errors import TrainingError
 from gm_trainer.parallel.dtensor_tp import check_dtensor_mesh, trace_step
 from gm_trainer.parallel.live_parameters import LiveParameters
+from gm_trainer.parallel.materialize import InitWeights
 from gm_trainer.parallel.mesh import ResolvedMesh
 from gm_trainer.parallel.topology import ResolvedRun, Topology, resolve_run
 
@@ -61,6 +62,7 @@ class GraphCompiler:
         update: UpdatePlanner,
         registry: GraphRegistry,
         passes: Sequence[GraphPass] = (),
+        init_weights: InitWeights | None = None,
     ) -> None:
         self.model = model
         self.train_fn = train_fn
@@ -82,8 +84,9 @@ class GraphCompiler:
         """Rank 0 writes the graph before and after each pass under here."""
         self.pytree_pre_hook: Callable[[], None] | None = None
         self.closure_watch: ClosureWatch | None = None
-        self.live = LiveParameters(model)
-        """The one owner of changes to the model's parameters (TP, EP, FSDP, PP, in order)."""
+        self.live = LiveParameters(model, init_weights)
+        """The one owner of changes to the model's parameters (TP, EP, FSDP, PP, in order) and
+        of the allocation of a meta-built model's pieces."""
 
     def resolve(self, place: Topology) -> ResolvedRun:
         """The run, resolved on the first call (a collective: every rank calls it)."""
@@ -196,6 +199,12 @@ class GraphCompiler:
             after_pass=after_pass,
         )
 
+    def materialize(self) -> None:
+        """Allocate this rank's pieces of a meta-built model, once the layout is final (the
+        first graph compiled and, under a pipeline, cut): see
+        :meth:`~gm_trainer.parallel.live_parameters.LiveParameters.materialize`."""
+        self.live.materialize(self._topology.device)
+
     def free_foreign(self, fqns: frozenset[str]) -> None:
         """Free the storage of these parameters (another pipeline stage's); later traces see
         them at their whole shapes."""
@@ -233,7 +242,7 @@ class GraphCompiler:
     def _trace_options(self, cache: GraphCache | None) -> dict[str, Any]:
         """Keyword arguments for ``trace_model_graph``: full state shapes, mixed precision and
         the symbolic dims ``cache`` decided for this trace (``None``: a static trace)."""
-        options: dict[str, Any] = {}
+        options: dict[str, Any] = {"meta_device": self._topology.device}
         if cache is not None and cache.tracing_dims:
             options["dynamic_dims"] = cache.tracing_dims
             options["dynamic_fallback"] = cache.tracing_fallback

@@ -17,6 +17,13 @@ parameters the graphs compute with, because the parallel dimensions change the l
 4. **PP** (:meth:`LiveParameters.free_foreign`): parameters another pipeline stage owns lose
    their storage; once the first graph is cut into stages.
 
+A model built on the meta device goes through the same four changes on its meta tensors
+(shapes only), each recording how to cut this rank's piece from the whole tensor; then
+:meth:`LiveParameters.materialize`, once the layout is final (after the first graph, before the
+optimizer), allocates only those pieces on the device and fills them with the values a real
+build would have given (:mod:`gm_trainer.parallel.materialize`, [Note: meta build]). It is the
+only place that allocates the parameters of a meta-built model.
+
 The modules that decide each change (``gm_trace.parallel.tp.dtensor``,
 ``gm_trace.parallel.ep.split``, the sharding layout, the pipeline cut) compute the new
 tensors; only this object assigns them, so a grep for ``.data =`` finds this file alone.
@@ -26,16 +33,17 @@ parameter, which is replaced by a plain one under the same names before anything
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from gm_config import Role
 from gm_trace.parallel.ep import ExpertShard, split_expert_modules
 from gm_trace.parallel.fsdp import ShardingLayout
 from gm_trace.parallel.tp import DTensorSpec, localized_dtensor_params
 from gm_trainer.errors import TrainingError
+from gm_trainer.parallel.materialize import InitWeights, materialize_meta, replace_storage
 
 TP, EP, FSDP, PP = Role.TP, Role.EP, Role.FSDP, Role.PP
 ORDER = (TP, EP, FSDP, PP)
@@ -45,12 +53,20 @@ ORDER = (TP, EP, FSDP, PP)
 class LiveParameters:
     """Owner of every change to ``model``'s parameters (see the module docstring)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, init_weights: InitWeights | None = None) -> None:
         self.model = model
         self.done: list[str] = []
         """The changes made so far, in :data:`ORDER`."""
         self.freed_shapes: dict[str, tuple[int, ...]] = {}
         """FQN -> the whole shape of each parameter :meth:`free_foreign` freed."""
+        self.init_weights = init_weights
+        """A user's ``init_weights(module)`` for the meta tensors (``None``: each module's
+        own ``reset_parameters()`` / Hugging Face's ``_init_weights``)."""
+        self.meta: dict[str, tuple[torch.Size, torch.dtype]] = _meta_state(model)
+        """Canonical FQN -> whole shape and dtype of each tensor still on the meta device."""
+        self._rng_at_build = torch.get_rng_state() if self.meta else None
+        self._pieces: dict[str, list[Callable[[Tensor], Tensor]]] = {}
+        self._host: set[str] = set()
 
     def localize_dtensors(self) -> dict[str, DTensorSpec]:
         """Replace each DTensor parameter by a plain one over its local tensor (every name of
@@ -60,6 +76,10 @@ class LiveParameters:
         for fqn, local in locals_.items():
             owner, _, name = fqn.rpartition(".")
             self.model.get_submodule(owner)._parameters[name] = local
+            dim = specs[fqn].shard_dim
+            if dim is not None:
+                first = specs[fqn].mesh.get_local_rank() * local.shape[dim]
+                self._cut(fqn, _narrowed(dim, first, local.shape[dim]))
         return specs
 
     def split_experts(
@@ -72,12 +92,20 @@ class LiveParameters:
         for fqn, (first, count) in rows.items():
             param = self.model.get_parameter(fqn)
             param.data = param.data[first : first + count].clone()
+            self._cut(fqn, _narrowed(0, first, count))
         return shards
 
     def shard(self, layout: ShardingLayout) -> None:
         """Keep this rank's rows of each parameter ``layout`` shards."""
         self._begin(FSDP)
         for fqn, rows in layout.local_rows(self.model).items():
+            shard = layout.params[fqn].shard
+            self._cut(fqn, _narrowed(0, shard.start, shard.local_rows))
+            if rows.is_meta:  # allocated by materialize()
+                self.model.get_parameter(fqn).data = rows
+                if layout.offloaded:
+                    self._host.add(fqn)
+                continue
             self.model.get_parameter(fqn).data = _in_host_memory(rows) if layout.offloaded else rows
 
     def free_foreign(self, fqns: frozenset[str]) -> dict[str, tuple[int, ...]]:
@@ -88,7 +116,40 @@ class LiveParameters:
         for fqn in sorted(fqns & params.keys()):
             self.freed_shapes[fqn] = tuple(params[fqn].shape)
             params[fqn].data = params[fqn].data.new_empty(0)
+            self._cut(fqn, _emptied)
         return dict(self.freed_shapes)
+
+    def materialize(self, device: torch.device) -> None:
+        """Allocate this rank's piece of every meta tensor on ``device`` (host memory for
+        offloaded rows) with the value a real build would give it; once the layout is final.
+        Nothing happens for a model with no meta tensor, or the second time.
+
+        The values replay the build from the RNG state the trainer was constructed with; the
+        global RNG is left where a real build would have left it, unless something reseeded
+        it since (a pipeline seeds its stages' generators), which is kept."""
+        if not self.meta:
+            return
+        meta, self.meta = self.meta, {}
+
+        def keep(fqn: str, whole: Tensor) -> Tensor:
+            piece = whole
+            for cut in self._pieces.get(fqn, ()):
+                piece = cut(piece)
+            if fqn in self._host:
+                return _in_host_memory(piece.clone())
+            return piece.to(device, memory_format=torch.contiguous_format, copy=True)
+
+        if torch.equal(torch.get_rng_state(), self._rng_at_build):
+            materialize_meta(self.model, meta, keep, self.init_weights)
+            return
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(self._rng_at_build)
+            materialize_meta(self.model, meta, keep, self.init_weights)
+
+    def _cut(self, fqn: str, cut: Callable[[Tensor], Tensor]) -> None:
+        """Record that this rank keeps ``cut(whole)`` of the meta tensor ``fqn``."""
+        if fqn in self.meta:
+            self._pieces.setdefault(fqn, []).append(cut)
 
     def _begin(self, change: str) -> None:
         if change in self.done or any(ORDER.index(d) > ORDER.index(change) for d in self.done):
@@ -98,6 +159,37 @@ class LiveParameters:
                 "a bug in graph mode, please report it"
             )
         self.done.append(change)
+
+
+def move_real_state(model: nn.Module, device: torch.device) -> None:
+    """Move every parameter and buffer of ``model`` that is not on the meta device to
+    ``device`` (``nn.Module.to`` refuses meta tensors; those are allocated by
+    :meth:`LiveParameters.materialize`, on the device, piece by piece)."""
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for tensor in table.values():
+                if tensor is not None and not tensor.is_meta and tensor.device != device:
+                    replace_storage(tensor, tensor.data.to(device))
+
+
+def _meta_state(model: nn.Module) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Canonical FQN -> whole shape and dtype of each meta parameter or buffer (a DTensor's
+    global shape)."""
+    meta: dict[str, tuple[torch.Size, torch.dtype]] = {}
+    seen: set[int] = set()
+    for fqn, tensor in (*model.named_parameters(), *model.named_buffers()):
+        if id(tensor) not in seen and tensor.device.type == "meta":
+            meta[fqn] = (tensor.shape, tensor.dtype)
+        seen.add(id(tensor))
+    return meta
+
+
+def _narrowed(dim: int, start: int, length: int) -> Callable[[Tensor], Tensor]:
+    return lambda whole: whole.narrow(dim, start, length)
+
+
+def _emptied(whole: Tensor) -> Tensor:
+    return whole.new_empty(0)
 
 
 def _in_host_memory(rows: torch.Tensor) -> torch.Tensor:

@@ -170,9 +170,10 @@ class PipelineRunner:
         stages own, whose parameters the caller frees (nothing here reads them)."""
         return self.graphs.adopt(joint)
 
-    def foreign_state(self) -> frozenset[str]:
-        """Canonical FQNs of the parameters and buffers that stages of other ranks own."""
-        return self.graphs.foreign_state()
+    def foreign_state(self, joint: JointGraph | None = None) -> frozenset[str]:
+        """Canonical FQNs of the parameters and buffers that stages of other ranks own (as
+        ``joint`` tags them; default: the first graph adopted)."""
+        return self.graphs.foreign_state(joint)
 
     # ------------------------------------------------------------------ the step
 

@@ -92,6 +92,10 @@ class StepExecutor:
         missing); the optimizer is built on the sharded parameters after the first."""
         run = self.resolve()
         joint = self.compiler.compile(input, label, variant)
+        # The layout is final once other stages' parameters are freed: then a meta-built model
+        # gets this rank's pieces, before the optimizer takes them.
+        self.runtime.release_foreign(joint)
+        self.compiler.materialize()
         sharding = self.compiler.sharding
         row_shards = {fqn: p.shard for fqn, p in sharding.params.items()} if sharding else {}
         self.stepper.build(

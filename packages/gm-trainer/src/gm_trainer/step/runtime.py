@@ -74,8 +74,12 @@ class StepRuntime(Protocol):
         step, then run inside ``inspection()``, which leaves the run as it was."""
 
     def prepare(self, joint: JointGraph) -> None:
-        """Ready the live model to run ``joint`` as a step would (a pipeline cuts it and, the
-        first time, frees the parameters other stages own); nothing runs."""
+        """Ready the live model to run ``joint`` as a step would (a pipeline cuts it); nothing
+        runs."""
+
+    def release_foreign(self, joint: JointGraph) -> None:
+        """Free the parameters other ranks' stages own (a pipeline's, as ``joint`` tags them;
+        once), before anything allocates or holds them: called right after each compile."""
 
     def summary(self) -> str:
         """What ``pass_summary()`` adds for this runtime ("" when nothing)."""
@@ -161,6 +165,9 @@ class SingleStage:
     def prepare(self, joint: JointGraph) -> None:
         pass  # the graph runs as compiled
 
+    def release_foreign(self, joint: JointGraph) -> None:
+        pass  # this rank runs every stage
+
     def summary(self) -> str:
         return ""
 
@@ -189,6 +196,7 @@ class PipelineStages:
         self.registry = registry
         self.deferred = deferred
         self.compile = compile
+        self._released = False
         self.plain_step_refusal: str | None = (
             f"pp_degree={runner.config.pp_degree} runs pipeline stages, not one plain-step "
             "graph (their schedule is in pass_summary())"
@@ -262,9 +270,12 @@ class PipelineStages:
         return joint, micro
 
     def prepare(self, joint: JointGraph) -> None:
-        foreign = self.runner.adopt(joint)
-        if foreign:  # the first graph: free what other stages own
-            self.compiler.free_foreign(foreign)
+        self.runner.adopt(joint)
+
+    def release_foreign(self, joint: JointGraph) -> None:
+        if not self._released:  # every graph of one model tags its state alike
+            self._released = True
+            self.compiler.free_foreign(self.runner.foreign_state(joint))
 
 
 def build_runtime(

@@ -29,10 +29,32 @@ __all__ = ["GPT", "lm_loss"]
 QKV_LAYOUT = "head-major"
 
 
+class GPT2Linear(nn.Linear):
+    """``nn.Linear`` initialised as GPT-2: weights from N(0, ``std``), a zero bias. Each
+    module draws its own values when it is built, so a model built on the meta device is
+    re-created module by module (:mod:`gm_trainer.parallel.materialize`)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, std: float = 0.02):
+        self.std = std  # read by reset_parameters(), which nn.Linear's constructor calls
+        super().__init__(in_features, out_features, bias=bias)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class GPT2Embedding(nn.Embedding):
+    """``nn.Embedding`` initialised as GPT-2: N(0, 0.02)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=0.02)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head attention of each position over itself and the positions before it."""
 
-    def __init__(self, dim: int, n_heads: int) -> None:
+    def __init__(self, dim: int, n_heads: int, residual_std: float) -> None:
         super().__init__()
         if dim % n_heads:
             raise ValueError(f"dim={dim} is not divisible by n_heads={n_heads}")
@@ -40,8 +62,8 @@ class CausalSelfAttention(nn.Module):
         # Query, key and value in one matmul; its output rows are head-major (each head's
         # query, key and value rows together), so that a column split over tensor-parallel
         # ranks gives each rank whole heads.
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.out = nn.Linear(dim, dim)  # writes into the residual stream
+        self.qkv = GPT2Linear(dim, 3 * dim)
+        self.out = GPT2Linear(dim, dim, std=residual_std)  # writes into the residual stream
 
     def forward(self, x: Tensor) -> Tensor:
         batch, seq, _ = x.shape
@@ -56,10 +78,10 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     """Position-wise feed-forward: widen 4x, GELU (GPT-2's tanh approximation), narrow."""
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, residual_std: float) -> None:
         super().__init__()
-        self.up = nn.Linear(dim, 4 * dim)
-        self.down = nn.Linear(4 * dim, dim)  # writes into the residual stream
+        self.up = GPT2Linear(dim, 4 * dim)
+        self.down = GPT2Linear(4 * dim, dim, std=residual_std)  # writes into the residual stream
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down(F.gelu(self.up(x), approximate="tanh"))
@@ -68,12 +90,12 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """``x + attn(ln(x))``, then ``x + mlp(ln(x))``: each sublayer normalises its own input."""
 
-    def __init__(self, dim: int, n_heads: int) -> None:
+    def __init__(self, dim: int, n_heads: int, residual_std: float) -> None:
         super().__init__()
         self.attn_norm = nn.LayerNorm(dim)
-        self.attn = CausalSelfAttention(dim, n_heads)
+        self.attn = CausalSelfAttention(dim, n_heads, residual_std)
         self.mlp_norm = nn.LayerNorm(dim)
-        self.mlp = MLP(dim)
+        self.mlp = MLP(dim, residual_std)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -102,30 +124,17 @@ class GPT(nn.Module):
         self, vocab_size: int, dim: int, n_layers: int, n_heads: int, max_seq_len: int
     ) -> None:
         super().__init__()
-        self.tok_emb = nn.Embedding(vocab_size, dim)
-        self.pos_emb = nn.Embedding(max_seq_len, dim)
-        self.layers = nn.ModuleList(Block(dim, n_heads) for _ in range(n_layers))
+        # GPT-2's initialisation: weights from N(0, 0.02), zero biases, LayerNorms the
+        # identity, and the two projections per block that write into the residual stream
+        # scaled by 1 / sqrt(2 * n_layers), so the stream's variance does not grow with depth.
+        # A fresh model's logits are near uniform.
+        residual_std = 0.02 / math.sqrt(2 * max(n_layers, 1))
+        self.tok_emb = GPT2Embedding(vocab_size, dim)
+        self.pos_emb = GPT2Embedding(max_seq_len, dim)
+        self.layers = nn.ModuleList(Block(dim, n_heads, residual_std) for _ in range(n_layers))
         self.norm = nn.LayerNorm(dim)
-        self.lm_head = nn.Linear(dim, vocab_size, bias=False)
+        self.lm_head = GPT2Linear(dim, vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """GPT-2's initialisation: weights from N(0, 0.02), zero biases, LayerNorms the
-        identity, and the two projections per block that write into the residual stream
-        scaled by ``1 / sqrt(2 * n_layers)``, so the stream's variance does not grow with
-        depth. A fresh model's logits are near uniform."""
-        residual = {m for block in self.layers for m in (block.attn.out, block.mlp.down)}
-        residual_std = 0.02 / math.sqrt(2 * max(len(self.layers), 1))
-        for module in self.modules():
-            if isinstance(module, nn.LayerNorm):
-                module.reset_parameters()
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            elif isinstance(module, nn.Linear) and module is not self.lm_head:  # tied: tok_emb
-                std = residual_std if module in residual else 0.02
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                nn.init.zeros_(module.bias)
 
     def forward(self, tokens: Tensor) -> Tensor:
         seq_len, max_seq_len = tokens.shape[1], self.pos_emb.num_embeddings

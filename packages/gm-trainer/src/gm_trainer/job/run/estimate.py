@@ -219,7 +219,7 @@ def _plan_rank(config_dict: dict[str, Any], rank: int, world_size: int) -> dict[
         rows = t.global_batch_size // t.accumulation // layout.dp
         tokens = torch.zeros(rows, config.model.seq_len, dtype=torch.long)
         joint = trainer.compile(*graph_batch((tokens, tokens), config))
-        trainer.executor.runtime.prepare(joint)  # as the first step (other stages' parameters go)
+        trainer.executor.runtime.prepare(joint)  # cut as the first step cuts it
         for p in trainer.model.parameters():  # one update of zero gradients: the state exists
             if p.requires_grad and p.numel():
                 p.grad = torch.zeros_like(p)
