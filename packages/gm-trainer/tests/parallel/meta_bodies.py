@@ -45,7 +45,7 @@ def qwen3_moe() -> torch.nn.Module:
     import transformers
     from moe_bodies import tiny_moe
 
-    return transformers.AutoModelForCausalLM.from_config(tiny_moe("qwen3_moe", vocab_size=VOCAB))
+    return transformers.AutoModelForCausalLM.from_config(tiny_moe("qwen3-moe", vocab_size=VOCAB))
 
 
 def hf_loss(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

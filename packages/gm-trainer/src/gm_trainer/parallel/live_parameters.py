@@ -33,7 +33,7 @@ parameter, which is replaced by a plain one under the same names before anything
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -65,7 +65,9 @@ class LiveParameters:
         self.meta: dict[str, tuple[torch.Size, torch.dtype]] = _meta_state(model)
         """Canonical FQN -> whole shape and dtype of each tensor still on the meta device."""
         self._rng_at_build = torch.get_rng_state() if self.meta else None
-        self._pieces: dict[str, list[Callable[[Tensor], Tensor]]] = {}
+        self._whole = {fqn: shape for fqn, (shape, _) in self.meta.items()}
+        self._whole.update(_whole_shapes(model))
+        self._pieces: dict[str, tuple[slice, ...] | None] = {}
         self._host: set[str] = set()
 
     def localize_dtensors(self) -> dict[str, DTensorSpec]:
@@ -79,7 +81,7 @@ class LiveParameters:
             dim = specs[fqn].shard_dim
             if dim is not None:
                 first = specs[fqn].mesh.get_local_rank() * local.shape[dim]
-                self._cut(fqn, _narrowed(dim, first, local.shape[dim]))
+                self._cut(fqn, dim, first, local.shape[dim])
         return specs
 
     def split_experts(
@@ -92,7 +94,7 @@ class LiveParameters:
         for fqn, (first, count) in rows.items():
             param = self.model.get_parameter(fqn)
             param.data = param.data[first : first + count].clone()
-            self._cut(fqn, _narrowed(0, first, count))
+            self._cut(fqn, 0, first, count)
         return shards
 
     def shard(self, layout: ShardingLayout) -> None:
@@ -100,7 +102,7 @@ class LiveParameters:
         self._begin(FSDP)
         for fqn, rows in layout.local_rows(self.model).items():
             shard = layout.params[fqn].shard
-            self._cut(fqn, _narrowed(0, shard.start, shard.local_rows))
+            self._cut(fqn, 0, shard.start, shard.local_rows)
             if rows.is_meta:  # allocated by materialize()
                 self.model.get_parameter(fqn).data = rows
                 if layout.offloaded:
@@ -116,7 +118,7 @@ class LiveParameters:
         for fqn in sorted(fqns & params.keys()):
             self.freed_shapes[fqn] = tuple(params[fqn].shape)
             params[fqn].data = params[fqn].data.new_empty(0)
-            self._cut(fqn, _emptied)
+            self._pieces[fqn] = None
         return dict(self.freed_shapes)
 
     def materialize(self, device: torch.device) -> None:
@@ -132,9 +134,8 @@ class LiveParameters:
         meta, self.meta = self.meta, {}
 
         def keep(fqn: str, whole: Tensor) -> Tensor:
-            piece = whole
-            for cut in self._pieces.get(fqn, ()):
-                piece = cut(piece)
+            where = self.piece(fqn)
+            piece = whole.new_empty(0) if where is None else whole[where]
             if fqn in self._host:
                 return _in_host_memory(piece.clone())
             return piece.to(device, memory_format=torch.contiguous_format, copy=True)
@@ -146,10 +147,22 @@ class LiveParameters:
             torch.set_rng_state(self._rng_at_build)
             materialize_meta(self.model, meta, keep, self.init_weights)
 
-    def _cut(self, fqn: str, cut: Callable[[Tensor], Tensor]) -> None:
-        """Record that this rank keeps ``cut(whole)`` of the meta tensor ``fqn``."""
-        if fqn in self.meta:
-            self._pieces.setdefault(fqn, []).append(cut)
+    def piece(self, fqn: str) -> tuple[slice, ...] | None:
+        """Where this rank's piece of the parameter or buffer ``fqn`` (canonical) sits in the
+        whole tensor, one slice per dim (TP's, EP's and FSDP's cuts composed); ``None`` when
+        this rank holds none of it (another pipeline stage's). What a shard-local reader of
+        a weights file or checkpoint reads."""
+        if fqn in self._pieces:
+            return self._pieces[fqn]
+        return tuple(slice(0, n) for n in self._whole[fqn])
+
+    def _cut(self, fqn: str, dim: int, start: int, length: int) -> None:
+        """Record that this rank keeps ``length`` entries of dim ``dim`` of its piece of
+        ``fqn``, from ``start`` on."""
+        where = list(self.piece(fqn))
+        first = where[dim].start + start
+        where[dim] = slice(first, first + length)
+        self._pieces[fqn] = tuple(where)
 
     def _begin(self, change: str) -> None:
         if change in self.done or any(ORDER.index(d) > ORDER.index(change) for d in self.done):
@@ -184,12 +197,9 @@ def _meta_state(model: nn.Module) -> dict[str, tuple[torch.Size, torch.dtype]]:
     return meta
 
 
-def _narrowed(dim: int, start: int, length: int) -> Callable[[Tensor], Tensor]:
-    return lambda whole: whole.narrow(dim, start, length)
-
-
-def _emptied(whole: Tensor) -> Tensor:
-    return whole.new_empty(0)
+def _whole_shapes(model: nn.Module) -> dict[str, torch.Size]:
+    """Canonical FQN -> shape of every parameter and buffer (a DTensor's global shape)."""
+    return {fqn: t.shape for fqn, t in (*model.named_parameters(), *model.named_buffers())}
 
 
 def _in_host_memory(rows: torch.Tensor) -> torch.Tensor:

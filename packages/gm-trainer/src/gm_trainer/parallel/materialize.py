@@ -20,13 +20,14 @@ With ``init_weights`` given, the events are ``init_weights(module)`` for every m
 meta tensor, in the same post-order, and nothing else.
 
 An event runs on whole tensors in host memory. A tensor is allocated at the last event that
-writes all of it (found by running that event twice on two different fillings, the RNG put
-back after each) and cut to this rank's piece right after its last event; an earlier event,
-whose values a later one overwrites, still draws its random numbers, into a scratch tensor. A
-tied tensor's events under its other names (a head tied to the embedding) also write scratch:
-in a real build they initialized a tensor of their own that the tie later replaced. So at most
-the tensors of one module, plus those still open between two of their events, are whole at
-once; with ``reset_parameters`` and Hugging Face's ``_init_weights`` that is one module's.
+writes all of it and cut to this rank's piece right after its last event. Which events write
+all of a tensor is found by running each on scratch twice, filled with 0 and with 1, the RNG
+put back after each (so an initializer runs three times per module). An earlier event, whose
+values a later one overwrites, still draws its random numbers, into a scratch tensor. A tied
+tensor's events under its other names (a head tied to the embedding) also write scratch: in a
+real build they initialized a tensor of their own that the tie later replaced. So at most the
+tensors of one module, plus those still open between two of their events, are whole at once;
+with ``reset_parameters`` and Hugging Face's ``_init_weights`` that is one module's.
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ def materialize_meta(
         for slot in event.slots:
             if not slot.real and slot.fqn == slot.canonical:
                 owned.setdefault(slot.canonical, []).append(i)
-    start = {fqn: _first_needed(fqn, idx, events) for fqn, idx in owned.items()}
+    written: dict[int, set[str]] = {}
+    start = {fqn: _first_needed(fqn, idx, events, written) for fqn, idx in owned.items()}
     unset = sorted(f for f in full if start.get(f, len(events)) == len(events))
     if unset:
         raise _cannot_create(unset[0], slots, init_weights)
@@ -268,17 +270,23 @@ def _hf_post_init(
 # ------------------------------------------------------------------ running them
 
 
-def _first_needed(fqn: str, indices: list[int], events: list[_Event]) -> int:
+def _first_needed(
+    fqn: str, indices: list[int], events: list[_Event], written: dict[int, set[str]]
+) -> int:
     """The index of the last event of ``fqn`` that writes all of it (the events before it draw
-    into scratch): each is run on two fillings, RNG put back, until one gives the same value
-    from both. ``len(events)`` when none does."""
+    into scratch); ``len(events)`` when none does. ``written`` caches :func:`_writes_all`."""
     for i in reversed(indices):
-        if _writes_all(events[i], fqn):
+        if i not in written:
+            written[i] = _writes_all(events[i])
+        if fqn in written[i]:
             return i
     return len(events)
 
 
-def _writes_all(event: _Event, fqn: str) -> bool:
+def _writes_all(event: _Event) -> set[str]:
+    """The FQNs of ``event``'s slots it writes every element of: it runs twice, on scratch
+    filled with 0 and with 1, the RNG put back after each, and a slot that ends the same
+    both times (and still of its shape, off the meta device) was written all over."""
     results = []
     for fill in (0, 1):
         with (
@@ -292,12 +300,18 @@ def _writes_all(event: _Event, fqn: str) -> bool:
                 event.module.__dict__.pop("_is_hf_initialized", None)
             else:
                 event.module._is_hf_initialized = flag
-            slot = next(s for s in event.slots if s.fqn == fqn)
-            tensor = slot.tensor
-            if tensor.is_meta or tensor.shape != slot.shape:
-                return False
-            results.append(tensor.detach().clone())
-    return torch.equal(results[0], results[1])
+            results.append(
+                {
+                    slot.fqn: slot.tensor.detach().clone()
+                    for slot in event.slots
+                    if not slot.tensor.is_meta and slot.tensor.shape == slot.shape
+                }
+            )
+    return {
+        fqn
+        for fqn, first in results[0].items()
+        if fqn in results[1] and torch.equal(first, results[1][fqn])
+    }
 
 
 @contextlib.contextmanager

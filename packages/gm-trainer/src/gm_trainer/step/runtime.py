@@ -196,7 +196,8 @@ class PipelineStages:
         self.registry = registry
         self.deferred = deferred
         self.compile = compile
-        self._released = False
+        self._foreign: frozenset[str] | None = None
+        """The state other ranks' stages own, freed here (``None``: not yet)."""
         self.plain_step_refusal: str | None = (
             f"pp_degree={runner.config.pp_degree} runs pipeline stages, not one plain-step "
             "graph (their schedule is in pass_summary())"
@@ -254,7 +255,7 @@ class PipelineStages:
         return self.runner.summary()
 
     def foreign_state(self) -> frozenset[str]:
-        return self.runner.foreign_state()
+        return self._foreign if self._foreign is not None else frozenset()
 
     def _split(self, input: Any, label: Any) -> list[tuple[Any, Any]]:
         return split_microbatches(input, label, self.runner.config.pp_microbatches)
@@ -273,9 +274,9 @@ class PipelineStages:
         self.runner.adopt(joint)
 
     def release_foreign(self, joint: JointGraph) -> None:
-        if not self._released:  # every graph of one model tags its state alike
-            self._released = True
-            self.compiler.free_foreign(self.runner.foreign_state(joint))
+        if self._foreign is None:  # every graph of one model tags its state alike
+            self._foreign = self.runner.foreign_state(joint)
+            self.compiler.free_foreign(self._foreign)
 
 
 def build_runtime(
