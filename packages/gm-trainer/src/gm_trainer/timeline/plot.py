@@ -55,13 +55,39 @@ def _planned_ms(timeline: RankTimeline, nodes_before: int) -> float:
     return timeline.step_ms
 
 
+def _draw_lane(ax: Any, lane: int, bars: list[tuple[float, float, str, str]]) -> None:
+    """The collectives ``bars`` (start, width, colour, label) of one lane: those in flight
+    at once stacked in rows of their own, each labelled only where its label fits."""
+    rows_end: list[float] = []
+    placed = []
+    for start, width, colour, label in sorted(bars):
+        row = next((i for i, e in enumerate(rows_end) if e <= start), len(rows_end))
+        if row == len(rows_end):
+            rows_end.append(0.0)
+        rows_end[row] = start + width
+        placed.append((row, start, width, colour, label))
+    height = 0.7 / max(len(rows_end), 1)
+    for row, start, width, colour, label in placed:
+        bottom = lane - 0.35 + row * height
+        ax.broken_barh([(start, width)], (bottom, height * 0.9), color=colour, alpha=0.7)
+        if len(rows_end) <= 2 and _fits(ax, start, width, label, 8):
+            ax.text(
+                start + width / 2,
+                bottom + height * 0.45,
+                label,
+                fontsize=8,
+                ha="center",
+                va="center",
+            )
+
+
 def plot_timelines(timelines: Sequence[RankTimeline], path: str | Path) -> None:
     """Draw ``timelines`` (one per rank) into the PNG ``path``: per rank a planned and a
     measured row on one shared time axis (ms), compute on the bottom lane, each collective
     kind on its own lane from issue to wait. The planned row places each collective where
     the graph's order puts its issue and its wait, at the measured time of the compute
-    node there; a bar is labelled (bytes, and the compute it overlaps) only where the label
-    fits inside it."""
+    node there. Collectives in flight at once are stacked within their lane; a bar is
+    labelled (bytes, and the compute it overlaps) only where the label fits inside it."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -73,9 +99,9 @@ def plot_timelines(timelines: Sequence[RankTimeline], path: str | Path) -> None:
     end = max((t.step_ms for t in timelines), default=1.0) or 1.0
     axes[0].set_xlim(0.0, end * 1.01)
     fig.tight_layout()  # the axes' final widths, which decide where a label fits
-    bars: list[tuple[Any, float, float, float, str]] = []
     for t, timeline in enumerate(timelines):
         planned, measured = axes[2 * t], axes[2 * t + 1]
+        bars: dict[tuple[Any, int], list[tuple[float, float, str, str]]] = {}
         for ax in (planned, measured):
             ax.broken_barh(
                 [(s, max(e - s, 1e-6)) for _, s, e in timeline.compute], (-0.4, 0.8), color="0.6"
@@ -85,11 +111,13 @@ def plot_timelines(timelines: Sequence[RankTimeline], path: str | Path) -> None:
             size = _size(c.bytes)
             start = _planned_ms(timeline, c.planned_start)
             span = max(_planned_ms(timeline, c.planned_end) - start, end * 0.002)
-            planned.broken_barh([(start, span)], (lane - 0.35, 0.7), color=colour, alpha=0.6)
-            bars.append((planned, start, span, lane, f"{size}/{c.planned_overlap} nodes"))
+            label = f"{size}/{c.planned_overlap} nodes"
+            bars.setdefault((planned, lane), []).append((start, span, colour, label))
             span = max(c.end_ms - c.start_ms, end * 0.002)
-            measured.broken_barh([(c.start_ms, span)], (lane - 0.35, 0.7), color=colour, alpha=0.6)
-            bars.append((measured, c.start_ms, span, lane, f"{size}/{c.overlap_ms:.1f} ms"))
+            label = f"{size}/{c.overlap_ms:.1f} ms"
+            bars.setdefault((measured, lane), []).append((c.start_ms, span, colour, label))
+        for (ax, lane), found in bars.items():
+            _draw_lane(ax, lane, found)
         n = len(timeline.collectives)
         planned.set_title(
             f"rank {timeline.rank}, planned: {n} collectives where the graph's order puts them "
@@ -107,9 +135,6 @@ def plot_timelines(timelines: Sequence[RankTimeline], path: str | Path) -> None:
             ax.set_yticks([lane for lane, _ in lanes], [label for _, label in lanes], fontsize=9)
             ax.set_ylim(-0.6, len(lanes) - 0.4)
             ax.grid(True, axis="x", alpha=0.3)
-    for ax, start, span, lane, label in bars:
-        if _fits(ax, start, span, label, 8):
-            ax.text(start + span / 2, lane, label, fontsize=8, ha="center", va="center")
     axes[-1].set_xlabel("time from the step's start (ms)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, format="png")
