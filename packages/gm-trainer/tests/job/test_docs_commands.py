@@ -233,6 +233,23 @@ def nox_sessions() -> tuple[list[re.Pattern[str]], set[str]]:
     return names, tags
 
 
+def test_each_nox_session_is_described_by_one_complete_sentence() -> None:
+    # ``nox -l`` shows a session docstring's first line: it must say the whole thing.
+    tree = ast.parse((ROOT / "noxfile.py").read_text(encoding="utf-8"))
+    sessions = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef)
+        and any(ast.unparse(d).startswith("nox.session") for d in node.decorator_list)
+    ]
+    assert len(sessions) > 10
+    for node in sessions:
+        doc = ast.get_docstring(node) or ""
+        first = doc.split("\n")[0]
+        assert first.endswith(".") and first.count(". ") == 0, f"{node.name}: {first!r}"
+        assert not re.search(r"\bissues? #?\d", doc), f"{node.name} cites an issue: {doc!r}"
+
+
 def check_nox(args: list[str], command: Command, tmp_path: Path) -> None:
     names, tags = nox_sessions()
     posargs = args[args.index("--") + 1 :] if "--" in args else []
