@@ -1,5 +1,7 @@
 """Every shell command the docs print runs as printed: the fenced ``bash`` blocks of README.md,
-docs/user-guide.md, docs/getting-started.md and examples/*/README.md.
+docs/user-guide.md, docs/getting-started.md and examples/*/README.md. Also: every
+``parallel.*`` key has one row in the user guide's table generated from ``PassConfig``, and
+``nox -l`` describes each session in one sentence.
 
 Each command that starts with ``gm-train``, ``nox`` or ``python`` (also after ``torchrun`` /
 ``msrun`` options, and each part of an ``a && b`` line) is checked without training anything:
@@ -325,3 +327,37 @@ def test_a_bad_command_fails_the_check(bad: str, tmp_path: Path) -> None:
     assert len(commands) == 1
     with pytest.raises(AssertionError):
         check_command(commands[0], tmp_path)
+
+
+def _config_reference():
+    import importlib.util
+
+    tool = ROOT / "tools" / "config_reference.py"
+    spec = importlib.util.spec_from_file_location("config_reference", tool)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_parallel_key_has_one_row_in_the_generated_reference() -> None:
+    import dataclasses
+
+    from gm_config import PassConfig
+    from gm_trainer.job.config.job_config import JobConfig
+
+    reference = _config_reference()
+    guide = (ROOT / "docs" / "user-guide.md").read_text(encoding="utf-8")
+    block = reference.block(guide)
+    assert block is not None, "docs/user-guide.md has no generated PassConfig table"
+    assert block == reference.reference_markdown(), (
+        "docs/user-guide.md's PassConfig table differs from the dataclass: run "
+        "python tools/config_reference.py --write"
+    )
+    fields = [f.name for f in dataclasses.fields(PassConfig)]
+    keys = set(JobConfig().to_dict()["parallel"])
+    assert keys == {*fields, "tp_plan"}, keys ^ {*fields, "tp_plan"}
+    for name in fields:  # one row in the table, and no other row anywhere in the guide
+        rows = re.findall(rf"^\| `(?:parallel\.)?{name}` \|", guide, re.MULTILINE)
+        assert len(rows) == 1, f"parallel.{name}: {len(rows)} rows in docs/user-guide.md"
+        assert re.search(rf"^\| `{name}` \| `", block, re.MULTILINE), name
+    assert len(re.findall(r"^\| `parallel\.tp_plan` \|", guide, re.MULTILINE)) == 1

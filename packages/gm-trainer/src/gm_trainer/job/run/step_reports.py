@@ -182,4 +182,4 @@ def activation_memory(trainer: GraphTrainer, config: JobConfig, batch: tuple[Any
         kept = f"budget {parallel.activation_memory_budget:g}: the rest recomputed in backward"
     elif planned:
         kept = "a recompute preset: some activations recomputed in backward"
-    return phases, estimated, measured, f"activation memory over one step ({kept})"
+    return phases, estimated, measured, f"activation memory over one step\n({kept})"

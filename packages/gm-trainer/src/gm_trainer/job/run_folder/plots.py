@@ -80,7 +80,7 @@ def _figure() -> tuple[Any, Any]:
 def _save(fig: Any, ax: Any, path: Path, xlabel: str, ylabel: str, title: str) -> None:
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set_title(title, fontsize=11)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, format="png")  # the name may be a temporary one
