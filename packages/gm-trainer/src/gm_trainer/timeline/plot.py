@@ -44,7 +44,7 @@ def _fits(ax: Any, start: float, width: float, label: str, fontsize: float) -> b
     left, right = ax.get_xlim()
     axes_px = ax.get_window_extent().width
     bar_px = width / (right - left) * axes_px if right > left else 0.0
-    return bar_px >= len(label) * fontsize * 0.6 + 2  # a character is about 0.6 em wide
+    return bar_px >= len(label) * fontsize * 0.6 + 6  # a character is about 0.6 em wide
 
 
 def _planned_ms(timeline: RankTimeline, nodes_before: int) -> float:
@@ -234,7 +234,9 @@ def plot_pipeline_step(
     from matplotlib.figure import Figure
 
     n, p = len(ranks), plan.pp_degree
-    fig = Figure(figsize=(13.0, 0.55 * (n + p) + 2.6), dpi=100)
+    most = max((len(r["actions"]) for r in ranks), default=0)
+    width = min(24.0, max(13.0, 0.3 * most))  # room for the labels of long schedules
+    fig = Figure(figsize=(width, 0.55 * (n + p) + 2.6), dpi=100)
     FigureCanvasAgg(fig)
     measured, planned = fig.subplots(
         2, 1, sharex=True, gridspec_kw={"height_ratios": [max(n, 1) + 0.5, p + 0.5]}
@@ -277,8 +279,15 @@ def plot_pipeline_step(
         else:
             target = None
         if target is not None and target[0] != rank:
-            measured.plot([end, target[1]], [rank, target[0]], color="0.3", linewidth=0.8)
-    measured.set_yticks(range(n), [f"rank {r}" for r in range(n)], fontsize=9)
+            measured.plot(
+                [end, target[1]], [rank, target[0]], color="0.3", linewidth=0.6, alpha=0.6
+            )
+    names = []
+    for rank, info in enumerate(ranks):
+        stages = sorted({a["stage"] for a in info["actions"]})
+        plural = "s" if len(stages) > 1 else ""
+        names.append(f"rank {rank} (stage{plural} {', '.join(map(str, stages))})")
+    measured.set_yticks(range(n), names, fontsize=9)
     measured.set_ylim(n - 0.4, -0.6)
     step_ms = max((e for _, e in ends.values()), default=0.0)
     measured.set_title(

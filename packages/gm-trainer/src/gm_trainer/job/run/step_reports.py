@@ -179,7 +179,8 @@ def activation_memory(trainer: GraphTrainer, config: JobConfig, batch: tuple[Any
             measured = [k + r for k, r in zip(profile.kept, profile.recomputed)]
     kept = "no parallel.activation_memory_budget set"
     if parallel.activation_memory_budget is not None:
-        kept = f"budget {parallel.activation_memory_budget:g}: the rest recomputed in backward"
+        budget = parallel.activation_memory_budget
+        kept = f"activation_memory_budget={budget:g}: keep {budget:.0%}, recompute the rest"
     elif planned:
         kept = "a recompute preset: some activations recomputed in backward"
     return phases, estimated, measured, f"activation memory over one step\n({kept})"
