@@ -150,7 +150,7 @@ _PHASES = {
 _WAIT = "0.85"
 
 
-def _phase_legend(ax: Any, split: bool) -> None:
+def _phase_legend(ax: Any, split: bool, measured: bool = True) -> None:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -162,10 +162,11 @@ def _phase_legend(ax: Any, split: bool) -> None:
         ]
     else:
         handles.append(Patch(color=_PHASES["backward"][0], label="B: backward"))
-    handles += [
-        Patch(facecolor=_WAIT, edgecolor="0.5", hatch="///", label="waiting for a message"),
-        Line2D([], [], color="0.3", linewidth=0.8, label="message (activation or gradient)"),
-    ]
+    if measured:
+        handles += [
+            Patch(facecolor=_WAIT, edgecolor="0.5", hatch="///", label="waiting for a message"),
+            Line2D([], [], color="0.3", linewidth=0.8, label="message (activation or gradient)"),
+        ]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=9)
 
 
@@ -211,7 +212,7 @@ def plot_schedule_plan(plan: SchedulePlan, path: str | Path) -> None:
     ax.set_xlim(0.0, plan.makespan * 1.01 or 1.0)
     ax.set_xlabel("simulated time (the plan's costs)", fontsize=10)
     ax.set_title(plan.summary(), fontsize=10, loc="left", wrap=True)
-    _phase_legend(ax, _split(plan))
+    _phase_legend(ax, _split(plan), measured=False)
     fig.tight_layout()
     for a, start, width, lane, label in bars:
         if _fits(a, start, width, label, 7):
