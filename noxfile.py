@@ -116,14 +116,14 @@ for _dist in TORCH_FREE:
 
     @nox.session(name=f"{_dist}(no-torch)", tags=[_dist, "no-torch"])
     def _no_torch(session: nox.Session, dist: str = _dist) -> None:
-        """The torch-free layer in an environment where torch is not installed."""
+        """The torch-free layer's suite in an environment where torch is not installed."""
         _install_layer(session, dist, torch=False)
         session.run("python", "-c", NO_TORCH_CHECK)
         _pytest(session, dist)
 
     @nox.session(name=f"{_dist}(torch)", tags=[_dist, "torch"])
     def _with_torch(session: nox.Session, dist: str = _dist) -> None:
-        """The torch-free layer beside torch: its passes also run on real torch.fx graphs."""
+        """The torch-free layer's suite beside torch, so its passes also run on torch.fx graphs."""
         _install_layer(session, dist, torch=True)
         _pytest(session, dist)
 
@@ -132,14 +132,14 @@ for _dist in ("gm-trace", "gm-trainer"):
 
     @nox.session(name=_dist, tags=[_dist, "torch"])
     def _torch_layer(session: nox.Session, dist: str = _dist) -> None:
-        """A torch layer with the layers below it."""
+        """A torch layer's default suite, with the layers below it installed."""
         _install_layer(session, dist, torch=True)
         _pytest(session, dist)
 
 
 @nox.session(tags=["boundary", "no-torch"])
 def boundary(session: nox.Session) -> None:
-    """Import-linter contracts, and every torch-free module imported without torch."""
+    """The import-linter contracts, and every torch-free module imported without torch."""
     session.install("import-linter>=2.6", "pyyaml>=6.0")
     # Sources only: the contracts read import statements, so the torch layers need no torch.
     session.install("--no-deps", *_paths(*PACKAGES["gm-trainer"]))
@@ -150,7 +150,7 @@ def boundary(session: nox.Session) -> None:
 
 @nox.session(tags=["lint"])
 def lint(session: nox.Session) -> None:
-    """ruff: lint and formatting; a warning for a source module over 450 lines."""
+    """Ruff's lint and format checks, and a warning for a source module over 450 lines."""
     session.install("ruff>=0.6")
     session.run("ruff", "check", str(ROOT))
     session.run("ruff", "format", "--check", str(ROOT))
@@ -183,9 +183,10 @@ def wheels(session: nox.Session) -> None:
 
 @nox.session(tags=["full"], default=False)
 def full(session: nox.Session) -> None:
-    """The torch layers' whole suites: the default run plus every test a package's
-    ``tests/full_only.txt`` leaves out of it (multi-rank jobs, resumes, parity grids; tens of
-    minutes on 2 cores)."""
+    """The torch layers' whole suites, the tests that full_only.txt leaves out included.
+
+    Every test a package's ``tests/full_only.txt`` leaves out of the default run (multi-rank
+    jobs, resumes, parity grids) runs too: tens of minutes on 2 cores."""
     _install_layer(session, "gm-trainer", torch=True)
     for dist in ("gm-trace", "gm-trainer"):
         _pytest(session, dist, env={"GM_FULL": "1"})
@@ -208,8 +209,9 @@ def zoo(session: nox.Session) -> None:
 
 @nox.session(tags=["composability"], default=False)
 def composability(session: nox.Session) -> None:
-    """Every pair (and some triples) of graph mode's features on real gloo ranks against
-    eager PyTorch, Inductor included; rewrites docs/composability.md. ``-- --cell pp,in_graph``
+    """Every pair of graph mode's features against eager PyTorch; rewrites composability.md.
+
+    Pairs and some triples, on real gloo ranks, Inductor included. ``-- --cell pp,in_graph``
     runs only the cells named (and then writes nothing unless ``--out`` is given too)."""
     _install_layer(session, "gm-trainer", torch=True)
     tests = ROOT / "packages" / "gm-trainer" / "tests"
@@ -219,14 +221,15 @@ def composability(session: nox.Session) -> None:
 
 @nox.session(tags=["memory"], default=False)
 def memory(session: nox.Session) -> None:
-    """The activation-memory acceptance (issue 28): the own 4-layer GPT and the zoo's Llama
-    at sequence 512, budgets 1 / 0.5 / 0.25 / 0 and the presets, one process, FSDP on 2
-    gloo ranks, PP and dynamic dims."""
+    """The activation memory budgets' whole acceptance, offload and pipelines included.
+
+    The own 4-layer GPT and the zoo's Llama at sequence 512, budgets 1 / 0.5 / 0.25 / 0 and
+    the presets, one process, FSDP on 2 gloo ranks, PP and dynamic dims."""
     _install_layer(session, "gm-trainer", torch=True)
     session.run(
         "pytest",
         _test_file("gm-trainer", "test_memory_budget.py"),
-        # activation offload forced on CPU (issue 28's third choice)
+        # activation offload forced on CPU (the memory plan's third choice)
         _test_file("gm-trainer", "test_offload_training.py"),
         # measure_activations mid-training in a pipeline leaves the stages' generators
         _test_file("gm-trainer", "test_inspection_leaves_the_run.py"),
@@ -240,9 +243,10 @@ def memory(session: nox.Session) -> None:
 
 @nox.session(tags=["cp"], default=False)
 def cp(session: nox.Session) -> None:
-    """Context parallelism's whole matrix (issue 29): HF Llama and Qwen3 at sequence 256, cp 2
-    on 2 gloo ranks and cp 2 x FSDP 2 on 4, causal and padded, and the checkpoint round trip,
-    against one eager process (the default suite runs one cell)."""
+    """Context parallelism's whole matrix against one eager process.
+
+    HF Llama and Qwen3 at sequence 256, cp 2 on 2 gloo ranks and cp 2 x FSDP 2 on 4, causal
+    and padded, and the checkpoint round trip (the default suite runs one cell)."""
     _install_layer(session, "gm-trainer", torch=True)
     session.env["GM_CP"] = "all"
     session.run(
@@ -258,9 +262,10 @@ def cp(session: nox.Session) -> None:
 
 @nox.session(tags=["bench"], default=False)
 def bench(session: nox.Session) -> None:
-    """Benchmarks (not run by CI): graph mode vs eager and FSDP2, trace time, the symbolic
-    graph vs the static one, the pipeline schedules, context parallelism and activation
-    memory budgets."""
+    """The benchmarks, which CI does not run.
+
+    Graph mode vs eager and FSDP2, trace time, the symbolic graph vs the static one, the
+    pipeline schedules, context parallelism and activation memory budgets."""
     _install_layer(session, "gm-trainer", torch=True)
     session.run("python", str(ROOT / "bench" / "fsdp_bench.py"), *session.posargs)
     session.run("python", str(ROOT / "bench" / "trace_time.py"))
@@ -274,19 +279,21 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(tags=["gpu"], default=False)
 def gpu(session: nox.Session) -> None:
-    """The prepared device check (issue 39), one GPU, under 8 minutes: eager vs graph vs
-    graph + Inductor vs + CUDA graphs vs torch.compile (step time, peak memory, MFU, parity
-    against eager), and CP / offload planning on the device (``bench/gpu_check.py``).
-    Without a GPU it says so and exits 0. Set GM_TORCH_SPEC to pick the CUDA build."""
+    """The prepared check on one GPU, under 8 minutes; without a GPU it says so and passes.
+
+    Eager vs graph vs graph + Inductor vs + CUDA graphs vs torch.compile (step time, peak
+    memory, MFU, parity against eager), and CP / offload planning on the device
+    (``bench/gpu_check.py``). Set GM_TORCH_SPEC to pick the CUDA build."""
     _install_layer(session, "gm-trainer", torch=True, tests=False)
     session.run("python", str(ROOT / "bench" / "gpu_check.py"), *session.posargs)
 
 
 @nox.session(tags=["moe"], default=False)
 def moe(session: nox.Session) -> None:
-    """Expert parallelism's whole acceptance on real gloo ranks (every architecture, 4 ranks,
-    accumulation, in_graph, checkpoints, gm-train, EP inside pipeline stages); the default
-    suite runs one of each file."""
+    """Expert parallelism's whole acceptance on real gloo ranks.
+
+    Every architecture, 4 ranks, accumulation, in_graph, checkpoints, gm-train, EP inside
+    pipeline stages; the default suite runs one of each file."""
     _opt_in_trainer_tests(session, ("test_moe.py", "test_moe_pipeline.py"), {"GM_MOE": "all"})
 
 
@@ -299,25 +306,29 @@ def _opt_in_trainer_tests(session: nox.Session, files: tuple[str, ...], env: dic
 
 @nox.session(tags=["pipelines"], default=False)
 def pipelines(session: nox.Session) -> None:
-    """The zero-bubble pipeline schedules' whole acceptance (issue 38): zb1p, zbv and
-    dualpipev on 2 gloo ranks, zb1p bitwise against 1F1B, PP x FSDP on 4 ranks and a zbv
-    checkpoint resumed under 1F1B and without a pipeline (the default suite runs zbv)."""
+    """The zero-bubble pipeline schedules' whole acceptance on real gloo ranks.
+
+    zb1p, zbv and dualpipev on 2 ranks, zb1p bitwise against 1F1B, PP x FSDP on 4 ranks and a
+    zbv checkpoint resumed under 1F1B and without a pipeline (the default suite runs zbv)."""
     files = ("test_pipeline_zero_bubble.py", "test_checkpoint_pipeline.py")
     _opt_in_trainer_tests(session, files, {"GM_PP": "all"})
 
 
 @nox.session(tags=["train"], default=False)
 def train(session: nox.Session) -> None:
-    """The main job: ``nox -s train -- [CONFIG.yaml] [--nproc N] [section.key=value ...]``."""
+    """The main job: gm-train with the arguments given after --, see docs/getting-started.md.
+
+    ``nox -s train -- [CONFIG.yaml] [--nproc N] [section.key=value ...]``."""
     _install_layer(session, "gm-trainer", torch=True, tests=False, extras=("plot",))  # loss.png
     session.run("gm-train", *session.posargs)
 
 
 @nox.session(tags=["jobs"], default=False)
 def jobs(session: nox.Session) -> None:
-    """gm-train's multi-process acceptance runs (TP 1 vs TP 2 vs PP 2 x TP 2 on 4 ranks, the
-    resumes, the plan against measured peaks, restarts with the compile cache): minutes on 2
-    cores, so not in the default suite."""
+    """gm-train's multi-process acceptance runs, minutes each on 2 cores.
+
+    TP 1 vs TP 2 vs PP 2 x TP 2 on 4 ranks, the resumes, the plan against measured peaks,
+    restarts with the compile cache: not in the default suite."""
     _install_layer(session, "gm-trainer", torch=True)
     session.run(
         "pytest",
@@ -335,9 +346,11 @@ def jobs(session: nox.Session) -> None:
 
 @nox.session(tags=["mindspore"], default=False)
 def mindspore(session: nox.Session) -> None:
-    """The MindSpore backend (issue 40) in an environment WITHOUT torch: gm-config, gm-passes,
-    gm-mindspore and the MindSpore wheel; its no-torch contract, its tests (2 CPU workers
-    under msrun) and the example that trains from the YAML plan train_torch.py reads too."""
+    """The MindSpore backend in an environment without torch.
+
+    gm-config, gm-passes, gm-mindspore and the MindSpore wheel: its no-torch contract, its
+    tests (2 CPU workers under msrun) and the example that trains from the YAML plan
+    train_torch.py reads too."""
     backend = ROOT / "backends" / "mindspore"
     session.install(*_paths("gm-config", "gm-passes"), str(backend), "pytest>=8")
     session.install("import-linter>=2.6")

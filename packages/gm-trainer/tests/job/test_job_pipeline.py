@@ -86,6 +86,20 @@ def test_a_pipeline_job_trains_evaluates_and_resumes_bitwise(tmp_path: Path) -> 
     assert summary["schedule_planned_bubble"] == plan_schedule("gpipe", 2, 2).bubble_fraction
     passes = (tmp_path / "straight" / "passes.txt").read_text()
     assert "pipeline: 2 stages on 2 ranks, 2 micro-batches, schedule gpipe" in passes
+    # One bubble line, the same in passes.txt as on the console; plan.json names it alike.
+    bubble = next(line for line in out.splitlines() if line.startswith("pipeline bubble: "))
+    assert passes.splitlines()[-1] == bubble and passes.count("bubble") == 1
+    plan = json.loads((tmp_path / "straight" / "plan.json").read_text())
+    assert plan["planned_bubble"] == summary["schedule_planned_bubble"]
+    # schedule.json: the last step of both ranks as it ran, 2 forwards and 2 backwards each.
+    ranks = json.loads((tmp_path / "straight" / "schedule.json").read_text())["ranks"]
+    assert [r["pp_ranks"] for r in ranks] == [[0, 1], [0, 1]]
+    for rank in ranks:
+        ran = sorted((a["phase"], a["microbatch"]) for a in rank["actions"])
+        assert ran == [("backward", 0), ("backward", 1), ("forward", 0), ("forward", 1)]
+        assert all(
+            a["start_s"] <= a["start_s"] + a["wait_s"] <= a["end_s"] for a in rank["actions"]
+        )
     # The whole model, gathered from both stages' files, loads into the job's model.
     exported = torch.load(tmp_path / "straight" / "model.pt", weights_only=True)
     GPT(256, 32, 2, 2, max_seq_len=32).load_state_dict(exported)

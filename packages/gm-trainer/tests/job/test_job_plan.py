@@ -66,7 +66,7 @@ def test_plan_of_pp2_tp2_fsdp2_on_8_ranks_starts_no_rank(
     out = capsys.readouterr().out
     print(out)
     assert "8 rank(s) = pp 2 x tp 2 x dp 2 (fsdp 2 x replicas 1)" in out
-    assert "pipeline bubble implied by the schedule: 33.3% (1f1b)" in out  # (2-1)/(2+2-1)
+    assert "pipeline bubble: planned 33.3% (1f1b, unit costs)" in out  # (2-1)/(2+2-1)
     lines = out.splitlines()
     stage0 = next(line for line in lines if line.startswith("stage 0 (ranks 0..3)"))
     assert "parameters" in stage0 and "optimizer state" in stage0 and "activations" in stage0

@@ -163,6 +163,11 @@ def test_resume_on_the_same_ranks_repeats_the_straight_run_bitwise(runs: dict[st
     assert summary["resumed_from_step"] == 4 and summary["steps"] == 8
     assert summary["first_loss"] == straight[0]["loss"]
     assert summary["final_loss"] == straight[-1]["loss"]
+    # The end-of-run line is this session's: from the first resumed step's loss.
+    done = next(line for line in out.splitlines() if line.startswith("done: "))
+    assert done.startswith("done: steps 5..8 in ")
+    assert f"| loss {straight[4]['loss']:.4f} -> {straight[-1]['loss']:.4f} |" in done
+    assert not (root / "run4" / ".gm-train.lock").exists()  # gone when the job ended
 
 
 @PLOT

@@ -206,9 +206,15 @@ def test_two_jobs_cannot_share_a_run_folder(
         assert f"is in use by another gm-train job (pid {holder.pid}" in err
     finally:
         holder.communicate("")  # ends the holder: the kernel drops its lock
-    folder = RunFolder(run, lock=True)
+    folder = RunFolder(run, lock=True)  # the crashed holder's file is taken over
     assert (run / LOCK_NAME).read_text().strip() == str(os.getpid())
     folder.close()
+    assert not (run / LOCK_NAME).exists()  # the job ended: no lock file is left behind
+    again = RunFolder(run, lock=True)
+    assert (run / LOCK_NAME).is_file()
+    again.close()
+    again.close()  # idempotent
+    assert not (run / LOCK_NAME).exists()
 
 
 def _claim(args: tuple[str, float]) -> str:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from gm_config import ConfigError
 from gm_trainer.checkpoint import CheckpointError, checkpoint_extra
+from gm_trainer.job.config.checks import pipeline_bubble_warning
 from gm_trainer.job.config.job_config import JobConfig, load_config
 from gm_trainer.job.run.launch import AUTO, auto_resume_key, auto_resume_point, map_slurm_env
 from gm_trainer.job.run_folder.choice import (
@@ -210,6 +211,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 check_run_config(config_path)
             config = load_config(config_path, overrides)
         world_size = int(os.environ["WORLD_SIZE"]) if launched else args.nproc or default_nproc()
+        advice = pipeline_bubble_warning(config, world_size * args.nnodes)
+        if advice is not None and reporter and not args.print_config:
+            print(f"gm-train: warning: {advice}", file=sys.stderr)
         if args.plan:
             return _plan(config, world_size * args.nnodes, args.device_memory)
         config.check_world_size(world_size)

@@ -57,7 +57,12 @@ from gm_trainer.pipeline.microbatches import symbol_sizes
 from gm_trainer.pipeline.planner import schedule_orders
 from gm_trainer.pipeline.schedule import INPUT_GRAD, WEIGHT_GRAD, Action, in_flight, stage_ranks
 from gm_trainer.pipeline.stages import AdoptedGraph, StageGraphs
-from gm_trainer.pipeline.stats import PipelineStats, StageActivations, held_storages
+from gm_trainer.pipeline.stats import (
+    ActionTiming,
+    PipelineStats,
+    StageActivations,
+    held_storages,
+)
 
 
 @dataclass
@@ -245,7 +250,9 @@ class PipelineRunner:
         holds: dict[tuple[int, int], int] = {}  # bytes each kept env added to ``held``
         device = self.topology.device  # an offloaded activation's host copy is not counted
         incoming = messages.post(actions[0], step.sizes)
+        ran: list[ActionTiming] = []
         for index, action in enumerate(actions):
+            began, waited = time.perf_counter(), messages.wait_s
             # The next action's receives are posted first, so they arrive during this one.
             following = actions[index + 1] if index + 1 < len(actions) else None
             received, incoming = incoming, following and messages.post(following, step.sizes)
@@ -264,6 +271,16 @@ class PipelineRunner:
                 if kept in step.envs:  # B ran: W's values stay until it runs
                     holds[kept] = sum(held_storages(step.envs[kept], params, device).values())
                     held += holds[kept]
+            ran.append(
+                ActionTiming(
+                    action.phase,
+                    action.stage,
+                    action.microbatch,
+                    began,
+                    time.perf_counter(),
+                    messages.wait_s - waited,
+                )
+            )
         sent = messages.finish()
         loss = self._loss(step)
         if measured is not None:
@@ -274,6 +291,7 @@ class PipelineRunner:
         stats.messages = sent
         stats.step_s = time.perf_counter() - started
         stats.peak_held_bytes = peak
+        stats.actions = tuple(ran)
         stats.steps += 1
         stats.total_wait_s += stats.wait_s
         stats.total_step_s += stats.step_s
@@ -369,7 +387,8 @@ class PipelineRunner:
 
     def summary(self) -> str:
         """Per stage: its modules and parameters; per boundary: bytes crossing it; this
-        rank's measured bubble and held activations."""
+        rank's held activations (the bubble, a figure over many steps, is
+        :attr:`stats`': ``PipelineStats.bubble_since``)."""
         if self.cut is None:
             return "pipeline: not compiled yet"
         config = self.config
@@ -403,8 +422,8 @@ class PipelineRunner:
         lines.append(
             f"  this rank (stage {', '.join(map(str, self.programs))}): at most {flight} "
             f"micro-batch stages in flight; activations held at peak "
-            f"{self.stats.peak_held_bytes:,} bytes measured, {estimate:,} estimated; bubble "
-            f"{self.stats.bubble_fraction:.1%} of the last step; generators seeded {self.seed}"
+            f"{self.stats.peak_held_bytes:,} bytes measured, {estimate:,} estimated; generators "
+            f"seeded {self.seed}"
         )
         return "\n".join(lines)
 

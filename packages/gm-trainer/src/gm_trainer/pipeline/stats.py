@@ -6,10 +6,25 @@ them on the tensors."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from gm_trainer.pipeline.messages import Env
+
+
+class ActionTiming(NamedTuple):
+    """One compute action of a schedule run on this rank, as it ran."""
+
+    phase: str
+    """``forward``, ``backward``, ``input_grad`` (B) or ``weight_grad`` (W)."""
+    stage: int
+    microbatch: int
+    start_s: float
+    """``time.perf_counter()`` when the action began (one clock for the ranks of a machine)."""
+    end_s: float
+    wait_s: float
+    """Of ``end_s - start_s``: the time it waited for values from other stages."""
 
 
 @dataclass
@@ -30,6 +45,9 @@ class PipelineStats:
     """``wait_s`` summed over every schedule run so far."""
     total_step_s: float = 0.0
     """``step_s`` summed likewise."""
+    actions: tuple[ActionTiming, ...] = ()
+    """The last schedule run's compute actions on this rank, in the order they ran (what
+    ``gm-train``'s ``schedule.png`` draws)."""
 
     @property
     def bubble_fraction(self) -> float:
@@ -78,4 +96,4 @@ def held_storages(env: Env, exclude: set[int], device: torch.device) -> dict[int
     return {ptr: n for ptr, n in storages.items() if ptr not in exclude}
 
 
-__all__ = ["PipelineStats", "StageActivations", "held_storages"]
+__all__ = ["ActionTiming", "PipelineStats", "StageActivations", "held_storages"]

@@ -67,3 +67,49 @@ def _check_experts(job: Any) -> None:
         )
     for name in names:
         check_ep_divides(model.get_submodule(name).num_experts, ep, name)
+
+
+def pipeline_bubble_warning(job: Any, world_size: int) -> str | None:
+    """A warning when the pipeline schedule's planned bubble (simulated at unit costs) is more
+    than twice what ``parallel.pp_microbatches = 2 x pp_degree`` would plan: too few
+    micro-batches leave the ranks idle for much of the step. It names the key and the
+    smallest micro-batch count that the batch allows and that would plan within that bound;
+    ``None`` without a pipeline or when the schedule pays."""
+    from gm_trainer.pipeline import plan_schedule
+
+    p = job.parallel
+    if p.pp_degree == 1:
+        return None
+
+    def bubble(microbatches: int) -> float:
+        try:
+            plan = plan_schedule(p.pp_schedule, p.pp_degree, microbatches, p.pp_virtual_stages)
+        except ConfigError:  # a count the schedule refuses never pays
+            return 1.0
+        return plan.bubble_fraction
+
+    planned, reference = bubble(p.pp_microbatches), bubble(2 * p.pp_degree)
+    if planned <= 2 * reference:
+        return None
+    # The rows one pipeline reads per micro-batch of the accumulation: what m must divide.
+    dp = max(1, world_size // (p.pp_degree * p.tp_size * p.cp_degree))
+    rows = job.train.global_batch_size // job.train.accumulation // dp
+    better = next(
+        (
+            m
+            for m in range(p.pp_microbatches + 1, rows + 1)
+            if rows % m == 0 and bubble(m) <= 2 * reference
+        ),
+        None,
+    )
+    fix = (
+        f"set parallel.pp_microbatches={better} (bubble {bubble(better):.1%})"
+        if better is not None
+        else "raise train.global_batch_size so that parallel.pp_microbatches can reach "
+        f"{2 * p.pp_degree}"
+    )
+    return (
+        f"parallel.pp_schedule={p.pp_schedule} with parallel.pp_microbatches={p.pp_microbatches} "
+        f"on {p.pp_degree} pipeline ranks plans a {planned:.1%} bubble (each rank idle that "
+        f"share of the step; {2 * p.pp_degree} micro-batches would plan {reference:.1%}): {fix}"
+    )

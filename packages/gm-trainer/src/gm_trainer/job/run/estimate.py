@@ -294,7 +294,7 @@ def report(
     return {
         "layout": layout,
         "schedule": config.parallel.pp_schedule if layout["pp"] > 1 else None,
-        "bubble": implied_bubble(config),
+        "planned_bubble": implied_bubble(config),
         "device_memory_bytes": memory,
         "device_memory": source,
         "rank_kinds": kinds,
@@ -309,8 +309,9 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"{lay['dp']}"
         + (f" x cp {lay['cp']}" if lay["cp"] > 1 else "")
         + f" (fsdp {lay['fsdp']} x replicas {lay['dp_replicate']})",
-        f"pipeline bubble implied by the schedule: {plan['bubble']:.1%}"
-        + (f" ({plan['schedule']})" if plan["schedule"] else ""),
+        f"pipeline bubble: planned {plan['planned_bubble']:.1%} ("
+        + (f"{plan['schedule']}, " if plan["schedule"] else "")
+        + "unit costs)",
         "device memory per rank: "
         + (
             f"{_mib(plan['device_memory_bytes'])} ({plan['device_memory']})"

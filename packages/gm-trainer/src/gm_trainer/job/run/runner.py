@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +38,12 @@ from gm_trainer.job.run.hooks import (
 from gm_trainer.job.run.loop import StepHook, train_steps
 from gm_trainer.job.run.placement import graph_batch, job_compile_cache, lay_out_rank, layout_note
 from gm_trainer.job.run.progress import Progress
-from gm_trainer.job.run.step_reports import activation_memory, compare_passes_report, plot_schedule
+from gm_trainer.job.run.step_reports import (
+    activation_memory,
+    bubble_line,
+    compare_passes_report,
+    plot_schedule,
+)
 from gm_trainer.job.run.telemetry import StepProfiler, Telemetry, job_flops_per_token
 from gm_trainer.job.run_folder.folder import (
     RunFolder,
@@ -250,12 +256,14 @@ def _train(
 
         out = export_hf(last_checkpoint, m.config, job_data.tokenizer, folder.path / "hf")
         progress.write(f"exported the model for transformers (from_pretrained) to {out}")
-    folder.write_text("passes.txt", trainer.pass_summary() + "\n")
-    # ``records`` holds every step of this session (the loss curve and summary use them all);
-    # only the logged ones went to metrics.jsonl. A resumed run adds the logged records
-    # before its checkpoint.
+    bubble_text = bubble_line(schedule, measured_bubble)
+    passes = trainer.pass_summary() + (f"\n{bubble_text}" if bubble_text else "")
+    folder.write_text("passes.txt", passes + "\n")
+    # ``records`` holds every step of this session (the summary uses them all; the loss curve
+    # the logged ones, as metrics.jsonl). A resumed run adds the records before its checkpoint.
     summary = folder.finish(
         [*folder.history, *records],
+        plotted=_plotted_steps(config, folder.history),
         world_size=world_size,
         pp_degree=pp,
         tp_size=tp,
@@ -271,24 +279,28 @@ def _train(
         **schedule,
         **measured_bubble,
     )
-    if measured_bubble:
-        bubbles = measured_bubble["schedule_measured_bubble"]
-        per_rank = ", ".join(f"rank {r} {b:.1%}" for r, b in enumerate(bubbles))
-        progress.write(
-            f"pipeline bubble: planned {schedule['schedule_planned_bubble']:.1%} (unit costs), "
-            f"measured {per_rank} (median of {measured_bubble['schedule_measured_steps']} "
-            "steps)"
-        )
+    if bubble_text:
+        progress.write(bubble_text)
     steps = (
         f"steps {start_step + 1}..{trainer.step}" if resume is not None else f"{trainer.step} steps"
     )
+    # This session's first loss: after a resume, that of the first resumed step.
+    first_loss = records[0]["loss"] if records else summary["first_loss"]
     progress.write(
         f"done: {steps} in {wall:.1f} s | loss "
-        f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f} | "
+        f"{first_loss:.4f} -> {summary['final_loss']:.4f} | "
         f"{summary.get('time_per_step_s', float('nan')) * 1e3:.0f} ms/step | run folder "
         f"{folder.path}"
     )
     return summary
+
+
+def _plotted_steps(config: JobConfig, history: list[dict[str, Any]]) -> Callable[[int], bool]:
+    """The steps ``loss.png`` draws: those ``metrics.jsonl`` holds (before a resume, and the
+    logged steps of this session)."""
+    logged = logged_steps(config.logging.interval, config.train.steps)
+    earlier = {r["step"] for r in history}
+    return lambda step: step in earlier or logged(step)
 
 
 def _load_resume(

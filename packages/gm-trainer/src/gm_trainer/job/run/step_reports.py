@@ -1,11 +1,13 @@
 """What ``gm-train`` writes about one step besides training it: ``schedule.png`` /
-``schedule.json`` (the step planned and measured per rank, or a pipeline's planned schedule),
+``schedule.json`` (the step planned and measured per rank; under a pipeline, the last step
+each rank ran beside the schedule's plan),
 ``compare_passes.txt`` (``--compare-passes``) and the activation data of ``memory.png``.
 Each runs on every rank (the graphs hold collectives) and leaves the run as it was."""
 
 from __future__ import annotations
 
 import json
+import statistics
 from typing import TYPE_CHECKING, Any
 
 from gm_trainer.checkpoint.durable import replacing
@@ -33,8 +35,8 @@ def plot_schedule(
     """``schedule.png`` and ``schedule.json``: one step of the first batch, planned and
     measured, on every rank (every rank runs it: the graph holds collectives; rank 0 writes).
     Returns what the summary records: the collectives per rank, or why there is no plot."""
-    if config.parallel.pp_degree > 1:  # the pipeline's schedule, as the planner times it
-        return _plot_pipeline_schedule(config, folder)
+    if config.parallel.pp_degree > 1:  # the step each rank ran, beside the plan
+        return _plot_pipeline_schedule(trainer, config, folder)
     # The picture is of the plain step's graph: a run that never compiles one (accumulation,
     # the update in the graph) would compile it only for this.
     if config.train.accumulation > 1 or trainer.optimizer_in_graph:
@@ -54,23 +56,74 @@ def plot_schedule(
     return found
 
 
-def _plot_pipeline_schedule(config: JobConfig, folder: RunFolder | None) -> dict[str, Any]:
-    """``schedule.png`` of a pipeline run: every rank's F, B and W as the planner times
-    them at unit costs (rank 0 writes)."""
+def _plot_pipeline_schedule(
+    trainer: GraphTrainer, config: JobConfig, folder: RunFolder | None
+) -> dict[str, Any]:
+    """``schedule.png`` / ``schedule.json`` of a pipeline run: every rank's last step as it
+    ran (its F, B and W, and the waits for messages), gathered from every rank, beside the
+    schedule's plan simulated with the median measured times of F, B and W. Every rank
+    calls it (it gathers); rank 0 writes. The summary's planned bubble is the plan's at unit
+    costs, the figure ``gm-train --plan`` prints."""
     from gm_trainer.pipeline import plan_schedule
 
     p = config.parallel
-    plan = plan_schedule(p.pp_schedule, p.pp_degree, p.pp_microbatches, p.pp_virtual_stages)
-    found: dict[str, Any] = {"schedule_planned_bubble": plan.bubble_fraction}
+    found: dict[str, Any] = {
+        "schedule_planned_bubble": plan_schedule(
+            p.pp_schedule, p.pp_degree, p.pp_microbatches, p.pp_virtual_stages
+        ).bubble_fraction
+    }
+    pipeline = trainer.pipeline
+    mine = {
+        "pp_ranks": list(pipeline.topology.pp_ranks) if pipeline is not None else [],
+        "actions": [a._asdict() for a in pipeline.stats.actions] if pipeline is not None else [],
+    }
+    ranks = all_ranks(mine, trainer.world_size)
+    if folder is None:
+        return found
+    costs = _median_costs(ranks)
+    plan = plan_schedule(
+        p.pp_schedule, p.pp_degree, p.pp_microbatches, p.pp_virtual_stages, costs=costs
+    )
+    data = {"planned_costs_ms": costs, "ranks": ranks}
+    folder.write_text(SCHEDULE_JSON, json.dumps(data, indent=1) + "\n")
     missing = plot_unavailable()
     if missing is not None:
         found["schedule_plot_skipped"] = f"{missing}; to draw it: {PLOT_INSTALL}"
-    elif folder is not None:
-        from gm_trainer.timeline.plot import plot_schedule_plan
+    else:
+        from gm_trainer.timeline.plot import plot_pipeline_step
 
         with replacing(folder.path / SCHEDULE_PNG) as tmp:
-            plot_schedule_plan(plan, tmp)
+            plot_pipeline_step(ranks, plan, tmp)
     return found
+
+
+def _median_costs(ranks: list[dict[str, Any]]) -> dict[str, float]:
+    """The median compute time (ms, the wait left out) of F, B and W over every rank's
+    actions; a whole backward counts as ``B`` (``W`` then 0), as the planner charges it."""
+    times: dict[str, list[float]] = {"F": [], "B": [], "W": []}
+    letter = {"forward": "F", "backward": "B", "input_grad": "B", "weight_grad": "W"}
+    for rank in ranks:
+        for a in rank["actions"]:
+            spent = (a["end_s"] - a["start_s"] - a["wait_s"]) * 1e3
+            times[letter[a["phase"]]].append(max(spent, 0.0))
+    return {k: statistics.median(v) if v else 0.0 for k, v in times.items()}
+
+
+def bubble_line(schedule: dict[str, Any], measured: dict[str, Any]) -> str | None:
+    """The pipeline bubble as the console and ``passes.txt`` print it (``summary.json``'s
+    ``schedule_planned_bubble`` and ``schedule_measured_bubble``); ``None`` without a
+    pipeline. The bubble is the share of a step a rank spends idle, waiting for other
+    stages: planned by the schedule's simulation at unit costs (``--plan``'s figure),
+    measured as each rank's wait over its step time, the median over the steps counted."""
+    if "schedule_planned_bubble" not in schedule:
+        return None
+    line = f"pipeline bubble: planned {schedule['schedule_planned_bubble']:.1%} (unit costs)"
+    if measured:
+        per_rank = ", ".join(
+            f"rank {r} {b:.1%}" for r, b in enumerate(measured["schedule_measured_bubble"])
+        )
+        line += f", measured {per_rank} (median over {measured['schedule_measured_steps']} steps)"
+    return line
 
 
 def compare_passes_report(
@@ -124,9 +177,10 @@ def activation_memory(trainer: GraphTrainer, config: JobConfig, batch: tuple[Any
         profile = trainer.measure_activations(*batch)
         if len(profile.kept) == len(estimated):
             measured = [k + r for k, r in zip(profile.kept, profile.recomputed)]
-    plan = "no memory plan"
+    kept = "no parallel.activation_memory_budget set"
     if parallel.activation_memory_budget is not None:
-        plan = f"budget {parallel.activation_memory_budget:g}"
+        budget = parallel.activation_memory_budget
+        kept = f"activation_memory_budget={budget:g}: keep {budget:.0%}, recompute the rest"
     elif planned:
-        plan = "recompute preset"
-    return phases, estimated, measured, f"activations over one step ({plan})"
+        kept = "a recompute preset: some activations recomputed in backward"
+    return phases, estimated, measured, f"activation memory over one step\n({kept})"

@@ -137,34 +137,52 @@ def create_unique_dir(candidates: Iterator[Path]) -> Path:
 
 class RunLock:
     """An exclusive, non-blocking ``flock`` on ``<folder>/.gm-train.lock``, held by the job's
-    writer (rank 0) until :meth:`release` or the process ends (the kernel drops it then, so a
-    crashed job never leaves a stale lock)."""
+    writer (rank 0) until :meth:`release`, which removes the file, or until the process ends
+    (the kernel drops the lock then, so a crashed job leaves the file behind but never a held
+    lock: the next job takes it)."""
 
     def __init__(self, folder: str | os.PathLike[str]) -> None:
         import fcntl
 
         self.path = Path(folder) / LOCK_NAME
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
-        try:
-            self._fd: int | None = os.open(self.path, flags, 0o644)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise RunFolderError(_link_message(self.path)) from None
-            raise
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
+        while True:
+            try:
+                self._fd: int | None = os.open(self.path, flags, 0o644)
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise RunFolderError(_link_message(self.path)) from None
+                raise
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(self._fd)
+                self._fd = None
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise RunFolderError(_in_use_message(self.path)) from None
+                raise
+            if self._same_file():
+                break
+            # A job that ended removed the file after we opened it: lock the new one.
             os.close(self._fd)
-            self._fd = None
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise RunFolderError(_in_use_message(self.path)) from None
-            raise
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)  # who holds it, for the error
 
+    def _same_file(self) -> bool:
+        """Whether the locked descriptor is still the file at :attr:`path`."""
+        try:
+            named = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        held = os.fstat(self._fd)
+        return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
     def release(self) -> None:
-        """Unlock (idempotent)."""
+        """Remove the lock file and unlock (idempotent). The file goes while the lock is
+        still held, so a job that opens it meanwhile sees it vanish and starts over."""
         if self._fd is not None:
+            if self._same_file():
+                self.path.unlink(missing_ok=True)
             os.close(self._fd)  # closing the only descriptor drops the flock
             self._fd = None
 

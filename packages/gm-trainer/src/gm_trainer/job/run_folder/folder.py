@@ -4,12 +4,16 @@ config.yaml     the resolved configuration, every default filled in
 metrics.jsonl   one JSON record per logged step
 loss.png        the loss curve (needs matplotlib: ``pip install 'gm-trainer[plot]'``)
 summary.json    first/final loss, steps, time per step, world size, ...
-passes.txt      the wall time of each graph pass (and the memory plan, when one ran)
-memory.png      activation memory over the step: estimated, and measured with a memory plan
+passes.txt      the wall time of each graph pass (and the memory plan, when one ran; under a
+                pipeline its stages and the bubble, as the console prints it)
+memory.png      activation memory over one step: estimated, and measured with a memory plan
+plan.json       the memory each kind of rank was estimated to hold (``gm-train --plan``'s)
 graphs/         the graph after each pass (written by GraphTrainer), and changes.txt: what
                 each pass changed, one line per pass
 schedule.png    one step's compute and collectives per rank, planned and measured (needs
-                matplotlib); schedule.json its data
+                matplotlib); under a pipeline each rank's last step beside the plan;
+                schedule.json its data
+.gm-train.lock  held by rank 0 while the job runs, removed when it ends
 compare_passes.txt  every rank's report of ``gm-train --compare-passes``
 checkpoints/    step-XXXXXXXX/ distributed checkpoints (written by every rank)
 model.pt        the final model as one plain state_dict (checkpoint.export_full)
@@ -31,7 +35,7 @@ import shutil
 import statistics
 import time
 import warnings
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -161,8 +165,20 @@ class RunFolder:
         self._refuse_link(name)
         write_atomic(self.path / name, text)
 
-    def finish(self, records: Sequence[Mapping[str, Any]], **extra: Any) -> dict[str, Any]:
+    def finish(
+        self,
+        records: Sequence[Mapping[str, Any]],
+        *,
+        plotted: Callable[[int], bool] | None = None,
+        **extra: Any,
+    ) -> dict[str, Any]:
         """Write ``loss.png`` and ``summary.json``; return the summary.
+
+        ``records``: the run's records (the summary's figures use them all); ``plotted``: whether
+        ``loss.png`` draws a step's record: the steps ``metrics.jsonl`` holds, so that a
+        resumed run's curve has the same points before and after the resume (``None``: every
+        record).
+        ``extra["resumed_from_step"]`` marks the resume on the curve.
 
         Without matplotlib the plot is skipped: one log message says so and how to install
         it, and the summary records why under ``loss_plot_skipped``.
@@ -176,8 +192,9 @@ class RunFolder:
             return summary
         self._refuse_link("loss.png")
         if missing is None:
+            points = [r for r in records if plotted is None or plotted(r["step"])]
             with replacing(self.path / "loss.png") as tmp:
-                plot_loss(records, tmp)
+                plot_loss(points or records, tmp, resumed_at=extra.get("resumed_from_step"))
         else:
             # A curve left by an earlier session would contradict this summary.
             (self.path / "loss.png").unlink(missing_ok=True)

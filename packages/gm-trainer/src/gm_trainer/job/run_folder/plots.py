@@ -25,13 +25,22 @@ def plot_unavailable() -> str | None:
     return None
 
 
-def plot_loss(records: Sequence[Mapping[str, Any]], path: Path) -> None:
-    """Save the loss-vs-step curve as a PNG. Needs matplotlib (:data:`PLOT_INSTALL`)."""
+def plot_loss(
+    records: Sequence[Mapping[str, Any]], path: Path, *, resumed_at: int | None = None
+) -> None:
+    """Save the loss-vs-step curve as a PNG, one marker per record (the held-out loss too,
+    where a record has one), and a dashed line after step ``resumed_at`` where a resumed
+    session began. Needs matplotlib (:data:`PLOT_INSTALL`)."""
     fig, ax = _figure()
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".", label="train")
     held = [r for r in records if "eval_loss" in r]  # train.eval_interval: the held-out loss
     if held:
         ax.plot([r["step"] for r in held], [r["eval_loss"] for r in held], marker="o", label="eval")
+    if resumed_at is not None:
+        ax.axvline(
+            resumed_at, color="grey", linestyle="--", label=f"resumed after step {resumed_at}"
+        )
+    if held or resumed_at is not None:
         ax.legend()
     _save(fig, ax, path, "step", "loss", "gm-train: training loss")
 
@@ -43,17 +52,19 @@ def plot_memory(
     path: Path,
     title: str,
 ) -> None:
-    """Save activation memory over one step (MiB per graph node, forward then backward) as a
-    PNG: the graph's estimate and, when given, the measured bytes. Needs matplotlib."""
+    """Save activation memory over one step as a PNG: the MiB of activations held after each
+    operation of the step's graph, forward then backward, as the graph estimates it and,
+    when given, as measured. Needs matplotlib."""
     fig, ax = _figure()
     mib = 2.0**20
-    ax.plot([b / mib for b in estimated], label="estimated")
+    ax.plot([b / mib for b in estimated], label="estimated from the graph")
     if measured is not None:
         ax.plot([b / mib for b in measured], label="measured", linestyle="--")
     if "backward" in phases:
-        ax.axvline(list(phases).index("backward"), color="grey", alpha=0.5, label="backward")
+        ax.axvline(list(phases).index("backward"), color="grey", alpha=0.5, label="backward starts")
     ax.legend()
-    _save(fig, ax, path, "graph node", "activations (MiB)", title)
+    xlabel = "operations of the training step, in order (forward, then backward)"
+    _save(fig, ax, path, xlabel, "activations held (MiB)", title)
 
 
 def _figure() -> tuple[Any, Any]:
@@ -69,7 +80,7 @@ def _figure() -> tuple[Any, Any]:
 def _save(fig: Any, ax: Any, path: Path, xlabel: str, ylabel: str, title: str) -> None:
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set_title(title, fontsize=11)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, format="png")  # the name may be a temporary one
