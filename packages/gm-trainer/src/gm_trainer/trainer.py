@@ -258,6 +258,18 @@ class GraphTrainer:
             return {}
         return {fqn: p.shard for fqn, p in self.sharding.params.items()}
 
+    def local_piece(self, fqn: str) -> tuple[slice, ...] | None:
+        """Where this rank's piece of the parameter or buffer ``fqn`` (canonical name) sits in
+        the whole tensor, one slice per dim (the TP, EP and FSDP cuts composed), or ``None``
+        when this rank holds none of it (another pipeline stage's): what a shard-local reader
+        of a weights file reads (``safe_open(...).get_slice(name)[piece]``). Final after the
+        first compile."""
+        return self.compiler.local_piece(fqn)
+
+    def whole_shape(self, fqn: str) -> torch.Size:
+        """The whole shape of the parameter or buffer ``fqn`` (canonical name), as built."""
+        return self.compiler.whole_shape(fqn)
+
     @property
     def dtensor_specs(self) -> dict[str, DTensorSpec]:
         """DTensor (``parallelize_module``) parameters, localized at the first compile."""

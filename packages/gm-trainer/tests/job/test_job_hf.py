@@ -159,9 +159,9 @@ def test_export_hf_loads_with_from_pretrained_with_the_same_logits(runs: Path) -
 
 
 def test_default_plan_makes_each_decoder_layer_a_block() -> None:
-    from gm_trainer.job.model.hf import build_hf_model, default_sharding
+    from gm_trainer.job.model.hf import default_sharding, meta_model
 
-    plan = default_sharding(build_hf_model(tiny_llama()))
+    plan = default_sharding(meta_model(tiny_llama(), "model.config"))
     names = [m["name"] for m in plan["fsdp"]["modules"]]
     assert names == [
         "model.embed_tokens",

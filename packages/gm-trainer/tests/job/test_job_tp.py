@@ -277,7 +277,7 @@ def test_an_moe_models_own_plan_keeps_its_experts_whole() -> None:
     from gm_trainer.job.model.build import job_model, model_tp_plan
 
     job = moe_job(ep_degree=2, tp_size=2)
-    resolved = model_tp_plan(job, job_model(job, meta=True))
+    resolved = model_tp_plan(job, job_model(job))
     split = {e.module for e in resolved.entries}
     assert "model.layers.0.self_attn.q_proj" in split and "model.layers.1.self_attn.o_proj" in split
     assert not any(".experts" in name for name in split)

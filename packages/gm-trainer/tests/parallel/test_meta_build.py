@@ -40,7 +40,7 @@ def test_rng_is_left_where_a_real_build_leaves_it() -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 def test_fsdp_meta_build_gathers_to_the_real_build(world: int) -> None:
-    _assert_parity(run_distributed(meta_bodies.parity, world, ("gpt", "fsdp")))
+    _assert_parity(run_distributed(meta_bodies.parity, world, ("gpt", "fsdp"), timeout=900))
 
 
 @pytest.mark.distributed
@@ -50,7 +50,7 @@ def test_fsdp_meta_build_gathers_to_the_real_build(world: int) -> None:
 )
 def test_meta_build_under_each_layout(name: str, layout: str) -> None:
     world = 2 if layout == "ep" else 4
-    _assert_parity(run_distributed(meta_bodies.parity, world, (name, layout)))
+    _assert_parity(run_distributed(meta_bodies.parity, world, (name, layout), timeout=900))
 
 
 class _NoReset(nn.Module):

@@ -205,6 +205,14 @@ class GraphCompiler:
         :meth:`~gm_trainer.parallel.live_parameters.LiveParameters.materialize`."""
         self.live.materialize(self._topology.device)
 
+    def local_piece(self, fqn: str) -> tuple[slice, ...] | None:
+        """Where this rank's piece of ``fqn`` sits in the whole tensor (``None``: not held)."""
+        return self.live.piece(fqn)
+
+    def whole_shape(self, fqn: str) -> torch.Size:
+        """The whole shape of ``fqn`` as the model was built."""
+        return self.live.whole_shape(fqn)
+
     def free_foreign(self, fqns: frozenset[str]) -> None:
         """Free the storage of these parameters (another pipeline stage's); later traces see
         them at their whole shapes."""

@@ -156,6 +156,10 @@ class LiveParameters:
             return self._pieces[fqn]
         return tuple(slice(0, n) for n in self._whole[fqn])
 
+    def whole_shape(self, fqn: str) -> torch.Size:
+        """The whole shape of the parameter or buffer ``fqn`` (canonical), as built."""
+        return self._whole[fqn]
+
     def _cut(self, fqn: str, dim: int, start: int, length: int) -> None:
         """Record that this rank keeps ``length`` entries of dim ``dim`` of its piece of
         ``fqn``, from ``start`` on."""

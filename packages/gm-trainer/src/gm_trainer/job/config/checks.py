@@ -38,7 +38,7 @@ def check_job(job: Any) -> None:
     if job.checkpoint.export and not job.checkpoint.at_end:
         raise ConfigError("checkpoint.export exports the final checkpoint: set at_end: true")
     if job.parallel.tp_size > 1:  # the plan on a model without memory, before any rank
-        model_tp_plan(job, job_model(job, meta=True))
+        model_tp_plan(job, job_model(job))
     if job.checkpoint.export == "hf" and job.model.source != "hf":
         raise ConfigError(
             "checkpoint.export: hf writes a transformers model, so it needs model.source: hf "

@@ -1,9 +1,8 @@
 """What a ``gm-train`` job trains: the model, loss, FSDP plan and TP plan built for
-``model.source`` (the config's checks build the same model on the meta device)."""
+``model.source``, always on the meta device (the config's checks build the same)."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -36,33 +35,27 @@ class BuiltModel:
         return sharding_plan_from_dict(self.sharding, source="sharding")
 
 
-def job_model(job: Any, *, meta: bool = False) -> nn.Module:
-    """The configured model, random-initialised from the global RNG (seed it first for
-    identical ranks) with ``model.weights`` loaded; ``meta``: on the meta device, no memory and
-    no weights (what the checks before any rank look at)."""
+def job_model(job: Any) -> nn.Module:
+    """The configured model on the meta device: no memory and no weights. The trainer
+    allocates each rank's pieces at its first compile, with the values a real build after
+    the same ``torch.manual_seed`` gives (seed it first for identical ranks); ``model.weights``
+    are read into them then (:func:`gm_trainer.job.model.hf.load_weights`)."""
     m = job.model
     if m.source == "hf":
-        from gm_trainer.job.model.hf import (
-            build_hf_model,
-            config_source,
-            load_hf_config,
-            meta_model,
-        )
+        from gm_trainer.job.model.hf import config_source, load_hf_config, meta_model
 
-        hf_config = load_hf_config(m.config)
-        if meta:
-            return meta_model(hf_config, config_source(m.config))
-        return build_hf_model(hf_config, m.weights)
+        return meta_model(load_hf_config(m.config), config_source(m.config))
     import torch
 
     from gm_trainer.job.model.builtin import GPT
 
-    with torch.device("meta") if meta else contextlib.nullcontext():
+    with torch.device("meta"):
         return GPT(m.vocab_size, m.dim, m.n_layers, m.n_heads, max_seq_len=m.seq_len)
 
 
 def build_model(job: Any) -> BuiltModel:
-    """Build the configured model (seed the global RNG first for identical ranks).
+    """Build the configured model on the meta device (seed the global RNG first: the trainer
+    replays the real build's initialization from it).
 
     ``sharding: null`` takes the source's default plan: for ``hf`` each decoder layer is a block.
     """

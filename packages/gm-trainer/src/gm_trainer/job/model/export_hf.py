@@ -11,7 +11,7 @@ from typing import Any
 
 from gm_trainer.checkpoint import export_full_state_dict
 from gm_trainer.job.data.tokenize import TOKENIZER_FILES, Tokenizer
-from gm_trainer.job.model.hf import build_hf_model, load_hf_config
+from gm_trainer.job.model.hf import load_hf_config, meta_model
 
 
 def export_hf(
@@ -24,8 +24,8 @@ def export_hf(
     """
     out = Path(out)
     state = export_full_state_dict(checkpoint)
-    model = build_hf_model(load_hf_config(model_config))
-    model.load_state_dict(state, strict=True)
+    model = meta_model(load_hf_config(model_config), "model.config")
+    model.load_state_dict(state, strict=True, assign=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         model.save_pretrained(staging, safe_serialization=True)

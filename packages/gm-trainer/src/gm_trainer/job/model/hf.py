@@ -144,15 +144,6 @@ def check_causal_lm(hf_config: Any) -> None:
         )
 
 
-def build_hf_model(hf_config: Any, weights: str | Sequence[str] | None = None) -> nn.Module:
-    """The causal LM, random-initialised from the global RNG, then ``weights`` loaded."""
-    transformers = require_transformers("model.source: hf")
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    if weights is not None:
-        load_weights(model, weights)
-    return model
-
-
 def weight_files(weights: str | Sequence[str]) -> list[Path]:
     """The safetensors files of ``weights``: a HF model folder, a file, or a list of files."""
     paths = [Path(weights)] if isinstance(weights, str) else [Path(p) for p in weights]
@@ -173,16 +164,51 @@ def weight_files(weights: str | Sequence[str]) -> list[Path]:
     return files
 
 
-def load_weights(model: nn.Module, weights: str | Sequence[str]) -> None:
-    """Copy the tensors of the safetensors files into ``model`` (checked by
-    :func:`check_weight_keys` first)."""
-    from safetensors.torch import load_file
+def load_weights(trainer: Any, weights: str | Sequence[str]) -> None:
+    """Copy the tensors of the safetensors files into ``trainer``'s model after its first
+    compile, each rank reading only the piece it keeps (``safe_open(...).get_slice``: its FSDP
+    rows, TP piece, experts; nothing of another pipeline stage's). The names are checked by
+    :func:`check_weight_keys` first; a tensor whose shape differs from the model's is a
+    :class:`ConfigError`."""
+    from safetensors import safe_open
 
-    state: dict[str, Tensor] = {}
-    for path in weight_files(weights):
-        state.update(load_file(str(path)))
-    check_weight_keys(model, set(state))
-    model.load_state_dict(state, strict=False)
+    model = trainer.model
+    files = weight_files(weights)
+    keys: dict[str, Path] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            keys.update(dict.fromkeys(f.keys(), path))
+    check_weight_keys(model, set(keys))
+    canonical = _canonical_names(model)
+    state = dict(model.state_dict(keep_vars=True))
+    for path in files:
+        with safe_open(str(path), framework="pt") as f, torch.no_grad():
+            for key in f.keys():  # noqa: SIM118 - a safe_open handle is not iterable
+                name = canonical.get(key, key)
+                if name != key and name in keys:
+                    continue  # a tied alias: its twin's tensor is read
+                where = trainer.local_piece(name)
+                file_shape = tuple(f.get_slice(key).get_shape())
+                if file_shape != trainer.whole_shape(name):
+                    raise ConfigError(
+                        f"model.weights: {path.name} holds {key!r} of shape {file_shape}, but "
+                        f"the model's is {tuple(trainer.whole_shape(name))}; give the weights "
+                        "saved with this model.config"
+                    )
+                if where is not None:
+                    state[key].copy_(f.get_slice(key)[where])
+
+
+def _canonical_names(model: nn.Module) -> dict[str, str]:
+    """Every state name -> the first name of its tensor (a tied alias -> its twin)."""
+    first: dict[int, str] = {}
+    names: dict[str, str] = {}
+    for name, tensor in (
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ):
+        names[name] = first.setdefault(id(tensor), name)
+    return names
 
 
 def check_weight_keys(model: nn.Module, keys: set[str]) -> None:
@@ -218,12 +244,14 @@ def check_weights(hf_config: Any, weights: str | Sequence[str]) -> None:
 
 
 def meta_model(hf_config: Any, where: str) -> nn.Module:
-    """The causal LM of ``hf_config`` on the meta device (no memory, no weights), or a
-    :class:`ConfigError` naming ``where`` when transformers cannot build it."""
+    """The causal LM of ``hf_config`` on the meta device (no memory, no weights: each rank
+    allocates its pieces at the first compile, with the values a real build after the same
+    seed gives), or a :class:`ConfigError` naming ``where`` when transformers cannot build
+    it."""
     transformers = require_transformers(where)
     try:
         with torch.device("meta"):
-            return transformers.AutoModelForCausalLM.from_config(hf_config)
+            return transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     except Exception as e:
         first = (str(e).strip().splitlines() or [""])[0]
         raise ConfigError(

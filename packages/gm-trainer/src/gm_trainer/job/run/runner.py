@@ -136,8 +136,8 @@ def _train(
     if folder is not None and resume is None:
         folder.write_config(config.to_yaml())
 
-    torch.manual_seed(t.seed)  # identical initial weights on every rank
-    built = build_model(config)
+    torch.manual_seed(t.seed)  # the initial weights of a real build, on every rank
+    built = build_model(config)  # on the meta device: each rank allocates its pieces
     model = built.model
     n_params = sum(p.numel() for p in model.parameters())  # before sharding
     job_data = load_job_data(d, m.seq_len, run_dir)  # the CLI has tokenised it: a cache hit
@@ -186,11 +186,16 @@ def _train(
 
     start = time.perf_counter()  # the wall time includes graph capture, and loading
     position = 0
-    if resume is not None:
-        # Compile first (FSDP shards the model, the optimizer is built), then load.
+    if resume is not None or m.weights is not None:
+        # Compile first (each rank allocates its pieces, the optimizer is built), then load.
         trainer.compile(*graph_batch(next(iter(batches_from(0))), config))
+    if resume is not None:
         _load_resume(trainer, config, resume, job_data, fingerprint, progress)
         position = trainer.data_position
+    elif m.weights is not None:
+        from gm_trainer.job.model.hf import load_weights
+
+        load_weights(trainer, m.weights)  # each rank reads the rows it keeps
     try:
         batches = batches_from(position)
     except ConfigError as e:
