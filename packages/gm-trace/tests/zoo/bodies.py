@@ -20,6 +20,7 @@ from architectures import BY_NAME, Architecture
 from gm_config import PassConfig
 from gm_trace import run_traced_graph
 from gm_trace.parallel.fsdp import full_parameter
+from gm_trace.parallel.materialize import materialize_meta
 from gm_trace.parallel.pp import cut_pipeline
 from gm_trace.testing.compile import compile_joint
 from gm_trace.testing.parity import parity_tolerance
@@ -125,8 +126,8 @@ def single_process(name: str) -> dict[str, Any]:
         return _single_process(BY_NAME[name])
 
 
-def _single_process(arch: Architecture) -> dict[str, Any]:
-    model = build(arch, dropout=True)
+def _single_process(arch: Architecture, model: torch.nn.Module | None = None) -> dict[str, Any]:
+    model = model if model is not None else build(arch, dropout=True)
     reference = copy.deepcopy(model)
     joint, _ = compile_graph(model, arch, arch.batch(0, ROWS), PassConfig())
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
@@ -143,6 +144,29 @@ def _single_process(arch: Architecture) -> dict[str, Any]:
         for fqn, actual in getattr(model, kind)():
             assert torch.equal(actual, expected[fqn]), f"{kind[6:-1]} {fqn} differs from eager"
     return {"nodes": len(joint.graph_module.graph.nodes)}
+
+
+def meta_build(name: str) -> dict[str, Any]:
+    """Built under ``torch.device("meta")`` and materialized as a trainer does
+    (:mod:`gm_trace.parallel.materialize`, here keeping whole tensors): every parameter and
+    buffer bitwise the real build's after the same seed, the RNG left where the real build
+    leaves it, then 3 Adam steps bitwise eager, as the one-process row."""
+    arch = BY_NAME[name]
+    real = build(arch, dropout=True)
+    after_real = torch.get_rng_state()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = arch.build(dropout=True)
+    meta = {}
+    for fqn, tensor in (*model.named_parameters(), *model.named_buffers()):
+        meta.setdefault(fqn, (tensor.shape, tensor.dtype))
+    materialize_meta(model, meta, lambda fqn, whole: whole.clone())
+    assert torch.equal(torch.get_rng_state(), after_real), "the RNG is not where a build leaves it"
+    expected = real.state_dict()
+    differ = sorted(k for k, v in model.state_dict().items() if not torch.equal(v, expected[k]))
+    assert differ == [], f"a meta build differs from the real build in {differ}"
+    with deterministic():
+        return _single_process(arch, model)
 
 
 def pipeline_cut(name: str) -> dict[str, Any]:

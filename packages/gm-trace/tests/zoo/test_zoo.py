@@ -82,6 +82,13 @@ def test_single_process_is_bitwise_eager(name, record_property):
     record_property("zoo_result", f"{result['nodes']} nodes")
 
 
+@pytest.mark.parametrize("name", _cases(ZOO))
+def test_meta_build_is_the_real_build(name, record_property):
+    record_property("zoo_cell", (name, "meta build = real build, bitwise"))
+    _not_run(name, "meta build = real build, bitwise")
+    bodies.meta_build(name)
+
+
 @pytest.mark.parametrize(
     "arch", [pytest.param(a, id=a.name, marks=_needs(a)) for a in EXPERT_LOOP_CI]
 )

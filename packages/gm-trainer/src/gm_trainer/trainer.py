@@ -46,7 +46,7 @@ from gm_trainer.optim.graph_update import GraphUpdatePlanner
 from gm_trainer.optim.nonfinite import check_nonfinite_mode
 from gm_trainer.parallel.device import default_device
 from gm_trainer.parallel.live_parameters import move_real_state
-from gm_trainer.parallel.materialize import InitWeights
+from gm_trace.parallel.materialize import InitWeights
 from gm_trainer.parallel.mesh import MeshError, ResolvedMesh, resolve_mesh_context
 from gm_trainer.parallel.ranks import all_ranks
 from gm_trainer.parallel.topology import ResolvedRun, Topology
@@ -98,7 +98,7 @@ class GraphTrainer:
     A model built under ``torch.device("meta")`` (all of it or some modules) is traced as it
     is; at the first compile each rank allocates only the pieces it keeps, with the values a
     real build on one process would have had after the same ``torch.manual_seed``
-    (:mod:`gm_trainer.parallel.materialize`).
+    (:mod:`gm_trace.parallel.materialize`).
     """
 
     def __init__(

@@ -20,7 +20,7 @@ SOURCES = Path(__file__).resolve().parents[3]
 ALLOWED = {
     "gm-trainer/src/gm_trainer/parallel/live_parameters.py",
     # the meta build's allocation, which only LiveParameters.materialize runs
-    "gm-trainer/src/gm_trainer/parallel/materialize.py",
+    "gm-trace/src/gm_trace/parallel/materialize.py",
     "gm-trace/src/gm_trace/testing/compile.py",
     "gm-trainer/src/gm_trainer/debug/compare.py",
 }

@@ -9,6 +9,8 @@
   (the ``cp`` pass and its op rules).
 - :mod:`~gm_trace.parallel.ep`: expert parallelism, the experts split over ranks (the split,
   the all-to-all dispatch and the ``ep`` check).
+- :mod:`~gm_trace.parallel.materialize`: a model built on the meta device given a real build's
+  values, one module at a time, each tensor cut to the piece a rank keeps.
 
 Code outside a slice imports the slice package, never its modules (an import-linter contract
 of the repository). The slices sit above ``graph`` and ``memory`` and below ``capture`` and

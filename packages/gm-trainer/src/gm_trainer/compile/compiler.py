@@ -33,7 +33,7 @@ from gm_trainer.compile.registry import ACCUMULATE, LAST, STEP, GraphCache, Grap
 from gm_trainer.errors import TrainingError
 from gm_trainer.parallel.dtensor_tp import check_dtensor_mesh, trace_step
 from gm_trainer.parallel.live_parameters import LiveParameters
-from gm_trainer.parallel.materialize import InitWeights
+from gm_trace.parallel.materialize import InitWeights
 from gm_trainer.parallel.mesh import ResolvedMesh
 from gm_trainer.parallel.topology import ResolvedRun, Topology, resolve_run
 

@@ -21,7 +21,7 @@ A model built on the meta device goes through the same four changes on its meta 
 (shapes only), each recording how to cut this rank's piece from the whole tensor; then
 :meth:`LiveParameters.materialize`, once the layout is final (after the first graph, before the
 optimizer), allocates only those pieces on the device and fills them with the values a real
-build would have given (:mod:`gm_trainer.parallel.materialize`, [Note: meta build]). It is the
+build would have given (:mod:`gm_trace.parallel.materialize`, [Note: meta build]). It is the
 only place that allocates the parameters of a meta-built model.
 
 The modules that decide each change (``gm_trace.parallel.tp.dtensor``,
@@ -43,7 +43,7 @@ from gm_trace.parallel.ep import ExpertShard, split_expert_modules
 from gm_trace.parallel.fsdp import ShardingLayout
 from gm_trace.parallel.tp import DTensorSpec, localized_dtensor_params
 from gm_trainer.errors import TrainingError
-from gm_trainer.parallel.materialize import InitWeights, materialize_meta, replace_storage
+from gm_trace.parallel.materialize import InitWeights, materialize_meta, replace_storage
 
 TP, EP, FSDP, PP = Role.TP, Role.EP, Role.FSDP, Role.PP
 ORDER = (TP, EP, FSDP, PP)

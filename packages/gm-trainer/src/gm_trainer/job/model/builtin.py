@@ -32,7 +32,7 @@ QKV_LAYOUT = "head-major"
 class GPT2Linear(nn.Linear):
     """``nn.Linear`` initialised as GPT-2: weights from N(0, ``std``), a zero bias. Each
     module draws its own values when it is built, so a model built on the meta device is
-    re-created module by module (:mod:`gm_trainer.parallel.materialize`)."""
+    re-created module by module (:mod:`gm_trace.parallel.materialize`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, std: float = 0.02):
         self.std = std  # read by reset_parameters(), which nn.Linear's constructor calls

@@ -216,11 +216,27 @@ def _events(
                 "reset_parameters(), or pass GraphTrainer(init_weights=fn) with fn(module) "
                 "filling the tensors module owns"
             )
+        if own and not callable(reset):
+            reset = _constructor_init(module)
         if own and callable(reset):
             events.append(_Event(module, fqn, reset, f"{name}.reset_parameters()", own))
         if _is_hf_pretrained(module):
             events.extend(_hf_post_init(module, fqn, slots, hf_done))
     return events
+
+
+def _constructor_init(module: nn.Module) -> Callable[[], None] | None:
+    """What the constructor of a module without ``reset_parameters()`` draws, for the few
+    that do: transformers' ``Conv1D`` (the GPT-2 family) draws its weight from N(0, 0.02)."""
+    kind = type(module)
+    if kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers"):
+
+        def conv1d() -> None:
+            nn.init.normal_(module.weight, std=0.02)
+            nn.init.zeros_(module.bias)
+
+        return conv1d
+    return None
 
 
 def _has_meta_below(module: nn.Module, slots: dict[int, list[_Slot]]) -> bool:
