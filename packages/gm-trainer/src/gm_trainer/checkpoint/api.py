@@ -22,7 +22,7 @@ What is saved (the dict :func:`trainer_state_dict` returns; DCP flattens it with
     "extra":   JSON of the caller's ``extra`` dict, as rank 0 had it
 
 Supported: no FSDP, FSDP over the world, HSDP (replicas write identical chunks, which DCP
-stores once), TP (DTensor ``parallelize_module`` or ``gm_trainer.parallel.tp`` layers), TP x FSDP,
+stores once), TP (DTensor ``parallelize_module``), TP x FSDP,
 TP x HSDP, and pipeline parallelism alone or x FSDP (each rank saves and loads its stage's
 state only: :mod:`gm_trainer.checkpoint.stages`).
 
