@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from gm_trainer.checkpoint.durable import write_atomic
+from gm_trace.durable import file_checksum, write_atomic
 from gm_trainer.checkpoint.io import (
     CHECKPOINT_FORMAT,
     MARKER_NAME,
@@ -67,7 +67,6 @@ from gm_trainer.checkpoint.io import (
     CheckpointWarning,
     commit,
     dcp_errors,
-    file_checksum,
     open_checkpoint,
 )
 from gm_trainer.checkpoint.layout import WHOLE, CheckpointLayout, Piece
