@@ -2,6 +2,9 @@
 
 Each layer's session installs only that distribution and the layers below it. The torch-free
 layers run twice: in an environment where torch is not installed at all, and with torch.
+The opt-in sessions (``full``, ``zoo``, ``moe``, ...) set one variable, ``GM_TESTS``, to the
+opt-in sets of tests they add (gm_trace.testing.opt_in); a matrix's session runs its files
+whole (its set and ``full``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ PACKAGES = {  # distribution -> the distributions it needs, bottom layer first
     "gm-trainer": ["gm-config", "gm-passes", "gm-trace", "gm-trainer"],
 }
 TORCH_FREE = ("gm-config", "gm-passes")
+#: The one variable that adds opt-in sets of tests (gm_trace.testing.opt_in.ENV).
+OPT_IN = "GM_TESTS"
 
 TORCH_VERSION = "2.13.0"
 
@@ -188,7 +193,7 @@ def full(session: nox.Session) -> None:
     minutes on 2 cores)."""
     _install_layer(session, "gm-trainer", torch=True)
     for dist in ("gm-trace", "gm-trainer"):
-        _pytest(session, dist, env={"GM_FULL": "1"})
+        _pytest(session, dist, env={OPT_IN: "full"})
 
 
 @nox.session(tags=["zoo"], default=False)
@@ -202,7 +207,7 @@ def zoo(session: nox.Session) -> None:
         "-p",
         "no:cacheprovider",
         *session.posargs,
-        env={"GM_ZOO": "all", "GM_ZOO_REPORT": str(ROOT / "docs" / "zoo.md")},
+        env={OPT_IN: "zoo", "GM_ZOO_REPORT": str(ROOT / "docs" / "zoo.md")},
     )
 
 
@@ -234,7 +239,7 @@ def memory(session: nox.Session) -> None:
         "-p",
         "no:cacheprovider",
         *session.posargs,
-        env={"GM_MEMORY": "full"},
+        env={OPT_IN: "memory,full"},
     )
 
 
@@ -244,7 +249,7 @@ def cp(session: nox.Session) -> None:
     on 2 gloo ranks and cp 2 x FSDP 2 on 4, causal and padded, and the checkpoint round trip,
     against one eager process (the default suite runs one cell)."""
     _install_layer(session, "gm-trainer", torch=True)
-    session.env["GM_CP"] = "all"
+    session.env[OPT_IN] = "cp,full"
     session.run(
         "pytest",
         _test_file("gm-trainer", "test_cp.py"),
@@ -287,13 +292,14 @@ def moe(session: nox.Session) -> None:
     """Expert parallelism's whole acceptance on real gloo ranks (every architecture, 4 ranks,
     accumulation, in_graph, checkpoints, gm-train, EP inside pipeline stages); the default
     suite runs one of each file."""
-    _opt_in_trainer_tests(session, ("test_moe.py", "test_moe_pipeline.py"), {"GM_MOE": "all"})
+    _opt_in_trainer_tests(session, ("test_moe.py", "test_moe_pipeline.py"), "moe")
 
 
-def _opt_in_trainer_tests(session: nox.Session, files: tuple[str, ...], env: dict) -> None:
-    """gm-trainer's test ``files`` with the opt-in flags ``env`` set (the whole matrix)."""
+def _opt_in_trainer_tests(session: nox.Session, files: tuple[str, ...], name: str) -> None:
+    """gm-trainer's test ``files`` with the opt-in set ``name`` (the whole matrix)."""
     _install_layer(session, "gm-trainer", torch=True)
     paths = [_test_file("gm-trainer", name) for name in files]
+    env = {OPT_IN: f"{name},full"}  # these files whole, their slow tests too
     session.run("pytest", *paths, "-q", "-p", "no:cacheprovider", *session.posargs, env=env)
 
 
@@ -303,7 +309,7 @@ def pipelines(session: nox.Session) -> None:
     dualpipev on 2 gloo ranks, zb1p bitwise against 1F1B, PP x FSDP on 4 ranks and a zbv
     checkpoint resumed under 1F1B and without a pipeline (the default suite runs zbv)."""
     files = ("test_pipeline_zero_bubble.py", "test_checkpoint_pipeline.py")
-    _opt_in_trainer_tests(session, files, {"GM_PP": "all"})
+    _opt_in_trainer_tests(session, files, "pipelines")
 
 
 @nox.session(tags=["train"], default=False)
@@ -329,7 +335,7 @@ def jobs(session: nox.Session) -> None:
         "-p",
         "no:cacheprovider",
         *session.posargs,
-        env={"GM_JOBS": "all"},
+        env={OPT_IN: "jobs,full"},
     )
 
 
