@@ -2,6 +2,9 @@
 
 Each layer's session installs only that distribution and the layers below it. The torch-free
 layers run twice: in an environment where torch is not installed at all, and with torch.
+The opt-in sessions (``full``, ``zoo``, ``moe``, ...) set one variable, ``GM_TESTS``, to the
+opt-in sets of tests they add (gm_trace.testing.opt_in); a matrix's session runs its files
+whole (its set and ``full``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ PACKAGES = {  # distribution -> the distributions it needs, bottom layer first
     "gm-trainer": ["gm-config", "gm-passes", "gm-trace", "gm-trainer"],
 }
 TORCH_FREE = ("gm-config", "gm-passes")
+#: The one variable that adds opt-in sets of tests (gm_trace.testing.opt_in.ENV).
+OPT_IN = "GM_TESTS"
 
 TORCH_VERSION = "2.13.0"
 
@@ -189,7 +194,7 @@ def full(session: nox.Session) -> None:
     jobs, resumes, parity grids) runs too: tens of minutes on 2 cores."""
     _install_layer(session, "gm-trainer", torch=True)
     for dist in ("gm-trace", "gm-trainer"):
-        _pytest(session, dist, env={"GM_FULL": "1"})
+        _pytest(session, dist, env={OPT_IN: "full"})
 
 
 @nox.session(tags=["zoo"], default=False)
@@ -203,7 +208,7 @@ def zoo(session: nox.Session) -> None:
         "-p",
         "no:cacheprovider",
         *session.posargs,
-        env={"GM_ZOO": "all", "GM_ZOO_REPORT": str(ROOT / "docs" / "zoo.md")},
+        env={OPT_IN: "zoo", "GM_ZOO_REPORT": str(ROOT / "docs" / "zoo.md")},
     )
 
 
@@ -237,7 +242,7 @@ def memory(session: nox.Session) -> None:
         "-p",
         "no:cacheprovider",
         *session.posargs,
-        env={"GM_MEMORY": "full"},
+        env={OPT_IN: "memory,full"},
     )
 
 
@@ -248,7 +253,7 @@ def cp(session: nox.Session) -> None:
     HF Llama and Qwen3 at sequence 256, cp 2 on 2 gloo ranks and cp 2 x FSDP 2 on 4, causal
     and padded, and the checkpoint round trip (the default suite runs one cell)."""
     _install_layer(session, "gm-trainer", torch=True)
-    session.env["GM_CP"] = "all"
+    session.env[OPT_IN] = "cp,full"
     session.run(
         "pytest",
         _test_file("gm-trainer", "test_cp.py"),
@@ -294,13 +299,14 @@ def moe(session: nox.Session) -> None:
 
     Every architecture, 4 ranks, accumulation, in_graph, checkpoints, gm-train, EP inside
     pipeline stages; the default suite runs one of each file."""
-    _opt_in_trainer_tests(session, ("test_moe.py", "test_moe_pipeline.py"), {"GM_MOE": "all"})
+    _opt_in_trainer_tests(session, ("test_moe.py", "test_moe_pipeline.py"), "moe")
 
 
-def _opt_in_trainer_tests(session: nox.Session, files: tuple[str, ...], env: dict) -> None:
-    """gm-trainer's test ``files`` with the opt-in flags ``env`` set (the whole matrix)."""
+def _opt_in_trainer_tests(session: nox.Session, files: tuple[str, ...], name: str) -> None:
+    """gm-trainer's test ``files`` with the opt-in set ``name`` (the whole matrix)."""
     _install_layer(session, "gm-trainer", torch=True)
     paths = [_test_file("gm-trainer", name) for name in files]
+    env = {OPT_IN: f"{name},full"}  # these files whole, their slow tests too
     session.run("pytest", *paths, "-q", "-p", "no:cacheprovider", *session.posargs, env=env)
 
 
@@ -311,7 +317,7 @@ def pipelines(session: nox.Session) -> None:
     zb1p, zbv and dualpipev on 2 ranks, zb1p bitwise against 1F1B, PP x FSDP on 4 ranks and a
     zbv checkpoint resumed under 1F1B and without a pipeline (the default suite runs zbv)."""
     files = ("test_pipeline_zero_bubble.py", "test_checkpoint_pipeline.py")
-    _opt_in_trainer_tests(session, files, {"GM_PP": "all"})
+    _opt_in_trainer_tests(session, files, "pipelines")
 
 
 @nox.session(tags=["train"], default=False)
@@ -340,7 +346,7 @@ def jobs(session: nox.Session) -> None:
         "-p",
         "no:cacheprovider",
         *session.posargs,
-        env={"GM_JOBS": "all"},
+        env={OPT_IN: "jobs,full"},
     )
 
 

@@ -65,7 +65,7 @@ def test_is_empty_false_with_only_patterns():
 
 def test_exact_lookup_does_not_match_prefixes_or_suffixes():
     plan = PassPlan().add_module("layers.1")
-    assert plan.lookup("layers.1") is not None
+    assert plan.lookup("layers.1") == FSDPModuleConfig("layers.1", is_pattern=False)
     assert plan.lookup("layers.10") is None
     assert plan.lookup("layers") is None
     assert plan.lookup("model.layers.1") is None
@@ -79,14 +79,17 @@ def test_root_module_can_be_planned_by_the_empty_fqn():
 
 def test_patterns_use_fnmatch_case_sensitively():
     plan = PassPlan().add_pattern("layers.?.attention")
-    assert plan.lookup("layers.3.attention") is not None
+    assert plan.lookup("layers.3.attention") == FSDPModuleConfig(
+        "layers.?.attention", is_pattern=True
+    )
     assert plan.lookup("layers.12.attention") is None  # ? is one character
     assert plan.lookup("Layers.3.attention") is None  # case-sensitive
     star = PassPlan().add_pattern("layers.*")
-    assert star.lookup("layers.0.feed_forward") is not None  # fnmatch's * crosses dots
+    # fnmatch's * crosses dots
+    assert star.lookup("layers.0.feed_forward") == FSDPModuleConfig("layers.*", is_pattern=True)
     assert star.lookup("layers") is None
     brackets = PassPlan().add_pattern("layers.[02]")
-    assert brackets.lookup("layers.0") is not None
+    assert brackets.lookup("layers.0") == FSDPModuleConfig("layers.[02]", is_pattern=True)
     assert brackets.lookup("layers.1") is None
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gm_config import ConfigError, PassConfig, PassPlan, sharding_plan_from_dict
+from gm_config import ConfigError, FSDPModuleConfig, PassConfig, PassPlan, sharding_plan_from_dict
 from gm_config.pipeline_stages import (
     balanced_stages,
     expand_entry,
@@ -48,7 +48,8 @@ def test_yaml_pp_section_gives_the_plan_its_stages():
     both = sharding_plan_from_dict(
         {"fsdp": {"patterns": [{"pattern": "layers.*"}]}, "pp": {"stages": [["a"], ["b"]]}}
     )
-    assert both.pp_stages == (("a",), ("b",)) and both.lookup("layers.1") is not None
+    assert both.pp_stages == (("a",), ("b",))
+    assert both.lookup("layers.1") == FSDPModuleConfig("layers.*", is_pattern=True)
 
 
 @pytest.mark.parametrize(

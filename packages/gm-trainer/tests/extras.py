@@ -10,7 +10,6 @@ there nothing skips. Tests of ``[datasets]`` and ``[tensorboard]`` call
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 
@@ -39,7 +38,5 @@ PLOT = pytest.mark.skipif(
 HF = needs("transformers", "hf")
 #: HF tokenizer folders, read with the tokenizers library (``[hf]``).
 TOKENIZERS = needs("tokenizers", "hf")
-#: gm-train jobs on 4 and more ranks (minutes on 2 cores): ``nox -s jobs`` (``GM_JOBS=all``).
-JOBS = pytest.mark.skipif(
-    os.environ.get("GM_JOBS") != "all", reason="4-rank gm-train jobs: nox -s jobs (GM_JOBS=all)"
-)
+#: gm-train jobs on 4 and more ranks (minutes on 2 cores): the opt-in set ``jobs``.
+JOBS = pytest.mark.opt_in("jobs")

@@ -167,7 +167,7 @@ def test_inductor_compiles_the_symbolic_graph_once_for_every_size(tmp_path, monk
     """Inductor gets the graph's own symbolic example inputs (plus the sizes as int inputs,
     as dynamo hands them over), one compile serves every batch size. Guards its compile adds
     (a size of 1 specialised) would join the graph's: TinyGPT and Llama over 20 shapes are in
-    gm-trainer's test_trainer_dynamic_shapes (GM_SLOW_TESTS=1)."""
+    gm-trainer's test_trainer_dynamic_shapes (GM_TESTS=inductor)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     torch.manual_seed(0)
     model = MLP()

@@ -374,7 +374,7 @@ _BF16_ROUTING = {
 }
 
 
-#: The per-expert-loop architectures of the issue (every row with GM_ZOO=all).
+#: The per-expert-loop architectures of the issue (every row in the opt-in set zoo).
 _EXPERT_LOOP_CI = [
     ("mixtral", "MixtralForCausalLM"),
     ("qwen2-moe", "Qwen2MoeForCausalLM"),

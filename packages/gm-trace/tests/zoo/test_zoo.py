@@ -7,14 +7,13 @@ eager FSDP2 under the same ``MixedPrecisionPolicy``; the Inductor backend. CI ru
 tagged ``ci`` (a LayerNorm decoder, an RMSNorm decoder, an encoder and a BatchNorm vision
 model) and the one-process row of those tagged ``ci-moe`` (mixtures of experts with
 transformers' default experts kernel), and one step of six MoE architectures with their
-per-expert loop (``*-expert-loop``); ``GM_ZOO=all`` (``nox -s zoo``) runs everything and
+per-expert loop (``*-expert-loop``); the opt-in set ``zoo`` (``nox -s zoo``) runs everything and
 writes docs/zoo.md.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import bodies
 import pytest
@@ -31,7 +30,6 @@ from gm_trace.capture.capture_errors import GraphCaptureError
 
 pytestmark = pytest.mark.zoo
 
-FULL = os.environ.get("GM_ZOO") == "all"
 INDUCTOR = {"gpt2", "llama", "bert", "t5", "vit", "resnet", "qwen3-moe"}
 
 
@@ -52,14 +50,13 @@ def _cases(
     subset: set[str] | None = None,
     ci_tags: frozenset[str] = frozenset({"ci"}),
 ) -> list:
-    """One pytest param per architecture; outside the CI subset (``ci_tags``) only with
-    ``GM_ZOO=all``."""
+    """One pytest param per architecture; outside the CI subset (``ci_tags``) in the opt-in
+    set ``zoo``."""
     cases = []
     for arch in architectures:
         if subset is not None and arch.name not in subset:
             continue
-        skip = not FULL and not ci_tags & arch.tags
-        marks = [pytest.mark.skip(reason="full zoo only: GM_ZOO=all")] if skip else _needs(arch)
+        marks = _needs(arch) + ([] if ci_tags & arch.tags else [pytest.mark.opt_in("zoo")])
         cases.append(pytest.param(arch.name, id=arch.name, marks=marks))
     return cases
 
@@ -94,7 +91,7 @@ def test_meta_build_is_the_real_build(name, record_property):
 )
 def test_expert_loop_step_is_bitwise_eager(arch):
     # transformers' per-expert loop (experts_implementation="eager"), captured as a static
-    # loop: one step's loss and gradients on two routings, one layer; GM_ZOO=all runs the
+    # loop: one step's loss and gradients on two routings, one layer; the set zoo runs the
     # rows of the two-layer *-expert-loop architectures.
     bodies.one_step(arch.name)
 
@@ -131,7 +128,7 @@ def test_bf16_matches_fsdp2_under_the_same_policy(name, dist_pool, record_proper
 
 
 @pytest.mark.inductor
-@pytest.mark.skipif(not FULL, reason="full zoo only: GM_ZOO=all")
+@pytest.mark.opt_in("zoo")
 @pytest.mark.parametrize("name", _cases(ZOO, INDUCTOR))
 def test_inductor_matches_the_graph(name, record_property):
     record_property("zoo_cell", (name, "Inductor"))

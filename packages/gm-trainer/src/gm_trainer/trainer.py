@@ -30,11 +30,12 @@ import torch.utils._pytree as pytree
 
 from gm_config import ConfigError, PassConfig, PassPlan
 from gm_passes import GraphPass, PassPipeline
+from gm_trace.durable import replacing
 from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.parallel.fsdp import RowShard, ShardingLayout
+from gm_trace.parallel.materialize import InitWeights
 from gm_trace.parallel.tp import DTensorSpec
 from gm_trace.runtime.activation_meter import ActivationProfile
-from gm_trainer.checkpoint.durable import replacing
 from gm_trainer.checkpoint.io import CheckpointError
 from gm_trainer.checkpoint.view import CheckpointView
 from gm_trainer.compile.compiler import GraphCompiler
@@ -46,7 +47,6 @@ from gm_trainer.optim.graph_update import GraphUpdatePlanner
 from gm_trainer.optim.nonfinite import check_nonfinite_mode
 from gm_trainer.parallel.device import default_device
 from gm_trainer.parallel.live_parameters import move_real_state
-from gm_trace.parallel.materialize import InitWeights
 from gm_trainer.parallel.mesh import MeshError, ResolvedMesh, resolve_mesh_context
 from gm_trainer.parallel.ranks import all_ranks
 from gm_trainer.parallel.topology import ResolvedRun, Topology

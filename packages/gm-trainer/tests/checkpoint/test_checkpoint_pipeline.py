@@ -3,8 +3,6 @@ resumes on PP bitwise, loads into a trainer without pipeline parallelism and exp
 
 from __future__ import annotations
 
-import os
-
 import checkpoint_pipeline_bodies as bodies
 import pytest
 import torch
@@ -53,7 +51,7 @@ def test_pipeline_checkpoint_resumes_bitwise_and_loads_without_pipeline(tmp_path
         assert torch.equal(exported[key], value), key
 
 
-@pytest.mark.skipif(os.environ.get("GM_PP") != "all", reason="GM_PP=all (nox -s pipelines)")
+@pytest.mark.opt_in("pipelines")
 def test_a_zbv_checkpoint_resumes_under_1f1b_and_without_pipeline(tmp_path, dist_pool):
     results = dist_pool(2).run(
         bodies.zbv_resumes_under_1f1b_and_without_pipeline, str(tmp_path), timeout=300

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import re
 
 import dynamic_bodies as bodies
@@ -20,10 +19,7 @@ from gm_trace.testing import TinyGPT, lm_loss, make_lm_batch
 from gm_trainer import GraphTrainer
 from gm_trainer.errors import TrainingError
 
-SLOW = pytest.mark.skipif(
-    os.environ.get("GM_SLOW_TESTS") != "1",
-    reason="Inductor on 20 shapes, minutes on 2 cores: set GM_SLOW_TESTS=1 to run",
-)
+SLOW = pytest.mark.opt_in("inductor")  # Inductor on 20 shapes, minutes on 2 cores
 
 
 def train_in_lockstep(trainer, reference, train_fn, batches, *, exact: bool, lr=bodies.LR):

@@ -3,8 +3,8 @@ launchers meet through a c10d rendezvous on localhost, train the tiny job, save,
 it; a rank killed under ``torchrun --max-restarts 1`` is restarted and the job, resumed by
 ``--resume auto``, ends with the losses of a straight run.
 
-Each takes about 80 s on a 2-core machine, more than CI's budget for one test: they run when
-``GM_LAUNCHER_TESTS=1`` is set."""
+Each takes about 80 s on a 2-core machine, more than CI's budget for one test: they are the
+opt-in set ``launcher`` (``GM_TESTS=launcher``)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,7 @@ from test_job_cli import TINY, gm_train
 
 from gm_trainer.checkpoint import checkpoint_info
 
-SLOW = pytest.mark.skipif(
-    os.environ.get("GM_LAUNCHER_TESTS") != "1", reason="~80 s: set GM_LAUNCHER_TESTS=1 to run"
-)
+SLOW = pytest.mark.opt_in("launcher")  # ~80 s each
 
 # Rank 1 dies right after the step-4 checkpoint, on the first attempt only.
 CRASH_FIRST_ATTEMPT = """\

@@ -2,8 +2,9 @@
 own TP plan (a HF model's ``tp_plan``, ``GPT.tp_plan``) or ``parallel.tp_plan`` over a
 ``MeshContext``; the job trains like eager PyTorch, resumes bitwise and exports whole.
 
-The 2-rank runs are in the default suite; TP 1 vs TP 2 vs PP 2 x TP 2 (4 ranks) and the built-in
-GPT's runs and the resumes (two more runs each) are opt-in (``nox -s jobs``).
+The built-in GPT at TP 1 and TP 2 (2 ranks each) is the default suite's cell of the jobs
+matrix; the HF model's TP 2 runs are in the full suite; TP 1 vs TP 2 vs PP 2 x TP 2 (4 ranks)
+and the resumes (two more runs each) are the opt-in set ``jobs`` (``nox -s jobs``).
 """
 
 from __future__ import annotations
@@ -178,8 +179,7 @@ def test_tp1_tp2_and_pp2_tp2_jobs_have_the_same_losses(
 BUILTIN = [*TINY, "model.n_layers=2", "train.global_batch_size=8", "train.steps=3"]
 
 
-@JOBS
-@pytest.mark.distributed
+@pytest.mark.distributed  # the jobs matrix's cell in the default suite
 def test_builtin_gpt_tp2_job_has_the_tp1_losses(tmp_path: Path) -> None:
     args = ["--nproc", "2", *BUILTIN, "logging.interval=1", "checkpoint.export_full=true"]
     _ok(gm_train(*args, "logging.run_dir=tp1", cwd=tmp_path, timeout=300))

@@ -17,7 +17,7 @@ import yaml
 from test_job_cli import TINY, gm_train
 
 from gm_config import ConfigError
-from gm_trainer.checkpoint.durable import replacing
+from gm_trace.durable import replacing
 from gm_trainer.job.cli import main
 from gm_trainer.job.config.job_config import JobConfig
 from gm_trainer.job.run_folder.choice import check_run_config
@@ -95,13 +95,7 @@ def test_a_foreign_folder_is_refused_and_kept(
 
 
 def test_run_folders_of_gm_train_are_reused(tmp_path: Path) -> None:
-    # A folder written before the marker existed, an empty one, and a marked one.
-    older = tmp_path / "older"
-    older.mkdir()
-    (older / "config.yaml").write_text(JobConfig().to_yaml())
-    (older / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
-    RunFolder(older)
-    assert (older / RUN_MARKER).is_file() and (older / "metrics.jsonl").read_text() == ""
+    # An empty folder, then the same folder marked.
     (tmp_path / "empty").mkdir()
     RunFolder(tmp_path / "empty")
     RunFolder(tmp_path / "empty")  # marked now

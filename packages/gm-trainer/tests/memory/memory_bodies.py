@@ -3,8 +3,6 @@ each ``activation_memory_budget`` (and the presets), on one process or FSDP rank
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from hf_configs import tiny_llama
@@ -12,12 +10,13 @@ from hf_configs import tiny_llama
 from gm_config import PassConfig
 from gm_trace.parallel.fsdp import full_parameter
 from gm_trace.testing import TinyGPT, lm_loss
+from gm_trace.testing.opt_in import opted_in
 from gm_trainer import GraphTrainer
 
 BUDGETS = (1.0, 0.5, 0.25, 0.0)
 PRESETS = ({"selective_recompute": True}, {"full_recompute_modules": ["layers.*"]})
-#: The acceptance size runs in the opt-in ``memory`` nox session (GM_MEMORY=full).
-FULL = os.environ.get("GM_MEMORY") == "full"
+#: The acceptance size runs in the opt-in set ``memory`` (``nox -s memory``).
+FULL = opted_in("memory")
 STEPS = 5 if FULL else 3
 #: The default suite trains the two ends on one process and one budget between on FSDP.
 ONE_PROCESS = BUDGETS if FULL else (1.0, 0.0)

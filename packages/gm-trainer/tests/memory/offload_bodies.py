@@ -14,7 +14,7 @@ from gm_trace.testing import lm_loss
 from gm_trainer import GraphTrainer
 
 STEPS = 5
-#: The default suite forces offload at budget 0; the memory session (GM_MEMORY=full) at 0.5 too.
+#: The default suite forces offload at budget 0; the opt-in set memory at 0.5 too.
 BUDGETS = (0.5, 0.0) if FULL else (0.0,)
 #: A host link so fast that the planner offloads what it would otherwise recompute.
 OFFLOAD = {"activation_offload": True, "activation_offload_bandwidth_gbps": 1e9}

@@ -1,5 +1,5 @@
-"""``PassConfig.activation_memory_budget`` through GraphTrainer: Adam steps (5 in the memory
-session, GM_MEMORY=full; 3 by default) at every budget
+"""``PassConfig.activation_memory_budget`` through GraphTrainer: Adam steps (5 in the opt-in set
+memory, nox -s memory; 3 by default) at every budget
 (and with the presets) give bitwise the losses and parameters of budget 1.0, and the measured
 activations held for backward fit the budget: one process and FSDP on 2 gloo ranks."""
 
@@ -49,7 +49,7 @@ def test_every_budget_trains_bitwise_like_keeping_everything_and_fits(case):
         assert f"memory plan (budget={budget:g})" in result["summary"]
 
 
-@pytest.mark.skipif(not FULL, reason="the presets train in the memory session (GM_MEMORY=full)")
+@pytest.mark.opt_in("memory")  # the presets
 @pytest.mark.parametrize("settings", PRESETS, ids=["selective", "full"])
 def test_the_presets_train_bitwise_like_keeping_everything(settings):
     everything = train("gpt", {"activation_memory_budget": 1.0})

@@ -1,5 +1,5 @@
 """Activation offload through GraphTrainer, forced on CPU (the copies run but move nothing off
-the device): 5 Adam steps at budget 0 (and 0.5 in the memory session, GM_MEMORY=full) give
+the device): 5 Adam steps at budget 0 (and 0.5 in the opt-in set memory) give
 bitwise the losses and parameters of keeping everything, on one process and under FSDP on 2
 gloo ranks."""
 
@@ -9,7 +9,6 @@ import re
 
 import pytest
 import torch
-from memory_bodies import FULL
 from offload_bodies import BUDGETS, OFFLOAD, offload_runs, train
 
 
@@ -32,13 +31,13 @@ def test_forced_offload_trains_bitwise_like_keeping_everything():
 
 
 @pytest.mark.distributed
-@pytest.mark.skipif(not FULL, reason="2 gloo ranks: the memory session (GM_MEMORY=full)")
+@pytest.mark.opt_in("memory")  # 2 gloo ranks
 def test_under_fsdp_forced_offload_trains_bitwise_like_keeping_everything(dist_pool):
     for runs in dist_pool(2).run(offload_runs, timeout=600):
         assert_offloaded_and_bitwise(runs)
 
 
-@pytest.mark.skipif(not FULL, reason="compiles with Inductor: the memory session (GM_MEMORY=full)")
+@pytest.mark.opt_in("memory")  # compiles with Inductor
 def test_inductor_compiles_the_offloaded_graph():
     """The copies are plain aten ops Inductor compiles (a different fusion: float32 defaults)."""
     everything = train({"activation_memory_budget": 1.0, "backend": "inductor"})

@@ -66,8 +66,9 @@ def bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]
 
 
 def parity(rank: int, world: int, optimizer: dict) -> dict:
-    """STEPS steps offloaded and not: losses and parameters bitwise equal; the offloaded
-    run's summary, and where its shards, gradients and optimizer state live."""
+    """STEPS steps offloaded and not: both runs' losses and the parameters that differ in any
+    bit (the test wants none); the offloaded run's summary, and where its shards, gradients
+    and optimizer state live."""
     runs = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -75,11 +76,11 @@ def parity(rank: int, world: int, optimizer: dict) -> dict:
             run = trainer(offload, optimizer)
             runs[offload] = (run, steps(run, rank, world, 0, STEPS), full_params(run))
     (_, plain, plain_params), (run, offloaded, params) = runs[False], runs[True]
-    assert offloaded == plain, (offloaded, plain)
-    assert not bitwise(plain_params, params), bitwise(plain_params, params)
     state = run.optimizer.state
     return {
         "losses": offloaded,
+        "plain": plain,
+        "differ": bitwise(plain_params, params),
         "summary": run.pass_summary(),
         # OptimizerConfig(in_graph=True) on CPU: the update runs in the graph, no fallback.
         "eager_fallbacks": [str(w.message) for w in caught if "runs eagerly" in str(w.message)],
@@ -92,47 +93,51 @@ def parity(rank: int, world: int, optimizer: dict) -> dict:
 
 def checkpoint_round_trip(rank: int, world: int, root: str) -> dict:
     """Offloaded for 2 steps, saved; loaded without offload for 2 steps, saved; loaded
-    offloaded for the last step: the losses and parameters of 5 straight offloaded steps."""
+    offloaded for the last step: its losses, the step each load resumed at, those of 5
+    straight offloaded steps, and the parameters that differ from theirs in any bit."""
     root = Path(root)
     straight = trainer(True)
     straight_losses = steps(straight, rank, world, 0, STEPS)
-    losses = []
+    losses, resumed = [], {}
     for offload, first, last in ((True, 0, 2), (False, 2, 4), (True, 4, STEPS)):
         run = trainer(offload)
         if first:
             run.compile(*batch(first, rank, world))
             load_checkpoint(run, root / f"step{first}")
-            assert run.step == first, run.step
+            resumed[first] = run.step
         losses += steps(run, rank, world, first, last)
         if last < STEPS:
             save_checkpoint(run, root / f"step{last}")
-    assert losses == straight_losses, (losses, straight_losses)
-    differ = bitwise(full_params(straight), full_params(run))
-    assert not differ, differ
-    return {"losses": losses}
+    return {
+        "losses": losses,
+        "straight": straight_losses,
+        "resumed": resumed,
+        "differ": bitwise(full_params(straight), full_params(run)),
+    }
 
 
 def accumulation(rank: int, world: int, optimizer: dict, forced: bool = True) -> dict:
     """``train(accumulation_steps=2)`` (the reductions deferred to the window's last
     micro-batch under FSDP, whose graph takes the update with ``in_graph``): 2 windows
-    offloaded == not offloaded, bitwise."""
+    offloaded and not, their losses and the parameters that differ in any bit."""
     results = {}
     for offload in (False, True):
         run = trainer(offload, optimizer, forced)
         records = run.train([batch(i, rank, world) for i in range(4)], accumulation_steps=2)
         results[offload] = ([r["loss"] for r in records], full_params(run))
-    assert results[True][0] == results[False][0], results
-    differ = bitwise(results[False][1], results[True][1])
-    assert not differ, differ
-    return {"losses": results[True][0]}
+    return {
+        "losses": results[True][0],
+        "plain": results[False][0],
+        "differ": bitwise(results[False][1], results[True][1]),
+    }
 
 
 def pipeline(rank: int, world: int) -> dict:
     """Two pipeline stages (1F1B, 2 micro-batches) x FSDP over the ``world // 2`` ranks of
     each stage (on 2 ranks an fsdp group of one, as without a pipeline): ``STEPS`` steps
-    offloaded == not offloaded, bitwise (losses and this rank's stage's parameters); with
-    offload, how many gradient rows the stage's reduction copies to the host, and the
-    summary."""
+    offloaded and not, their losses, how many of this rank's stage's parameters were compared
+    and which differ in any bit; with offload, how many gradient rows the stage's reduction
+    copies to the host, and the summary."""
     dp = world // 2
     results = {}
     for offload in (False, True):
@@ -153,9 +158,11 @@ def pipeline(rank: int, world: int) -> dict:
         }
         results[offload] = (losses, params, run, reduction)
     (plain, plain_params, _, _), (losses, params, run, reduction) = results[False], results[True]
-    assert losses == plain, (losses, plain)
-    assert params and not bitwise(plain_params, params), bitwise(plain_params, params)
     return {
+        "losses": losses,
+        "plain": plain,
+        "compared": len(params),
+        "differ": bitwise(plain_params, params),
         "summary": run.pass_summary(),
         "offloaded": run.sharding.offloaded,
         "rows_to_host": sum(

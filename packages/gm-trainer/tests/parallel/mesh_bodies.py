@@ -17,10 +17,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from gm_config import PassConfig
 from gm_trace.parallel.fsdp import full_parameter
+from gm_trace.parallel.tp import tp_shard_dims
 from gm_trainer import GraphTrainer, MeshContext
 from gm_trainer.optim.config import global_grad_norm
 from gm_trainer.parallel.mesh import MeshError, resolve_mesh_context
-from gm_trainer.parallel.tp import tp_shard_dims
 
 EXAMPLE_PATH = Path(__file__).resolve().parents[4] / "examples" / "automodel_tp" / "train.py"
 

@@ -212,7 +212,9 @@ def checkpoint_round_trip(rank: int, world: int, root: str) -> dict[str, Any]:
     or EP (FSDP over the world) loads the checkpoint (same keys, every tensor whole and
     equal), and its third step equals the PP x EP one; it saves, trains a fourth; a fresh
     PP 2 x EP 2 trainer loads its checkpoint (equal) and its fourth step equals the plain
-    one. (One trainer at a time trains: process-group names are registered per process.)"""
+    one. Returns what the test compares: the steps the loads resumed at, the losses, and
+    ``(what, state, expected state, exact)`` of each load and each step after one. (One
+    trainer at a time trains: process-group names are registered per process.)"""
     from gm_trainer.checkpoint import full_model_state, load_checkpoint, save_checkpoint
 
     dp, rows = world // 2, 4
@@ -241,10 +243,10 @@ def checkpoint_round_trip(rank: int, world: int, root: str) -> dict[str, Any]:
     )
     plain.compile(*flat[0])
     load_checkpoint(plain, Path(root) / "pp_ep")
-    assert plain.step == 2
-    _equal(full_model_state(plain), saved, rtol=0, atol=0)
+    resumed = {"plain": plain.step}
+    states = [("loaded without PP or EP", full_model_state(plain), saved, True)]
     losses["plain"] = train(plain, 2, False)
-    _equal(full_model_state(plain), after, **parity_tolerance(1))
+    states.append(("its third step", full_model_state(plain), after, False))
     save_checkpoint(plain, Path(root) / "plain")
     plain_saved = full_model_state(plain)
     losses["plain_4"] = train(plain, 3, False)
@@ -254,19 +256,11 @@ def checkpoint_round_trip(rank: int, world: int, root: str) -> dict[str, Any]:
     input, label = _rows(0, rank, dp, rows)
     back.compile({"input_ids": input["input_ids"][: rows // 2]}, label[: rows // 2])
     load_checkpoint(back, Path(root) / "plain")
-    assert back.step == 3
-    _equal(full_model_state(back), plain_saved, rtol=0, atol=0)
+    resumed["back"] = back.step
+    states.append(("loaded at PP 2 x EP 2", full_model_state(back), plain_saved, True))
     losses["pp_ep_4"] = train(back, 3, True)
-    _equal(full_model_state(back), plain_after, **parity_tolerance(1))
-    torch.testing.assert_close(losses["pp_ep"], losses["plain"], rtol=1e-5, atol=0)
-    torch.testing.assert_close(losses["pp_ep_4"], losses["plain_4"], rtol=1e-5, atol=0)
-    return {"losses": losses, "keys": len(saved)}
-
-
-def _equal(actual: dict, expected: dict, **tolerance: float) -> None:
-    assert set(actual) == set(expected), set(actual) ^ set(expected)
-    for key, value in expected.items():
-        torch.testing.assert_close(actual[key], value, **tolerance, msg=key)
+    states.append(("its fourth step", full_model_state(back), plain_after, False))
+    return {"losses": losses, "resumed": resumed, "states": states}
 
 
 def config_error(rank: int, world: int, mesh: dict | None = None, **config: Any) -> str:

@@ -1,23 +1,19 @@
 """Context parallelism (``PassConfig.cp_degree``, the ``cp`` pass) against one eager process.
 
 The default suite trains HF Llama at sequence 256 with cp 2 on 2 gloo ranks (padded batches,
-FSDP over the cp ranks); ``GM_CP=all`` (``nox -s cp``) adds Qwen3, causal batches, cp 2
+FSDP over the cp ranks); the opt-in set ``cp`` (``nox -s cp``) adds Qwen3, causal batches, cp 2
 without FSDP, cp 2 x FSDP 2 on 4 ranks, DTensor TP 2 x cp 2, accumulation and the
 checkpoint round trip.
 """
 
 from __future__ import annotations
 
-import os
 import re
 
 import cp_bodies as bodies
 import pytest
 
 pytestmark = pytest.mark.distributed
-
-ALL = os.environ.get("GM_CP") == "all"
-opt_in = pytest.mark.skipif(not ALL, reason="GM_CP=all (nox -s cp) runs the whole matrix")
 
 
 def _check(results, balance: bool = False) -> None:
@@ -37,7 +33,7 @@ def test_cp2_llama_padded_load_balanced_matches_one_eager_process(dist_pool):
     assert all(r["groups"] == {"fsdp": 2, "cp": 2} for r in results)
 
 
-@opt_in
+@pytest.mark.opt_in("cp")
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("padded", [False, True], ids=["causal", "padded"])
 @pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "fsdp"])
@@ -49,7 +45,7 @@ def test_cp2_on_two_ranks(dist_pool, arch, padded, fsdp, balance):
     _check(results, balance)
 
 
-@opt_in
+@pytest.mark.opt_in("cp")
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("padded", [False, True], ids=["causal", "padded"])
 def test_cp2_x_fsdp2_on_four_ranks(dist_pool, arch, padded):
@@ -58,7 +54,7 @@ def test_cp2_x_fsdp2_on_four_ranks(dist_pool, arch, padded):
     assert all(r["cp"]["grads"] == "scaled for fsdp" for r in results)
 
 
-@opt_in
+@pytest.mark.opt_in("cp")
 def test_cp_checkpoint_loads_without_cp_and_back(dist_pool):
     for result in dist_pool(4).run(bodies.checkpoint_round_trip, timeout=900):
         assert result == {"cp_to_plain": True, "plain_to_cp": True, "finite": True}
@@ -76,7 +72,7 @@ def test_cp_errors_name_the_length_and_the_op(dist_pool):
         )
 
 
-@opt_in
+@pytest.mark.opt_in("cp")
 def test_dtensor_tp2_x_cp2_on_four_ranks(dist_pool):
     for result in dist_pool(4).run(bodies.tp_parity, timeout=900):
         # The helper asserted losses (rtol 1e-5) and parameters (parity_tolerance) already.

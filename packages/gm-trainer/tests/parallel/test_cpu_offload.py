@@ -11,8 +11,15 @@ import pytest
 pytestmark = pytest.mark.distributed
 
 
+def _bitwise(results: list[dict]) -> None:
+    """Each rank's offloaded losses are bitwise those without offload and no parameter differs."""
+    for rank, result in enumerate(results):
+        assert result["losses"] == result["plain"], (rank, result["losses"], result["plain"])
+        assert result["differ"] == [], f"rank {rank}: parameters differ: {result['differ']}"
+
+
 def _check(results: list[dict]) -> None:
-    # The rank bodies assert the losses and parameters bitwise equal.
+    _bitwise(results)
     for result in results:
         assert result["offloaded"] and result["state_on_params"]
         assert result["eager_fallbacks"] == []
@@ -29,19 +36,29 @@ def test_two_ranks_are_bitwise_the_run_without_offload(optimizer, dist_pool):
     _check(dist_pool(2).run(bodies.parity, optimizer))
 
 
+def _round_trip(results: list[dict]) -> None:
+    for rank, result in enumerate(results):
+        assert result["resumed"] == {2: 2, 4: 4}, (rank, result["resumed"])
+        assert result["losses"] == result["straight"], (rank, result["losses"], result["straight"])
+        assert result["differ"] == [], f"rank {rank}: parameters differ: {result['differ']}"
+
+
 def test_checkpoint_offloaded_to_plain_and_back_is_bitwise_straight(dist_pool, tmp_path):
-    dist_pool(1).run(bodies.checkpoint_round_trip, str(tmp_path))
+    _round_trip(dist_pool(1).run(bodies.checkpoint_round_trip, str(tmp_path)))
 
 
 def test_checkpoint_round_trip_on_two_ranks(dist_pool, tmp_path):
-    dist_pool(2).run(bodies.checkpoint_round_trip, str(tmp_path))
+    _round_trip(dist_pool(2).run(bodies.checkpoint_round_trip, str(tmp_path)))
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_pipeline_stages_are_bitwise_the_run_without_offload(world, dist_pool):
     """PP 2 x FSDP over each stage's ranks (one on 2 ranks): the shards go to the device in
     the stages' graphs and the gradient rows to the host in each stage's reduction."""
-    for result in dist_pool(world).run(bodies.pipeline, timeout=600):
+    results = dist_pool(world).run(bodies.pipeline, timeout=600)
+    _bitwise(results)
+    for result in results:
+        assert result["compared"] > 0
         assert result["offloaded"] and result["rows_to_host"] > 0, result
         assert "cpu offload: forced on CPU (tests)" in result["summary"], result["summary"]
         assert "the deferred reduction copies" in result["summary"], result["summary"]
@@ -56,7 +73,7 @@ def test_accumulation_windows_are_bitwise_the_run_without_offload(
 ):
     """Under FSDP the window's reductions are deferred to its last micro-batch (on one rank
     over its fsdp group of one; not forced, the CPU graph copies nothing but still reduces)."""
-    dist_pool(world).run(bodies.accumulation, optimizer, forced)
+    _bitwise(dist_pool(world).run(bodies.accumulation, optimizer, forced))
 
 
 def test_on_a_cpu_run_offload_is_off_and_says_why():

@@ -5,24 +5,17 @@ Four real gloo ranks; the model is the one of ``examples/automodel_tp``.
 
 from __future__ import annotations
 
-import copy
 import re
 
 import mesh_bodies as bodies
 import pytest
-import torch
 from torch import nn
 
 from gm_config import PassConfig
+from gm_trace.parallel.tp import tp_shard_dims
 from gm_trace.testing import MLP, mse_loss
 from gm_trainer import GraphTrainer, MeshContext
 from gm_trainer.parallel.mesh import MeshError
-from gm_trainer.parallel.tp import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    parallelize_linears,
-    tp_shard_dims,
-)
 
 
 @pytest.mark.distributed
@@ -107,49 +100,8 @@ def test_build_needs_torch_distributed():
         MeshContext.build(tp=2)
 
 
-def test_tp_layers_of_one_rank_are_the_whole_linear():
-    torch.manual_seed(0)
-    linear = nn.Linear(8, 6)
-    x = torch.randn(3, 8)
-    column = ColumnParallelLinear.from_linear(linear, tp_rank=0, tp_size=1)
-    row = RowParallelLinear.from_linear(linear, tp_rank=0, tp_size=1)
-    assert torch.equal(column(x), linear(x)) and torch.equal(row(x), linear(x))
-    # The slices of tp=2 fit back together.
-    halves = [ColumnParallelLinear.from_linear(linear, tp_rank=r, tp_size=2) for r in (0, 1)]
-    assert torch.equal(torch.cat([h.weight for h in halves]), linear.weight)
-    rows = [RowParallelLinear.from_linear(linear, tp_rank=r, tp_size=2) for r in (0, 1)]
-    assert torch.equal(torch.cat([r.weight for r in rows], dim=1), linear.weight)
-    assert torch.equal(rows[1].bias, linear.bias)
-
-
-#: The example's split, with gm_trainer.parallel.tp's own layers instead of DTensor.
-OWN_TP_PLAN = {
-    "layers.*.attn.wq": "colwise",
-    "layers.*.attn.wk": "colwise",
-    "layers.*.attn.wv": "colwise",
-    "layers.*.attn.wo": "rowwise",
-    "layers.*.mlp.fc": "colwise",
-    "layers.*.mlp.proj": "rowwise",
-}
-
-
-def test_parallelize_linears_marks_split_parameters_and_rejects_bad_plans():
-    model = bodies.example.build_model(bodies.config(2, 1)["model"], 0)
-    parallelize_linears(model, OWN_TP_PLAN, tp_rank=1, tp_size=2)
-    dims = tp_shard_dims(copy.deepcopy(model))  # a module attribute survives deepcopy
-    assert dims["layers.0.attn.wq.weight"] == 0 and dims["layers.1.mlp.proj.weight"] == 1
-    assert dims["layers.0.mlp.fc.bias"] == 0 and "layers.0.mlp.proj.bias" not in dims
-    assert model.layers[0].attn.wq.weight.shape == (16, 32)
-
+def test_tp_shard_dims_lists_the_parameters_tagged_with_their_split_dim():
     marked = nn.Linear(4, 4)
-    marked.weight._gm_tp_shard_dim = 1  # TP layers of another library mark the parameter
+    marked.weight._gm_tp_shard_dim = 1  # localized_dtensor_params tags a Shard(1) parameter
     assert tp_shard_dims(marked) == {"weight": 1}
-    fresh = bodies.example.build_model(bodies.config(2, 1)["model"], 0)
-    with pytest.raises(ValueError, match=r"'layers\.\*\.nope' matches no module"):
-        parallelize_linears(fresh, {"layers.*.nope": "colwise"}, tp_rank=0, tp_size=2)
-    with pytest.raises(ValueError, match=r"style 'diagonal' is not one of"):
-        parallelize_linears(fresh, {"layers.*.attn.wq": "diagonal"}, tp_rank=0, tp_size=2)
-    with pytest.raises(TypeError, match=r"matches 'layers\.0\.attn', a Attention"):
-        parallelize_linears(fresh, {"layers.*.attn": "colwise"}, tp_rank=0, tp_size=2)
-    with pytest.raises(ValueError, match=r"out_features=6 is not divisible by tp_size=4"):
-        ColumnParallelLinear(4, 6, tp_size=4)
+    assert tp_shard_dims(nn.Linear(4, 4)) == {}

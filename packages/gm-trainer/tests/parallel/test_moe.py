@@ -1,19 +1,18 @@
 """Expert parallelism (``PassConfig.ep_degree``) on real gloo ranks against one eager process on
 the global batch: tiny Qwen3-MoE, Mixtral and DeepSeek-V3.
 
-The default suite runs one architecture at EP 2 on 2 ranks and at EP 2 x FSDP 2 on 4 (the
-experts split over the ranks holding the same experts too) and the in-process checks; the
-rest (every architecture, EP 2 x FSDP 2 on 4 ranks, the routing edge cases, accumulation,
-``in_graph``, the mesh context, checkpoints, gm-train) runs with ``GM_MOE=all``
-(``nox -s moe``).
+The default suite runs one cell, Qwen3-MoE at EP 2 on 2 ranks, and the in-process checks;
+the rest (every architecture, EP 2 x FSDP 2 on 4 ranks, HSDP x EP, the routing edge cases,
+accumulation, ``in_graph``, the mesh context, checkpoints, gm-train) is the opt-in set
+``moe`` (``nox -s moe``).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import pytest
+import torch
 from moe_bodies import (
     aux_loss_unchanged,
     bad_ep_world,
@@ -23,18 +22,64 @@ from moe_bodies import (
 )
 
 from gm_trace.testing.distributed import run_distributed
+from gm_trace.testing.parity import parity_tolerance
 
 pytest.importorskip("transformers")
 
-FULL = os.environ.get("GM_MOE") == "all"
-full_only = pytest.mark.skipif(not FULL, reason="GM_MOE=all (nox -s moe)")
+
+def check(results: list[dict], ep: int, in_graph: bool = False) -> None:
+    """What each rank of :func:`moe_bodies.train_and_compare` returned against one eager
+    process: losses and gradient norms (rtol 1e-5), every whole parameter
+    (``parity_tolerance``), the update in the graph when asked, the experts split only under
+    EP, and the elements the rank holds."""
+    for rank, r in enumerate(results):
+        if in_graph:
+            assert r["in_graph"], f"rank {rank}: the update ran eagerly: {r['in_graph_reason']}"
+        torch.testing.assert_close(
+            r["losses"], r["eager"], rtol=1e-5, atol=0, msg=lambda m, k=rank: f"rank {k}: {m}"
+        )
+        torch.testing.assert_close(
+            r["norms"], r["eager_norms"], rtol=1e-5, atol=0, msg=lambda m, k=rank: f"rank {k}: {m}"
+        )
+        assert bool(r["experts_split"]) == (ep > 1), f"rank {rank}: split {r['experts_split']}"
+        for fqn, (actual, expected) in r["params"].items():
+            torch.testing.assert_close(
+                actual,
+                expected,
+                **parity_tolerance(r["steps"]),
+                msg=lambda m, k=rank, f=fqn: f"rank {k}: {f}: {m}",
+            )
+        local, total, shard = (
+            r["expert_elements_local"],
+            r["expert_elements_total"],
+            r["expert_shard"],
+        )
+        assert local * shard == total, f"rank {rank}: {local} x {shard} expert elements != {total}"
+        assert r["other_elements_local"] == r["other_elements_expected"], (rank, r)
+        assert r["elements_summed"] == r["elements_summed_expected"], (rank, r)
+
+
+def _check_round_trip(results: list[dict]) -> None:
+    """What each rank of :func:`moe_bodies.checkpoint_round_trip` compared: a load equals what
+    was saved bitwise, a step after it the step without the save (``parity_tolerance(1)``)."""
+    for rank, r in enumerate(results):
+        if r["split"]:  # the ranks holding the same experts split them: their rows
+            assert r["experts"] and r["experts_in_rows"] == r["experts"], (rank, r["experts"])
+        saved, loaded = r["keys"]
+        assert loaded == saved, f"rank {rank}: loaded {loaded}, saved {saved}"
+        for what, fqn, actual, expected, exact in r["compared"]:
+            torch.testing.assert_close(
+                actual,
+                expected,
+                **({"rtol": 0, "atol": 0} if exact else parity_tolerance(1)),
+                msg=lambda m, k=rank, w=what, f=fqn: f"rank {k}: {w}: {f}: {m}",
+            )
 
 
 def _run(world: int, arch: str, ep: int, **options):
     body = functools.partial(train_and_compare, **options)
     results = run_distributed(body, world, (arch, ep), timeout=600)
-    for result in results:
-        print(arch, world, ep, options, {k: v for k, v in result.items() if k != "summary"})
+    check(results, ep, options.get("in_graph", False))
     return results
 
 
@@ -68,6 +113,7 @@ def test_expert_load_is_the_world_sum_of_what_each_rank_routed(qwen3_ep2) -> Non
     _assert_load_is_world_sum(qwen3_ep2)
 
 
+@pytest.mark.opt_in("moe")
 def test_expert_load_under_ep_replicate_counts_each_routed_token_once(qwen3_ep2_fsdp2) -> None:
     _assert_load_is_world_sum(qwen3_ep2_fsdp2)
 
@@ -86,7 +132,7 @@ def test_qwen3_moe_ep2_matches_eager(qwen3_ep2) -> None:
     assert first["all_to_all_bytes_first_step"] > 0
 
 
-@full_only
+@pytest.mark.opt_in("moe")
 @pytest.mark.parametrize(
     "arch,routing",
     [
@@ -107,24 +153,29 @@ def test_degenerate_routing_trains_like_eager(arch: str, routing: str) -> None:
     assert sum(counts[: len(counts) // 2]) == 0, counts
 
 
-@full_only
+@pytest.mark.opt_in("moe")
 def test_router_aux_loss_is_unchanged_by_ep() -> None:
-    for losses in run_distributed(aux_loss_unchanged, 2, (), timeout=600):
-        print(losses)
+    for rank, losses in enumerate(run_distributed(aux_loss_unchanged, 2, (), timeout=600)):
+        torch.testing.assert_close(
+            losses["ep2"], losses["replicated"], rtol=1e-5, atol=0, msg=f"rank {rank}: {losses}"
+        )
+        # The aux loss is really in the loss.
+        assert all(a > b + 1e-3 for a, b in zip(losses["ep2"], losses["no_aux"])), (rank, losses)
 
 
-@full_only
+@pytest.mark.opt_in("moe")
 @pytest.mark.parametrize("world", [2, 4], ids=["ep2", "ep2-fsdp2"])
 def test_checkpoint_moves_between_ep_and_no_ep(tmp_path, world: int) -> None:
     """Saved at EP 2 (on 4 ranks: x FSDP 2 over the ranks holding the same experts), loaded
     without EP and back: same FQNs, full shapes, values."""
-    run_distributed(checkpoint_round_trip, world, (str(tmp_path),), timeout=600)
+    _check_round_trip(run_distributed(checkpoint_round_trip, world, (str(tmp_path),), timeout=600))
 
 
+@pytest.mark.opt_in("moe")
 def test_checkpoint_moves_between_hsdp_ep_and_no_ep(tmp_path) -> None:
     """Saved at EP 2 under 2 HSDP replicas (4 ranks; DCP writes one copy of the replicas'
     pieces), loaded without EP (FSDP over the 4 ranks) and back: same FQNs and values."""
-    run_distributed(checkpoint_round_trip, 4, (str(tmp_path), 2), timeout=600)
+    _check_round_trip(run_distributed(checkpoint_round_trip, 4, (str(tmp_path), 2), timeout=600))
 
 
 def test_ep_degree_errors_name_both_numbers() -> None:
@@ -139,19 +190,19 @@ def test_ep_world_check_names_both_numbers() -> None:
         ParallelPlan(ep=3).for_world(4)
 
 
-@full_only
+@pytest.mark.opt_in("moe")
 def test_ep_degree_not_dividing_the_world_is_a_config_error() -> None:
     results = run_distributed(bad_ep_world, 2, (), timeout=120)
     assert all("ep=3 (PassConfig.ep_degree" in r and "2 data-parallel ranks" in r for r in results)
 
 
-@full_only
+@pytest.mark.opt_in("moe")
 @pytest.mark.parametrize("arch", ["mixtral", "deepseek-v3"])
 def test_ep2_matches_eager(arch: str) -> None:
     _run(2, arch, 2)
 
 
-@full_only
+@pytest.mark.opt_in("moe")
 def test_ep2_runs_transformers_default_grouped_mm_kernel() -> None:
     # The experts compute with the kernel the model is written with (aten._grouped_mm, which
     # captures on CPU float32 through gm_trace.graph.fake_kernels), not only batched_mm.
@@ -170,6 +221,7 @@ def _expert_params_split_over_ep_replicate(results: list[dict]) -> None:
     )
 
 
+@pytest.mark.opt_in("moe")
 def test_qwen3_moe_ep2_fsdp2_on_4_ranks_shards_experts(qwen3_ep2_fsdp2) -> None:
     _expert_params_split_over_ep_replicate(qwen3_ep2_fsdp2)
     # The passes got groups by role (issue 37): ep groups of consecutive ranks, the ranks
@@ -183,13 +235,13 @@ def test_qwen3_moe_ep2_fsdp2_on_4_ranks_shards_experts(qwen3_ep2_fsdp2) -> None:
         }
 
 
-@full_only
+@pytest.mark.opt_in("moe")
 @pytest.mark.parametrize("arch", ["mixtral", "deepseek-v3"])
 def test_ep2_fsdp2_on_4_ranks_matches_eager(arch: str) -> None:
     _expert_params_split_over_ep_replicate(_run(4, arch, 2))
 
 
-@full_only
+@pytest.mark.opt_in("moe")
 @pytest.mark.parametrize("in_graph", [False, True], ids=["trainer", "in_graph"])
 def test_ep2_fsdp2_gradient_clipping_equals_eager(in_graph: bool) -> None:
     # A clip below every step's norm: each step is really clipped, by the global norm.
@@ -197,11 +249,12 @@ def test_ep2_fsdp2_gradient_clipping_equals_eager(in_graph: bool) -> None:
     assert all(n > 0.5 for n in results[0]["eager_norms"]), results[0]["eager_norms"]
 
 
-@full_only
+@pytest.mark.opt_in("moe")
 def test_ep2_with_mesh_context_on_4_ranks() -> None:
     _run(4, "mixtral", 2, mesh=True)
 
 
+@pytest.mark.opt_in("moe")
 def test_hsdp2_ep2_on_4_ranks_matches_eager_and_clips_by_the_global_norm() -> None:
     """2 HSDP replicas x 2 shard ranks, ep 2 inside each replica: each replica holds every
     expert once ('ep_replicate' has one rank), and the expert gradients, like the dense
@@ -219,7 +272,7 @@ def test_hsdp2_ep2_on_4_ranks_matches_eager_and_clips_by_the_global_norm() -> No
         assert result["expert_elements_local"] * 2 == result["expert_elements_total"], result
 
 
-@full_only
+@pytest.mark.opt_in("moe")
 @pytest.mark.parametrize(
     "options", [{"accumulation": 2}, {"in_graph": True}], ids=["accumulation", "in_graph"]
 )
@@ -229,7 +282,7 @@ def test_hsdp2_ep2_composes(options: dict) -> None:
     _run(4, "qwen3-moe", 2, mesh=True, dp_replicate=2, **options)
 
 
-@full_only
+@pytest.mark.opt_in("moe")
 def test_hsdp2_fsdp4_ep2_on_8_ranks_shards_experts_within_each_replica() -> None:
     """2 replicas x 4 shard ranks, ep 2: the experts split over 'ep_replicate' (2 ranks)
     inside each replica, reduce-scattered there, then all-reduced over the replicas."""
@@ -248,7 +301,7 @@ def test_hsdp2_fsdp4_ep2_on_8_ranks_shards_experts_within_each_replica() -> None
     )
 
 
-@full_only
+@pytest.mark.opt_in("moe")
 @pytest.mark.parametrize("world", [2, 4], ids=["ep2", "ep2-fsdp2"])
 @pytest.mark.parametrize(
     "options", [{"accumulation": 2}, {"in_graph": True}], ids=["accumulation", "in_graph"]
@@ -339,7 +392,7 @@ def assert_expert_load_logged(records: list[dict]) -> None:
         assert record["moe_all_to_all_bytes"] > 0
 
 
-@full_only
+@pytest.mark.opt_in("moe")
 def test_gm_train_ep2_logs_expert_load(tmp_path) -> None:
     records, summary = train_moe_job(tmp_path, 2, ep_degree=2)
     # 2 layers x 4 rows x 16 tokens x top-2 routed pairs, spread over 8 experts
@@ -361,18 +414,20 @@ def _expert_loop(ep: int) -> None:
     assert first["expert_elements_local"] * ep == first["expert_elements_total"] or ep == 1
 
 
-@full_only  # the loop's capture is checked in the default zoo; EP x loop in nox -s moe
+@pytest.mark.opt_in(
+    "moe"
+)  # the loop's capture is checked in the default zoo; EP x loop in nox -s moe
 def test_per_expert_loop_with_ep2_matches_eager() -> None:
     # With EP 2 each rank's loop runs its local experts on the rows it received (unbacked).
     _expert_loop(2)
 
 
-@full_only
+@pytest.mark.opt_in("moe")
 def test_per_expert_loop_with_fsdp_matches_eager() -> None:
     _expert_loop(1)
 
 
-@full_only
+@pytest.mark.opt_in("moe")
 def test_per_expert_loop_with_every_token_to_one_expert_under_ep2() -> None:
     # A large correction bias: every token to the last expert (and one more of the second
     # rank's): the first rank's loop runs its four experts on no row at all.

@@ -4,15 +4,15 @@ layer per stage, PP 2 x EP 2 on 4 ranks (the two ranks of a stage form its ep gr
 
 The default suite runs one Qwen3-MoE row (1F1B, 2 micro-batches) and the cheap checks; the
 rest (Mixtral, GPipe with 4 micro-batches, the mesh context, automatic stages, checkpoints,
-gm-train) runs with ``GM_MOE=all`` (``nox -s moe``).
+gm-train) is the opt-in set ``moe`` (``nox -s moe``).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import pytest
+import torch
 from moe_pipeline_bodies import (
     checkpoint_round_trip,
     config_error,
@@ -21,12 +21,10 @@ from moe_pipeline_bodies import (
 )
 
 from gm_trace.testing.distributed import run_distributed
+from gm_trace.testing.parity import parity_tolerance
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.distributed
-
-FULL = os.environ.get("GM_MOE") == "all"
-full_only = pytest.mark.skipif(not FULL, reason="GM_MOE=all (nox -s moe)")
 
 
 def _run(arch: str, moe_stages: tuple[int, ...] = (0, 1), **options) -> list[dict]:
@@ -86,7 +84,7 @@ def _check_exchanges(results: list[dict], actions_per_stage: dict[int, list]) ->
                 position += 2
 
 
-@full_only  # 4 ranks, ~1 min on 2 cores: the default suite keeps the config checks
+@pytest.mark.opt_in("moe")  # 4 ranks, ~1 min on 2 cores: the default suite keeps the config checks
 def test_pp2_ep2_qwen3_moe_matches_eager() -> None:
     results = _run("qwen3-moe")
     # 1F1B with 2 micro-batches: stage 0 runs F0 F1 B0 B1, stage 1 F0 B0 F1 B1
@@ -116,7 +114,7 @@ def test_pp_ep_stage_check_names_both_numbers() -> None:
         ParallelPlan(ep=2, pp=2).for_world(2)
 
 
-@full_only
+@pytest.mark.opt_in("moe")
 def test_pp_ep_configs_that_cannot_work_are_config_errors() -> None:
     """Refused at the first compile on every rank, naming the values: an ep_degree the
     stage's ranks do not divide (2 ranks, pp 2). (EP x PP x TP trains: the composability
@@ -133,7 +131,7 @@ def test_pp_ep_configs_that_cannot_work_are_config_errors() -> None:
         ), message
 
 
-@full_only
+@pytest.mark.opt_in("moe")
 def test_an_ep_group_across_pipeline_stages_is_refused() -> None:
     results = run_distributed(crossing_ep_group_error, 4, (), timeout=300)
     assert (
@@ -157,12 +155,12 @@ def test_gm_train_accepts_ep_with_pp() -> None:
         job.check_world_size(2)
 
 
-@full_only
+@pytest.mark.opt_in("moe")
 def test_pp2_ep2_mixtral_matches_eager() -> None:
     _run("mixtral")
 
 
-@full_only
+@pytest.mark.opt_in("moe")
 def test_pp2_ep2_deepseek_v3_stage_without_experts() -> None:
     """DeepSeek-V3's first layer is dense: stage 0 owns no experts module and runs no
     all-to-all, stage 1 runs its 5 per micro-batch."""
@@ -172,25 +170,40 @@ def test_pp2_ep2_deepseek_v3_stage_without_experts() -> None:
     assert "pipeline stage 0: 0, 1: 5" in results[0]["summary"], results[0]["summary"]
 
 
-@full_only
+@pytest.mark.opt_in("moe")
 def test_pp2_ep2_gpipe_4_microbatches_matches_eager() -> None:
     results = _run("qwen3-moe", schedule="gpipe", microbatches=4)
     order = [("forward", m) for m in range(4)] + [("backward", m) for m in range(4)]
     _check_exchanges(results, {0: order, 1: order})
 
 
-@full_only
+@pytest.mark.opt_in("moe")
 def test_pp2_ep2_mesh_context_and_automatic_stages() -> None:
     _run("mixtral", mesh=True, named_stages=False, steps=3)
 
 
-@full_only
+@pytest.mark.opt_in("moe")
 def test_pp2_ep2_checkpoint_loads_without_pipeline_or_ep_and_back(tmp_path) -> None:
-    (first, *_) = run_distributed(checkpoint_round_trip, 4, (str(tmp_path),), timeout=900)
-    print(first)
+    results = run_distributed(checkpoint_round_trip, 4, (str(tmp_path),), timeout=900)
+    for rank, r in enumerate(results):
+        assert r["resumed"] == {"plain": 2, "back": 3}, (rank, r["resumed"])
+        losses = r["losses"]
+        for ours, theirs in (("pp_ep", "plain"), ("pp_ep_4", "plain_4")):
+            torch.testing.assert_close(
+                losses[ours], losses[theirs], rtol=1e-5, atol=0, msg=f"rank {rank}: {losses}"
+            )
+        for what, state, expected, exact in r["states"]:
+            assert set(state) == set(expected), (rank, what, set(state) ^ set(expected))
+            for key, value in expected.items():
+                torch.testing.assert_close(
+                    state[key],
+                    value,
+                    **({"rtol": 0, "atol": 0} if exact else parity_tolerance(1)),
+                    msg=lambda m, k=rank, w=what, n=key: f"rank {k}: {w}: {n}: {m}",
+                )
 
 
-@full_only
+@pytest.mark.opt_in("moe")
 def test_gm_train_pp2_ep2_logs_expert_load(tmp_path) -> None:
     from test_moe import assert_expert_load_logged, train_moe_job
 

@@ -3,8 +3,6 @@ process on the global batch: GPipe and 1F1B, alone and with FSDP inside each sta
 
 from __future__ import annotations
 
-import os
-
 import pipeline_bodies as bodies
 import pytest
 from extras import HF
@@ -260,10 +258,8 @@ def test_train_loop_with_reshard_clipping_and_accumulation_matches_eager(dist_po
         "eager",
         pytest.param(
             "inductor",
-            marks=pytest.mark.skipif(
-                os.environ.get("GM_SLOW_TESTS") != "1",
-                reason="Inductor compiles 4 stage graphs, minutes on 2 cores: GM_SLOW_TESTS=1",
-            ),
+            # Inductor compiles 4 stage graphs, minutes on 2 cores
+            marks=pytest.mark.opt_in("inductor"),
         ),
     ],
 )

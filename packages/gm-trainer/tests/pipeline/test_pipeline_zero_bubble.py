@@ -1,20 +1,16 @@
 """Zero-bubble pipeline schedules (issue #38) on real gloo ranks against one eager process on
 the global batch: each backward split into ``B`` and ``W`` (``zb1p``, ``zbv``,
 ``dualpipev``), the V stages of ``zbv`` and ``dualpipev``. The default suite runs ``zbv``
-(V stages and the split together); ``GM_PP=all`` (``nox -s pipelines``) runs the rest and
+(V stages and the split together); the opt-in set ``pipelines`` (``nox -s pipelines``) runs
+the rest and
 PP x FSDP on 4 ranks."""
 
 from __future__ import annotations
-
-import os
 
 import pipeline_bodies as bodies
 import pytest
 
 pytestmark = pytest.mark.distributed
-
-FULL = os.environ.get("GM_PP") == "all"
-full_only = pytest.mark.skipif(not FULL, reason="GM_PP=all (nox -s pipelines)")
 
 
 def _check(results: list[dict], stages: list[list[int]]) -> None:
@@ -58,7 +54,7 @@ def test_zbv_takes_the_update_in_a_graph_after_the_last_w(dist_pool):
     bodies.took_the_update_in_a_graph(results, ["all_reduce/pp"])
 
 
-@full_only
+@pytest.mark.opt_in("pipelines")
 @pytest.mark.parametrize(("schedule", "virtual"), [("zb1p", 1), ("dualpipev", 2)])
 def test_zero_bubble_schedules_on_two_ranks_match_eager_adam(schedule, virtual, dist_pool):
     named = virtual == 1
@@ -68,7 +64,7 @@ def test_zero_bubble_schedules_on_two_ranks_match_eager_adam(schedule, virtual, 
     _check(results, [[0], [1]] if virtual == 1 else [[0, 3], [1, 2]])
 
 
-@full_only
+@pytest.mark.opt_in("pipelines")
 @pytest.mark.parametrize(("schedule", "virtual"), [("zb1p", 1), ("dualpipev", 2)])
 def test_zero_bubble_schedules_take_the_update_in_a_graph(schedule, virtual, dist_pool):
     results = dist_pool(2).run(
@@ -78,7 +74,7 @@ def test_zero_bubble_schedules_take_the_update_in_a_graph(schedule, virtual, dis
     bodies.took_the_update_in_a_graph(results, ["all_reduce/pp"])
 
 
-@full_only
+@pytest.mark.opt_in("pipelines")
 def test_zb1p_gives_1f1b_parameters_bitwise(dist_pool):
     """The same stages, the same ops per micro-batch, gradients accumulated in the same
     micro-batch order: the split changes when ``W`` runs, not what it computes."""
@@ -86,7 +82,7 @@ def test_zb1p_gives_1f1b_parameters_bitwise(dist_pool):
     assert all(r["differing"] == [] and r["compared"] > 0 for r in results)
 
 
-@full_only
+@pytest.mark.opt_in("pipelines")
 @pytest.mark.parametrize("schedule", ["zb1p", "zbv"])
 def test_zero_bubble_pp2_fsdp2_matches_eager(schedule, dist_pool):
     virtual = 2 if schedule == "zbv" else 1
@@ -97,7 +93,7 @@ def test_zero_bubble_pp2_fsdp2_matches_eager(schedule, dist_pool):
     assert all(r["reduction"] for r in results)  # FSDP reduces each stage's buffers once
 
 
-@full_only
+@pytest.mark.opt_in("pipelines")
 def test_zb1p_with_dynamic_dims_and_the_train_loop_matches_eager(dist_pool):
     """What runs under 1F1B runs under zb1p: PP 2 x FSDP 2 with the sequence length changing
     every step (declared and automatic dynamic), and ``train()`` with re-gathers for

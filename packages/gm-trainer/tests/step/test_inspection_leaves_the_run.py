@@ -7,8 +7,6 @@ scheduler, the RNG streams and the counters are as before each (``GraphTrainer.i
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from inspection_bodies import (
@@ -59,9 +57,7 @@ def test_inspection_puts_back_a_run_the_block_changed() -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.skipif(
-    os.environ.get("GM_MEMORY") != "full", reason="2 pipeline runs: GM_MEMORY=full (nox -s memory)"
-)
+@pytest.mark.opt_in("memory")  # 2 pipeline runs
 @pytest.mark.parametrize(
     ("schedule", "in_graph"), [("1f1b", False), ("zb1p", True)], ids=["1f1b", "zb1p-in-graph"]
 )

@@ -13,8 +13,9 @@ entries) never stops a run: its verified entries are still read (copied into a p
 temporary folder, where Inductor may write its locks), the rest compiles in that folder, and
 one warning per cache names the setting that chose it.
 
-Integrity, as for checkpoints: after a compile the entry gets ``manifest.json`` (every file's
-size and SHA-256, and the fingerprint's parts), written atomically. Before Inductor may read an
+Integrity, as for checkpoints (:mod:`gm_trace.durable`): after a compile the entry gets
+``manifest.json`` (every file's size and SHA-256, and the fingerprint's parts), written
+atomically. Before Inductor may read an
 entry, every file is checked against the manifest and no file may be missing or added; an entry
 that fails is removed and compiled again, and the log line says why. A miss says what changed
 since the graph's last compile in the same slot (``context["slot"]``).
@@ -37,16 +38,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from gm_trace.durable import seal_folder, verify_folder, write_atomic
+
 MANIFEST = "manifest.json"
 _LAST = "last"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _signature(example_inputs: list[Any]) -> list[str]:
@@ -57,19 +52,6 @@ def _signature(example_inputs: list[Any]) -> list[str]:
         else:
             out.append(repr(x))
     return out
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _write_probe(folder: Path) -> None:
@@ -162,9 +144,9 @@ class CompileCache:
         # What this process's compile left, from a verified entry or a fresh one (Inductor
         # also writes on a hit).
         try:
-            self._seal(folder, parts)
+            seal_folder(folder, MANIFEST, parts=dict(parts))
             (self.root / _LAST).mkdir(parents=True, exist_ok=True)
-            _write_atomic(self.root / _LAST / f"{slot}.json", json.dumps(parts, sort_keys=True))
+            write_atomic(self.root / _LAST / f"{slot}.json", json.dumps(parts, sort_keys=True))
         except OSError as exc:  # compiled: only the cache is not kept
             self._cannot_write(exc)
 
@@ -213,39 +195,7 @@ class CompileCache:
 
     def verify(self, folder: Path) -> str | None:
         """``None`` when every file of ``folder`` is as its manifest says, else what is not."""
-        try:
-            manifest = json.loads((folder / MANIFEST).read_text())
-            files = manifest["files"]
-            body = json.dumps(files, sort_keys=True)
-            if hashlib.sha256(body.encode()).hexdigest() != manifest["checksum"]:
-                return "the manifest's checksum does not match its file list"
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            return f"the manifest is unreadable ({type(e).__name__}: {e})"
-        present = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()} - {
-            MANIFEST
-        }
-        if present != set(files):
-            extra, missing = sorted(present - set(files)), sorted(set(files) - present)
-            return f"files differ from the manifest (added {extra[:3]}, missing {missing[:3]})"
-        for name, (size, digest) in files.items():
-            path = folder / name
-            if path.stat().st_size != size or _sha256(path) != digest:
-                return f"{name} does not match its checksum"
-        return None
-
-    def _seal(self, folder: Path, parts: Mapping[str, Any]) -> None:
-        files = {
-            str(p.relative_to(folder)): [p.stat().st_size, _sha256(p)]
-            for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != MANIFEST
-        }
-        body = json.dumps(files, sort_keys=True)
-        manifest = {
-            "parts": dict(parts),
-            "files": files,
-            "checksum": hashlib.sha256(body.encode()).hexdigest(),
-        }
-        _write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+        return verify_folder(folder, MANIFEST)
 
 
 _active: CompileCache | None = None

@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import functools
 import operator
-import os
 from collections import Counter
 
 import pytest
@@ -180,8 +179,7 @@ def _attention_collectives(graph_module: fx.GraphModule) -> Counter:
     return counts
 
 
-ALL = os.environ.get("GM_CP") == "all"
-_opt_in = pytest.mark.skipif(not ALL, reason="GM_CP=all (nox -s cp) runs every kernel")
+_opt_in = pytest.mark.opt_in("cp")  # every kernel
 CASES = [
     pytest.param("flash", False, id="flash-causal"),
     pytest.param("efficient", False, id="efficient-causal", marks=_opt_in),

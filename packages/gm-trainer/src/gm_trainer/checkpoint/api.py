@@ -22,7 +22,7 @@ What is saved (the dict :func:`trainer_state_dict` returns; DCP flattens it with
     "extra":   JSON of the caller's ``extra`` dict, as rank 0 had it
 
 Supported: no FSDP, FSDP over the world, HSDP (replicas write identical chunks, which DCP
-stores once), TP (DTensor ``parallelize_module`` or ``gm_trainer.parallel.tp`` layers), TP x FSDP,
+stores once), TP (DTensor ``parallelize_module``), TP x FSDP,
 TP x HSDP, and pipeline parallelism alone or x FSDP (each rank saves and loads its stage's
 state only: :mod:`gm_trainer.checkpoint.stages`).
 
@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from gm_trainer.checkpoint.durable import write_atomic
+from gm_trace.durable import file_checksum, write_atomic
 from gm_trainer.checkpoint.io import (
     CHECKPOINT_FORMAT,
     MARKER_NAME,
@@ -67,7 +67,6 @@ from gm_trainer.checkpoint.io import (
     CheckpointWarning,
     commit,
     dcp_errors,
-    file_checksum,
     open_checkpoint,
 )
 from gm_trainer.checkpoint.layout import WHOLE, CheckpointLayout, Piece

@@ -1,4 +1,5 @@
-"""Checkpoint storage: the commit marker, atomic writes, file checksums, path checks.
+"""Checkpoint storage: the commit marker, file checksums, path checks (atomic writes and
+checksums are :mod:`gm_trace.durable`'s).
 
 The commit marker ``gm_checkpoint.json`` is written last and validated on every read; it also
 records the size and sha256 of every file of the checkpoint, which readers verify before they
@@ -8,7 +9,6 @@ use a file (:mod:`gm_trainer.checkpoint.read` reads the DCP data safely).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
 import json
 import os
@@ -22,7 +22,7 @@ from typing import Any
 from torch.distributed.checkpoint.api import CheckpointException
 
 from gm_config import GraphModeRuntimeError
-from gm_trainer.checkpoint.durable import fsync_dir, write_atomic
+from gm_trace.durable import fsync_dir, verify_file, write_atomic
 
 #: Version of the checkpoint layout; a loader refuses a newer one.
 CHECKPOINT_FORMAT = 1
@@ -164,18 +164,7 @@ def set_aside(path: Path, suffix: str = DAMAGED_SUFFIX) -> Path:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-# --------------------------------------------------------------------------- checksums
-
-
-def file_checksum(path: Path) -> dict[str, Any]:
-    """``{"sha256": hex, "size": bytes}`` of one file."""
-    digest = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-            size += len(chunk)
-    return {"sha256": digest.hexdigest(), "size": size}
+# --------------------------------------------------------------------------- paths and checksums
 
 
 def inside(root: Path, name: Any) -> Path:
@@ -214,18 +203,10 @@ def verify_files(root: Path, marker: dict[str, Any], names: Iterable[str]) -> No
                 f"{full} is read by the checkpoint but has no checksum in {root / MARKER_NAME}; "
                 "the checkpoint was modified after it was saved: load an earlier checkpoint"
             )
-        try:
-            actual = file_checksum(full)
-        except OSError as exc:
+        problem = verify_file(full, expected)
+        if problem is not None:
             raise CheckpointError(
-                f"{full} cannot be read ({type(exc).__name__}: {exc}); the checkpoint is "
-                "incomplete: restore the file or load an earlier checkpoint"
-            ) from exc
-        if actual != {"sha256": expected["sha256"], "size": expected["size"]}:
-            raise CheckpointError(
-                f"{full} is corrupt: {actual['size']} bytes with sha256 {actual['sha256'][:16]}..."
-                f", but the save recorded {expected['size']} bytes with sha256 "
-                f"{expected['sha256'][:16]}...; restore the file or load an earlier checkpoint"
+                f"{full} {problem}; restore the file or load an earlier checkpoint"
             )
 
 

@@ -32,9 +32,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from gm_trace.parallel.ep import expert_param_fqns
 from gm_trace.parallel.fsdp import RowShard
+from gm_trace.parallel.tp import tp_shard_dims
 from gm_trainer.checkpoint.io import CheckpointError
 from gm_trainer.checkpoint.view import CheckpointView
-from gm_trainer.parallel.tp import tp_shard_dims
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,7 @@ def read_metadata(
         raise CheckpointError(f"{file} holds a {type(metadata).__name__}, not DCP Metadata")
     _check_storage(path, metadata, marker)
     if not isinstance(getattr(metadata, "storage_meta", None), StorageMeta):
-        metadata.storage_meta = StorageMeta()  # absent in old DCP versions
+        raise CheckpointError(f"{file} lacks DCP's storage_meta; the checkpoint is damaged")
     metadata.storage_meta.load_id = load_id
     return metadata
 

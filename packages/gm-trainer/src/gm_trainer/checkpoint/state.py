@@ -19,7 +19,7 @@ from gm_trainer.checkpoint.layout import CheckpointLayout
 from gm_trainer.checkpoint.stages import gather_stages, own_state
 from gm_trainer.checkpoint.view import CheckpointView, as_view
 from gm_trainer.optim.config import initial_state
-from gm_trainer.optim.lr_schedule import EXTRA_KEY, load_scheduler_state, scheduler_state
+from gm_trainer.optim.lr_schedule import load_scheduler_state, scheduler_state
 
 #: The entry of the LR scheduler's state (JSON), saved when the run has a scheduler.
 SCHEDULER = "lr_scheduler"
@@ -187,8 +187,7 @@ def restore(view: CheckpointView, state: Mapping[str, Any], *, copy: bool) -> di
     _set_rng_state(state.get("rng", {}), view.topology.rank, view.topology.device)
     extra = json.loads(state["extra"]) if state.get("extra") else {}
     saved = state.get(SCHEDULER)
-    # Older checkpoints carried it in the caller's extra (optim.lr_schedule.scheduler_extra).
-    scheduler = json.loads(saved) if saved else extra.get(EXTRA_KEY)
+    scheduler = json.loads(saved) if saved else None
     load_scheduler_state(view.lr_scheduler, view.optimizer, header["step"], scheduler)
     return extra
 

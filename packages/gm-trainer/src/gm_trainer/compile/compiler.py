@@ -23,6 +23,7 @@ from gm_passes import GraphPass, PassPipeline
 from gm_passes.pipeline import AfterPass
 from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.parallel.fsdp import ShardingLayout
+from gm_trace.parallel.materialize import InitWeights
 from gm_trace.parallel.tp import DTensorSpec
 from gm_trace.passes.deferred_reduce import DeferredReducePass
 from gm_trace.passes.last_micro_batch import LastMicroBatchPass
@@ -33,7 +34,6 @@ from gm_trainer.compile.registry import ACCUMULATE, LAST, STEP, GraphCache, Grap
 from gm_trainer.errors import TrainingError
 from gm_trainer.parallel.dtensor_tp import check_dtensor_mesh, trace_step
 from gm_trainer.parallel.live_parameters import LiveParameters
-from gm_trace.parallel.materialize import InitWeights
 from gm_trainer.parallel.mesh import ResolvedMesh
 from gm_trainer.parallel.topology import ResolvedRun, Topology, resolve_run
 

@@ -11,11 +11,11 @@ import torch.distributed as dist
 from gm_trace.graph.joint_graph import JointGraph
 from gm_trace.parallel.ep import expert_param_fqns
 from gm_trace.parallel.fsdp import RowShard
+from gm_trace.parallel.tp import tp_shard_dims
 from gm_trainer.errors import TrainingError
 from gm_trainer.optim.config import global_grad_norm
 from gm_trainer.parallel.ranks import waiting_for
 from gm_trainer.parallel.topology import Topology
-from gm_trainer.parallel.tp import tp_shard_dims
 
 
 def accumulate_grads(

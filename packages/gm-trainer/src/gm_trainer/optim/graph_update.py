@@ -18,12 +18,12 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from gm_trace.graph.groups import ParallelGroups
+from gm_trace.parallel.tp import tp_shard_dims
 from gm_trace.passes.optimizer_rules import GroupRule
 from gm_trace.passes.optimizer_spec import OptimizerUpdate, ParamUpdate
 from gm_trace.passes.optimizer_update import StageUpdate, build_stage_update
 from gm_trainer.errors import TrainingError
 from gm_trainer.optim.config import OptimizerConfig, initial_state
-from gm_trainer.parallel.tp import tp_shard_dims
 
 #: ``torch.optim`` options the traced update implements only at these values.
 _FIXED = {

@@ -5,9 +5,7 @@ The schedule is a pure function of the optimizer step (:class:`WarmupDecay`), ru
 optimizer and steps it after every optimizer step. The scheduler is state of the run, saved and
 loaded wherever the optimizer is: ``save_checkpoint`` / ``load_checkpoint`` and
 ``trainer.state_dict()`` carry it (:func:`scheduler_state` / :func:`load_scheduler_state`, an
-entry of its own beside the optimizer's), so a resumed run continues the exact curve. A
-checkpoint that has it only in its ``extra`` (:func:`scheduler_extra`, older ones) is
-restored from there.
+entry of its own beside the optimizer's), so a resumed run continues the exact curve.
 """
 
 from __future__ import annotations
@@ -23,8 +21,6 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 from gm_config import ConfigError
 
 DECAYS = ("constant", "linear", "cosine")
-#: The key of the scheduler's state in a checkpoint's ``extra``.
-EXTRA_KEY = "lr_scheduler"
 
 SchedulerFactory = Callable[[torch.optim.Optimizer], LRScheduler]
 
@@ -98,24 +94,6 @@ def scheduler_state(scheduler: Any) -> dict[str, Any]:
     if "lr_lambdas" in state:
         state["lr_lambdas"] = [None] * len(state["lr_lambdas"])
     return _plain(state)
-
-
-def scheduler_extra(scheduler: Any, extra: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``extra`` plus ``scheduler``'s state (JSON; ``None``: no scheduler) under
-    :data:`EXTRA_KEY`. Not needed with ``save_checkpoint``, which saves the scheduler
-    itself; kept for callers that carry it in their own ``extra``."""
-    out = dict(extra or {})
-    if scheduler is not None:
-        out[EXTRA_KEY] = scheduler_state(scheduler)
-    return out
-
-
-def restore_scheduler(
-    scheduler: Any, optimizer: torch.optim.Optimizer | None, step: int, extra: Mapping[str, Any]
-) -> None:
-    """Load the scheduler state saved in ``extra`` under :data:`EXTRA_KEY`; see
-    :func:`load_scheduler_state`."""
-    load_scheduler_state(scheduler, optimizer, step, extra.get(EXTRA_KEY))
 
 
 def load_scheduler_state(

@@ -41,9 +41,9 @@ from torch import Tensor, nn
 from gm_config import Role
 from gm_trace.parallel.ep import ExpertShard, split_expert_modules
 from gm_trace.parallel.fsdp import ShardingLayout
+from gm_trace.parallel.materialize import InitWeights, materialize_meta, replace_storage
 from gm_trace.parallel.tp import DTensorSpec, localized_dtensor_params
 from gm_trainer.errors import TrainingError
-from gm_trace.parallel.materialize import InitWeights, materialize_meta, replace_storage
 
 TP, EP, FSDP, PP = Role.TP, Role.EP, Role.FSDP, Role.PP
 ORDER = (TP, EP, FSDP, PP)

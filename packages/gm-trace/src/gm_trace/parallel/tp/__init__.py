@@ -8,6 +8,7 @@ from gm_trace.parallel.tp.dtensor import (
     dtensor_state,
     localized_dtensor_params,
     name_collective_groups,
+    tp_shard_dims,
     with_dtensor_params,
 )
 
@@ -18,5 +19,6 @@ __all__ = [
     "dtensor_state",
     "localized_dtensor_params",
     "name_collective_groups",
+    "tp_shard_dims",
     "with_dtensor_params",
 ]

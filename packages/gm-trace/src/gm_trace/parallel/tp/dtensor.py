@@ -108,6 +108,18 @@ def localized_dtensor_params(
     return specs, locals_
 
 
+def tp_shard_dims(model: nn.Module) -> dict[str, int]:
+    """FQN -> split dim of every TP-sharded parameter of ``model`` (each TP rank holds a
+    different slice; :func:`localized_dtensor_params` tagged it). Parameters not listed are
+    whole on every TP rank."""
+    found = {}
+    for fqn, param in model.named_parameters():
+        dim = getattr(param, TP_SHARD_DIM_ATTR, None)
+        if dim is not None:
+            found[fqn] = dim
+    return found
+
+
 def _checked_spec(fqn: str, param: DTensor) -> DTensorSpec:
     mesh, placements = param.device_mesh, tuple(param.placements)
     if mesh.ndim != 1:

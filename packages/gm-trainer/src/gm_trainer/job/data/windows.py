@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from gm_config import ConfigError
-from gm_trainer.checkpoint.durable import replacing
+from gm_trace.durable import replacing
 from gm_trainer.job.data.documents import read_documents, source_files
 from gm_trainer.job.data.tokenize import Tokenizer, load_tokenizer
 

@@ -20,7 +20,6 @@ from gm_trainer.job.run.estimate import estimate_rank, persistent_bytes, ranks_o
 from gm_trainer.job.run.loop import Records, StepHook
 from gm_trainer.job.run.placement import layout_of
 from gm_trainer.job.run_folder.folder import checkpoint_dir, prune_checkpoints
-from gm_trainer.optim.lr_schedule import scheduler_extra
 from gm_trainer.parallel.ranks import all_ranks
 
 if TYPE_CHECKING:
@@ -148,11 +147,7 @@ class SaveCheckpoints(StepHook):
         trainer = self.trainer
         extra = {**self.extra, "data": self.data_state()}
         started = time.perf_counter()
-        self.last = save_checkpoint(
-            trainer,
-            checkpoint_dir(self.run_dir, step),
-            extra=scheduler_extra(trainer.lr_scheduler, extra),
-        )
+        self.last = save_checkpoint(trainer, checkpoint_dir(self.run_dir, step), extra=extra)
         self.durations.append(time.perf_counter() - started)
         if self.folder is not None and self.progress is not None:  # rank 0, after the commit
             pruned = prune_checkpoints(self.folder.checkpoints_dir, self.keep_last)

@@ -14,13 +14,13 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from gm_config import ConfigError
+from gm_trace.durable import replacing
 from gm_trace.passes.compile_cache import use_compile_cache
 from gm_trainer.checkpoint import (
     checkpoint_info,
     export_full_state_dict,
     load_checkpoint,
 )
-from gm_trainer.checkpoint.durable import replacing
 from gm_trainer.job.config.job_config import JobConfig
 from gm_trainer.job.data.windows import JobData, PackedBatches, load_job_data, position_of
 from gm_trainer.job.model.build import build_model
@@ -51,7 +51,7 @@ from gm_trainer.job.run_folder.folder import (
     run_folder_of,
 )
 from gm_trainer.job.run_folder.resume import check_model_layout, check_same_data, check_same_model
-from gm_trainer.optim.lr_schedule import restore_scheduler, set_base_lrs
+from gm_trainer.optim.lr_schedule import set_base_lrs
 from gm_trainer.parallel.device import init_distributed
 
 if TYPE_CHECKING:
@@ -319,9 +319,7 @@ def _load_resume(
     """Load the checkpoint ``resume`` into the compiled ``trainer`` and check it against this
     job (the same model and layout; what differs in the optimizer settings and the data is a
     note); rank 0 (``progress`` given) prints where training goes on and the notes."""
-    saved = load_checkpoint(trainer, resume)
-    # the curve goes on where the checkpoint stopped
-    restore_scheduler(trainer.lr_scheduler, trainer.optimizer, trainer.step, saved)
+    saved = load_checkpoint(trainer, resume)  # the scheduler too: the curve goes on
     check_same_model(config, saved.get("config"), resume)
     check_model_layout(config, saved, resume)
     notes = _reconcile(trainer, config, saved.get("config"))

@@ -22,19 +22,6 @@ class MetricsSink(Protocol):
     def close(self) -> None: ...
 
 
-class JsonlSink:
-    """One JSON line per record in the run folder's ``metrics.jsonl`` (fsynced)."""
-
-    def __init__(self, folder: Any) -> None:
-        self.folder = folder  # a RunFolder: it owns the file and its resume history
-
-    def write(self, record: Mapping[str, Any]) -> None:
-        self.folder.append_metrics(record)
-
-    def close(self) -> None:
-        pass
-
-
 def _scalars(record: Mapping[str, Any]) -> dict[str, float]:
     return {
         k: float(v)

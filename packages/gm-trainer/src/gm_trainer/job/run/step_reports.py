@@ -10,7 +10,7 @@ import json
 import statistics
 from typing import TYPE_CHECKING, Any
 
-from gm_trainer.checkpoint.durable import replacing
+from gm_trace.durable import replacing
 from gm_trainer.compile.registry import STEP
 from gm_trainer.job.config.job_config import JobConfig
 from gm_trainer.job.run.progress import Progress

@@ -11,11 +11,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import yaml
-
 from gm_config import GraphModeRuntimeError
-from gm_trainer.checkpoint.durable import write_atomic
-from gm_trainer.job.config.job_config import SECTIONS
+from gm_trace.durable import write_atomic
 
 #: Written when gm-train creates (or first adopts) a run folder: the folder is gm-train's own.
 RUN_MARKER = "gm-run.json"
@@ -74,10 +71,9 @@ def _link_message(path: Path) -> str:
 def check_run_dir(path: str | os.PathLike[str]) -> None:
     """Raise :class:`RunFolderError` unless gm-train may write its run into ``path``.
 
-    Accepted: a missing or empty folder, a folder gm-train created (it holds
-    :data:`RUN_MARKER`), or one written by a gm-train before the marker existed (a
-    ``metrics.jsonl`` and a ``config.yaml`` of gm-train sections). Refused: anything else,
-    and any of gm-train's own file names that is a symbolic link.
+    Accepted: a missing or empty folder, or a folder gm-train created (it holds
+    :data:`RUN_MARKER`). Refused: anything else, and any of gm-train's own file names that is
+    a symbolic link.
     """
     path = Path(path)
     if not path.exists():
@@ -89,25 +85,13 @@ def check_run_dir(path: str | os.PathLike[str]) -> None:
     for name in OWN_FILES:
         if (path / name).is_symlink():
             raise RunFolderError(_link_message(path / name))
-    if (path / RUN_MARKER).is_file() or not any(path.iterdir()) or _older_run_folder(path):
+    if (path / RUN_MARKER).is_file() or not any(path.iterdir()):
         return
     raise RunFolderError(
         f"logging.run_dir {path} is a non-empty folder that is not a gm-train run folder (it "
         f"has no {RUN_MARKER}); a run there would replace its graphs/, config.yaml, "
         "metrics.jsonl and summary.json. Choose a new or empty folder for logging.run_dir"
     )
-
-
-def _older_run_folder(path: Path) -> bool:
-    # Folders written before the marker: both files gm-train writes first, and a config.yaml
-    # whose top-level keys are gm-train's sections.
-    if not ((path / "metrics.jsonl").is_file() and (path / "config.yaml").is_file()):
-        return False
-    try:
-        data = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8"))
-    except (OSError, ValueError, yaml.YAMLError):
-        return False
-    return isinstance(data, dict) and "model" in data and set(data) <= set(SECTIONS)
 
 
 def mark_run_dir(path: str | os.PathLike[str]) -> None:

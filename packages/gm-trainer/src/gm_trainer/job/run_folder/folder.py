@@ -39,12 +39,12 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from gm_trace.durable import replacing, write_atomic
 from gm_trainer.checkpoint import (
     MARKER_NAME,
     CheckpointError,
     checkpoint_info,
 )
-from gm_trainer.checkpoint.durable import replacing, write_atomic
 from gm_trainer.checkpoint.io import DAMAGED_SUFFIX, set_aside
 from gm_trainer.job.run_folder.files import (
     RUN_MARKER,
