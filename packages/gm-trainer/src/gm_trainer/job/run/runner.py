@@ -149,7 +149,7 @@ def _train(
         graph_dump_dir=folder.graphs_dir if folder is not None else None,
     )
     # The job's degrees on this world: the plan's sizes, never worked out again here.
-    trainer, dp_index, plan = layout.trainer, layout.dp_index, layout.plan
+    trainer, dp_index, parallel = layout.trainer, layout.dp_index, layout.plan
 
     def batches_from(position: int) -> PackedBatches:
         return PackedBatches(
@@ -157,7 +157,7 @@ def _train(
             batch_size=micro,
             num_batches=t.steps * t.accumulation,
             rank=dp_index,
-            world_size=plan.dp,
+            world_size=parallel.dp,
             seed=d.seed,
             start=position,
         )
@@ -165,7 +165,7 @@ def _train(
     progress = Progress(t.steps, start_step=start_step) if folder is not None else None
     if progress is not None:
         progress.write(
-            f"gm-train: {world_size} rank(s){layout_note(plan)} on {trainer.device} | "
+            f"gm-train: {world_size} rank(s){layout_note(parallel)} on {trainer.device} | "
             f"{built.name} {n_params / 1e6:.2f}M params | corpus "
             f"{job_data.train.tokens.numel() / 1e6:.2f}M tokens, {job_data.train.count} windows "
             f"({job_data.documents_from}) | {t.global_batch_size} x {m.seq_len} tokens per step | "
@@ -253,8 +253,8 @@ def _train(
     summary = folder.finish(
         [*folder.history, *records],
         world_size=world_size,
-        pp_degree=plan.pp,
-        tp_size=plan.tp,
+        pp_degree=parallel.pp,
+        tp_size=parallel.tp,
         device=str(trainer.device),
         parameters=n_params,
         tokens_per_step=t.global_batch_size * m.seq_len,
