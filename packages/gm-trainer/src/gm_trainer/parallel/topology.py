@@ -6,7 +6,8 @@ against the world or the mesh context), builds its :class:`~gm_trace.graph.group
 meshes, :func:`~gm_trainer.parallel.mesh.build_mesh`) and fills what the plan decides
 (``fsdp_degree``, ``tp_size``, the TP flags) into a copy of the ``PassConfig``. It runs once,
 at the first compile, on every rank; its :class:`ResolvedRun` never changes afterwards, and
-every component that needs a group or a rank gets the frozen :class:`Topology` from it."""
+every component that needs a group or a rank gets the frozen :class:`Topology` from it.
+"""
 
 from __future__ import annotations
 
