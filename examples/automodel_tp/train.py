@@ -179,7 +179,7 @@ def setup(cfg: dict) -> tuple[MeshContext, GPT, GraphTrainer]:
         tp=mesh_cfg["tp"], dp_replicate=mesh_cfg["dp_replicate"], dp_shard=mesh_cfg["dp_shard"]
     )
     model = build_model(cfg["model"], cfg["train"]["seed"])
-    if mesh.tp_size > 1:
+    if mesh.parallel.tp > 1:
         plan = tp_plan(cfg["model"]["n_layers"])
         parallelize_module(model, mesh.device_mesh["tp"], plan)
     trainer = GraphTrainer(
@@ -213,10 +213,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit("run on several ranks: torchrun --nproc-per-node 4 " + __file__)
     mesh, model, trainer = setup(cfg)
     if rank == 0:
-        split = tp_split_parameters(model)
+        split, plan = tp_split_parameters(model), mesh.parallel
         print(
-            f"{world} ranks: tp={mesh.tp_size} x dp_shard={mesh.dp_shard_size} x "
-            f"dp_replicate={mesh.dp_replicate_size}; {len(split)} TP-split parameters"
+            f"{world} ranks: tp={plan.tp} x dp_shard={plan.dp_shard} x "
+            f"dp_replicate={plan.dp_replicate}; {len(split)} TP-split parameters"
         )
 
     def log(record: dict) -> None:  # rank 0 only
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
 
     batches = (
-        local_rows(b, mesh.dp_rank, mesh.dp_size)
+        local_rows(b, mesh.dp_rank, mesh.parallel.dp)
         for b in global_batches(cfg["model"], cfg["train"])
     )
     records = trainer.train(batches, log_interval=cfg["train"]["log_interval"], log_fn=log)

@@ -207,3 +207,74 @@ def test_a_missing_role_names_the_role_and_the_roles_that_exist():
     assert "no 'cp' process group; its roles are: 'fsdp', 'tp'" in str(error)
     assert isinstance(error, ConfigError) and error.role is Role.CP
     assert "its roles are: none" in str(MissingGroupError("tp", ()))
+
+
+# ------------------------------------------------------------------ one owner of the layout
+
+
+@pytest.mark.parametrize(
+    "seeds",
+    [
+        {"fsdp_degree": None},
+        {"fsdp_degree": 8, "cp_degree": 2, "tp_size": 2},
+        {"fsdp_degree": 4, "pp_degree": 2, "pp_virtual_stages": 2, "ep_degree": 2},
+    ],
+)
+def test_pass_config_seeds_are_read_and_written_back_by_the_plan(seeds):
+    schedule = "interleaved_1f1b" if seeds.get("pp_virtual_stages", 1) > 1 else "1f1b"
+    config = PassConfig(**seeds, pp_schedule=schedule)
+    plan = config.parallel
+    assert plan == ParallelPlan.from_seeds(**seeds)
+    assert ParallelPlan.from_seeds(**plan.seeds()) == plan
+    assert dataclasses.replace(config, **plan.seeds()) == config  # the same fields, unchanged
+    # fsdp_degree counts the cp ranks; the plan's dp_shard does not.
+    if seeds["fsdp_degree"] is not None:
+        assert plan.fsdp == seeds["fsdp_degree"]
+        assert plan.dp_shard == seeds["fsdp_degree"] // seeds.get("cp_degree", 1)
+    with pytest.raises(MeshError, match=r"fsdp_degree=3 with cp_degree=2: .*multiple"):
+        ParallelPlan.from_seeds(fsdp_degree=3, cp_degree=2)
+
+
+def test_every_size_is_derived_by_the_plan():
+    plan = ParallelPlan(
+        dp_replicate=2, dp_shard=3, cp=2, tp=2, pp=2, pp_virtual_stages=2
+    ).for_world(48)
+    assert (plan.dp, plan.fsdp, plan.dp_cp, plan.stages) == (6, 6, 12, 4)
+    unknown = ParallelPlan(cp=2, pp=3)
+    assert (unknown.dp, unknown.fsdp, unknown.dp_cp, unknown.stages) == (None, None, None, 3)
+
+
+def test_mesh_shapes_lay_out_one_rank_order():
+    plan = ParallelPlan(dp_replicate=2, cp=2, tp=2, pp=2, ep=2).for_world(32)  # dp_shard 2
+    assert plan.mesh_shape("device") == ((2, 4, 2, 2), ("pp", "dp", "cp", "tp"))
+    assert plan.mesh_shape("fsdp") == (
+        (2, 2, 4, 2),
+        ("pp", "fsdp_replicate", "fsdp_shard", "tp"),
+    )
+    assert plan.mesh_shape("ep") == (
+        (2, 2, 2, 2, 2),
+        ("pp", "fsdp_replicate", "ep_replicate", "ep", "tp"),
+    )
+    flat = ParallelPlan().for_world(4)  # pp, the ep mesh's replicas: only above 1
+    assert flat.mesh_shape("device") == ((4, 1, 1), ("dp", "cp", "tp"))
+    assert flat.mesh_shape("fsdp") == ((1, 4, 1), ("fsdp_replicate", "fsdp_shard", "tp"))
+    # Without unit dims: the trainer's own groups, (pp, fsdp_shard) and (pp, ep_replicate, ep).
+    own = ParallelPlan(pp=2, ep=4).for_world(8)
+    assert own.mesh_shape("fsdp", unit_dims=False) == ((2, 4), ("pp", "fsdp_shard"))
+    assert own.mesh_shape("ep", unit_dims=False) == ((2, 1, 4), ("pp", "ep_replicate", "ep"))
+    with pytest.raises(MeshError, match=r"no dp_shard yet: .*for_world"):
+        ParallelPlan().mesh_shape("device")
+
+
+def test_dp_rank_is_the_data_parallel_index_of_the_rank_order():
+    """Rank ((((p * R + r) * S + s) * C + c) * T + t) reads data slice r * S + s."""
+    plan = ParallelPlan(dp_replicate=2, dp_shard=3, cp=2, tp=2, pp=2)
+    ranks = iter(range(plan.world_size))
+    for _p in range(2):
+        for r in range(2):
+            for s in range(3):
+                for _c in range(2):
+                    for _t in range(2):
+                        assert plan.dp_rank(next(ranks)) == r * 3 + s
+    with pytest.raises(MeshError, match=r"no dp_shard yet"):
+        ParallelPlan().dp_rank(0)

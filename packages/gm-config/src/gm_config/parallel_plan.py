@@ -1,10 +1,23 @@
 """``ParallelPlan``: every parallel degree of a run as one value, and every rule about them.
 
-``PassConfig``'s degree fields (:attr:`PassConfig.parallel`), ``gm_trainer.MeshContext`` and
-gm-train's ``parallel.*`` / ``dist.*`` keys are views of this one value; the rules about degrees
-(sizes, products, what divides what, which combinations run) are written here once, so each
-error names the degrees and the sizes they may take. Rules that need live objects (a mesh's
-groups, a model's expert count) stay with those objects and call the plan.
+The plan is the one owner of the layout: it holds the degrees, validates them, derives every
+size from them (:attr:`~ParallelPlan.dp`, :attr:`~ParallelPlan.fsdp`,
+:attr:`~ParallelPlan.dp_cp`, :attr:`~ParallelPlan.stages`, ...) and lays the ranks out
+(:meth:`~ParallelPlan.mesh_shape`, :meth:`~ParallelPlan.dp_rank`). Everything else reads it:
+
+- ``PassConfig``'s degree fields (``fsdp_degree``, ``tp_size``, ``pp_degree``,
+  ``pp_virtual_stages``, ``cp_degree``, ``ep_degree``) are the user's *inputs* to a plan, read
+  in one way only, :meth:`ParallelPlan.from_seeds` (``PassConfig.parallel``), and written back
+  by :meth:`ParallelPlan.seeds`;
+- gm-train's ``parallel.*`` keys are those fields, its ``dist.dp_replicate`` the plan's
+  ``dp_replicate`` (``JobConfig.parallel_plan``);
+- ``gm_trainer.MeshContext`` adapts a device mesh to a plan (its ``parallel``), and the one
+  mesh builder (``gm_trainer.parallel.mesh.build_mesh``) lays a plan out.
+
+The rules about degrees (sizes, products, what divides what, which combinations run) are
+written here once, so each error names the degrees and the sizes they may take. Rules that
+need live objects (a mesh's groups, a model's expert count) stay with those objects and call
+the plan.
 
 :class:`Axis` names the device-mesh dims, :class:`Role` the process groups the graph passes
 ask for; both are the only definition of those names.
@@ -15,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from enum import Enum
+from typing import Literal
 
 from gm_config.combinations import refused
 from gm_config.errors import ConfigError, divisors
@@ -79,6 +93,20 @@ _SPELLED = {
 }
 
 
+#: ``PassConfig``'s field of each degree it seeds (``dp_shard`` is read from ``fsdp_degree``,
+#: which counts the cp ranks too; ``dp_replicate`` has no field: a mesh or the job brings it).
+SEED_FIELDS = {
+    "tp": "tp_size",
+    "pp": "pp_degree",
+    "pp_virtual_stages": "pp_virtual_stages",
+    "cp": "cp_degree",
+    "ep": "ep_degree",
+}
+
+#: The device meshes :meth:`ParallelPlan.mesh_shape` lays out.
+MeshName = Literal["device", "fsdp", "ep"]
+
+
 def _spelled(field: str) -> str:
     return ", ".join(_SPELLED[field])
 
@@ -103,9 +131,10 @@ class ParallelPlan:
     """The degrees of every parallel dimension of a run, validated on construction.
 
     Ranks are laid out as ``pp x dp_replicate x dp_shard x cp x tp`` (the last varies
-    fastest); FSDP shards over ``dp_shard x cp``, expert parallelism splits those
-    ``dp_shard x cp`` ranks into groups of ``ep`` consecutive ones. :meth:`for_world` fills
-    ``dp_shard`` from the world size.
+    fastest): rank ``((((p * dp_replicate + r) * dp_shard + s) * cp + c) * tp + t``. FSDP
+    shards over ``dp_shard x cp`` (:attr:`fsdp`), expert parallelism splits those ranks into
+    groups of ``ep`` consecutive ones. :meth:`for_world` fills ``dp_shard`` from the world
+    size; :meth:`from_seeds` reads ``PassConfig``'s degree fields.
     """
 
     dp_replicate: int = 1
@@ -113,8 +142,9 @@ class ParallelPlan:
     gradients are all-reduced across replicas."""
 
     dp_shard: int | None = None
-    """Data-parallel ranks one replica shards over (without the ``cp`` ranks, which read the
-    same data). ``None``: the ranks left over, filled in by :meth:`for_world`."""
+    """Data-parallel ranks one replica shards over, *without* the ``cp`` ranks (which read the
+    same data); the FSDP group with them is :attr:`fsdp`. ``None``: the ranks left over,
+    filled in by :meth:`for_world`."""
 
     tp: int = 1
     """Tensor-parallel ranks (the model's TP layers or DTensor plan split each weight)."""
@@ -134,6 +164,48 @@ class ParallelPlan:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @classmethod
+    def from_seeds(
+        cls,
+        *,
+        fsdp_degree: int | None = None,
+        tp_size: int = 1,
+        pp_degree: int = 1,
+        pp_virtual_stages: int = 1,
+        cp_degree: int = 1,
+        ep_degree: int = 1,
+        dp_replicate: int = 1,
+    ) -> ParallelPlan:
+        """The plan ``PassConfig``'s degree fields describe (the one way they are read:
+        ``PassConfig.parallel`` calls this). ``fsdp_degree`` is the FSDP group's size, which
+        counts the cp ranks: ``dp_shard = fsdp_degree / cp_degree`` (``None``: left to
+        :meth:`for_world` or a mesh); the other fields are the degrees :data:`SEED_FIELDS`
+        names. :meth:`seeds` is the inverse."""
+        shard, cp = fsdp_degree, cp_degree
+        if _is_int(shard) and _is_int(cp) and shard >= 1 and cp >= 1:
+            if shard % cp:
+                raise MeshError(
+                    f"PassConfig.fsdp_degree={shard} with cp_degree={cp}: the FSDP group spans "
+                    "dp_shard x cp ranks, so fsdp_degree must be a multiple of cp_degree "
+                    f"(e.g. {cp * max(1, shard // cp)}); or leave it None"
+                )
+            shard //= cp
+        return cls(
+            dp_replicate=dp_replicate,
+            dp_shard=shard,
+            tp=tp_size,
+            pp=pp_degree,
+            pp_virtual_stages=pp_virtual_stages,
+            cp=cp,
+            ep=ep_degree,
+        )
+
+    def seeds(self) -> dict[str, int | None]:
+        """The ``PassConfig`` degree fields that describe this plan (:meth:`from_seeds`'
+        inverse; ``dp_replicate`` has no field there)."""
+        fields = {seed: getattr(self, degree) for degree, seed in SEED_FIELDS.items()}
+        return {"fsdp_degree": self.fsdp, **fields}
 
     def validate(self) -> None:
         """Raise :class:`MeshError` (a ``ConfigError``) naming the first bad degree."""
@@ -174,15 +246,29 @@ class ParallelPlan:
 
     # ------------------------------------------------------------------ sizes
 
+    # Each size is ``None`` until ``dp_shard`` is known (:meth:`for_world`).
+
     @property
     def fsdp(self) -> int | None:
-        """Ranks of the FSDP group: ``dp_shard x cp`` (``None`` until ``dp_shard`` is known)."""
+        """Ranks of the FSDP group, *with* the cp ranks: ``dp_shard x cp`` (what
+        ``PassConfig.fsdp_degree`` counts; :attr:`dp_shard` is the group without them)."""
         return None if self.dp_shard is None else self.dp_shard * self.cp
 
     @property
     def dp(self) -> int | None:
         """Ranks that read different data: ``dp_replicate x dp_shard``."""
         return None if self.dp_shard is None else self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_cp(self) -> int | None:
+        """Ranks of one stage and one TP place: ``dp_replicate x dp_shard x cp``, the FSDP
+        group and its HSDP replicas, over which a (non-expert) gradient is reduced."""
+        return None if self.dp_shard is None else self.dp_replicate * self.fsdp
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages the model is cut into: ``pp x pp_virtual_stages``."""
+        return self.pp * self.pp_virtual_stages
 
     @property
     def world_size(self) -> int | None:
@@ -193,6 +279,50 @@ class ParallelPlan:
     def degrees(self) -> dict[str, int | None]:
         """Every degree by field name (for reports, YAML and cache keys)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    # ------------------------------------------------------------------ the rank layout
+
+    def mesh_shape(
+        self, mesh: MeshName, *, unit_dims: bool = True
+    ) -> tuple[tuple[int, ...], tuple[Axis, ...]]:
+        """The sizes and dim names of one device mesh over this plan's ranks, every mesh in
+        the one rank order of the class docstring (so their groups coincide):
+
+        - ``"device"``: ``(pp, dp, cp, tp)``;
+        - ``"fsdp"``: ``(pp, dp_replicate, fsdp, tp)``, FSDP over ``dp_shard x cp``;
+        - ``"ep"``: ``(pp, dp_replicate, fsdp / ep, ep, tp)``, each replica's FSDP ranks split
+          into groups of ``ep`` consecutive ones.
+
+        ``pp`` leads only when above 1, and so does the ep mesh's ``dp_replicate``;
+        ``unit_dims=False`` leaves out every ``dp_replicate``, ``cp`` and ``tp`` dim of size 1
+        too (fewer groups to make). Needs ``dp_shard`` (:meth:`for_world`)."""
+        fsdp = self.fsdp
+        if fsdp is None:
+            raise MeshError("the plan has no dp_shard yet: lay it out on a world (for_world)")
+        dims = {
+            "device": ((Axis.PP, self.pp), (Axis.DP, self.dp), (Axis.CP, self.cp)),
+            "fsdp": ((Axis.PP, self.pp), (Axis.DP_REPLICATE, self.dp_replicate)),
+            "ep": ((Axis.PP, self.pp), (Axis.DP_REPLICATE, self.dp_replicate)),
+        }[mesh]
+        dims += {
+            "device": (),
+            "fsdp": ((Axis.DP_SHARD, fsdp),),
+            "ep": ((Axis.EP_REPLICATE, fsdp // self.ep), (Axis.EP, self.ep)),
+        }[mesh] + ((Axis.TP, self.tp),)
+        optional = {Axis.PP, *((Axis.DP_REPLICATE,) if mesh == "ep" else ())}
+        if not unit_dims:
+            optional |= {Axis.DP_REPLICATE, Axis.CP, Axis.TP}
+        kept = [(name, size) for name, size in dims if size > 1 or name not in optional]
+        return tuple(size for _, size in kept), tuple(name for name, _ in kept)
+
+    def dp_rank(self, rank: int) -> int:
+        """Which of the :attr:`dp` data-parallel places global ``rank`` holds (which slice of
+        each global batch it reads): ``replica x dp_shard + shard`` in the rank order of the
+        class docstring; the cp and TP ranks of one place share it. Needs ``dp_shard``."""
+        dp = self.dp
+        if dp is None:
+            raise MeshError("the plan has no dp_shard yet: lay it out on a world (for_world)")
+        return (rank // (self.cp * self.tp)) % dp
 
     # ------------------------------------------------------------------ rules with the world
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from gm_config.dynamic_dims import check_dynamic_dims, check_pad_to_multiple, check_pad_values
 from gm_config.errors import ConfigError
-from gm_config.parallel_plan import MeshError, ParallelPlan
+from gm_config.parallel_plan import ParallelPlan
 from gm_config.pipeline_stages import PP_SCHEDULES
 
 #: The floating dtypes a mixed-precision policy may name (torch attribute names).
@@ -49,6 +49,11 @@ class PassConfig:
     """Parallel configuration that drives the pass pipeline.
 
     Validated on construction; call :meth:`validate` again after mutating a field.
+
+    The degree fields (``fsdp_degree``, ``tp_size``, ``pp_degree``, ``pp_virtual_stages``,
+    ``cp_degree``, ``ep_degree``) are the user's inputs to a :class:`~gm_config.ParallelPlan`,
+    which alone holds, validates and derives the layout's sizes: read them as
+    :attr:`parallel` (``config.parallel.fsdp``, ``.dp_shard``, ``.tp``, ...).
     """
 
     enable_overlap: bool = dataclasses.field(default=True, metadata=_runs("overlap"))
@@ -60,13 +65,14 @@ class PassConfig:
     leaving the graph untouched, when torch.distributed is not initialised or the world is 1."""
 
     fsdp_degree: int | None = None
-    """Size of the FSDP group (:attr:`parallel`'s ``dp_shard x cp``). ``None`` is filled in at
-    run time: from the mesh's shard dimension when a mesh context is given, else the world."""
+    """Input to the plan: the size of the FSDP group, cp ranks included (:attr:`parallel`'s
+    ``fsdp``, ``dp_shard x cp``). ``None`` is filled in at run time: from the mesh's shard
+    dimension when a mesh context is given, else the world."""
 
     tp_size: int = 1
-    """Tensor-parallel size (:attr:`parallel`'s ``tp``), filled in from the mesh context. The
-    TP collectives come from the model (DTensor ``parallelize_module`` or
-    ``gm_trainer.parallel.tp`` layers), not from a pass."""
+    """Input to the plan: tensor-parallel ranks (:attr:`parallel`'s ``tp``), filled in from
+    the mesh context. The TP collectives come from the model (DTensor ``parallelize_module``
+    or ``gm_trainer.parallel.tp`` layers), not from a pass."""
 
     sequence_parallel: bool = False
     """The TP plan splits activations along the sequence (``SequenceParallel``). For a DTensor
@@ -280,24 +286,16 @@ class PassConfig:
 
     @property
     def parallel(self) -> ParallelPlan:
-        """The degree fields as one :class:`~gm_config.ParallelPlan` (validated; ``fsdp_degree``
-        is its ``dp_shard x cp``, ``dp_replicate`` comes from a mesh context)."""
-        shard, cp = self.fsdp_degree, self.cp_degree
-        if _is_int(shard) and _is_int(cp) and shard >= 1 and cp >= 1:
-            if shard % cp:
-                raise MeshError(
-                    f"PassConfig.fsdp_degree={shard} with cp_degree={cp}: the FSDP group spans "
-                    "dp_shard x cp ranks, so fsdp_degree must be a multiple of cp_degree "
-                    f"(e.g. {cp * max(1, shard // cp)}); or leave it None"
-                )
-            shard //= cp
-        return ParallelPlan(
-            dp_shard=shard,
-            tp=self.tp_size,
-            pp=self.pp_degree,
+        """The :class:`~gm_config.ParallelPlan` the degree fields seed (validated), the one
+        way they are read (:meth:`ParallelPlan.from_seeds`): ``fsdp_degree`` is the plan's
+        ``fsdp`` (``dp_shard x cp``); ``dp_replicate`` comes from a mesh context or the job."""
+        return ParallelPlan.from_seeds(
+            fsdp_degree=self.fsdp_degree,
+            tp_size=self.tp_size,
+            pp_degree=self.pp_degree,
             pp_virtual_stages=self.pp_virtual_stages,
-            cp=cp,
-            ep=self.ep_degree,
+            cp_degree=self.cp_degree,
+            ep_degree=self.ep_degree,
         )
 
     def validate(self) -> None:

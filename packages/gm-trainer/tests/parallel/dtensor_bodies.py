@@ -153,7 +153,7 @@ def _eager(
 
 
 def _rows(batch, mesh: MeshContext):
-    per = batch[0].shape[0] // mesh.dp_size
+    per = batch[0].shape[0] // mesh.parallel.dp
     return tuple(t[mesh.dp_rank * per : (mesh.dp_rank + 1) * per] for t in batch)
 
 

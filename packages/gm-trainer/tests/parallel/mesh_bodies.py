@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from gm_config import PassConfig
+from gm_config import ParallelPlan, PassConfig
 from gm_trace.parallel.fsdp import full_parameter
 from gm_trace.parallel.tp import tp_shard_dims
 from gm_trainer import GraphTrainer, MeshContext
@@ -101,7 +101,7 @@ def parity(rank: int, world: int, tp: int, dp_replicate: int) -> dict:
 
     loss_diffs, norm_rel_diffs = [], []
     for batch, ref_loss, ref_norm in zip(batches, ref_losses, ref_norms):
-        loss = trainer.train_step(*example.local_rows(batch, mesh.dp_rank, mesh.dp_size))
+        loss = trainer.train_step(*example.local_rows(batch, mesh.dp_rank, mesh.parallel.dp))
         norm = trainer.optimizer_step()
         # Each data-parallel rank's loss appears tp times: the world mean is the global mean.
         mean = loss.reshape(1).clone()
@@ -113,7 +113,7 @@ def parity(rank: int, world: int, tp: int, dp_replicate: int) -> dict:
         loss_diffs.append(abs(mean - ref_loss))
         norm_rel_diffs.append(abs(norm - ref_norm) / ref_norm)
 
-    fsdp, replicas = mesh.dp_shard_size, mesh.dp_replicate_size
+    fsdp, replicas = mesh.parallel.fsdp, mesh.parallel.dp_replicate
     resolved = trainer.run.pass_config
     assert resolved.fsdp_degree == fsdp and resolved.tp_size == tp
     split = tp_shard_dims(model)
@@ -242,8 +242,36 @@ def bad_meshes(rank: int, world: int) -> dict[str, str]:
     duck = resolve_mesh_context(
         SimpleNamespace(device_mesh=good.device_mesh, fsdp_non_moe_mesh=good.fsdp_non_moe_mesh)
     )
-    assert (duck.fsdp_size, duck.tp_size, duck.replicate_size, duck.dp_size) == (2, 2, 1, 2)
+    sizes = duck.parallel
+    assert (sizes.fsdp, sizes.tp, sizes.dp_replicate, sizes.dp_cp) == (2, 2, 1, 2)
     # Without fsdp_non_moe_mesh, the 'dp' dim of device_mesh is the FSDP dim.
     fallback = resolve_mesh_context(SimpleNamespace(device_mesh=good.device_mesh))
-    assert fallback.fsdp_dim == "dp" and fallback.fsdp_size == 2 and fallback.tp_size == 2
+    assert fallback.fsdp_dim == "dp" and fallback.parallel.fsdp == 2 and fallback.parallel.tp == 2
     return messages
+
+
+#: Layouts of four ranks that the one mesh builder lays out, as ParallelPlan degrees.
+PLANS = {
+    "tp2": {"tp": 2},
+    "hsdp2-tp2": {"dp_replicate": 2, "tp": 2},
+    "pp2-cp2": {"pp": 2, "cp": 2},
+    "cp2-ep2": {"cp": 2, "ep": 2},
+}
+
+
+def plan_layouts(rank: int, world: int) -> dict[str, dict]:
+    """Every rank, for each of :data:`PLANS`: the plan, the plan read back off the meshes
+    ``MeshContext.for_plan`` builds, this rank's data-parallel index by the mesh and by the
+    plan, and the ranks of its FSDP group."""
+    out = {}
+    for name, degrees in PLANS.items():
+        plan = ParallelPlan(**degrees).for_world(world)
+        mesh = MeshContext.for_plan(plan)
+        out[name] = {
+            "planned": plan.degrees(),
+            "read back": mesh.parallel.degrees(),
+            "mesh dp_rank": mesh.dp_rank,
+            "plan dp_rank": plan.dp_rank(rank),
+            "fsdp group": dist.get_process_group_ranks(resolve_mesh_context(mesh).fsdp_group),
+        }
+    return out

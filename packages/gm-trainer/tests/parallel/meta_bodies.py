@@ -99,7 +99,7 @@ def _trainer(name: str, layout: str, meta: bool, world: int) -> tuple[GraphTrain
     elif layout == "tp_fsdp":
         mesh = MeshContext.build(tp=2, dp_shard=-1)
         parallelize_module(model, mesh.device_mesh["tp"], LLAMA_TP)
-        dp, dp_rank = mesh.dp_size, mesh.dp_rank
+        dp, dp_rank = mesh.parallel.dp, mesh.dp_rank
     elif layout == "pp_fsdp":
         config = PassConfig(pp_degree=2, pp_microbatches=2)
         dp, dp_rank = world // 2, rank % (world // 2)

@@ -11,7 +11,7 @@ import mesh_bodies as bodies
 import pytest
 from torch import nn
 
-from gm_config import PassConfig
+from gm_config import ParallelPlan, PassConfig
 from gm_trace.parallel.tp import tp_shard_dims
 from gm_trace.testing import MLP, mse_loss
 from gm_trainer import GraphTrainer, MeshContext
@@ -85,6 +85,24 @@ def test_bad_meshes_and_configs_have_clear_errors(dist_pool):
     for case, pattern in expected.items():
         assert re.search(pattern, results[0][case]), (case, results[0][case])
     assert "rank 3: device_mesh['tp'] holds ranks [2, 3]" in results[3]["tp_mismatch"]
+
+
+@pytest.mark.distributed
+def test_the_one_mesh_builder_lays_out_the_plans_rank_order(dist_pool):
+    """MeshContext.for_plan's meshes hold the plan's degrees (read back off them), put each
+    rank at the plan's data-parallel index and shard over dp_shard x cp ranks that share
+    a pipeline stage, a replica and a TP place."""
+    results = dist_pool(4).run(bodies.plan_layouts)
+    for name, degrees in bodies.PLANS.items():
+        plan = ParallelPlan(**degrees).for_world(4)
+        inner = plan.fsdp * plan.tp  # ranks of one replica of one stage
+        for rank, result in enumerate(results):
+            got = result[name]
+            assert got["read back"] == got["planned"] == plan.degrees(), (name, rank, got)
+            assert got["mesh dp_rank"] == got["plan dp_rank"] == plan.dp_rank(rank), (name, rank)
+            first = rank - rank % inner + rank % plan.tp
+            expected = list(range(first, first + inner, plan.tp))
+            assert got["fsdp group"] == expected, (name, rank, got["fsdp group"])
 
 
 # ----------------------------------------------------------------------------- single process

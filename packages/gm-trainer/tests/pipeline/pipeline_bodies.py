@@ -403,14 +403,14 @@ def hsdp_parity(rank: int, world: int) -> dict:
 
     model, rows = tinygpt(), 8
     mesh = MeshContext.build(pp=2, dp_replicate=2, dp_shard=1)
-    expected_losses, _ = _eager(model, lm_loss, rows * mesh.dp_size)
+    expected_losses, _ = _eager(model, lm_loss, rows * mesh.parallel.dp)
     config = PassConfig(pp_degree=2, pp_microbatches=4)
     plan = PassPlan(pp_stages=STAGES["tinygpt"])
     trainer = GraphTrainer(
         model, lm_loss, config, plan, optimizer_config={"lr": LR}, mesh_context=mesh
     )
     mine = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
-    batches = (global_batch(step, rows * mesh.dp_size) for step in range(STEPS))
+    batches = (global_batch(step, rows * mesh.parallel.dp) for step in range(STEPS))
     losses = world_mean_losses(trainer, ((x[mine], y[mine]) for x, y in batches))
     torch.testing.assert_close(
         torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-5

@@ -1,4 +1,9 @@
-"""``MeshContext``: an external device mesh for TP + FSDP.
+"""The one mesh builder, and ``MeshContext``: an adapter for a device mesh the user brings.
+
+:func:`build_mesh` is the only code that makes device meshes: it lays a
+:class:`~gm_config.ParallelPlan` out (:meth:`~gm_config.ParallelPlan.mesh_shape`), for
+:meth:`MeshContext.build` and for the trainer's own groups
+(:mod:`gm_trainer.parallel.topology`) alike.
 
 The upper layer (the automodel path) builds the mesh, creates the tensor-parallel groups and
 bakes the TP collectives into the model's forward. Graph mode then only adds the FSDP
@@ -10,12 +15,13 @@ Two meshes over the same ranks, in the same rank order::
     device_mesh        ("dp", "cp", "tp")                        (dp_replicate * dp_shard, cp, tp)
     fsdp_non_moe_mesh  ("fsdp_replicate", "fsdp_shard", "tp")    (dp_replicate, dp_shard * cp, tp)
 
-(sizes in terms of :meth:`MeshContext.build`'s arguments). With pipeline parallelism both
-meshes lead with a ``"pp"`` dim: the ranks of one stage are one ``(dp, cp, tp)`` block.
+(sizes in terms of :meth:`MeshContext.build`'s arguments, the plan's degrees). With pipeline
+parallelism both meshes lead with a ``"pp"`` dim: the ranks of one stage are one
+``(dp, cp, tp)`` block.
 
 ``GraphTrainer`` accepts any object with ``device_mesh`` and ``fsdp_non_moe_mesh`` attributes
-(duck typing); :func:`resolve_mesh_context` reads only those two, plus ``sequence_parallel`` and
-``loss_parallel`` when present.
+(duck typing); :func:`resolve_mesh_context` reads only those two, plus ``moe_mesh``,
+``sequence_parallel`` and ``loss_parallel`` when present, and reads the plan off them.
 """
 
 from __future__ import annotations
@@ -24,21 +30,38 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from gm_config import Axis, MeshError, ParallelPlan, PassConfig
+from gm_config.parallel_plan import MeshName
 from gm_trainer.parallel.device import detect_device_type
 
-__all__ = ["MeshContext", "MeshError", "ResolvedMesh", "resolve_mesh_context"]
+__all__ = ["MeshContext", "MeshError", "ResolvedMesh", "build_mesh", "resolve_mesh_context"]
+
+
+def build_mesh(
+    plan: ParallelPlan, mesh: MeshName, device_type: str | None = None, *, unit_dims: bool = True
+) -> DeviceMesh:
+    """The device mesh ``mesh`` of ``plan`` (:meth:`~gm_config.ParallelPlan.mesh_shape`, whose
+    ``unit_dims`` this passes on) over the world, on ``device_type`` (default: the detected
+    one). A collective: every rank calls it with the same plan."""
+    sizes, names = plan.mesh_shape(mesh, unit_dims=unit_dims)
+    return init_device_mesh(device_type or detect_device_type(), sizes, mesh_dim_names=names)
+
+
+def _local_rank(mesh: Any, dim: str) -> int:
+    """This rank's place along ``dim`` of ``mesh``; 0 when the mesh has no such dim."""
+    return mesh.get_local_rank(dim) if mesh is not None and dim in _dim_names(mesh) else 0
 
 
 @dataclass
 class MeshContext:
-    """The device meshes and parallel sizes of a TP + FSDP job, as the upper layer keeps them.
+    """The device meshes of a TP + FSDP job, as the upper layer keeps them.
 
-    Build one with :meth:`build`, or pass your own object with the same attributes.
-    ``dp_shard_size`` counts the ranks one FSDP shard group spans (it includes ``cp``), so
-    ``dp_replicate_size * dp_shard_size == dp_size * cp_size``.
+    Build one with :meth:`build` (or :meth:`for_plan`), wrap meshes of your own, or pass your
+    own object with the same attributes. It holds meshes only: the degrees they lay out are
+    :attr:`parallel` (a :class:`~gm_config.ParallelPlan` read off the meshes), this rank's
+    places the ``*_rank`` properties.
     """
 
     device_mesh: Any = None
@@ -48,42 +71,45 @@ class MeshContext:
     """``DeviceMesh`` with dims ``("fsdp_replicate", "fsdp_shard", "tp")`` over the same ranks;
     graph mode shards over ``fsdp_shard`` and all-reduces over ``fsdp_replicate``."""
 
-    dp_size: int = 1
-    dp_replicate_size: int = 1
-    dp_shard_size: int = 1
-    tp_size: int = 1
-    cp_size: int = 1
-    dp_rank: int = 0
-    """This rank's data-parallel index: which slice of the global batch it reads."""
-    tp_rank: int = 0
-    cp_rank: int = 0
-    pp_size: int = 1
-    """Pipeline stages (``PassConfig.pp_degree``); both meshes then lead with a ``"pp"`` dim."""
-    pp_rank: int = 0
-    """This rank's pipeline stage."""
-    sequence_parallel: bool = False
-    loss_parallel: bool = False
-    # --- expert parallelism (issue 27) ---
     moe_mesh: Any = None
     """``DeviceMesh`` with dims ``("ep_replicate", "ep", "tp")`` (led by ``"pp"`` with
     pipelines, then by ``"fsdp_replicate"`` under HSDP) when ``ep > 1``: each replica's FSDP
     shard dim split into groups of ``ep`` consecutive ranks, each holding every expert once,
-    so ``ep_replicate x ep == dp_shard_size``."""
-    ep_size: int = 1
-    """Expert-parallel ranks (``PassConfig.ep_degree``)."""
-    ep_rank: int = 0
+    so ``ep_replicate x ep`` is the plan's ``fsdp``."""
+
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
 
     @property
     def parallel(self) -> ParallelPlan:
-        """The degrees this mesh context lays out, as one :class:`~gm_config.ParallelPlan`."""
-        return ParallelPlan(
-            dp_replicate=self.dp_replicate_size,
-            dp_shard=self.dp_shard_size // self.cp_size,
-            tp=self.tp_size,
-            pp=self.pp_size,
-            cp=self.cp_size,
-            ep=self.ep_size,
-        )
+        """The degrees these meshes lay out, as one :class:`~gm_config.ParallelPlan`
+        (``parallel.dp``, ``.fsdp``, ``.tp``, ...). Local: no collective."""
+        return resolve_mesh_context(self).parallel
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: which slice of the global batch it reads."""
+        return _local_rank(self.device_mesh, Axis.DP)
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's place in its tensor-parallel group."""
+        return _local_rank(self.device_mesh, Axis.TP)
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's place in its context-parallel group."""
+        return _local_rank(self.device_mesh, Axis.CP)
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage."""
+        return _local_rank(self.device_mesh, Axis.PP)
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's place in its expert-parallel group."""
+        return _local_rank(self.moe_mesh, Axis.EP)
 
     @classmethod
     def build(
@@ -99,79 +125,60 @@ class MeshContext:
         device_type: str | None = None,
         ep: int = 1,
     ) -> MeshContext:
-        """Both meshes over the world with ``torch.distributed.device_mesh.init_device_mesh``.
+        """:meth:`for_plan` of the plan of these degrees.
 
         ``dp_shard=-1`` takes the ranks left over: ``world // (dp_replicate * tp * cp)``.
         The degrees are a :class:`~gm_config.ParallelPlan` (its rules, its errors). A collective
         (every rank must call it, with the same sizes).
         """
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                "MeshContext.build needs torch.distributed initialised first "
-                "(gm_trainer.init_distributed() under torchrun)"
-            )
-        if dp_shard == -1:
-            dp_shard = None  # the ranks left over
+        _require_distributed()
         plan = ParallelPlan(
-            dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, cp=cp, pp=pp, ep=ep
-        ).for_world(dist.get_world_size())
-        dp_shard = plan.dp_shard
-        device_type = device_type or detect_device_type()
-        dp = dp_replicate * dp_shard
-        # Rank = ((replicate * dp_shard + shard) * cp + c) * tp + t in both meshes, so their TP
-        # groups coincide and FSDP shards over (dp_shard x cp), like torchtitan's dp_shard_cp.
-        lead = ((pp,), (Axis.PP,)) if pp > 1 else ((), ())
-        device_mesh = init_device_mesh(
-            device_type,
-            (*lead[0], dp, cp, tp),
-            mesh_dim_names=(*lead[1], Axis.DP, Axis.CP, Axis.TP),
+            dp_replicate=dp_replicate,
+            dp_shard=None if dp_shard == -1 else dp_shard,  # -1: the ranks left over
+            tp=tp,
+            cp=cp,
+            pp=pp,
+            ep=ep,
         )
-        fsdp_mesh = init_device_mesh(
-            device_type,
-            (*lead[0], dp_replicate, dp_shard * cp, tp),
-            mesh_dim_names=(*lead[1], Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.TP),
-        )
-        moe_mesh = _moe_mesh(device_type, lead, dp_replicate, dp_shard * cp, tp, ep)
-        return cls(
-            device_mesh=device_mesh,
-            fsdp_non_moe_mesh=fsdp_mesh,
-            dp_size=dp,
-            dp_replicate_size=dp_replicate,
-            dp_shard_size=dp_shard * cp,
-            tp_size=tp,
-            cp_size=cp,
-            dp_rank=device_mesh.get_local_rank(Axis.DP),
-            tp_rank=device_mesh.get_local_rank(Axis.TP),
-            cp_rank=device_mesh.get_local_rank(Axis.CP),
-            pp_size=pp,
-            pp_rank=device_mesh.get_local_rank(Axis.PP) if pp > 1 else 0,
+        return cls.for_plan(
+            plan,
             sequence_parallel=sequence_parallel,
             loss_parallel=loss_parallel,
-            moe_mesh=moe_mesh,
-            ep_size=ep,
-            ep_rank=moe_mesh.get_local_rank(Axis.EP) if moe_mesh is not None else 0,
+            device_type=device_type,
+        )
+
+    @classmethod
+    def for_plan(
+        cls,
+        plan: ParallelPlan,
+        *,
+        sequence_parallel: bool = False,
+        loss_parallel: bool = False,
+        device_type: str | None = None,
+    ) -> MeshContext:
+        """The meshes of ``plan`` over the world (:func:`build_mesh`): ``device_mesh``,
+        ``fsdp_non_moe_mesh`` and, with ``ep > 1``, ``moe_mesh``. ``plan.dp_shard`` may be
+        ``None`` (the ranks left over, :meth:`~gm_config.ParallelPlan.for_world`). A
+        collective (every rank must call it, with the same plan)."""
+        _require_distributed()
+        plan = plan.for_world(dist.get_world_size())
+        # Rank = ((replicate * dp_shard + shard) * cp + c) * tp + t in every mesh, so their TP
+        # groups coincide and FSDP shards over (dp_shard x cp), like torchtitan's dp_shard_cp.
+        return cls(
+            device_mesh=build_mesh(plan, "device", device_type),
+            fsdp_non_moe_mesh=build_mesh(plan, "fsdp", device_type),
+            moe_mesh=build_mesh(plan, "ep", device_type) if plan.ep > 1 else None,
+            sequence_parallel=sequence_parallel,
+            loss_parallel=loss_parallel,
         )
 
 
-def _moe_mesh(
-    device_type: str,
-    lead: tuple[tuple[int, ...], tuple[str, ...]],
-    dp_replicate: int,
-    shard: int,
-    tp: int,
-    ep: int,
-) -> Any:
-    """The expert-parallel mesh over the same rank order (``None`` for ``ep == 1``; the
-    degrees are checked: :class:`~gm_config.ParallelPlan`). Under HSDP each replica's shard
-    dim is split alike, so the mesh leads with the replicas (``dp_replicate``)."""
-    if ep == 1:
-        return None
-    replicas = ((dp_replicate,), (Axis.DP_REPLICATE,)) if dp_replicate > 1 else ((), ())
-    return init_device_mesh(
-        device_type,
-        (*lead[0], *replicas[0], shard // ep, ep, tp),
-        mesh_dim_names=(*lead[1], *replicas[1], Axis.EP_REPLICATE, Axis.EP, Axis.TP),
-    )
+def _require_distributed() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "MeshContext.build needs torch.distributed initialised first "
+            "(gm_trainer.init_distributed() under torchrun)"
+        )
 
 
 @dataclass(frozen=True)
@@ -185,6 +192,8 @@ class ResolvedMesh:
     tp_group: dist.ProcessGroup | None
     """The tensor-parallel group, when it has more than one rank."""
     fsdp_dim: str
+    parallel: ParallelPlan
+    """The degrees of these groups (:func:`resolve_mesh_context` reads them off the meshes)."""
     shard_tp_mesh: Any = None
     """The 2-D ``(fsdp_dim, "tp")`` sub-mesh, when there is a TP group: checkpoints lay
     TP x FSDP pieces out on it."""
@@ -205,27 +214,6 @@ class ResolvedMesh:
     """The context-parallel group (the ranks that split one sequence), when the device mesh
     has a ``"cp"`` dim of more than one rank. The FSDP group spans it (``dp_shard x cp``)."""
 
-    @property
-    def cp_size(self) -> int:
-        return self.cp_group.size() if self.cp_group is not None else 1
-
-    @property
-    def fsdp_size(self) -> int:
-        return self.fsdp_group.size()
-
-    @property
-    def replicate_size(self) -> int:
-        return self.replicate_group.size() if self.replicate_group is not None else 1
-
-    @property
-    def tp_size(self) -> int:
-        return self.tp_group.size() if self.tp_group is not None else 1
-
-    @property
-    def dp_size(self) -> int:
-        """Data-parallel ranks: different slices of the global batch."""
-        return self.fsdp_size * self.replicate_size
-
     def checked_config(self, config: PassConfig) -> dict[str, Any]:
         """The ``PassConfig`` fields this mesh fills in; raise where ``config`` disagrees.
 
@@ -233,13 +221,7 @@ class ResolvedMesh:
         ``loss_parallel`` (informational) take the mesh context's when the config leaves them
         False.
         """
-        plan = config.parallel.taking(self.parallel)
-        filled: dict[str, Any] = {
-            "fsdp_degree": plan.fsdp,
-            "tp_size": plan.tp,
-            "cp_degree": plan.cp,
-            "ep_degree": plan.ep,
-        }
+        filled: dict[str, Any] = config.parallel.taking(self.parallel).seeds()
         for field in ("sequence_parallel", "loss_parallel"):
             mesh_value = getattr(self, field)
             if getattr(config, field) and not mesh_value:
@@ -248,34 +230,20 @@ class ResolvedMesh:
                     "layers of the model decide it, so set both alike"
                 )
             filled[field] = mesh_value
-        if (filled["sequence_parallel"] or filled["loss_parallel"]) and self.tp_size == 1:
+        if (filled["sequence_parallel"] or filled["loss_parallel"]) and self.parallel.tp == 1:
             raise MeshError(
                 "sequence_parallel / loss_parallel need a 'tp' dim of more than one rank; the "
                 "mesh has none"
             )
         return filled
 
-    @property
-    def parallel(self) -> ParallelPlan:
-        """The degrees of these groups, as one :class:`~gm_config.ParallelPlan`."""
-        if self.fsdp_size % self.cp_size:
-            raise MeshError(
-                f"the mesh's FSDP shard dim {self.fsdp_dim!r} has {self.fsdp_size} ranks and its "
-                f"'cp' dim {self.cp_size}: the shard dim must span the cp ranks (dp_shard x cp), "
-                "as MeshContext.build lays it out"
-            )
-        return ParallelPlan(
-            dp_replicate=self.replicate_size,
-            dp_shard=self.fsdp_size // self.cp_size,
-            tp=self.tp_size,
-            pp=self.pp_group.size() if self.pp_group is not None else 1,
-            cp=self.cp_size,
-            ep=self.ep_group.size() if self.ep_group is not None else 1,
-        )
-
 
 def _dim_names(mesh: Any) -> tuple[str, ...]:
     return tuple(getattr(mesh, "mesh_dim_names", None) or ())
+
+
+def _size(group: dist.ProcessGroup | None) -> int:
+    return group.size() if group is not None else 1
 
 
 def _ranks(mesh: Any, dim: str) -> tuple[dist.ProcessGroup, list[int]]:
@@ -329,7 +297,23 @@ def resolve_mesh_context(mesh_context: Any) -> ResolvedMesh:
             moe_mesh[Axis.EP_REPLICATE].get_group(),
         )
         ep_mesh = moe_mesh[Axis.EP_REPLICATE, Axis.EP]  # slicing reuses the groups: no collective
+    fsdp_size, cp = fsdp_group.size(), _size(cp_group)
+    if fsdp_size % cp:
+        raise MeshError(
+            f"the mesh's FSDP shard dim {str(fsdp_dim)!r} has {fsdp_size} ranks and its 'cp' dim "
+            f"{cp}: the shard dim must span the cp ranks (dp_shard x cp), as MeshContext.build "
+            "lays it out"
+        )
+    parallel = ParallelPlan(
+        dp_replicate=_size(replicate_group),
+        dp_shard=fsdp_size // cp,
+        tp=_size(tp_group),
+        pp=_size(pp_group),
+        cp=cp,
+        ep=_size(ep_group),
+    )
     return ResolvedMesh(
+        parallel=parallel,
         ep_group=ep_group,
         ep_replicate_group=ep_replicate_group,
         ep_mesh=ep_mesh,

@@ -2,10 +2,11 @@
 
 :func:`resolve_run` resolves the run's :class:`~gm_config.ParallelPlan` (the requested degrees
 against the world or the mesh context), builds its :class:`~gm_trace.graph.groups.ParallelGroups`
-(a group per role, handed to the passes) and fills what the plan decides (``fsdp_degree``,
-``tp_size``, the TP flags) into a copy of the ``PassConfig``. It runs once, at the first
-compile, on every rank; its :class:`ResolvedRun` never changes afterwards, and every component
-that needs a group or a rank gets the frozen :class:`Topology` from it.
+(a group per role, handed to the passes: the mesh context's, else those of the plan's own
+meshes, :func:`~gm_trainer.parallel.mesh.build_mesh`) and fills what the plan decides
+(``fsdp_degree``, ``tp_size``, the TP flags) into a copy of the ``PassConfig``. It runs once,
+at the first compile, on every rank; its :class:`ResolvedRun` never changes afterwards, and
+every component that needs a group or a rank gets the frozen :class:`Topology` from it.
 """
 
 from __future__ import annotations
@@ -15,12 +16,17 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from gm_config import Axis, ParallelPlan, PassConfig, PassPlan, Role, fsdp_requested
 from gm_trace.graph.groups import ParallelGroups
-from gm_trainer.parallel.device import detect_device_type
-from gm_trainer.parallel.mesh import MeshContext, MeshError, ResolvedMesh, resolve_mesh_context
+from gm_trainer.parallel.mesh import (
+    MeshContext,
+    MeshError,
+    ResolvedMesh,
+    build_mesh,
+    resolve_mesh_context,
+)
 
 
 @dataclass(frozen=True)
@@ -109,19 +115,22 @@ class Topology:
         if self.fsdp_group is None:
             return 0
         # The FSDP group spans the cp ranks (dp_shard x cp), which read the same data.
-        cp = self.cp_size
-        shard = dist.get_rank(self.fsdp_group) // cp
+        shard = dist.get_rank(self.fsdp_group) // self.cp_size
         replicate = self.replicate_group
         replica = dist.get_rank(replicate) if replicate is not None else 0
-        return replica * (self.fsdp_group.size() // cp) + shard
+        return replica * self._plan.dp_shard + shard
 
     @property
     def data_parallel_size(self) -> int:
         """Ranks that read different data: the FSDP group times its HSDP replicas (not TP)."""
-        if self.fsdp_group is None:
-            return 1
-        size = self.mesh.dp_size if self.mesh is not None else self.fsdp_group.size()
-        return size // self.cp_size
+        return 1 if self.fsdp_group is None else self._plan.dp
+
+    @property
+    def _plan(self) -> ParallelPlan:
+        """:attr:`parallel`, which every topology with groups has (:func:`resolve_run`)."""
+        if self.parallel is None or self.parallel.dp is None:
+            raise MeshError("the topology has no resolved ParallelPlan yet (resolve_run)")
+        return self.parallel
 
     # --- context parallelism (issue 29) ---
     @property
@@ -163,27 +172,25 @@ def resolve_run(
     copy of ``config``; ``place`` gives rank, world size and device. Once, on every rank (a
     collective: it may make groups)."""
     fsdp_wanted = fsdp_requested(config, plan)
-    if mesh is None and config.cp_degree > 1:
-        config.parallel.for_world(place.world_size)  # the degrees' errors before any group
-        # (pp, dp, cp): the cp ranks of one sequence run the same pipeline stage.
-        mesh = resolve_mesh_context(MeshContext.build(cp=config.cp_degree, pp=config.pp_degree))
+    requested = config.parallel
+    if mesh is None and requested.cp > 1:
+        # The plan's meshes, (pp, dp, cp): the cp ranks of one sequence run the same stage.
+        mesh = resolve_mesh_context(MeshContext.for_plan(requested.for_world(place.world_size)))
     if mesh is not None:
         filled = mesh.checked_config(config)
-        parallel = config.parallel.taking(mesh.parallel)
+        parallel = requested.taking(mesh.parallel)
     else:
         filled = {}
-        parallel = config.parallel.for_world(place.world_size)
+        parallel = requested.for_world(place.world_size)
     parallel.check_gradient_sync(fsdp_wanted)
-    roles, ep_mesh = _groups(parallel, mesh, fsdp_wanted, place.world_size, config.cpu_offload)
+    roles, ep_mesh = _groups(parallel, mesh, fsdp_wanted, config.cpu_offload)
     groups = ParallelGroups(roles)
     config = dataclasses.replace(config, **filled)
     if Role.FSDP in groups:
-        config = dataclasses.replace(config, fsdp_degree=groups.size(Role.FSDP))
+        config = dataclasses.replace(config, fsdp_degree=parallel.fsdp)
     elif fsdp_wanted and place.world_size > 1:
         # One data-parallel rank (pure TP, a pipeline stage of one rank): nothing to shard.
         config = dataclasses.replace(config, fsdp_enabled=False)
-    if parallel.ep > 1:
-        config = dataclasses.replace(config, ep_degree=parallel.ep)
     topology = dataclasses.replace(
         place, mesh=mesh, groups=groups, parallel=parallel, ep_mesh=ep_mesh
     )
@@ -204,11 +211,10 @@ def _groups(
     parallel: ParallelPlan,
     mesh: ResolvedMesh | None,
     fsdp_wanted: bool,
-    world: int,
     cpu_offload: bool = False,
 ) -> tuple[dict[Role, dist.ProcessGroup], DeviceMesh | None]:
     """This rank's group of each role the run has, and the experts' mesh: a mesh context's
-    groups, else groups over the world laid out as the plan says (a collective).
+    groups, else the groups of the plan's meshes (:func:`_world_groups`, a collective).
     ``cpu_offload``: one data-parallel rank still gets an fsdp group (of one rank), as
     FSDP2 offloads on one rank: the shards it moves to the host are the fsdp pass's."""
     if mesh is not None:
@@ -219,42 +225,36 @@ def _groups(
             Role.EP: mesh.ep_group,
             Role.EP_REPLICATE: mesh.ep_replicate_group,
         }
-        if fsdp_wanted and mesh.dp_size > 1:  # pure TP: nothing to shard over
+        if fsdp_wanted and parallel.dp_cp > 1:  # pure TP: nothing to shard over
             found[Role.FSDP] = mesh.fsdp_group
             found[Role.REPLICATE] = mesh.replicate_group
         ep_mesh = mesh.ep_mesh
     else:
-        found, ep_mesh = _world_groups(parallel, fsdp_wanted, world, cpu_offload)
+        found, ep_mesh = _world_groups(parallel, fsdp_wanted, cpu_offload)
     return {role: group for role, group in found.items() if group is not None}, ep_mesh
 
 
 def _world_groups(
-    parallel: ParallelPlan, fsdp_wanted: bool, world: int, cpu_offload: bool = False
+    parallel: ParallelPlan, fsdp_wanted: bool, cpu_offload: bool = False
 ) -> tuple[dict[Role, dist.ProcessGroup | None], DeviceMesh | None]:
-    """Without a mesh context: a ``(pp, fsdp)`` mesh as torchtitan lays it out (rank = stage *
-    dp + dp index, FSDP within each stage, one pipeline per dp index), and with expert
-    parallelism ``(pp, ep_replicate, ep)`` over the same ranks, ep groups of consecutive ranks
-    of a stage (so that the ranks of an ep group run the same stage)."""
-    pp, dp, ep = parallel.pp, world // parallel.pp, parallel.ep
+    """Without a mesh context (``tp``, ``cp`` and ``dp_replicate`` of 1): the plan's FSDP
+    mesh ``(pp, fsdp_shard)`` as torchtitan lays it out (rank = stage * dp + dp index, FSDP
+    within each stage, one pipeline per dp index), and with expert parallelism its ep mesh
+    ``(pp, ep_replicate, ep)`` over the same ranks (ep groups of consecutive ranks of a
+    stage, so that the ranks of an ep group run the same stage); no dim of size 1 beyond
+    those (:func:`~gm_trainer.parallel.mesh.build_mesh`), no mesh the run does not need."""
+    pp, dp, world = parallel.pp, parallel.dp or 1, parallel.world_size or 1
     found: dict[Role, dist.ProcessGroup | None] = {}
-    lead = ((pp,), (Axis.PP,)) if pp > 1 else ((), ())
-    device = detect_device_type()
     one_rank_fsdp = fsdp_wanted and cpu_offload and dp == 1 and dist.is_initialized()
     if pp > 1 or (fsdp_wanted and world > 1) or one_rank_fsdp:
-        device_mesh = init_device_mesh(
-            device, (*lead[0], dp), mesh_dim_names=(*lead[1], Axis.DP_SHARD)
-        )
+        device_mesh = build_mesh(parallel, "fsdp", unit_dims=False)
         if pp > 1:
             found[Role.PP] = device_mesh.get_group(Axis.PP)
         if fsdp_wanted and (dp > 1 or one_rank_fsdp):
             found[Role.FSDP] = device_mesh.get_group(Axis.DP_SHARD)
-    if ep == 1:
+    if parallel.ep == 1:
         return found, None
-    experts = init_device_mesh(
-        device,
-        (*lead[0], dp // ep, ep),
-        mesh_dim_names=(*lead[1], Axis.EP_REPLICATE, Axis.EP),
-    )
+    experts = build_mesh(parallel, "ep", unit_dims=False)
     found[Role.EP] = experts.get_group(Axis.EP)
     found[Role.EP_REPLICATE] = experts.get_group(Axis.EP_REPLICATE)
     return found, experts[Axis.EP_REPLICATE, Axis.EP] if pp > 1 else experts

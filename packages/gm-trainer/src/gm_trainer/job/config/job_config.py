@@ -324,8 +324,9 @@ class JobConfig:
 
     @property
     def parallel_plan(self) -> ParallelPlan:
-        """The job's degrees as one :class:`~gm_config.ParallelPlan`: ``parallel.*``'s
-        (``PassConfig.parallel``) with ``dist.dp_replicate`` replicas."""
+        """The job's degrees as one :class:`~gm_config.ParallelPlan`, the one place the job
+        reads a size from: ``parallel.*``'s (``PassConfig.parallel``) with
+        ``dist.dp_replicate`` replicas; ``.for_world(world_size)`` on the job's ranks."""
         return dataclasses.replace(self.parallel.parallel, dp_replicate=self.dist.dp_replicate)
 
     def check_world_size(self, world_size: int) -> None:

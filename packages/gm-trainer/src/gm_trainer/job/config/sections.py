@@ -117,7 +117,7 @@ class DataConfig(Section):
 
 @dataclass
 class DistConfig(Section):
-    """The process group of the ranks and how they form data-parallel groups."""
+    """The process group of the ranks, and the HSDP replicas of the job's plan."""
 
     section: ClassVar[str] = "dist"
 
@@ -128,7 +128,9 @@ class DistConfig(Section):
     dp_replicate: int = 1
     """HSDP: this many replicas of the model, each sharded over ``world_size / dp_replicate``
     ranks (FSDP within a replica, gradients all-reduced across replicas), so many nodes do not
-    form one flat FSDP group. ``1``: plain FSDP over every rank."""
+    form one flat FSDP group. ``1``: plain FSDP over every rank. An input to the job's
+    :class:`~gm_config.ParallelPlan` (its ``dp_replicate``, ``JobConfig.parallel_plan``),
+    which holds the layout and its rules."""
 
     def validate(self) -> None:
         self._positive("timeout_s", "dp_replicate")

@@ -15,11 +15,12 @@ def check_world_size(job: Any, world_size: int) -> None:
     ``job``: the :class:`~gm_trainer.job.config.job_config.JobConfig` (not imported: it calls this,
     and reads its ``train``, ``parallel``, ``dist`` and ``model`` sections only).
 
-    gm-train runs ``parallel.pp_degree`` pipeline stages, each on ``world_size /
-    pp_degree`` ranks, which form groups of ``parallel.tp_size`` tensor-parallel ranks; the
-    ``world_size / (pp_degree * tp_size)`` data-parallel ranks read different rows (the ranks
-    of one pipeline and of one TP group the same ones), and FSDP shards over the
-    data-parallel ranks of one replica (``dist.dp_replicate``).
+    gm-train lays the ranks out as the job's :class:`~gm_config.ParallelPlan` says
+    (``JobConfig.parallel_plan``, whose rules and sizes these are): ``parallel.pp_degree``
+    pipeline stages, each on ``world_size / pp_degree`` ranks, which form groups of
+    ``parallel.tp_size`` tensor-parallel ranks; the plan's ``dp`` data-parallel ranks read
+    different rows (the ranks of one pipeline, TP group or cp group the same ones), and FSDP
+    shards over the data-parallel ranks of one replica (``dist.dp_replicate``).
     Only the fsdp pass synchronises gradients, so several data-parallel ranks need it on.
     """
     t, p = job.train, job.parallel
@@ -27,8 +28,8 @@ def check_world_size(job: Any, world_size: int) -> None:
     # configuration loads), before the degrees' own rules (what divides what).
     _check_combination(job)
     plan = job.parallel_plan.for_world(world_size)
-    pp, tp, cp = plan.pp, plan.tp, plan.cp
-    _check_cp(job)
+    pp, tp = plan.pp, plan.tp
+    _check_cp(job, plan)
     # Ranks that read different rows (a pipeline, a TP group and a cp group read the same).
     dp = plan.dp
     if t.global_batch_size % (dp * t.accumulation):
@@ -59,7 +60,7 @@ def check_world_size(job: Any, world_size: int) -> None:
         raise ConfigError(
             "parallel.fsdp_enabled / sharding.fsdp.enabled is off, but with "
             f"{dp} data-parallel ranks only the fsdp pass keeps them in sync; turn it on "
-            f"or use --nproc {pp * tp * cp}"
+            f"or use --nproc {world_size // dp}"
         )
 
 
@@ -87,9 +88,10 @@ def _check_combination(job: Any) -> None:
     )
 
 
-def _check_cp(job: Any) -> None:
-    """Context parallelism (issue 29): ``parallel.cp_degree`` ranks split each sequence."""
-    cp = job.parallel.cp_degree
+def _check_cp(job: Any, plan: ParallelPlan) -> None:
+    """Context parallelism: ``parallel.cp_degree`` (the plan's ``cp``) ranks split each
+    sequence."""
+    cp = plan.cp
     if cp == 1:
         return
     seq = job.model.seq_len

@@ -216,7 +216,7 @@ def _plan_rank(config_dict: dict[str, Any], rank: int, world_size: int) -> dict[
         layout = lay_out_rank(config, built, rank, world_size)
         trainer = layout.trainer
         t = config.train
-        rows = t.global_batch_size // t.accumulation // layout.dp
+        rows = t.global_batch_size // t.accumulation // layout.plan.dp
         tokens = torch.zeros(rows, config.model.seq_len, dtype=torch.long)
         joint = trainer.compile(*graph_batch((tokens, tokens), config))
         trainer.executor.runtime.prepare(joint)  # cut as the first step cuts it

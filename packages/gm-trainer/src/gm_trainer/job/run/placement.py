@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gm_config import Axis
+from gm_config import Axis, ParallelPlan
 from gm_trainer.parallel.mesh import MeshContext
 
 if TYPE_CHECKING:
@@ -28,27 +28,22 @@ class RankLayout:
     mesh: MeshContext | None
     dp_index: int
     """Which slice of each global batch this rank reads."""
-    dp: int
-    """Ranks that read different rows (the ranks of one pipeline, TP group or cp group read the
-    same)."""
+    plan: ParallelPlan
+    """The job's degrees on its world (:attr:`~gm_config.ParallelPlan.dp`: the ranks that
+    read different rows; the ranks of one pipeline, TP group or cp group read the same)."""
 
 
-def job_mesh(config: JobConfig) -> MeshContext | None:
-    """The device mesh of a job with tensor parallelism or HSDP replicas; ``None``: the
-    trainer's own layout (FSDP over every rank of a stage). Every rank must call it."""
-    p, replicas = config.parallel, config.dist.dp_replicate
-    # Expert parallelism lays its groups out inside each replica (MeshContext.build(ep=)).
+def job_mesh(config: JobConfig, plan: ParallelPlan) -> MeshContext | None:
+    """The device meshes of the job's ``plan`` when it has tensor parallelism or HSDP
+    replicas; ``None``: the trainer's own layout (FSDP over every rank of a stage). Every rank
+    must call it."""
+    # Expert parallelism lays its groups out inside each replica (the plan's ep mesh).
     # Context parallelism alone (parallel.cp_degree) is the trainer's own layout.
-    if p.tp_size == 1 and replicas == 1:
+    if plan.tp == 1 and plan.dp_replicate == 1:
         return None
-    return MeshContext.build(
-        pp=p.pp_degree,
-        dp_replicate=replicas,
-        cp=p.cp_degree,
-        tp=p.tp_size,
-        sequence_parallel=p.sequence_parallel,
-        loss_parallel=p.loss_parallel,
-        ep=p.ep_degree,
+    p = config.parallel
+    return MeshContext.for_plan(
+        plan, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel
     )
 
 
@@ -65,10 +60,9 @@ def lay_out_rank(
 
     t = config.train
     plan = config.parallel_plan.for_world(world_size)
-    cp, dp = plan.cp, plan.dp
-    mesh = job_mesh(config)
-    # Without a mesh: rank = (stage * dp + data-parallel index) * cp + c.
-    dp_index = mesh.dp_rank if mesh is not None else (rank // cp) % dp
+    mesh = job_mesh(config, plan)
+    # The trainer's own layout and the job's meshes are both the plan's rank order.
+    dp_index = plan.dp_rank(rank)
     if built.tp_plan is not None and mesh is not None:
         from gm_trainer.parallel.tp_plan import apply_tp_plan
 
@@ -83,7 +77,7 @@ def lay_out_rank(
         graph_dump_dir=graph_dump_dir,
         mesh_context=mesh,
     )
-    return RankLayout(trainer, mesh, dp_index, dp)
+    return RankLayout(trainer, mesh, dp_index, plan)
 
 
 def layout_of(config: JobConfig, world_size: int) -> dict[str, int]:
@@ -130,12 +124,12 @@ def job_compile_cache(config: JobConfig, rank: int, world_size: int) -> CompileC
     return CompileCache(root, context, log, setting="train.compile_cache")
 
 
-def layout_note(pp: int, tp: int, dp: int) -> str:
-    """How the progress header names the layout: `` (pipeline: 2 stages x tensor-parallel 2 x
-    1 data-parallel)``; empty for plain data parallelism."""
-    parts = [f"{pp} stages"] if pp > 1 else []
-    parts += [f"tensor-parallel {tp}"] if tp > 1 else []
+def layout_note(plan: ParallelPlan) -> str:
+    """How the progress header names the layout of ``plan`` (on its world): `` (pipeline: 2
+    stages x tensor-parallel 2 x 1 data-parallel)``; empty for plain data parallelism."""
+    parts = [f"{plan.pp} stages"] if plan.pp > 1 else []
+    parts += [f"tensor-parallel {plan.tp}"] if plan.tp > 1 else []
     if not parts:
         return ""
-    kind = "pipeline: " if pp > 1 else ""
-    return f" ({kind}{' x '.join(parts)} x {dp} data-parallel)"
+    kind = "pipeline: " if plan.pp > 1 else ""
+    return f" ({kind}{' x '.join(parts)} x {plan.dp} data-parallel)"

@@ -143,11 +143,6 @@ def _train(
     job_data = load_job_data(d, m.seq_len, run_dir)  # the CLI has tokenised it: a cache hit
     fingerprint = job_data.fingerprint()  # saved with each checkpoint, compared on resume
     micro = t.global_batch_size // t.accumulation
-    pp, tp = config.parallel.pp_degree, config.parallel.tp_size
-    cp = config.parallel.cp_degree
-    # Ranks that read different rows: the ranks of one pipeline, one TP group and one cp group
-    # read the same.
-    dp = world_size // (pp * tp * cp)
     evaluator = None
     if t.eval_interval is not None and job_data.eval is not None:
         # before the TP split: the evaluator keeps a whole copy of the model
@@ -159,7 +154,8 @@ def _train(
         world_size,
         graph_dump_dir=folder.graphs_dir if folder is not None else None,
     )
-    trainer, dp_index = layout.trainer, layout.dp_index
+    # The job's degrees on this world: the plan's sizes, never worked out again here.
+    trainer, dp_index, parallel = layout.trainer, layout.dp_index, layout.plan
 
     def batches_from(position: int) -> PackedBatches:
         return PackedBatches(
@@ -167,7 +163,7 @@ def _train(
             batch_size=micro,
             num_batches=t.steps * t.accumulation,
             rank=dp_index,
-            world_size=dp,
+            world_size=parallel.dp,
             seed=d.seed,
             start=position,
         )
@@ -175,7 +171,7 @@ def _train(
     progress = Progress(t.steps, start_step=start_step) if folder is not None else None
     if progress is not None:
         progress.write(
-            f"gm-train: {world_size} rank(s){layout_note(pp, tp, dp)} on {trainer.device} | "
+            f"gm-train: {world_size} rank(s){layout_note(parallel)} on {trainer.device} | "
             f"{built.name} {n_params / 1e6:.2f}M params | corpus "
             f"{job_data.train.tokens.numel() / 1e6:.2f}M tokens, {job_data.train.count} windows "
             f"({job_data.documents_from}) | {t.global_batch_size} x {m.seq_len} tokens per step | "
@@ -270,8 +266,8 @@ def _train(
         [*folder.history, *records],
         plotted=_plotted_steps(config, folder.history),
         world_size=world_size,
-        pp_degree=pp,
-        tp_size=tp,
+        pp_degree=parallel.pp,
+        tp_size=parallel.tp,
         device=str(trainer.device),
         parameters=n_params,
         tokens_per_step=t.global_batch_size * m.seq_len,
@@ -394,7 +390,7 @@ def _step_hooks(
     )
     hooks: list[StepHook] = [profiler, probe]
     bubble = None
-    if config.parallel.pp_degree > 1:
+    if config.parallel_plan.pp > 1:
 
         def stats() -> PipelineStats | None:
             pipeline = trainer.pipeline
