@@ -31,6 +31,11 @@ class ScaledLogits(torch.nn.Module):
         return self.gpt(tokens) * self.logit_scale.exp()
 
 
+def scaled_logits_bf16() -> ScaledLogits:
+    """:class:`ScaledLogits` with bfloat16 parameters (its multiply computes in float32)."""
+    return ScaledLogits().to(torch.bfloat16)
+
+
 def step_factory(optimizer):
     """An LR scheduler that changes the learning rate every step."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))

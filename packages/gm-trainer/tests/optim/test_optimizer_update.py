@@ -91,6 +91,12 @@ def test_a_0_dim_parameter_is_clipped_and_updated_as_eager_one_process(optimizer
     _check(result)
 
 
+def test_a_0_dim_bfloat16_parameter_is_clipped_and_updated_as_eager():
+    """bfloat16 parameters: the clip multiplies in float32 and rounds once, as in eager."""
+    optimizer = CLIPPED_ADAMS["adam-clip"]
+    _check(bodies.in_graph_equals_eager_update(0, 1, optimizer, model_fn=bodies.scaled_logits_bf16))
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("optimizer", CLIPPED_ADAMS.values(), ids=CLIPPED_ADAMS.keys())
 def test_a_0_dim_parameter_is_clipped_and_updated_as_eager_under_fsdp(optimizer, dist_pool):
