@@ -62,10 +62,6 @@ def accumulation_and_a_new_length(rank: int, world: int, train_fn_name: str) -> 
     losses = [r["loss"] for r in records]
     for step, (ours, eager) in enumerate(zip(losses, eager_losses)):
         torch.testing.assert_close(ours, eager, **parity_tolerance(step + 1))
-    worst = assert_full_params_close(
-        trainer.model, reference, trainer.sharding, steps=len(windows)
-    )
-    graphs = {
-        variant: len(trainer.registry.graphs(variant)) for variant in ("accumulate", "last")
-    }
+    worst = assert_full_params_close(trainer.model, reference, trainer.sharding, steps=len(windows))
+    graphs = {variant: len(trainer.registry.graphs(variant)) for variant in ("accumulate", "last")}
     return {"losses": losses, "eager_losses": eager_losses, "graphs": graphs, "worst": worst}
