@@ -19,6 +19,23 @@ def tiny_gpt() -> TinyGPT:
     return TinyGPT(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
 
 
+class ScaledLogits(torch.nn.Module):
+    """Tiny GPT whose logits a learned 0-dim parameter scales, as CLIP's ``logit_scale``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = tiny_gpt()
+        self.logit_scale = torch.nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.gpt(tokens) * self.logit_scale.exp()
+
+
+def scaled_logits_bf16() -> ScaledLogits:
+    """:class:`ScaledLogits` with bfloat16 parameters (its multiply computes in float32)."""
+    return ScaledLogits().to(torch.bfloat16)
+
+
 def step_factory(optimizer):
     """An LR scheduler that changes the learning rate every step."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
@@ -41,12 +58,13 @@ def clipped_trainers(model, loss_fn, **options) -> list[GraphTrainer]:
 
 
 def in_graph_equals_eager_update(
-    rank: int, world: int, optimizer: dict, backend=None, steps: int = STEPS
+    rank: int, world: int, optimizer: dict, backend=None, steps: int = STEPS, model_fn=tiny_gpt
 ):
-    """The same trainer with the optimizer in and out of the graph, on the same local
-    batches: per step the loss and global norm, and at the end every local shard and every
-    optimizer state tensor. Returns the largest differences and what the run looked like."""
-    model = tiny_gpt()
+    """The same trainer (of ``model_fn()``) with the optimizer in and out of the graph, on the
+    same local batches: per step the loss and global norm, and at the end every local shard
+    and every optimizer state tensor. Returns the largest differences and what the run
+    looked like."""
+    model = model_fn()
     trainers = []
     for in_graph in (False, True):
         config = {"lr": 1e-2, **optimizer, "in_graph": in_graph}

@@ -7,6 +7,7 @@ optimizer step instead of k, the same training as reducing each micro-batch."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import optim_graph_bodies as bodies
 import pytest
@@ -73,6 +74,35 @@ def test_update_nodes_do_not_grow_with_the_parameter_count(optimizer):
 @pytest.mark.distributed
 def test_in_graph_update_equals_eager_update_under_fsdp(dist_pool):
     for result in dist_pool(2).run(bodies.in_graph_equals_eager_update, OPTIMIZERS["adam-clip"]):
+        assert result["sharded"]
+        _check(result)
+
+
+#: Adam and AdamW with clipping, whose clip coefficient (float64) meets a 0-dim gradient.
+CLIPPED_ADAMS = {
+    "adam-clip": OPTIMIZERS["adam-clip"],
+    "adamw-clip": {"name": "adamw", "weight_decay": 0.1, "grad_clip": 0.05},
+}
+
+
+@pytest.mark.parametrize("optimizer", CLIPPED_ADAMS.values(), ids=CLIPPED_ADAMS.keys())
+def test_a_0_dim_parameter_is_clipped_and_updated_as_eager_one_process(optimizer):
+    result = bodies.in_graph_equals_eager_update(0, 1, optimizer, model_fn=bodies.ScaledLogits)
+    _check(result)
+
+
+def test_a_0_dim_bfloat16_parameter_is_clipped_and_updated_as_eager():
+    """bfloat16 parameters: the clip multiplies in float32 and rounds once, as in eager."""
+    optimizer = CLIPPED_ADAMS["adam-clip"]
+    _check(bodies.in_graph_equals_eager_update(0, 1, optimizer, model_fn=bodies.scaled_logits_bf16))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("optimizer", CLIPPED_ADAMS.values(), ids=CLIPPED_ADAMS.keys())
+def test_a_0_dim_parameter_is_clipped_and_updated_as_eager_under_fsdp(optimizer, dist_pool):
+    body = functools.partial(bodies.in_graph_equals_eager_update, model_fn=bodies.ScaledLogits)
+    results = dist_pool(2).run(body, optimizer)
+    for result in results:
         assert result["sharded"]
         _check(result)
 

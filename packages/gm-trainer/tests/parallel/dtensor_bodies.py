@@ -106,6 +106,23 @@ def _mlp_case():
     return model, mse_loss, plan, lambda step: make_regression_batch(8, 16, 8, seed=step)
 
 
+def l2_over_parameters(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
+    """MSE plus an L2 penalty over every module weight that is a parameter (under TP a
+    DTensor parameter, whose whole value the penalty takes)."""
+    weights = [
+        m.weight
+        for m in model.modules()
+        if isinstance(getattr(m, "weight", None), torch.nn.Parameter)
+    ]
+    whole = [w.full_tensor() if isinstance(w, DTensor) else w for w in weights]
+    return mse_loss(model, x, y) + 0.1 * sum((w**2).sum() for w in whole)
+
+
+def _mlp_l2_case():
+    model, _, plan, batch = _mlp_case()
+    return model, l2_over_parameters, plan, batch
+
+
 def _llama_case(sequence_parallel: bool = False):
     return llama(), llama_loss, llama_plan(2, sequence_parallel), llama_batch
 
@@ -128,6 +145,7 @@ def _qwen3_case():
 
 CASES = {
     "mlp": _mlp_case,
+    "mlp_l2": _mlp_l2_case,
     "llama": _llama_case,
     "llama_sp": lambda: _llama_case(True),
     "qwen3": _qwen3_case,

@@ -83,6 +83,46 @@ def _routing_figures(trainer: GraphTrainer) -> dict[str, Any]:
 _ROUTER_OPS = (torch.ops.aten.mm.default, torch.ops.aten.topk.default)
 
 
+def _train(trainer: GraphTrainer, dp_rank: int, dp: int, world: int) -> tuple[list, list]:
+    """STEPS steps on this rank's rows: each step's loss (mean over the world) and norm."""
+    rows = slice(dp_rank * ROWS, (dp_rank + 1) * ROWS)
+    losses, norms = [], []
+    for step in range(STEPS):
+        ids = _batch(step, dp)[rows]
+        loss = trainer.train_step({"input_ids": ids}, ids).detach().reshape(1).clone()
+        norms.append(trainer.optimizer_step())
+        dist.all_reduce(loss)
+        losses.append(loss.item() / world)
+    return losses, norms
+
+
+def cp_grouped_mm_parity(rank: int, world: int) -> dict[str, Any]:
+    """Tiny Mixtral with transformers' default experts kernel (``grouped_mm``) in float32,
+    ``cp_degree=2`` on 2 ranks (no expert parallelism): losses and norms as one eager
+    process within rtol 1e-5, every parameter within ``parity_tolerance``."""
+    model = moe_bodies.build("mixtral", experts_implementation="grouped_mm")
+    eager_losses, eager_norms, reference = _eager(model, 1)
+    mesh = MeshContext.build(cp=CP, dp_shard=1)
+    trainer = GraphTrainer(
+        model,
+        moe_bodies.hf_loss,
+        PassConfig(cp_degree=CP),
+        optimizer_config=OPTIMIZER,
+        mesh_context=mesh,
+    )
+    losses, norms = _train(trainer, mesh.dp_rank, 1, world)
+    torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=0)
+    torch.testing.assert_close(norms, eager_norms, rtol=1e-5, atol=0)
+    for fqn, expected in reference.named_parameters():
+        actual = full_parameter(trainer.model, fqn, trainer.sharding)
+        torch.testing.assert_close(
+            actual, expected.detach(), **parity_tolerance(STEPS), msg=lambda m, f=fqn: f"{f}: {m}"
+        )
+    (joint,) = trainer.registry.graphs("step")
+    grouped = [n for n in joint.graph_module.graph.nodes if "grouped_mm" in str(n.target)]
+    return {"losses": losses, "eager": eager_losses, "grouped_mm_nodes": len(grouped)}
+
+
 def parity(rank: int, world: int) -> dict[str, Any]:
     """``ep_degree=2`` x ``cp_degree=2`` (x ``dp_shard=world/2``) on a mesh context, against
     one eager process: losses and norms within rtol 1e-5, every parameter within
@@ -98,14 +138,7 @@ def parity(rank: int, world: int) -> dict[str, Any]:
         optimizer_config=OPTIMIZER,
         mesh_context=mesh,
     )
-    rows = slice(mesh.dp_rank * ROWS, (mesh.dp_rank + 1) * ROWS)
-    losses, norms = [], []
-    for step in range(STEPS):
-        ids = _batch(step, dp)[rows]
-        loss = trainer.train_step({"input_ids": ids}, ids).detach().reshape(1).clone()
-        norms.append(trainer.optimizer_step())
-        dist.all_reduce(loss)
-        losses.append(loss.item() / world)
+    losses, norms = _train(trainer, mesh.dp_rank, dp, world)
     torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=0)
     torch.testing.assert_close(norms, eager_norms, rtol=1e-5, atol=0)
     experts = expert_param_fqns(trainer.model)

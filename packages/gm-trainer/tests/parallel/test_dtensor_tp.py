@@ -25,6 +25,14 @@ def test_tp2_matches_eager_with_clipping(case, dist_pool):
     assert first["split"] == (3 if case == "mlp" else 14)
 
 
+def test_tp2_train_fn_sees_dtensor_parameters_as_parameters(dist_pool):
+    """An L2 penalty over the weights that are nn.Parameters: under DTensor TP the graph's
+    DTensor parameters are parameters, as in eager TP; the body checked losses, norms and
+    parameters against one eager process."""
+    results = dist_pool(2).run(bodies.parity, "mlp_l2", 2, timeout=300)
+    assert results[0]["losses"] == results[1]["losses"]
+
+
 def _in_graph_update_clips_like_eager(pool, world: int) -> None:
     """``OptimizerConfig(in_graph=True)`` under DTensor TP on ``world`` ranks (an eager
     fallback before): the traced norm sums the TP slices' squares over the TP group, counts

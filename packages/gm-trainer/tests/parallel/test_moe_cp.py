@@ -32,3 +32,13 @@ def test_ep2_x_cp2_matches_eager_and_routes_this_ranks_tokens(dist_pool, world):
         # Each routed (token, choice) pair counted once over the world, not once per cp rank.
         counts = [c for name, c in result["load"].items() if name != "all_to_all_bytes"]
         assert [sum(c) for c in counts] == [pairs, pairs]
+
+
+def test_cp2_trains_mixtral_with_its_default_grouped_mm_experts_in_float32(dist_pool):
+    """transformers' default experts kernel (grouped_mm) computes float32 on CPU; the cp pass
+    computes the shapes of the ops it rewrites with the shape functions capture uses. The
+    body checked losses, norms and parameters against one eager process."""
+    results = dist_pool(2).run(bodies.cp_grouped_mm_parity, timeout=900)
+    for result in results:
+        assert result["grouped_mm_nodes"] > 0  # the kernel is in the graph
+    assert results[0]["losses"] == results[1]["losses"]

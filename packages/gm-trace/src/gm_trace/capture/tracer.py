@@ -129,6 +129,7 @@ from gm_trace.graph.graph_annotate import (
 )
 from gm_trace.graph.guards import guards_of
 from gm_trace.graph.joint_graph import JointGraph
+from gm_trace.graph.param_view import seen_as_parameter
 from gm_trace.graph.signature import InputSignature, flatten_io
 from gm_trace.parallel.ep import expert_shards
 from gm_trace.parallel.tp import check_no_fake_constants, dtensor_state
@@ -255,7 +256,7 @@ def trace_model_graph(
         if param_dtype is not None:
             st = (
                 tuple(
-                    t if keep else cast_floating(t, param_dtype)
+                    t if keep else seen_as_parameter(cast_floating(t, param_dtype), t)
                     for t, keep in zip(st[:n_params], keeps_dtype)
                 )
                 + st[n_params:]
@@ -372,8 +373,9 @@ def _module_named(model: nn.Module, fqn: str, what: str) -> nn.Module:
 
 @dataclass(frozen=True)
 class _TraceAs:
-    """Trace a state tensor as a fake tensor of ``shape`` (its dtype, requires_grad, and its
-    device unless ``device`` is given: where a meta tensor will be materialized)."""
+    """Trace a state tensor as a fake tensor of ``shape`` (its dtype, requires_grad, a
+    parameter where it is one, and its device unless ``device`` is given: where a meta tensor
+    will be materialized)."""
 
     shape: torch.Size
     like: Tensor
@@ -381,9 +383,9 @@ class _TraceAs:
 
     def fake(self) -> Tensor:
         # Called inside the FakeTensorMode: torch.empty makes a fake tensor, not memory.
-        return torch.empty(
-            self.shape, dtype=self.like.dtype, device=self.device or self.like.device
-        ).requires_grad_(self.like.requires_grad)
+        device = self.device or self.like.device
+        fake = torch.empty(self.shape, dtype=self.like.dtype, device=device)
+        return seen_as_parameter(fake.requires_grad_(self.like.requires_grad), self.like)
 
 
 def _make_fx_graph(

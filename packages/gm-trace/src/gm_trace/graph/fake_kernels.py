@@ -4,7 +4,9 @@ Graph capture traces on fake tensors, so every op of the step needs a shape func
 then runs the op's real kernel, so a shape function changes no value, but a wrong one makes
 the graph record ops the real tensors refuse. :func:`extra_fake_kernels` mends two cases for
 the duration of a trace (the tracer enters it in
-:func:`~gm_trace.capture.trace_context.tracing_context`) and of an Inductor compile, which
+:func:`~gm_trace.capture.trace_context.tracing_context`), of the graph passes, which compute
+the values of the nodes they write on fake tensors
+(:meth:`~gm_trace.graph.joint_graph.JointGraph.through`), and of an Inductor compile, which
 traces the graph on fake tensors again (:mod:`gm_trace.passes.inductor_backend`); nothing
 stays registered after the block:
 

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch.fx as fx
 
 from gm_trace.graph.compiled_step import CompiledStep
+from gm_trace.graph.fake_kernels import extra_fake_kernels
 from gm_trace.graph.graph_annotate import OutputSpec
 from gm_trace.graph.guards import ShapeGuards
 from gm_trace.graph.signature import InputSignature
@@ -181,7 +182,10 @@ class JointGraph:
         """This graph after ``pipeline``'s passes, with what they decided: the sharding
         layout, the compiled step. ``run_options`` go to :meth:`PassPipeline.run` (``model``,
         process groups, ``dump_dir``)."""
-        graph_module = pipeline.run(self.graph_module, graph_info=self, **run_options)
+        # A pass computes the values of the nodes it writes on fake tensors, as capture did:
+        # with the same shape functions (float32 grouped_mm on CPU, ...).
+        with extra_fake_kernels():
+            graph_module = pipeline.run(self.graph_module, graph_info=self, **run_options)
         artifacts = pipeline.context.artifacts
         in_graph = OPTIMIZER_UPDATE in artifacts
         deferred = artifacts.get(DEFERRED_REDUCTION)

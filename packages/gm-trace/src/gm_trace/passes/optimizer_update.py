@@ -46,6 +46,7 @@ What to trace (:class:`OptimizerUpdate`, the trainer's side of the contract) is
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -245,7 +246,7 @@ class _Emitter:
             rule = spec.groups[bucket.group]
             bucket_grads: Any = [grads[fqn] for fqn in bucket.fqns]
             if coef is not None:
-                bucket_grads = self.op(aten._foreach_mul.Tensor, bucket_grads, coef)
+                bucket_grads = self.clipped(bucket_grads, coef)
             emit_update(
                 self.op,
                 rule,
@@ -270,6 +271,25 @@ class _Emitter:
         )
         coef = op(aten.div.Tensor, max_norm, op(aten.add.Tensor, norm, 1e-6))
         return op(aten.clamp_max.default, coef, 1.0)
+
+    def clipped(self, grads: list[fx.Node], coef: fx.Node) -> list[fx.Node]:
+        """``grads`` (one bucket: one dtype) times the float64 ``coef``, each in its own dtype,
+        as ``gm_trainer.optim.config.clip_to_norm``'s in-place ``g.mul_(coefficient)``: the
+        multiply reads the coefficient in its compute dtype (float32 for lower precisions).
+        A 0-dim gradient would take a 0-dim coefficient's dtype: it gets it in its compute
+        dtype and is cast back, which rounds as the in-place multiply does."""
+        dtype = grads[0].meta["val"].dtype
+        compute = torch.promote_types(dtype, torch.float32)
+        if compute != coef.meta["val"].dtype:
+            coef = self.op(aten._to_copy.default, coef, dtype=compute)
+        scaled = self.op(aten._foreach_mul.Tensor, grads, coef)
+        if compute == dtype or all(g.meta["val"].dim() for g in grads):
+            return scaled
+        out = [self.op(operator.getitem, scaled, i) for i in range(len(grads))]
+        return [
+            self.op(aten._to_copy.default, o, dtype=dtype) if not g.meta["val"].dim() else o
+            for o, g in zip(out, grads)
+        ]
 
     def global_norm(self, grads: list[fx.Node], fqns: list[str], loss: fx.Node) -> fx.Node:
         """The 2-norm of all gradients as on the unsharded model, with the op order of

@@ -35,6 +35,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from gm_passes.graph_ops import is_collective, is_wait
 from gm_trace.graph.errors import GraphCaptureError
 from gm_trace.graph.graph_build import is_all_gather
+from gm_trace.graph.param_view import seen_as_parameter
 
 #: A local TP shard carries the dim it was split along (whole on every TP rank when absent).
 TP_SHARD_DIM_ATTR = "_gm_tp_shard_dim"
@@ -156,9 +157,11 @@ def with_dtensor_params(
     returned as its whole value (``loss_parallel`` gives a replicated one)."""
 
     def step(model: nn.Module, input: Any, label: Any) -> Tensor:
-        # Not model.get_parameter: inside a trace the state may be plain tensors standing in
-        # for the parameters (full shapes after FSDP sharded them, param_dtype casts).
-        mapping = {fqn: spec.wrap(_state_tensor(model, fqn)) for fqn, spec in specs.items()}
+        # A DTensor parameter is an nn.Parameter in eager TP: so is the one train_fn sees.
+        mapping = {}
+        for fqn, spec in specs.items():
+            local = _state_tensor(model, fqn)
+            mapping[fqn] = seen_as_parameter(spec.wrap(local), local)
         with _reparametrize_module(model, mapping):
             loss = train_fn(model, input, label)
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
