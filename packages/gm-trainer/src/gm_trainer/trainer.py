@@ -358,8 +358,14 @@ class GraphTrainer:
                 "inspection() before the first compile: call trainer.compile(sample_input, "
                 "sample_label) first (the model is sharded and the optimizer built then)"
             )
+        pipeline = self.executor.runtime.pipeline
         with run_left_as_it_was(
-            self.model, self.optimizer, self.lr_scheduler, self.train_state, self.device
+            self.model,
+            self.optimizer,
+            self.lr_scheduler,
+            self.train_state,
+            self.device,
+            pipeline.generators if pipeline is not None else None,
         ):
             yield
 
@@ -515,6 +521,7 @@ class GraphTrainer:
             row_shards=self.row_shards,
             foreign=runtime.foreign_state(),
             pipelined=runtime.pipeline is not None,
+            stage_generators=runtime.pipeline.generators if runtime.pipeline is not None else None,
             lr_scheduler=self.lr_scheduler,
         )
 

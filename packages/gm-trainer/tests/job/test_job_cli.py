@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 from extras import PLOT
 
@@ -188,6 +189,23 @@ def test_under_torchrun_only_rank_0_reports(
     monkeypatch.setenv("RANK", "0")
     assert main(["train.global_batch_size=6"]) == 2
     assert "world_size * train.accumulation = 4 * 1" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA ranks capture CUDA graphs")
+def test_cuda_graphs_on_cpu_ranks_is_refused_before_any_rank_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["--nproc", "2", "parallel.cuda_graphs=true"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gm-train: error: parallel.cuda_graphs=true captures CUDA graphs")
+    assert "the ranks here run on cpu" in err and "parallel.cuda_graphs=false" in err
+    assert not (tmp_path / "runs").exists()  # no run folder: nothing started
+    # The update in the graph is refused on any device (its host scalars), before any rank.
+    assert main(["--nproc", "2", "parallel.cuda_graphs=true", "train.optimizer_in_graph=true"]) == 2
+    assert "train.optimizer_in_graph=true" in capsys.readouterr().err
+    # "auto" runs each such graph uncaptured: not refused.
+    assert main(["--print-config", "parallel.cuda_graphs=auto"]) == 0
 
 
 @pytest.mark.parametrize(

@@ -93,6 +93,21 @@ def test_plan_errors_are_the_runs_errors(
         main(["--plan", "--resume", "auto"])
 
 
+def test_plan_under_zbv_names_the_stages_each_rank_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """ZB-V places stages 0 and 3 on pipeline rank 0, 1 and 2 on rank 1: a line per rank
+    names both (not "stage 0" and "stage 1")."""
+    monkeypatch.chdir(tmp_path)
+    layout = ["parallel.pp_degree=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2"]
+    small = ["parallel.pp_microbatches=2", "model.seq_len=16", "train.global_batch_size=2"]
+    assert main(["--plan", "--nproc", "2", *layout, *small]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("pipeline rank 0, stages 0, 3 (ranks 0..0):") for line in lines)
+    assert any(line.startswith("pipeline rank 1, stages 1, 2 (ranks 1..1):") for line in lines)
+    assert not any(line.startswith("stage ") for line in lines)
+
+
 @JOBS
 @HF
 @TOKENIZERS

@@ -170,3 +170,50 @@ def pipeline(rank: int, world: int) -> dict:
             for n in reduction.graph_module.graph.nodes
         ),
     }
+
+
+def tensor_parallel(rank: int, world: int) -> dict:
+    """TP over every rank (an MLP, fc1 column-wise, fc2 row-wise: no data-parallel rank to
+    shard over) with ``cpu_offload``: each rank's fsdp group of one offloads its TP pieces.
+    STEPS steps bitwise the run without offload; returns the offloaded run's summary."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from gm_trace.testing import MLP, make_regression_batch, mse_loss
+    from gm_trainer import MeshContext
+
+    runs = {}
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = MLP(16, 32, 8)
+        mesh = MeshContext.build(tp=world, dp_shard=-1)
+        parallelize_module(
+            model, mesh.device_mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+        )
+        run = GraphTrainer(
+            model,
+            mse_loss,
+            PassConfig(cpu_offload=offload),
+            optimizer_config={"name": "adam", "lr": 1e-2},
+            mesh_context=mesh,
+            passes=[FSDPPass(offload_on_cpu=True)] if offload else [],
+        )
+        losses = []
+        for step in range(STEPS):
+            losses.append(run.train_step(*make_regression_batch(8, 16, 8, seed=step)).item())
+            run.optimizer_step()
+        # This rank's pieces: DTensors' local tensors; the offloaded run's are the fsdp pass's
+        # rows of its group of one (the same values).
+        pieces = {
+            fqn: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+            for fqn, p in run.model.named_parameters()
+        }
+        runs[offload] = (run, losses, pieces)
+    (_, plain, plain_pieces), (run, offloaded, pieces) = runs[False], runs[True]
+    assert offloaded == plain, (offloaded, plain)
+    assert not bitwise(plain_pieces, pieces), bitwise(plain_pieces, pieces)
+    return {"summary": run.pass_summary(), "offloaded": run.sharding.offloaded}

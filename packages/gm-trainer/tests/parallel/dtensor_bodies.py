@@ -9,6 +9,7 @@ from pathlib import Path
 
 import mesh_bodies
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from eager_reference import world_mean_losses
 from hf_configs import tiny_llama
@@ -351,3 +352,54 @@ def unsupported(rank: int, world: int) -> dict[str, str]:
     except GraphCaptureError as exc:
         errors["2-D mesh"] = str(exc)
     return errors
+
+
+def _flagged_mse(model, inputs, y):
+    """``mse_loss`` plus ``0 * sqrt(|fc2.bias|.sum() * flag)``: exact zeros with ``flag == 1``;
+    with ``flag == 0`` the gradient of ``fc2.bias`` (TP-replicated: RowwiseParallel's bias)
+    is NaN on this rank alone (``0 * inf``), while the loss and every other gradient stay
+    finite."""
+    x, flag = inputs
+    bias = model.fc2.bias
+    local = bias.to_local() if isinstance(bias, DTensor) else bias
+    return mse_loss(model, x, y) + 0 * torch.sqrt(local.abs().sum() * flag)
+
+
+def nan_in_one_ranks_replicated_grad(rank: int, world: int, in_graph: bool) -> dict:
+    """TP over every rank (the MLP case's plan), ``nonfinite="skip"``, the update eager or in
+    the graph: three steps on the same batches, the second with a NaN in the last rank's
+    gradient of the replicated ``fc2.bias``. Returns each step's norm, the step counts, and
+    whether every parameter's TP pieces are equal across the ranks that share them (the
+    replicated ones) and whole like eager's after skipping the bad step."""
+    model, _, plan, batch = _mlp_case()
+    reference = copy.deepcopy(model)
+    mesh = MeshContext.build(tp=world, dp_shard=-1)
+    parallelize_module(model, mesh.device_mesh["tp"], plan)
+    optimizer = {**OPTIMIZER, "in_graph": in_graph}
+    trainer = GraphTrainer(
+        model, _flagged_mse, PassConfig(), optimizer_config=optimizer, mesh_context=mesh,
+        nonfinite="skip",
+    )  # fmt: skip
+    norms = []
+    for step in range(3):
+        flag = torch.tensor(0.0 if step == 1 and rank == world - 1 else 1.0)
+        x, y = batch(step)
+        trainer.train_step((x, flag), y)
+        norms.append(trainer.optimizer_step())
+    # Eager: the good steps alone (what the skipped step must leave).
+    _, reference = _eager(reference, mse_loss, lambda s: batch((0, 2)[s]), 2)
+    tp_group = mesh.device_mesh["tp"].get_group()
+    replicated_equal, worst = True, 0.0
+    for fqn, expected in reference.named_parameters():
+        whole = mesh_bodies.whole_parameter(trainer, fqn, tp_group)
+        pieces = [torch.empty_like(whole) for _ in range(world)]
+        dist.all_gather(pieces, whole.contiguous(), group=tp_group)
+        replicated_equal &= all(torch.equal(p, pieces[0]) for p in pieces)
+        worst = max(worst, (whole - expected.detach()).abs().max().item())
+    return {
+        "norms": norms,
+        "steps": (trainer.step, trainer.skipped_steps),
+        "equal_across_ranks": replicated_equal,
+        "worst_vs_eager": worst,
+        "in_graph": trainer.optimizer_in_graph,
+    }

@@ -132,3 +132,12 @@ def test_plan_of_the_default_job_fits_with_offload(capsys):
     assert main(["--plan", "--nproc", "2", "--device-memory", "0.034"]) == 0
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "FITS WITH cpu_offload" in out, out
+
+
+def test_tp2_without_data_parallel_ranks_offloads_its_pieces(dist_pool):
+    """TP 2 on 2 ranks leaves no rank to shard over; as on one rank, the fsdp group of one
+    still offloads (the TP pieces), bitwise the run without offload (asserted in the body)."""
+    for result in dist_pool(2).run(bodies.tensor_parallel, timeout=300):
+        assert result["offloaded"]
+        assert "cpu offload: forced on CPU (tests)" in result["summary"], result["summary"]
+        assert "bytes of shards to the device" in result["summary"]

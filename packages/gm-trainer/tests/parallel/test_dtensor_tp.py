@@ -3,6 +3,8 @@ real gloo ranks, against one eager process on the same weights and data."""
 
 from __future__ import annotations
 
+import math
+
 import dtensor_bodies as bodies
 import pytest
 from extras import HF
@@ -126,3 +128,21 @@ def test_dtensor_models_graph_mode_cannot_take_are_clear_errors(dist_pool):
     assert "'fc1.weight' has placement Partial" in errors["partial"]
     assert "'fc2.weight' is a DTensor on a 2-D mesh" in errors["2-D mesh"]
     assert "splits no activation along the sequence" in errors["no sequence parallelism"]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("in_graph", [False, True], ids=["eager_update", "update_in_graph"])
+def test_tp2_nan_in_one_ranks_replicated_gradient_is_skipped_on_every_rank(in_graph, threads):
+    """A replicated weight's gradient is computed on each TP rank, never reduced: a NaN in
+    one rank's must still make every rank's norm NaN, so all skip the step together (the
+    replicas stay equal) and the good steps train as eager does."""
+    with DistributedPool(2, threads=threads) as pool:
+        results = pool.run(bodies.nan_in_one_ranks_replicated_grad, in_graph, timeout=300)
+    for result in results:
+        assert result["in_graph"] == in_graph
+        assert result["steps"] == (3, 1)  # the bad step counted, skipped, on every rank
+        first, bad, last = result["norms"]
+        assert math.isfinite(first) and math.isfinite(last) and math.isnan(bad)
+        assert result["equal_across_ranks"]
+        assert result["worst_vs_eager"] <= 1e-5
+    assert results[0]["norms"][0::2] == results[1]["norms"][0::2]

@@ -278,6 +278,59 @@ def stage_masks(rank: int, world: int, seed: int) -> dict:
     return {"grad": probe.w.grad.clone(), "seed": trainer.pipeline.seed}
 
 
+class MaskChain(nn.Module):
+    """Four mask probes of the same shape, one per pipeline stage (``s0`` .. ``s3``)."""
+
+    def __init__(self, rows: int, dim: int = DIM, p: float = 0.5) -> None:
+        super().__init__()
+        for stage in range(4):
+            self.add_module(f"s{stage}", _MaskProbe(rows, dim, p))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in range(4):
+            x = getattr(self, f"s{stage}")(x)
+        return x
+
+
+def _chain_trainer(world: int, schedule: str, virtual: int) -> GraphTrainer:
+    torch.manual_seed(7)
+    model = MaskChain(ROWS // 4)
+    config = PassConfig(
+        pp_degree=world, pp_microbatches=4, pp_schedule=schedule, pp_virtual_stages=virtual
+    )
+    plan = PassPlan(pp_stages=[[f"s{stage}"] for stage in range(4)])
+    return GraphTrainer(model, sum_loss, config, plan, optimizer_config={"lr": LR})
+
+
+def chain_masks(
+    rank: int, world: int, schedule: str, virtual: int, root: str | None = None
+) -> dict[int, list[torch.Tensor]]:
+    """Three steps of :class:`MaskChain` (4 stages, 4 micro-batches) under ``schedule``: per
+    stage this rank runs, its probe's gradient in each step (its masks: ``w``'s value does not
+    enter it). With ``root`` the run is saved after the first step and the last two steps run
+    on a fresh trainer that loaded it."""
+    from gm_trainer.checkpoint import load_checkpoint, save_checkpoint
+
+    trainer = _chain_trainer(world, schedule, virtual)
+    grads: dict[int, list[torch.Tensor]] = {}
+    for step in range(3):
+        if root is not None and step == 1:
+            save_checkpoint(trainer, root)
+            trainer = _chain_trainer(world, schedule, virtual)
+            # A loaded trainer must have compiled: one step of the batch's signature, whose
+            # gradients are dropped (the load puts weights, state and streams back).
+            trainer.train_step(*batch(0))
+            for param in trainer.model.parameters():
+                param.grad = None
+            load_checkpoint(trainer, root)
+        trainer.train_step(*batch(step))
+        for stage in trainer.pipeline.own_stages:
+            probe = getattr(trainer.model, f"s{stage}").w
+            grads.setdefault(stage, []).append(probe.grad.clone())
+        trainer.optimizer_step()
+    return grads
+
+
 _STALL: dict[str, float | int | None] = {"calls": 0, "at": None, "seconds": 0.0}
 """This rank's stalling backend: the call that sleeps (``None``: none) and for how long."""
 

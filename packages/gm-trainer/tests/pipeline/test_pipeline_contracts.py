@@ -4,6 +4,8 @@ may keep tuples and lists (BatchNorm), a stalled peer is a clear error."""
 
 from __future__ import annotations
 
+import os
+
 import pipeline_contract_bodies as bodies
 import pytest
 import torch
@@ -93,3 +95,46 @@ def test_a_stalled_pipeline_peer_is_a_training_error_naming_the_wait(how):
     assert "the timeout= of torch.distributed.init_process_group" in message
     assert f"Timed out waiting {int(STALL_TIMEOUT_S * 1000)}ms" in message
     assert "stopped calling train_step()" in message
+
+
+def _stage_masks(results: list[dict]) -> dict[int, list[torch.Tensor]]:
+    return {stage: grads for result in results for stage, grads in result.items()}
+
+
+#: The default suite runs zbv (two V stages a rank); ``GM_PP=all`` (nox -s pipelines) the rest.
+_PP_ALL = pytest.mark.skipif(os.environ.get("GM_PP") != "all", reason="GM_PP=all")
+
+
+@pytest.mark.parametrize(
+    ("schedule", "world", "virtual"),
+    [
+        pytest.param("gpipe", 4, 1, marks=_PP_ALL),
+        pytest.param("zb1p", 4, 1, marks=_PP_ALL),
+        pytest.param("interleaved_1f1b", 2, 2, marks=_PP_ALL),
+        ("zbv", 2, 2),
+        pytest.param("dualpipev", 2, 2, marks=_PP_ALL),
+    ],
+)
+def test_every_schedule_draws_each_stages_dropout_masks_as_1f1b(
+    schedule, world, virtual, dist_pool
+):
+    """Four stages, on four ranks or two per rank: each stage draws from its own stream, so
+    its masks (its probe's gradient, step by step) are 1F1B's on four ranks, bitwise."""
+    expected = _stage_masks(dist_pool(4).run(bodies.chain_masks, "1f1b", 1, timeout=600))
+    masks = _stage_masks(dist_pool(world).run(bodies.chain_masks, schedule, virtual, timeout=600))
+    assert sorted(masks) == sorted(expected) == [0, 1, 2, 3]
+    assert not torch.equal(expected[0][0], expected[3][0])  # the stages' masks differ
+    for stage, grads in expected.items():
+        assert all(torch.equal(a, b) for a, b in zip(masks[stage], grads)), (schedule, stage)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "interleaved_1f1b"])
+def test_a_rank_with_two_stages_resumes_both_streams(schedule, dist_pool, tmp_path):
+    """Saved after one step and loaded into a fresh trainer, both stages of a rank go on
+    drawing the masks of the straight run."""
+    straight = dist_pool(2).run(bodies.chain_masks, schedule, 2, timeout=600)
+    resumed = dist_pool(2).run(bodies.chain_masks, schedule, 2, str(tmp_path / "ckpt"), timeout=600)
+    for run, again in zip(straight, resumed):
+        assert sorted(run) == sorted(again) and len(run) == 2
+        for stage in run:
+            assert all(torch.equal(a, b) for a, b in zip(run[stage], again[stage])), stage

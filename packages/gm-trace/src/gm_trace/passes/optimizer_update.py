@@ -326,6 +326,13 @@ class _Emitter:
             op(aten.zeros.default, [], dtype=torch.float64, device=device),
             op(aten.full.default, [], float("inf"), dtype=torch.float64, device=device),
         )
+        # A non-finite replicated gradient (computed on each rank, never reduced) must reach
+        # every rank's norm, as in the eager norm: ``0 * squares`` (+0.0, or NaN) rides with
+        # the loss's flag through the FSDP all-reduce and then the TP one.
+        replicated = squares(of("replicated"))
+        replicated_tp = squares(of("replicated_tp")) if tp else None
+        local = replicated if not tp else op(aten.add.Tensor, replicated, replicated_tp)
+        bad_loss = op(aten.add.Tensor, bad_loss, op(aten.mul.Tensor, local, 0.0))
         # Disjoint over the FSDP group: its shards, experts, the loss's flag, TP slices' shards.
         summed = [squares(of("sharded")), expert_squares, bad_loss]
         if tp:
@@ -335,13 +342,15 @@ class _Emitter:
             over_group = self.all_reduce(over_group, spec.group_name)
         first = op(aten.select.int, over_group, 0, 0)
         rest = op(aten.add.Tensor, op(aten.select.int, over_group, 0, 1), squares([]))
-        total = op(aten.add.Tensor, op(aten.add.Tensor, first, rest), squares(of("replicated")))
+        flag = op(aten.select.int, over_group, 0, 2)
+        total = op(aten.add.Tensor, op(aten.add.Tensor, first, rest), replicated)
         if tp:  # TP slices are disjoint over the TP group; what it left whole counts once
-            over_tp = op(
-                aten.add.Tensor, op(aten.select.int, over_group, 0, 3), squares(of("replicated_tp"))
-            )
+            over_tp = op(aten.add.Tensor, op(aten.select.int, over_group, 0, 3), replicated_tp)
+            seen = op(aten.add.Tensor, op(aten.add.Tensor, first, rest), flag)
+            seen = op(aten.add.Tensor, seen, replicated)
+            over_tp = op(aten.add.Tensor, over_tp, op(aten.mul.Tensor, seen, 0.0))
             total = op(aten.add.Tensor, total, self.all_reduce(over_tp, spec.tp_group_name))
-        total = op(aten.add.Tensor, total, op(aten.select.int, over_group, 0, 2))
+        total = op(aten.add.Tensor, total, flag)
         if spec.pp_group_name is not None:  # each stage holds its own parameters
             total = self.all_reduce(total, spec.pp_group_name)
         return op(aten.sqrt.default, total)

@@ -86,7 +86,7 @@ def trainer_state_dict(trainer: Any, extra: Mapping[str, Any] | None = None) -> 
             "param_groups": _param_groups_to_json(view.optimizer),
         },
         "trainer": json.dumps(header),
-        "rng": {f"rank{view.topology.rank}": _rng_state(view.topology.device)},
+        "rng": {f"rank{view.topology.rank}": _rng_state(view)},
     }
     if view.lr_scheduler is not None:  # state of the run, beside the optimizer's
         state[SCHEDULER] = json.dumps(scheduler_state(view.lr_scheduler))
@@ -184,7 +184,7 @@ def restore(view: CheckpointView, state: Mapping[str, Any], *, copy: bool) -> di
             live[key].copy_(piece)
     view.optimizer.load_state_dict(optim_sd)
     view.state.restore(header["step"], header["data_position"])
-    _set_rng_state(state.get("rng", {}), view.topology.rank, view.topology.device)
+    _set_rng_state(state.get("rng", {}), view)
     extra = json.loads(state["extra"]) if state.get("extra") else {}
     saved = state.get(SCHEDULER)
     scheduler = json.loads(saved) if saved else None
@@ -349,17 +349,23 @@ def _param_groups_to_json(optimizer: torch.optim.Optimizer) -> str:
     return json.dumps(groups)
 
 
-def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+def _rng_state(view: CheckpointView) -> dict[str, torch.Tensor]:
+    device = view.topology.device
     state = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
+    if view.stage_generators is not None:  # the streams of this rank's other stages
+        state.update(view.stage_generators.state_dict())
     return state
 
 
-def _set_rng_state(saved: Mapping[str, Any], rank: int, device: torch.device) -> None:
-    state = saved.get(f"rank{rank}") or saved.get("rank0")
+def _set_rng_state(saved: Mapping[str, Any], view: CheckpointView) -> None:
+    device = view.topology.device
+    state = saved.get(f"rank{view.topology.rank}") or saved.get("rank0")
     if not state:
         return
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
+    if view.stage_generators is not None:
+        view.stage_generators.load_state_dict(state)

@@ -36,6 +36,10 @@ class CheckpointView:
     """State another pipeline stage owns: this rank neither saves nor loads it."""
     pipelined: bool = False
     """True under pipeline parallelism (each rank holds its stages' state only)."""
+    stage_generators: Any = None
+    """The random-number states of this rank's pipeline stages beyond the default generators'
+    (``state_dict`` / ``load_state_dict``: :class:`~gm_trainer.pipeline.generators.
+    StageGenerators`), saved and restored beside them; ``None``: none."""
     lr_scheduler: Any = None
     """The optimizer's LR scheduler (``None``: none): state of the run, saved and restored
     with the optimizer (an ``lr_scheduler`` entry, as torchtitan's ``LRSchedulersContainer``

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from gm_config import ConfigError
 from gm_trainer.checkpoint import CheckpointError, checkpoint_extra
-from gm_trainer.job.config.checks import pipeline_bubble_warning
+from gm_trainer.job.config.checks import check_device, pipeline_bubble_warning
 from gm_trainer.job.config.job_config import JobConfig, load_config
 from gm_trainer.job.run.launch import AUTO, auto_resume_key, auto_resume_point, map_slurm_env
 from gm_trainer.job.run_folder.choice import (
@@ -37,6 +37,7 @@ from gm_trainer.job.run_folder.resume import (
     config_of_checkpoint,
     find_resume_point,
 )
+from gm_trainer.parallel.device import detect_device_type
 
 if TYPE_CHECKING:
     from gm_trainer.job.data.windows import JobData
@@ -143,8 +144,6 @@ def default_nproc() -> int:
     """One rank per accelerator; 2 CPU ranks (gloo) when there is none."""
     import torch
 
-    from gm_trainer.parallel.device import detect_device_type
-
     kind = detect_device_type()
     if kind == "cpu":
         return 2
@@ -217,6 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.plan:
             return _plan(config, world_size * args.nnodes, args.device_memory)
         config.check_world_size(world_size)
+        check_device(config, detect_device_type())
         if resume is not None:  # before the ranks build, compile and load anything
             check_same_model(config, extra.get("config"), resume.checkpoint)
             check_model_layout(config, extra, resume.checkpoint)

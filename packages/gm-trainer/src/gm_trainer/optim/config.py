@@ -132,7 +132,8 @@ def global_grad_norm(
 
     ``sharded`` / ``replicated``: gradients of FSDP-sharded / FSDP-replicated parameters.
     Shards are disjoint pieces: their squared norms are summed over ``group``. Replicated
-    gradients are identical on every rank and count once. ``sharded_tp`` / ``replicated_tp``:
+    gradients are identical on every rank and count once (one that is not finite on any rank
+    makes every rank's norm NaN). ``sharded_tp`` / ``replicated_tp``:
     the same for tensor-parallel-sharded parameters, whose TP slices are disjoint too: their
     squared norms are also summed over ``tp_group``. At most one all-reduce per group.
     """
@@ -146,13 +147,26 @@ def global_grad_norm(
         parts = torch._foreach_powsum([g.detach() for g in grads], 2, dtype=torch.float64)
         return torch.stack([part.cpu() for part in parts]).sum()
 
-    over_fsdp = torch.stack([squares(sharded), squares(sharded_tp)])
+    # Replicated gradients are computed on each rank and counted from this rank alone: a NaN
+    # or inf in one rank's copy must still reach every rank's norm, or that rank would skip
+    # the step the others take (the replicas would part). ``0 * squares`` is an exact +0.0
+    # when they are finite and NaN when not; it rides both all-reduces (the FSDP group's, then
+    # the TP group's, which together reach every rank of the mesh).
+    replicated_squares, replicated_tp_squares = squares(replicated), squares(replicated_tp)
+    over_fsdp = torch.stack(
+        [
+            squares(sharded),
+            squares(sharded_tp),
+            0.0 * (replicated_squares + replicated_tp_squares),
+        ]
+    )
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(over_fsdp, group=group)
-    over_tp = over_fsdp[1] + squares(replicated_tp)
+    over_tp = over_fsdp[1] + replicated_tp_squares
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        over_tp = over_tp + 0.0 * (over_fsdp[0] + over_fsdp[2] + replicated_squares)
         dist.all_reduce(over_tp, group=tp_group)
-    return (over_fsdp[0] + over_tp + squares(replicated)).sqrt()
+    return (over_fsdp[0] + over_tp + replicated_squares + over_fsdp[2]).sqrt()
 
 
 def clip_to_norm(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:

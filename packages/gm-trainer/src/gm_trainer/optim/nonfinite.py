@@ -7,6 +7,8 @@ weight is changed and the gradients are zeroed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -25,12 +27,15 @@ def check_nonfinite_mode(mode: object) -> str:
 
 
 def first_nonfinite_grad(
-    model: torch.nn.Module, group: dist.ProcessGroup | None, device: torch.device
+    model: torch.nn.Module,
+    groups: Sequence[dist.ProcessGroup | None],
+    device: torch.device,
 ) -> str | None:
     """The FQN of the first parameter (``named_parameters`` order) with a non-finite gradient.
 
-    With ``group`` every rank gets the same answer, whichever rank holds the bad shard: one
-    all-reduce, which every rank of ``group`` must reach (they do: the norm is global).
+    Every rank of ``groups`` (the FSDP group, the TP group: the ranks that hold the same
+    parameter names) gets the same answer, whichever rank holds the bad shard or copy: one
+    all-reduce per group, which every rank must reach (they do: the norm is global).
     """
     names = [fqn for fqn, _ in model.named_parameters()]
     first = next(
@@ -41,10 +46,11 @@ def first_nonfinite_grad(
         ),
         len(names),
     )
-    if group is not None and dist.get_world_size(group) > 1:
-        index = torch.tensor([first], dtype=torch.int64, device=device)
-        dist.all_reduce(index, op=dist.ReduceOp.MIN, group=group)
-        first = int(index.item())
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            index = torch.tensor([first], dtype=torch.int64, device=device)
+            dist.all_reduce(index, op=dist.ReduceOp.MIN, group=group)
+            first = int(index.item())
     return names[first] if first < len(names) else None
 
 

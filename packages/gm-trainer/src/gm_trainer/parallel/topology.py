@@ -225,7 +225,9 @@ def _groups(
             Role.EP: mesh.ep_group,
             Role.EP_REPLICATE: mesh.ep_replicate_group,
         }
-        if fsdp_wanted and parallel.dp_cp > 1:  # pure TP: nothing to shard over
+        # Pure TP has nothing to shard over, but cpu_offload still moves this rank's TP
+        # pieces to the host through an fsdp group of one, as without a mesh.
+        if fsdp_wanted and (parallel.dp_cp > 1 or cpu_offload):
             found[Role.FSDP] = mesh.fsdp_group
             found[Role.REPLICATE] = mesh.replicate_group
         ep_mesh = mesh.ep_mesh

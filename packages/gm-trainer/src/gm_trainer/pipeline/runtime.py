@@ -16,9 +16,11 @@ once per optimizer step (:class:`~gm_trainer.step.deferred.DeferredGrads`), so e
 reduce-scattered once per step, as without a pipeline. The loss comes from the stage that
 computes it, averaged over micro-batches, to every rank.
 
-Each rank's random generators are seeded once, when the run is resolved, from the seed the
-user set, its place in the pipeline and its data-parallel index (:func:`pipeline_seed`), so
-the dropout masks of different stages and replicas are independent.
+Each stage's random stream is seeded once, when the run is resolved, from the seed the user
+set, the stage and the data-parallel index (:func:`pipeline_seed`), so the dropout masks of
+different stages and replicas are independent; a rank with two or more stages swaps each
+stage's stream in around its halves (:mod:`gm_trainer.pipeline.generators`), so a stage draws
+the same masks under every schedule.
 
 With expert parallelism (``ep_degree``) the ep group of a stage is made of that stage's
 data-parallel ranks (checked when the run is resolved): they run the same actions in the same
@@ -34,7 +36,6 @@ Parameters of other stages are freed on this rank: it never reads them.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ from gm_trainer.errors import TrainingError
 from gm_trainer.optim.gradients import add_to_grad
 from gm_trainer.parallel.ranks import waiting_for
 from gm_trainer.parallel.topology import ResolvedRun
+from gm_trainer.pipeline.generators import StageGenerators, pipeline_seed
 from gm_trainer.pipeline.messages import Env, Receives, StageMessages
 from gm_trainer.pipeline.microbatches import symbol_sizes
 from gm_trainer.pipeline.planner import schedule_orders
@@ -114,7 +116,9 @@ class PipelineRunner:
         """The cut of every graph this rank's stages ran."""
         self.stats = PipelineStats()
         self.seed: int | None = None
-        """The seed :meth:`seed_generators` gave this rank's generators."""
+        """The seed :meth:`seed_generators` gave this rank's (first stage's) generators."""
+        self.generators = StageGenerators(self.topology.device)
+        """The random-number stream of each of this rank's stages."""
 
     # ------------------------------------------------------------------ set-up
 
@@ -160,14 +164,13 @@ class PipelineRunner:
         return self.current.cut if self.current is not None else None
 
     def seed_generators(self) -> int:
-        """Seed this rank's generators (``torch.manual_seed``: CPU and accelerators) with
-        :func:`pipeline_seed` of the seed last set (``torch.initial_seed()``), this rank's
-        place in its pipeline and its data-parallel index; returns the seed. Without it every
-        stage would draw the same dropout masks from the same starting state."""
-        self.seed = pipeline_seed(
-            torch.initial_seed(), self.pp_index, self.topology.data_parallel_rank
+        """Seed the stream of each of this rank's stages (``torch.manual_seed``: CPU and
+        accelerators) with :func:`pipeline_seed` of the seed last set (``torch.initial_seed()``),
+        the stage and this rank's data-parallel index; returns the first stage's seed. Without
+        it every stage would draw the same dropout masks from the same starting state."""
+        self.seed = self.generators.seed(
+            torch.initial_seed(), self.own_stages, self.topology.data_parallel_rank
         )
-        torch.manual_seed(self.seed)
         return self.seed
 
     def adopt(self, joint: JointGraph) -> frozenset[str]:
@@ -337,7 +340,7 @@ class PipelineRunner:
         half = self.current.half(stage, phase)
         args = [env[k] for k in half.inputs]
         compiled = self.compiled.get((stage, phase))
-        with torch.no_grad():
+        with torch.no_grad(), self.generators.drawing(stage):
             results = (
                 compiled.run(half.graph_module, args) if compiled else half.graph_module(*args)
             )
@@ -426,16 +429,6 @@ class PipelineRunner:
             f"seeded {self.seed}"
         )
         return "\n".join(lines)
-
-
-def pipeline_seed(seed: int, stage: int, dp_rank: int) -> int:
-    """The seed of the ranks at pipeline place ``stage`` of data-parallel index ``dp_rank``
-    for the user's ``seed``: the same in every run with that seed, distinct across stages and
-    replicas (so are their dropout masks), shared by the tensor-parallel ranks of one stage,
-    which must draw the same masks, and unrelated to ``seed`` itself, so that no stage draws
-    its masks from the numbers that initialised the weights."""
-    digest = hashlib.sha256(f"gm-pipeline/{seed}/{stage}/{dp_rank}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 1  # 63 bits: every generator takes them
 
 
 __all__ = [

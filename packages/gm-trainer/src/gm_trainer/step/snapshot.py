@@ -9,7 +9,8 @@ around every inspection (``measure_activations``, ``plot_step``, ``compare_passe
 run that inspects a step mid-training goes on exactly as one that did not.
 
 The RNG streams are the CPU generator and the trainer device's; a pipeline's stages draw from
-those too (:meth:`gm_trainer.pipeline.runtime.PipelineRunner.seed_generators` seeds them).
+those too (:meth:`gm_trainer.pipeline.runtime.PipelineRunner.seed_generators` seeds them), and
+a rank's further stages from the states :mod:`gm_trainer.pipeline.generators` keeps.
 Restores are in place where the tensor is still there (the same objects: what holds a reference,
 such as the update graph's inputs, keeps seeing the live values).
 """
@@ -138,14 +139,19 @@ def run_left_as_it_was(
     scheduler: Any,
     state: TrainState,
     device: torch.device,
+    stage_generators: Any = None,
 ) -> Iterator[RunSnapshot]:
     """A block after which the run is bitwise as before it (:class:`RunSnapshot`), also when
-    the block raises."""
+    the block raises. ``stage_generators``: a pipeline's streams of its rank's other stages
+    (``state_dict`` / ``load_state_dict``), put back too."""
     snapshot = RunSnapshot.of(model, optimizer, scheduler, state, device)
+    streams = stage_generators.state_dict() if stage_generators is not None else None
     try:
         yield snapshot
     finally:
         snapshot.restore(model, optimizer, scheduler, state)
+        if streams is not None:
+            stage_generators.load_state_dict(streams)
 
 
 def _restored(live: Mapping[str, Any], saved: Mapping[str, Any]) -> dict[str, Any]:

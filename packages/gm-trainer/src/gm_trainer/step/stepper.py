@@ -166,7 +166,8 @@ class OptimizerStepper:
             if self.nonfinite == "skip":
                 return self._skip(norm.item())
             topology = self._topology
-            fqn = first_nonfinite_grad(self._model, topology.fsdp_group, topology.collective_device)
+            groups = (topology.fsdp_group, topology.tp_group)
+            fqn = first_nonfinite_grad(self._model, groups, topology.collective_device)
             self.optimizer.zero_grad(set_to_none=True)
             raise nonfinite_grad_error(fqn, norm.item(), self.state.step + 1)
         if self.config.grad_clip is not None:

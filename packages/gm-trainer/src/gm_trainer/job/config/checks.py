@@ -1,6 +1,6 @@
 """Checks of a ``gm-train`` job across its sections, before any rank starts: the model against
 the tokenizer, the held-out split, the export, the TP plan and the expert split (on the model
-built on the meta device)."""
+built on the meta device); and what the device kind of the ranks refuses (CUDA graphs)."""
 
 from __future__ import annotations
 
@@ -43,6 +43,27 @@ def check_job(job: Any) -> None:
         raise ConfigError(
             "checkpoint.export: hf writes a transformers model, so it needs model.source: hf "
             "(the built-in model exports with checkpoint.export_full)"
+        )
+
+
+def check_device(job: Any, kind: str) -> None:
+    """The refusals that depend on the job and the kind of device its ranks get (``"cpu"``,
+    ``"cuda"``, ...), made before any rank starts: the ranks would meet them only when they
+    compile their first step."""
+    if job.parallel.cuda_graphs is not True:  # "auto" runs such graphs uncaptured
+        return
+    if job.train.optimizer_in_graph:
+        raise ConfigError(
+            "parallel.cuda_graphs=true with train.optimizer_in_graph=true: the update in the "
+            "graph reads its per-step learning rate on the host, which a replay would keep at "
+            "its captured value; set train.optimizer_in_graph=false, or parallel.cuda_graphs "
+            "to auto (the step then runs uncaptured) or false"
+        )
+    if kind != "cuda":
+        raise ConfigError(
+            f"parallel.cuda_graphs=true captures CUDA graphs, but the ranks here run on {kind} "
+            "(no CUDA device); set parallel.cuda_graphs=false, or auto (each graph then runs "
+            "uncaptured)"
         )
 
 

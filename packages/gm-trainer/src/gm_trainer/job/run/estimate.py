@@ -33,6 +33,7 @@ import torch
 
 from gm_trainer.errors import TrainingError
 from gm_trainer.job.run.placement import graph_batch, lay_out_rank, layout_of
+from gm_trainer.pipeline.schedule import stage_ranks
 
 if TYPE_CHECKING:
     from gm_trace.graph.groups import ParallelGroups
@@ -194,6 +195,19 @@ def estimate_rank(trainer: GraphTrainer, config: JobConfig, joint: Any) -> dict[
     }
 
 
+def _kind(config: JobConfig, pipeline_rank: int) -> str:
+    """The plan's name of a pipeline rank's ranks: the stages they hold (two or more under
+    the interleaved and V schedules, which place stage ``s`` apart from rank ``s``)."""
+    p = config.parallel
+    if p.pp_degree == 1:
+        return "every rank"
+    placement = stage_ranks(p.pp_schedule, p.pp_degree, p.pp_virtual_stages)
+    held = [s for s, r in enumerate(placement) if r == pipeline_rank]
+    if len(held) == 1:
+        return f"stage {held[0]}"
+    return f"pipeline rank {pipeline_rank}, stages {', '.join(map(str, held))}"
+
+
 def ranks_of_stage(config: JobConfig, world_size: int, stage: int) -> list[int]:
     """The ranks of pipeline stage ``stage`` (the mesh lays stages out first)."""
     per = world_size // config.parallel.pp_degree
@@ -249,8 +263,9 @@ def device_memory(given_gib: float | None) -> tuple[int | None, str]:
 def plan_job(
     config: JobConfig, world_size: int, *, device_memory_gib: float | None = None
 ) -> dict[str, Any]:
-    """The plan of ``config`` on ``world_size`` ranks: one entry per pipeline stage (each
-    traced in a fresh process on the fake backend, one after the other)."""
+    """The plan of ``config`` on ``world_size`` ranks: one entry per pipeline rank (the
+    stages it holds; each traced in a fresh process on the fake backend, one after the
+    other)."""
     config.check_world_size(world_size)
     layout = layout_of(config, world_size)
     stages = range(config.parallel.pp_degree)
@@ -262,7 +277,8 @@ def plan_job(
                 result = pool.submit(_plan_rank, config.to_dict(), rank, world_size).result()
             except BrokenProcessPool as e:
                 raise TrainingError(
-                    f"--plan: the process that traces stage {stage} (rank {rank}) died ({e}); "
+                    f"--plan: the process that traces {_kind(config, stage)} (rank {rank}) "
+                    f"died ({e}); "
                     "run that layout's first step to see the error"
                 ) from None
         results.append(result)
@@ -280,8 +296,7 @@ def report(
     memory, source = device_memory(device_memory_gib)
     kinds = []
     for stage, estimate in enumerate(estimates):
-        kind = f"stage {stage}" if layout["pp"] > 1 else "every rank"
-        entry = {"kind": kind, "ranks": ranks_of_stage(config, world_size, stage)}
+        entry = {"kind": _kind(config, stage), "ranks": ranks_of_stage(config, world_size, stage)}
         entry.update(estimate)
         if memory is not None:
             entry["fits"] = estimate["peak_bytes"] <= memory
