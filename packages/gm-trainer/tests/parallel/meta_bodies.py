@@ -28,8 +28,8 @@ SEED, STEPS, LR = 7, 3, 1e-3
 VOCAB, SEQ, ROWS = 96, 8, 4
 
 
-def gpt(dim: int = 32, layers: int = 2) -> torch.nn.Module:
-    return GPT(VOCAB, dim, layers, 4, max_seq_len=SEQ)
+def gpt(dim: int = 32, layers: int = 2, vocab: int = VOCAB) -> torch.nn.Module:
+    return GPT(vocab, dim, layers, 4, max_seq_len=SEQ)
 
 
 def llama() -> torch.nn.Module:
@@ -151,7 +151,7 @@ def peak_rss_growth(rank: int, world: int, dim: int, layers: int, meta: bool) ->
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     torch.manual_seed(SEED)
     with torch.device("meta") if meta else contextlib.nullcontext():
-        model = gpt(dim, layers)
+        model = gpt(dim, layers, vocab=50304)  # GPT-2's vocabulary: ~350 M at d 1024 x 24
     nbytes = sum(p.numel() * 4 for p in model.parameters())
     trainer = GraphTrainer(model, lm_loss, PassConfig(), optimizer_config={"lr": LR})
     trainer.compile(*batch(0, rank, world, rank))
