@@ -269,6 +269,8 @@ class GraphCompiler:
     ) -> tuple[JointGraph, list[GraphPass]]:
         """``joint`` and ``passes`` with the ``optimizer`` pass when ``in_graph`` asks for it
         and the optimizer can be traced; otherwise unchanged, with a ``RuntimeWarning``."""
+        if not joint.grad_fqns:  # a forward-only graph (``GraphTrainer.evaluate``)
+            return joint, passes
         if not self.update.requested or self._eager_update_reason() is not None:
             return joint, passes
         spec = self.update.plan(joint.grad_fqns)
