@@ -148,10 +148,6 @@ def _train(
     # Ranks that read different rows: the ranks of one pipeline, one TP group and one cp group
     # read the same.
     dp = world_size // (pp * tp * cp)
-    evaluator = None
-    if t.eval_interval is not None and job_data.eval is not None:
-        # before the TP split: the evaluator keeps a whole copy of the model
-        evaluator = Evaluator(model, built.loss, job_data.eval, micro // world_size)
     layout = lay_out_rank(
         config,
         built,
@@ -160,6 +156,11 @@ def _train(
         graph_dump_dir=folder.graphs_dir if folder is not None else None,
     )
     trainer, dp_index = layout.trainer, layout.dp_index
+    evaluator = None
+    if t.eval_interval is not None and job_data.eval is not None:
+        # On the trainer's layout (a forward-only graph): each batch a training micro-batch.
+        microbatches = config.parallel.pp_microbatches if pp > 1 else 1
+        evaluator = Evaluator(job_data.eval, micro // dp, dp_index, dp, microbatches)
 
     def batches_from(position: int) -> PackedBatches:
         return PackedBatches(
