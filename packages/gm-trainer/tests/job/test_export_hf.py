@@ -1,6 +1,7 @@
-"""``checkpoint.export: hf`` streams: the checkpoint's tensors are read, written into
-safetensors files of a capped size (with ``model.safetensors.index.json`` when several) and
-dropped one file at a time, and ``from_pretrained`` on the folder gives the trained weights."""
+"""``checkpoint.export: hf`` and ``checkpoint.export_full`` stream: the checkpoint's tensors are
+read, written into safetensors files of a capped size (with ``model.safetensors.index.json``
+when several) and dropped one file at a time, and ``from_pretrained`` on the folder gives the
+trained weights; ``model.pt`` is filled one tensor at a time."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ from hf_configs import tiny_llama_model
 
 import gm_trainer.job.model.export_hf as export_module
 from gm_trainer import GraphTrainer
-from gm_trainer.checkpoint import CheckpointError, full_model_state, save_checkpoint
+from gm_trainer.checkpoint import (
+    CheckpointError,
+    export_full_state_dict,
+    full_model_state,
+    save_checkpoint,
+)
+from gm_trainer.checkpoint.stream import save_model_file
 from gm_trainer.job.model.export_hf import INDEX, SINGLE, export_hf
 
 transformers = pytest.importorskip("transformers")
@@ -79,3 +86,16 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_entry(trained, tmp_
     with pytest.raises(CheckpointError, match=r"model\.layers\.2"):
         export_hf(path, other, None, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_export_full_streams_the_same_model_pt_one_tensor_at_a_time(trained, tmp_path):
+    """``checkpoint.export_full``'s ``model.pt``: laid out from the shapes, then filled tensor
+    by tensor; it loads as the whole dict ``export_full_state_dict`` returns."""
+    path, _, _ = trained
+    held = save_model_file(path, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=True)
+    expected = export_full_state_dict(path)
+    assert list(loaded) == list(expected)
+    for key, value in expected.items():
+        assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
+    assert held == max(v.numel() * v.element_size() for v in expected.values())

@@ -15,12 +15,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from gm_config import ConfigError
 from gm_trace.passes.compile_cache import use_compile_cache
-from gm_trainer.checkpoint import (
-    checkpoint_info,
-    export_full_state_dict,
-    load_checkpoint,
-)
-from gm_trainer.checkpoint.durable import replacing
+from gm_trainer.checkpoint import checkpoint_info, load_checkpoint
+from gm_trainer.checkpoint.stream import save_model_file
 from gm_trainer.job.config.job_config import JobConfig
 from gm_trainer.job.data.windows import JobData, PackedBatches, load_job_data, position_of
 from gm_trainer.job.model.build import build_model
@@ -249,8 +245,7 @@ def _train(
         folder.write_memory_plot(*activations)
     last_checkpoint = saves.last
     if c.export_full and last_checkpoint is not None and trainer.step == t.steps:
-        with replacing(folder.path / "model.pt") as tmp:
-            export_full_state_dict(last_checkpoint, tmp)
+        save_model_file(last_checkpoint, folder.path / "model.pt")  # one tensor at a time
         progress.write(f"exported the full model to {folder.path / 'model.pt'}")
     if c.export == "hf" and last_checkpoint is not None and trainer.step == t.steps:
         from gm_trainer.job.model.export_hf import export_hf
