@@ -45,7 +45,8 @@ def evaluate_like_eager(
             copy.deepcopy(model), lm_loss, config, plan, optimizer, lr_scheduler=_warmup
         )
 
-    data = [batch(100 * (rank // pp) + s) for s in range(4)]
+    dp_index = rank % (world // pp)  # rank = stage x dp + data-parallel index
+    data = [batch(100 * dp_index + s) for s in range(4)]
     straight = make()
     expected = []
     for b in data:
@@ -56,7 +57,7 @@ def evaluate_like_eager(
     for b in data[:2]:
         losses.append(trainer.train_step(*b).item())
         trainer.optimizer_step()
-    held_out = batch(1000 + rank // pp)
+    held_out = batch(1000 + dp_index)
     before = run_state(trainer)
     evaluated = trainer.evaluate(*held_out).item()
     again = trainer.evaluate(*held_out).item()  # the cached evaluation graph
