@@ -35,3 +35,13 @@ def test_evaluate_in_a_two_stage_pipeline_runs_the_forward_schedule(dist_pool) -
     for result in results:
         _check(result)
     assert results[0]["evaluated"] == results[1]["evaluated"]  # the loss stage's, on both
+
+
+@pytest.mark.distributed
+def test_evaluate_in_a_pipeline_of_fsdp_stages_on_four_ranks(dist_pool) -> None:
+    """pp 2 x FSDP 2: the forward-only graph reduces nothing (no deferred reduction), the
+    stages' accumulation buffers and the next steps are as without it."""
+    results = dist_pool(4).run(evaluate_like_eager, False, 2)
+    for result in results:
+        _check(result)
+    assert results[0]["evaluated"] == results[2]["evaluated"]  # ranks 0 and 2: one pipeline
