@@ -395,6 +395,36 @@ class GraphTrainer:
                 )
         return self.executor.run(input, label, 1.0, found=found)
 
+    def evaluate(self, input: Any, label: Any) -> torch.Tensor:
+        """``train_fn``'s loss on this batch, forward only, with the run's layout: FSDP
+        gathers block by block, TP pieces, a pipeline's stages — never a whole copy.
+
+        The batch runs on a graph traced with every module in ``eval()`` and no parameter
+        trainable (its own cached variant, so the tracer leaves out the backward), under
+        ``torch.no_grad()``; the training flags and ``requires_grad`` are put back after it.
+        It adds no gradient, takes no update and changes neither the optimizer nor
+        ``step`` / ``data_position``; in eval mode nothing draws from the RNG. Every rank of
+        the run calls it with its batch, as for :meth:`train_step` (the ranks of a TP,
+        context-parallel or pipeline group the same batch). Returns this rank's loss, as
+        :meth:`train_step` does (a pipeline's: the mean over its micro-batches). After the
+        first compile."""
+        if self.optimizer is None:
+            raise RuntimeError(
+                "evaluate() before the first compile: call trainer.compile(sample_input, "
+                "sample_label) or train_step() first (the model is laid out then)"
+            )
+        input, label = self._to_device(input), self._to_device(label)
+        with _forward_only(self.model), torch.no_grad():
+            found = None
+            if self.world_size > 1:
+                ended, found = self.executor.agree((input, label))
+                if ended:
+                    raise TrainingError(
+                        f"rank {self.rank}: rank(s) {ended} have no batch for this evaluate(); "
+                        "every rank must call evaluate() with a batch the same number of times"
+                    )
+            return self.executor.run(input, label, 1.0, found=found)
+
     @property
     def optimizer_in_graph(self) -> bool:
         """True when the compiled graphs run the optimizer update themselves
@@ -544,3 +574,22 @@ class GraphTrainer:
         from gm_trainer.checkpoint import load_trainer_state_dict
 
         return load_trainer_state_dict(self.checkpoint_view(), state)
+
+
+@contextlib.contextmanager
+def _forward_only(model: torch.nn.Module) -> Iterator[None]:
+    """Every module in eval mode and no parameter trainable inside the block (the key of an
+    evaluation graph); each module's flag and each parameter's ``requires_grad`` as before
+    after it."""
+    training = [(module, module.training) for module in model.modules()]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    model.eval()
+    for param in trainable:
+        param.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for param in trainable:
+            param.requires_grad_(True)
+        for module, flag in training:
+            module.training = flag

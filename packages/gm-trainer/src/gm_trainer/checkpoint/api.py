@@ -232,7 +232,7 @@ def load_checkpoint(trainer: Any, path: str | os.PathLike[str]) -> dict[str, Any
 
 def _load_template(view: CheckpointView, metadata: Metadata) -> dict[str, Any]:
     """Empty tensors of this rank's shape for every entry to read, after checking the keys."""
-    entries = _entries(metadata)
+    entries = saved_entries(metadata)
     model = view.model
     layout = CheckpointLayout(view)
     names = canonical_names(model)
@@ -307,7 +307,7 @@ _DEPTH = {"model": 2, "trainer": 1, "extra": 1, SCHEDULER: 1, "rng": 3}
 _DAMAGED = "; the checkpoint is damaged or was not written by gm-trainer: load an earlier one"
 
 
-def _entries(metadata: Metadata) -> dict[tuple[str, ...], Any]:
+def saved_entries(metadata: Metadata) -> dict[tuple[str, ...], Any]:
     """Saved entries by their path in the nested state dict (FQNs contain dots themselves)."""
     mapping = metadata.planner_data or {}
     if not isinstance(mapping, dict):
@@ -343,7 +343,7 @@ def checkpoint_extra(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
     and not a collective, no trainer needed. The file holding it is verified first, like
     every read of :func:`load_checkpoint`."""
     path, marker = open_checkpoint(checkpoint_dir)
-    entries = _entries(read_metadata(path, marker, warn=False))
+    entries = saved_entries(read_metadata(path, marker, warn=False))
     if ("extra",) not in entries:
         return {}
     template: dict[str, Any] = {"extra": None}
@@ -386,7 +386,7 @@ def export_full_state_dict(
     # which unpickle the metadata as it is and check no file; this reads only what the
     # commit marker vouches for (SafeFileSystemReader) and only the model entries.
     path, marker = open_checkpoint(checkpoint_dir)
-    entries = _entries(read_metadata(path, marker))
+    entries = saved_entries(read_metadata(path, marker))
     model: dict[str, torch.Tensor] = {}
     for key_path, md in entries.items():
         if key_path[0] == "model" and isinstance(md, TensorStorageMetadata):

@@ -149,7 +149,9 @@ class GraphCompiler:
             # Reduce once per step under FSDP. A pipeline's stages take the update after the
             # schedule, in a graph of their own (the stepper's), when it can be traced.
             fsdp = run.topology.fsdp_active
-            defer = [DeferredReducePass()] if variant == ACCUMULATE and fsdp else []
+            # (a forward-only graph, ``GraphTrainer.evaluate``'s, has nothing to reduce)
+            reduces = variant == ACCUMULATE and fsdp and joint.grad_fqns
+            defer = [DeferredReducePass()] if reduces else []
             passes = [*self.extra_passes, *defer]
             if pipelined:
                 self._eager_update_reason()
@@ -277,6 +279,8 @@ class GraphCompiler:
     ) -> tuple[JointGraph, list[GraphPass]]:
         """``joint`` and ``passes`` with the ``optimizer`` pass when ``in_graph`` asks for it
         and the optimizer can be traced; otherwise unchanged, with a ``RuntimeWarning``."""
+        if not joint.grad_fqns:  # a forward-only graph (``GraphTrainer.evaluate``)
+            return joint, passes
         if not self.update.requested or self._eager_update_reason() is not None:
             return joint, passes
         spec = self.update.plan(joint.grad_fqns)

@@ -14,13 +14,9 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from gm_config import ConfigError
-from gm_trace.durable import replacing
 from gm_trace.passes.compile_cache import use_compile_cache
-from gm_trainer.checkpoint import (
-    checkpoint_info,
-    export_full_state_dict,
-    load_checkpoint,
-)
+from gm_trainer.checkpoint import checkpoint_info, load_checkpoint
+from gm_trainer.checkpoint.stream import save_model_file
 from gm_trainer.job.config.job_config import JobConfig
 from gm_trainer.job.data.windows import JobData, PackedBatches, load_job_data, position_of
 from gm_trainer.job.model.build import build_model
@@ -143,10 +139,6 @@ def _train(
     job_data = load_job_data(d, m.seq_len, run_dir)  # the CLI has tokenised it: a cache hit
     fingerprint = job_data.fingerprint()  # saved with each checkpoint, compared on resume
     micro = t.global_batch_size // t.accumulation
-    evaluator = None
-    if t.eval_interval is not None and job_data.eval is not None:
-        # before the TP split: the evaluator keeps a whole copy of the model
-        evaluator = Evaluator(model, built.loss, job_data.eval, micro // world_size)
     layout = lay_out_rank(
         config,
         built,
@@ -156,6 +148,13 @@ def _train(
     )
     # The job's degrees on this world: the plan's sizes, never worked out again here.
     trainer, dp_index, parallel = layout.trainer, layout.dp_index, layout.plan
+    evaluator = None
+    if t.eval_interval is not None and job_data.eval is not None:
+        # On the trainer's layout (a forward-only graph): each batch a training micro-batch.
+        microbatches = config.parallel.pp_microbatches if parallel.pp > 1 else 1
+        evaluator = Evaluator(
+            job_data.eval, micro // parallel.dp, dp_index, parallel.dp, microbatches
+        )
 
     def batches_from(position: int) -> PackedBatches:
         return PackedBatches(
@@ -249,8 +248,7 @@ def _train(
         folder.write_memory_plot(*activations)
     last_checkpoint = saves.last
     if c.export_full and last_checkpoint is not None and trainer.step == t.steps:
-        with replacing(folder.path / "model.pt") as tmp:
-            export_full_state_dict(last_checkpoint, tmp)
+        save_model_file(last_checkpoint, folder.path / "model.pt")  # one tensor at a time
         progress.write(f"exported the full model to {folder.path / 'model.pt'}")
     if c.export == "hf" and last_checkpoint is not None and trainer.step == t.steps:
         from gm_trainer.job.model.export_hf import export_hf
