@@ -61,12 +61,13 @@ def job_model(job: Any, *, meta: bool = False) -> nn.Module:
         return GPT(m.vocab_size, m.dim, m.n_layers, m.n_heads, max_seq_len=m.seq_len)
 
 
-def build_model(job: Any) -> BuiltModel:
-    """Build the configured model (seed the global RNG first for identical ranks).
+def build_model(job: Any, *, meta: bool = False) -> BuiltModel:
+    """Build the configured model (seed the global RNG first for identical ranks); ``meta``: on
+    the meta device, no memory and no weights (:func:`job_model`).
 
     ``sharding: null`` takes the source's default plan: for ``hf`` each decoder layer is a block.
     """
-    model = job_model(job)
+    model = job_model(job, meta=meta)
     tp_plan = model_tp_plan(job, model) if job.parallel.tp_size > 1 else None
     if job.model.source == "hf":
         from gm_trainer.job.model.hf import default_sharding, hf_lm_loss
