@@ -175,6 +175,11 @@ def test_the_meta_plan_equals_the_plan_of_a_real_build(llama: Path) -> None:
     config = JobConfig.from_dict(
         {
             "model": {"source": "hf", "config": str(llama / "llama"), "seq_len": 16},
+            "data": {
+                "corpus": str(llama / "c.jsonl"),
+                "format": "jsonl",
+                "tokenizer": str(llama / "tok"),
+            },
             "train": {"global_batch_size": 8},
             "parallel": {"pp_degree": 2, "pp_microbatches": 2, "tp_size": 2},
         }
