@@ -133,3 +133,120 @@ def test_plan_estimates_the_peak_a_run_measures(
         out = capsys.readouterr().out
         for kind in plan["rank_kinds"]:  # --plan prints what the run's plan.json holds
             assert f"-> peak {kind['peak_bytes'] / 2**20:,.2f} MiB" in out, (name, out)
+
+
+#: Llama-3.1-405B's shapes (docs/benchmarks.md plans all 126 layers on 2048 ranks).
+LLAMA_405B = {
+    "model_type": "llama", "hidden_size": 16384, "num_hidden_layers": 126,
+    "num_attention_heads": 128, "num_key_value_heads": 8, "intermediate_size": 53248,
+    "vocab_size": 128256, "max_position_embeddings": 131072,
+}  # fmt: skip
+
+
+def _real_build_estimate(config_dict: dict[str, Any], rank: int, world_size: int) -> Any:
+    """What ``--plan`` measured before it built on meta: the model built for real (seeded),
+    laid out on the fake process group, compiled, one optimizer update of zero gradients."""
+    import torch
+    import torch.distributed as dist
+
+    from gm_trainer.job.config.job_config import JobConfig
+    from gm_trainer.job.model.build import build_model
+    from gm_trainer.job.run.estimate import estimate_rank
+    from gm_trainer.job.run.placement import graph_batch, lay_out_rank
+
+    torch.set_num_threads(1)
+    config = JobConfig.from_dict(config_dict)
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(config.train.seed)
+        layout = lay_out_rank(config, build_model(config), rank, world_size)
+        trainer = layout.trainer
+        t = config.train
+        tokens = torch.zeros(t.global_batch_size // layout.dp, config.model.seq_len).long()
+        joint = trainer.compile(*graph_batch((tokens, tokens), config))
+        trainer.executor.runtime.prepare(joint)
+        assert not any(p.is_meta for p in trainer.model.parameters())
+        for p in trainer.model.parameters():
+            p.grad = torch.zeros_like(p) if p.requires_grad and p.numel() else None
+        trainer.optimizer.step()
+        for p in trainer.model.parameters():
+            p.grad = None
+        return estimate_rank(trainer, config, joint)
+    finally:
+        dist.destroy_process_group()
+
+
+@HF
+@TOKENIZERS
+def test_the_meta_plan_equals_the_plan_of_a_real_build(llama: Path) -> None:
+    """Every figure of each stage (parameters, gradients, optimizer state, activations, peak,
+    collectives, cpu_offload) is the one a rank whose model was built for real measures."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from gm_trainer.job.config.job_config import JobConfig
+    from gm_trainer.job.run.estimate import plan_job
+
+    config = JobConfig.from_dict(
+        {
+            "model": {"source": "hf", "config": str(llama / "llama"), "seq_len": 16},
+            "data": {
+                "corpus": str(llama / "c.jsonl"),
+                "format": "jsonl",
+                "tokenizer": str(llama / "tok"),
+            },
+            "train": {"global_batch_size": 8},
+            "parallel": {"pp_degree": 2, "pp_microbatches": 2, "tp_size": 2},
+        }
+    )
+    plan = plan_job(config, 8)
+    assert [k["ranks"][0] for k in plan["rank_kinds"]] == [0, 4]
+    for kind in plan["rank_kinds"]:
+        with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+            real = pool.submit(_real_build_estimate, config.to_dict(), kind["ranks"][0], 8)
+            real = real.result()
+        meta = {key: kind[key] for key in real}
+        print(kind["kind"], meta)
+        assert meta == real, kind["kind"]
+        assert real["parameter_bytes"] > 0 and real["collectives_per_step"]
+
+
+def _mid_size_llama(layers: int) -> dict[str, Any]:
+    return {**LLAMA_405B, "num_hidden_layers": layers}
+
+
+def test_a_model_too_large_for_the_host_plans_with_its_analytic_pieces() -> None:
+    """One 405B-shaped layer and its 128256-row embedding and lm_head (7.4 B parameters, 30
+    GB in float32: more than this host holds) on 128 ranks (tp 8 x dp 16): the rank's
+    parameters are the analytic count of its pieces x 4 bytes (projections and lm_head split
+    by TP, then by FSDP; the embedding, left whole by TP, sharded by FSDP over the stage's
+    128 ranks; the norms over dp), its gradients as many, Adam's state two moments and a step
+    counter per parameter; the host's peak memory does not grow by a model's worth."""
+    import resource
+
+    pytest.importorskip("transformers")
+    from gm_trainer.job.config.job_config import JobConfig
+    from gm_trainer.job.run.estimate import plan_rank
+
+    hf, tp, dp = _mid_size_llama(1), 8, 16
+    config = JobConfig.from_dict(
+        {
+            "model": {"source": "hf", "config": hf, "seq_len": 32},
+            "train": {"global_batch_size": dp},
+            "parallel": {"tp_size": tp},
+        }
+    )
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    estimate = plan_rank(config, 0, tp * dp)
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    h, i, v = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
+    kv = hf["num_key_value_heads"] * h // hf["num_attention_heads"]
+    split = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * v * h  # one layer, lm_head, embedding
+    norms = 3 * h
+    analytic = 4 * (split // (tp * dp) + norms // dp)
+    print(estimate, f"peak RSS grew {grown / 2**30:.2f} GiB")
+    assert abs(estimate["parameter_bytes"] - analytic) <= 0.01 * analytic
+    assert estimate["gradient_bytes"] == estimate["parameter_bytes"]
+    steps = 4 * 12  # one float32 step counter per parameter tensor (12 of them)
+    assert estimate["optimizer_state_bytes"] == 2 * estimate["parameter_bytes"] + steps
+    assert grown < 2**30, grown  # the model is 30 GB; nothing of it was allocated

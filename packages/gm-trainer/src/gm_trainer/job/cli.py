@@ -130,7 +130,12 @@ def _plan(config: JobConfig, world_size: int, device_memory_gib: float | None) -
     from gm_trainer.job.run.estimate import format_plan, plan_job
 
     try:
-        plan = plan_job(config, world_size, device_memory_gib=device_memory_gib)
+        plan = plan_job(
+            config,
+            world_size,
+            device_memory_gib=device_memory_gib,
+            progress=lambda line: print(f"gm-train: {line}", file=sys.stderr, flush=True),
+        )
     except ConfigError:
         raise  # reported as every configuration error is
     except GraphModeError as e:  # the representative rank failed to trace or compile

@@ -64,6 +64,9 @@ class LiveParameters:
         own ``reset_parameters()`` / Hugging Face's ``_init_weights``)."""
         self.meta: dict[str, tuple[torch.Size, torch.dtype]] = _meta_state(model)
         """Canonical FQN -> whole shape and dtype of each tensor still on the meta device."""
+        self.shapes_only = False
+        """``True``: :meth:`materialize` leaves the meta tensors on meta, cut to this rank's
+        pieces (what ``gm-train --plan`` measures: shapes, no memory, no initial values)."""
         self._rng_at_build = torch.get_rng_state() if self.meta else None
         self._whole = {fqn: shape for fqn, (shape, _) in self.meta.items()}
         self._whole.update(_whole_shapes(model))
@@ -124,12 +127,13 @@ class LiveParameters:
     def materialize(self, device: torch.device) -> None:
         """Allocate this rank's piece of every meta tensor on ``device`` (host memory for
         offloaded rows) with the value a real build would give it; once the layout is final.
-        Nothing happens for a model with no meta tensor, or the second time.
+        Nothing happens for a model with no meta tensor, the second time, or under
+        :attr:`shapes_only`.
 
         The values replay the build from the RNG state the trainer was constructed with; the
         global RNG is left where a real build would have left it, unless something reseeded
         it since (a pipeline seeds its stages' generators), which is kept."""
-        if not self.meta:
+        if not self.meta or self.shapes_only:
             return
         meta, self.meta = self.meta, {}
 

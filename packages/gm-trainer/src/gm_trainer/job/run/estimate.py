@@ -1,11 +1,14 @@
 """``gm-train --plan``: what each kind of rank of a job holds and sends, before any rank starts.
 
 For every distinct pipeline stage one representative rank (data-parallel index 0, TP index 0:
-the ranks of one stage hold the same shapes, FSDP's rank 0 the largest shard) is built in a
+the ranks of one stage hold the same shapes, FSDP's rank 0 the largest shard) is laid out in a
 process of its own on torch's ``fake`` process-group backend (collectives do nothing, so no
 other rank need exist): the same mesh, TP split, ``GraphTrainer`` and passes as the real rank
-(:func:`gm_trainer.job.run.placement.lay_out_rank`), traced for the job's micro-batch. From the
-compiled graphs (:func:`estimate_rank`):
+(:func:`gm_trainer.job.run.placement.lay_out_rank`), traced for the job's micro-batch. The
+model is built on the meta device and never allocated (:func:`plan_rank`): its pieces are cut
+on meta, the step is traced as fake tensors on the run's device, so the graphs are the real
+run's, and a model of any size plans in a few GB. From the compiled graphs
+(:func:`estimate_rank`):
 
 - parameter and gradient bytes: this rank's local pieces (TP slice, FSDP shard, own stage);
 - optimizer-state bytes: the optimizer's state after one update of zero gradients;
@@ -24,6 +27,8 @@ folder, and its measured peak beside the estimate in ``summary.json``.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context
@@ -215,30 +220,40 @@ def ranks_of_stage(config: JobConfig, world_size: int, stage: int) -> list[int]:
 
 
 def _plan_rank(config_dict: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
-    """One representative rank on the fake backend (its own process): its estimate."""
-    import torch.distributed as dist
-
+    """:func:`plan_rank` in a plan process of its own (one thread: the plans run one after
+    the other)."""
     from gm_trainer.job.config.job_config import JobConfig
-    from gm_trainer.job.model.build import build_model
 
     torch.set_num_threads(1)
-    config = JobConfig.from_dict(config_dict)
+    return plan_rank(JobConfig.from_dict(config_dict), rank, world_size)
+
+
+def plan_rank(config: JobConfig, rank: int, world_size: int) -> dict[str, Any]:
+    """The estimate of rank ``rank`` of ``world_size``, traced on torch's ``fake`` process
+    group (initialised here and destroyed after: none may exist yet). The model is built on
+    the meta device and stays there: the rank's pieces, the optimizer state and the traced
+    values have shapes and no memory, so a model far larger than this host plans."""
+    import torch.distributed as dist
+
+    from gm_trainer.job.model.build import build_model
+
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
-        torch.manual_seed(config.train.seed)
-        built = build_model(config)
+        built = build_model(config)  # on the meta device, as every build
         layout = lay_out_rank(config, built, rank, world_size)
         trainer = layout.trainer
+        # Traced on the run's device as fake tensors; the pieces are cut on meta, not allocated.
+        trainer.compiler.live.shapes_only = True
         t = config.train
         rows = t.global_batch_size // t.accumulation // layout.plan.dp
-        tokens = torch.zeros(rows, config.model.seq_len, dtype=torch.long)
+        tokens = torch.zeros(rows, config.model.seq_len, dtype=torch.long, device=trainer.device)
         joint = trainer.compile(*graph_batch((tokens, tokens), config))
         trainer.executor.runtime.prepare(joint)  # cut as the first step cuts it
         for p in trainer.model.parameters():  # one update of zero gradients: the state exists
             if p.requires_grad and p.numel():
                 p.grad = torch.zeros_like(p)
         if trainer.optimizer is not None:
-            trainer.optimizer.step()
+            trainer.optimizer.step()  # on meta tensors: the state's shapes, no memory
         for p in trainer.model.parameters():
             p.grad = None
         return estimate_rank(trainer, config, joint)
@@ -261,17 +276,24 @@ def device_memory(given_gib: float | None) -> tuple[int | None, str]:
 
 
 def plan_job(
-    config: JobConfig, world_size: int, *, device_memory_gib: float | None = None
+    config: JobConfig,
+    world_size: int,
+    *,
+    device_memory_gib: float | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """The plan of ``config`` on ``world_size`` ranks: one entry per pipeline rank (the
-    stages it holds; each traced in a fresh process on the fake backend, one after the
-    other)."""
+    stages it holds; each traced in a fresh process on the fake backend, one after the other;
+    ``progress`` is told as each one starts). ``seconds``: how long it took."""
+    start = time.perf_counter()
     config.check_world_size(world_size)
     layout = layout_of(config, world_size)
     stages = range(config.parallel.pp_degree)
     representatives = [ranks_of_stage(config, world_size, s)[0] for s in stages]
     results = []
     for stage, rank in enumerate(representatives):  # a fresh process each: one fake world
+        if progress is not None:
+            progress(f"planning stage {stage + 1} of {len(representatives)} (rank {rank})")
         with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
             try:
                 result = pool.submit(_plan_rank, config.to_dict(), rank, world_size).result()
@@ -282,7 +304,9 @@ def plan_job(
                     "run that layout's first step to see the error"
                 ) from None
         results.append(result)
-    return report(config, layout, results, device_memory_gib)
+    plan = report(config, layout, results, device_memory_gib)
+    plan["seconds"] = time.perf_counter() - start
+    return plan
 
 
 def report(
@@ -350,6 +374,8 @@ def format_plan(plan: dict[str, Any]) -> str:
         lines += _offload_lines(kind, plan["device_memory_bytes"])
         for name, c in kind["collectives_per_step"].items():
             lines.append(f"  {name}: {c['count']} per step, {_mib(c['bytes'])}")
+    if "seconds" in plan:
+        lines.append(f"planned in {plan['seconds']:.1f} s (the model built on meta, no memory)")
     return "\n".join(lines)
 
 
