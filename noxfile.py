@@ -316,7 +316,11 @@ def pipelines(session: nox.Session) -> None:
 
     zb1p, zbv and dualpipev on 2 ranks, zb1p bitwise against 1F1B, PP x FSDP on 4 ranks and a
     zbv checkpoint resumed under 1F1B and without a pipeline (the default suite runs zbv)."""
-    files = ("test_pipeline_zero_bubble.py", "test_checkpoint_pipeline.py")
+    files = (
+        "test_pipeline_zero_bubble.py",
+        "test_checkpoint_pipeline.py",
+        "test_pipeline_contracts.py",
+    )
     _opt_in_trainer_tests(session, files, "pipelines")
 
 

@@ -4,8 +4,6 @@ may keep tuples and lists (BatchNorm), a stalled peer is a clear error."""
 
 from __future__ import annotations
 
-import os
-
 import pipeline_contract_bodies as bodies
 import pytest
 import torch
@@ -101,8 +99,8 @@ def _stage_masks(results: list[dict]) -> dict[int, list[torch.Tensor]]:
     return {stage: grads for result in results for stage, grads in result.items()}
 
 
-#: The default suite runs zbv (two V stages a rank); ``GM_PP=all`` (nox -s pipelines) the rest.
-_PP_ALL = pytest.mark.skipif(os.environ.get("GM_PP") != "all", reason="GM_PP=all")
+#: The default suite runs zbv (two V stages a rank); the opt-in set ``pipelines`` the rest.
+_PP_ALL = pytest.mark.opt_in("pipelines")
 
 
 @pytest.mark.parametrize(
