@@ -628,8 +628,8 @@ _OTHER_MOE = [
     ("solar-open", "SolarOpenForCausalLM"),
 ]
 
-#: Per-expert loops graph mode refuses (UNSUPPORTED says why).
-_LOOP_UNSUPPORTED = {"nemotron-h"}
+#: Per-expert loops graph mode refuses (none today: see UNSUPPORTED).
+_LOOP_UNSUPPORTED: set[str] = set()
 
 #: Architectures outside the issue's list, built the same way: the fixes must be general.
 EXTRA_ARCHITECTURES: list[Architecture] = [
@@ -656,21 +656,9 @@ EXTRA_ARCHITECTURES: list[Architecture] = [
 
 #: Configurations graph mode cannot take yet: each must end in the project's own error that
 #: names the op and the module.
-UNSUPPORTED: list[Architecture] = [
-    moe(
-        "nemotron-h-expert-loop",
-        "NemotronHForCausalLM",
-        experts_implementation="eager",
-        expected_error=r"GuardOnDataDependentSymNode(?s:.*)per-expert loop of "
-        r"`model\.layers\.1\.mixer\.experts`(?s:.*)grouped_mm",
-        note="its per-expert loop skips an expert without tokens (`if token_idx.numel() == 0: "
-        "continue`), a Python branch on each expert's token count, which the trace holds as an "
-        "unbacked size. Graph mode runs the loops that iterate over the hit experts over every "
-        "expert instead (gm_trace.capture.expert_loop), but does not decide a data-dependent "
-        "branch for the model; transformers' default `grouped_mm` and `batched_mm` compute "
-        "the same experts without it.",
-    ),
-]
+UNSUPPORTED: list[Architecture] = []
+"""None today: Nemotron-H's per-expert loop, the last one, lost its branch on each expert's
+token count in transformers 5.25 and is captured bitwise like the other loops."""
 
 #: The mixtures of experts of transformers 5.24 (the model types whose experts use
 #: ``use_experts_implementation``) that have no row, and why.
