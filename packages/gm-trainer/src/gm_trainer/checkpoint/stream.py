@@ -22,8 +22,8 @@ import torch.distributed.checkpoint as dcp
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from gm_trace.durable import replacing
 from gm_trainer.checkpoint.api import saved_entries
-from gm_trainer.checkpoint.durable import replacing
 from gm_trainer.checkpoint.io import CheckpointError, dcp_errors, open_checkpoint, verify_files
 from gm_trainer.checkpoint.read import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 
