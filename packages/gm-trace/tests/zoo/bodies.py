@@ -126,8 +126,8 @@ def single_process(name: str) -> dict[str, Any]:
         return _single_process(BY_NAME[name])
 
 
-def _single_process(arch: Architecture, model: torch.nn.Module | None = None) -> dict[str, Any]:
-    model = model if model is not None else build(arch, dropout=True)
+def _single_process(arch: Architecture) -> dict[str, Any]:
+    model = build(arch, dropout=True)
     reference = copy.deepcopy(model)
     joint, _ = compile_graph(model, arch, arch.batch(0, ROWS), PassConfig())
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
@@ -165,8 +165,8 @@ def meta_build(name: str) -> dict[str, Any]:
     expected = real.state_dict()
     differ = sorted(k for k, v in model.state_dict().items() if not torch.equal(v, expected[k]))
     assert differ == [], f"a meta build differs from the real build in {differ}"
-    with deterministic():
-        return _single_process(arch, model)
+    # Parameters, buffers and RNG equal: the one-process row's steps on it are this model's.
+    return {"tensors": len(expected)}
 
 
 def pipeline_cut(name: str) -> dict[str, Any]:

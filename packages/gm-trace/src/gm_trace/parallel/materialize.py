@@ -227,7 +227,10 @@ def _events(
 
 def _constructor_init(module: nn.Module) -> Callable[[], None] | None:
     """What the constructor of a module without ``reset_parameters()`` draws, for the few
-    that do: transformers' ``Conv1D`` (the GPT-2 family) draws its weight from N(0, 0.02)."""
+    that do: transformers' ``Conv1D`` (the GPT-2 family) draws its weight from N(0, 0.02);
+    ``nn.MultiheadAttention`` runs its private ``_reset_parameters()``."""
+    if isinstance(module, nn.MultiheadAttention):
+        return module._reset_parameters
     kind = type(module)
     if kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers"):
 
