@@ -267,8 +267,8 @@ def test_from_dict_rejects_an_unknown_key_naming_it():
 def test_from_dict_names_every_unknown_key():
     with pytest.raises(ConfigError) as info:
         PassConfig.from_dict({"overlap": True, "tp": 2, "tp_size": 1})
-    assert "overlap" in str(info.value)
-    assert "'tp'" in str(info.value)
+    assert "'PassConfig.overlap'" in str(info.value)
+    assert "'PassConfig.tp'" in str(info.value)
 
 
 def test_from_dict_unknown_keys_of_mixed_types_are_still_a_config_error():
@@ -456,3 +456,11 @@ def test_divisors_are_the_choices_an_error_names():
     assert divisors(12) == [1, 2, 3, 4, 6, 12]
     assert divisors(7) == [1, 7]
     assert divisors(1) == [1]
+
+
+def test_from_dict_names_where_a_bad_value_was_read():
+    # gm-train's section, then the field.
+    with pytest.raises(ConfigError, match=r"^parallel: PassConfig\.bucket_cap_mb must be .*-1"):
+        PassConfig.from_dict({"bucket_cap_mb": -1}, where="parallel")
+    with pytest.raises(ConfigError, match=r"^parallel: unknown key\(s\) \['parallel\.tp'\]"):
+        PassConfig.from_dict({"tp": 2}, where="parallel")

@@ -14,6 +14,7 @@ from typing import Any
 
 from gm_config.dynamic_dims import check_dynamic_dims, check_pad_to_multiple, check_pad_values
 from gm_config.errors import ConfigError
+from gm_config.mapping import from_mapping
 from gm_config.parallel_plan import ParallelPlan
 from gm_config.pipeline_stages import PP_SCHEDULES
 
@@ -497,13 +498,12 @@ class PassConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, where: str = "PassConfig") -> PassConfig:
-        """Build from a mapping; unknown keys are an error (a typo must not be ignored)."""
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"{where} must be a mapping of field: value, got {data!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known, key=str)  # YAML keys may be ints too
-        if unknown:
-            raise ConfigError(
-                f"{where}: unknown key(s) {unknown}; accepted keys are {sorted(known)}"
-            )
-        return cls(**dict(data))
+        """Build from a mapping (:func:`~gm_config.mapping.from_mapping`: unknown keys are an
+        error); every error starts with ``where`` (``"parallel"``: gm-train's section), a bad
+        value's then names the field (``parallel: PassConfig.bucket_cap_mb must be ...``)."""
+        try:
+            return from_mapping(cls, data, where)
+        except ConfigError as e:
+            if str(e).startswith(where):
+                raise
+            raise ConfigError(f"{where}: {e}") from None

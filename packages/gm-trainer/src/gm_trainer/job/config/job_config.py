@@ -21,7 +21,6 @@ from gm_trainer.job.config.checks import check_job
 from gm_trainer.job.config.sections import DataConfig, DistConfig, ModelConfig
 from gm_trainer.job.config.validation import (
     Section,
-    build,
     check_lr_schedule,
     check_tp_plan_key,
     require,
@@ -365,12 +364,9 @@ class JobConfig:
         if isinstance(parallel_keys, Mapping) and "tp_plan" in parallel_keys:
             parallel_keys = dict(parallel_keys)
             tp_plan = parallel_keys.pop("tp_plan")  # the job's key, not a PassConfig field
-        try:
-            parallel = build(PassConfig, parallel_keys, "parallel")
-        except ConfigError as e:
-            if str(e).startswith("unknown key"):
-                raise
-            raise ConfigError(f"parallel: {e}") from None  # PassConfig's own field checks
+        parallel = PassConfig.from_dict(
+            parallel_keys if parallel_keys is not None else {}, where="parallel"
+        )
         return cls(
             parallel=parallel,
             sharding=data.get("sharding"),

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from gm_config import ConfigError
+from gm_config.mapping import from_mapping
 
 _TYPE_WORDS = {
     "int": "an integer",
@@ -83,22 +84,9 @@ class Section:
 
     @classmethod
     def from_dict(cls, data: Any) -> Any:
-        """Build the section from a mapping; a missing section (``None``) is all defaults."""
-        return build(cls, data, cls.section)
-
-
-def build(cls: Any, data: Any, where: str) -> Any:
-    """``cls(**data)`` after checking that ``data`` is a mapping of known keys."""
-    if data is None:
-        data = {}
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{where} must be a mapping of key: value, got {data!r}")
-    accepted = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(str(k) for k in set(data) - set(accepted))
-    if unknown:
-        paths = [f"{where}.{k}" for k in unknown]
-        raise ConfigError(f"unknown key(s) {paths}; {where} accepts {accepted}")
-    return cls(**dict(data))
+        """Build the section from a mapping (``gm_config.mapping.from_mapping``); a missing
+        section (``None``) is all defaults."""
+        return from_mapping(cls, data if data is not None else {}, cls.section)
 
 
 def check_lr_schedule(
