@@ -136,6 +136,7 @@ def interleaved_times(step_fns: dict, batches: list) -> dict:
 
 def _graph_step(trainer, accumulation: int = 1, compute_only: bool = False):
     from gm_trainer.step.accumulation import MicroBatches
+    from gm_trainer.step.runtime import MicroBatch
 
     def step(batch):
         micro = batch[0].shape[0] // accumulation
@@ -145,7 +146,14 @@ def _graph_step(trainer, accumulation: int = 1, compute_only: bool = False):
             if compute_only:  # no per-batch agreement: not one collective
                 # The last micro-batch's graph takes the update when it is in the graph.
                 last = window.last(micro) if i == accumulation - 1 > 0 else None
-                loss = trainer.executor.run(*part, 1.0, accumulation > 1, last)
+                accumulate, is_last = accumulation > 1, last is not None
+                if trainer.optimizer is None:  # the set-up, once
+                    trainer.compile(*part, accumulate=accumulate, last=is_last)
+                variant = trainer.executor.variant_for(accumulate, is_last)
+                batch = trainer.device_batch(*part)
+                # The runtime's step without a place to agree from runs alone.
+                micro_batch = MicroBatch(batch, 1.0, variant, last)
+                loss = trainer.executor.runtime.step(micro_batch, None).loss
                 window.add(loss, micro, 0)
             else:
                 trainer.train_step(*part)

@@ -5,8 +5,9 @@ Components, each the one owner of its state (see docs/architecture.md):
 - :class:`~gm_trainer.parallel.topology.Topology` (in the resolved run): ranks, groups, device;
 - :class:`~gm_trainer.compile.compiler.GraphCompiler` and its
   :class:`~gm_trainer.compile.registry.GraphRegistry`: trace, passes, sharding, compiled graphs;
-- :class:`~gm_trainer.step.executor.StepExecutor`: runs each micro-batch (plain, accumulating,
-  a window's last, pipeline stages);
+- :class:`~gm_trainer.step.executor.StepExecutor`: the set-up (groups, layout, this rank's
+  pieces, the optimizer: every collective before the first step), then each micro-batch
+  (plain, accumulating, a window's last, pipeline stages);
 - :class:`~gm_trainer.step.stepper.OptimizerStepper`: the optimizer, the LR scheduler and the one
   end of every step;
 - :class:`~gm_trainer.step.train_state.TrainState`: step, skipped steps, data position;
@@ -46,7 +47,7 @@ from gm_trainer.optim.config import OptimizerConfig
 from gm_trainer.optim.graph_update import GraphUpdatePlanner
 from gm_trainer.optim.nonfinite import check_nonfinite_mode
 from gm_trainer.parallel.device import default_device
-from gm_trainer.parallel.live_parameters import move_real_state
+from gm_trainer.parallel.live_parameters import LiveParameters, move_real_state
 from gm_trainer.parallel.mesh import MeshError, ResolvedMesh, resolve_mesh_context
 from gm_trainer.parallel.ranks import all_ranks
 from gm_trainer.parallel.topology import ResolvedRun, Topology
@@ -55,6 +56,7 @@ from gm_trainer.step.deferred import DeferredGrads
 from gm_trainer.step.executor import StepExecutor
 from gm_trainer.step.expert_load import expert_load
 from gm_trainer.step.loop import train_loop
+from gm_trainer.step.runtime import StepContext
 from gm_trainer.step.snapshot import run_left_as_it_was
 from gm_trainer.step.stepper import OptimizerStepper
 from gm_trainer.step.train_state import TrainState
@@ -94,6 +96,9 @@ class GraphTrainer:
             ``module`` owns itself, in place; called for each such module, children first, on
             whole tensors in host memory (default: each module's ``reset_parameters()`` and a
             Hugging Face model's ``_init_weights``, replayed as a real build runs them).
+        materialize: ``False`` leaves a meta-built model's tensors on the meta device, cut to
+            this rank's pieces: shapes without memory or values, what ``gm-train --plan``
+            measures (its optimizer state is on meta too; no step can run).
 
     A model built under ``torch.device("meta")`` (all of it or some modules) is traced as it
     is; at the first compile each rank allocates only the pieces it keeps, with the values a
@@ -118,6 +123,7 @@ class GraphTrainer:
         passes: Sequence[GraphPass] = (),
         dynamic_dims: Mapping[str, Mapping[int, str]] | None = None,
         init_weights: InitWeights | None = None,
+        materialize: bool = True,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -175,15 +181,11 @@ class GraphTrainer:
             GraphUpdatePlanner(self.optimizer_config, self.model, self.stepper),
             self.registry,
             passes,
-            init_weights,
+            LiveParameters(self.model, init_weights, shapes_only=not materialize),
         )
         self.graph_dump_dir = graph_dump_dir
         self.executor = StepExecutor(
-            self.model,
-            self.compiler,
-            self.registry,
-            deferred,
-            self.stepper,
+            StepContext(self.model, self.compiler, self.registry, deferred, self.stepper),
             Padding(self.pass_config),
             Topology(self.rank, self.world_size, self.device),
         )
@@ -254,9 +256,7 @@ class GraphTrainer:
     def row_shards(self) -> dict[str, RowShard]:
         """Canonical FQN -> this rank's rows, for every parameter FSDP sharded (over the FSDP
         group, or an expert-parallel one's experts over the ranks holding the same experts)."""
-        if self.sharding is None:
-            return {}
-        return {fqn: p.shard for fqn, p in self.sharding.params.items()}
+        return self.compiler.row_shards
 
     def local_piece(self, fqn: str) -> tuple[slice, ...] | None:
         """Where this rank's piece of the parameter or buffer ``fqn`` (canonical name) sits in
@@ -278,7 +278,7 @@ class GraphTrainer:
     @property
     def pipeline(self) -> PipelineRunner | None:
         """This rank's pipeline stages (``pp_degree > 1``, after the first compile)."""
-        runtime = self.executor.resolved_runtime
+        runtime = self.executor.runtime
         return runtime.pipeline if runtime is not None else None
 
     @property
@@ -321,9 +321,8 @@ class GraphTrainer:
         reduces nothing: :mod:`gm_trainer.step.deferred`); without FSDP, the plain graph.
         ``last`` (with ``accumulate``): the window's last micro-batch, whose graph takes the
         update when it is in the graph (:mod:`gm_trace.passes.last_micro_batch`)."""
-        self.executor.resolve()
-        input, label = self.device_batch(sample_input, sample_label)
-        return self.executor.compile(input, label, self.compiler.variant_for(accumulate, last))
+        batch = self.device_batch(sample_input, sample_label)
+        return self.executor.graph(batch, self.executor.variant_for(accumulate, last))
 
     def device_batch(self, input: Any, label: Any) -> tuple[Any, Any]:
         """``(input, label)`` as the graphs see them: on the trainer's device, padded as
@@ -340,9 +339,7 @@ class GraphTrainer:
         calls it with the batch: the pipeline's schedule runs once without adding gradients,
         and the profile has this rank's stages (``stages``: one micro-batch's held bytes per
         stage; ``held_bytes``: the most the rank held at once) but no per-node curves."""
-        return self.executor.measure(
-            self._to_device(input), self._to_device(label), self.inspection
-        )
+        return self.executor.measure(self.device_batch(input, label), self.inspection)
 
     @contextlib.contextmanager
     def inspection(self) -> Iterator[None]:
@@ -358,7 +355,7 @@ class GraphTrainer:
                 "inspection() before the first compile: call trainer.compile(sample_input, "
                 "sample_label) first (the model is sharded and the optimizer built then)"
             )
-        pipeline = self.executor.runtime.pipeline
+        pipeline = self.pipeline
         with run_left_as_it_was(
             self.model,
             self.optimizer,
@@ -384,16 +381,7 @@ class GraphTrainer:
         signature; under FSDP every rank must present the same signature. With
         ``OptimizerConfig(in_graph=True)`` the graph also updates the weights: no ``.grad``.
         """
-        input, label = self._to_device(input), self._to_device(label)
-        found = None
-        if self.world_size > 1:
-            ended, found = self.executor.agree((input, label))
-            if ended:
-                raise TrainingError(
-                    f"rank {self.rank}: rank(s) {ended} have no batch for this train_step(); "
-                    "every rank must call train_step() with a batch the same number of times"
-                )
-        return self.executor.run(input, label, 1.0, found=found)
+        return self._one_batch(input, label, "train_step")
 
     def evaluate(self, input: Any, label: Any) -> torch.Tensor:
         """``train_fn``'s loss on this batch, forward only, with the run's layout: FSDP
@@ -413,17 +401,18 @@ class GraphTrainer:
                 "evaluate() before the first compile: call trainer.compile(sample_input, "
                 "sample_label) or train_step() first (the model is laid out then)"
             )
-        input, label = self._to_device(input), self._to_device(label)
         with _forward_only(self.model), torch.no_grad():
-            found = None
-            if self.world_size > 1:
-                ended, found = self.executor.agree((input, label))
-                if ended:
-                    raise TrainingError(
-                        f"rank {self.rank}: rank(s) {ended} have no batch for this evaluate(); "
-                        "every rank must call evaluate() with a batch the same number of times"
-                    )
-            return self.executor.run(input, label, 1.0, found=found)
+            return self._one_batch(input, label, "evaluate")
+
+    def _one_batch(self, input: Any, label: Any, caller: str) -> torch.Tensor:
+        """One batch, its gradients weighted 1: padded, then agreed on by the ranks and run."""
+        ran = self.executor.run(self.device_batch(input, label), 1.0)
+        if ran.ended:
+            raise TrainingError(
+                f"rank {self.rank}: rank(s) {ran.ended} have no batch for this {caller}(); "
+                f"every rank must call {caller}() with a batch the same number of times"
+            )
+        return ran.loss
 
     @property
     def optimizer_in_graph(self) -> bool:
@@ -499,7 +488,7 @@ class GraphTrainer:
         guards, each pass's time and whether it changed the graph, then the collective
         schedule (overlap per collective, bytes, bucket) when there is one."""
         summary = self.registry.summary()
-        runtime = self.executor.resolved_runtime
+        runtime = self.executor.runtime
         more = runtime.summary() if runtime is not None else ""
         return f"{summary}\n\n{more}" if more else summary
 
@@ -511,7 +500,7 @@ class GraphTrainer:
         (``None``: none; needs ``pip install 'gm-trainer[plot]'``). Returns every rank's
         :class:`~gm_trainer.timeline.RankTimeline`. Runs under :meth:`inspection`: the run
         goes on after it as without it."""
-        refusal = self.executor.runtime.plain_step_refusal
+        refusal = self.executor.resolve().plain_step_refusal
         if refusal is not None:
             raise ConfigError(f"plot_step draws a plain step; {refusal}")
         joint = self.compile(*batch)
@@ -542,7 +531,7 @@ class GraphTrainer:
                 "the shape you train on (or run a train_step) before saving or loading a "
                 "checkpoint"
             )
-        runtime = self.executor.runtime
+        runtime = self.executor.resolve()
         return CheckpointView(
             model=self.model,
             optimizer=self.optimizer,

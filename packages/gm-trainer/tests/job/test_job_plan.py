@@ -162,7 +162,7 @@ def _real_build_estimate(config_dict: dict[str, Any], rank: int, world_size: int
         layout = lay_out_rank(config, build_model(config), rank, world_size)
         trainer = layout.trainer
         t = config.train
-        tokens = torch.zeros(t.global_batch_size // layout.dp, config.model.seq_len).long()
+        tokens = torch.zeros(t.global_batch_size // layout.plan.dp, config.model.seq_len).long()
         joint = trainer.compile(*graph_batch((tokens, tokens), config))
         trainer.executor.runtime.prepare(joint)
         assert not any(p.is_meta for p in trainer.model.parameters())

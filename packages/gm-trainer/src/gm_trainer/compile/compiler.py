@@ -22,8 +22,7 @@ from gm_config import ConfigError, PassConfig, PassPlan
 from gm_passes import GraphPass, PassPipeline
 from gm_passes.pipeline import AfterPass
 from gm_trace.graph.joint_graph import JointGraph
-from gm_trace.parallel.fsdp import ShardingLayout
-from gm_trace.parallel.materialize import InitWeights
+from gm_trace.parallel.fsdp import RowShard, ShardingLayout
 from gm_trace.parallel.tp import DTensorSpec
 from gm_trace.passes.deferred_reduce import DeferredReducePass
 from gm_trace.passes.last_micro_batch import LastMicroBatchPass
@@ -62,7 +61,7 @@ class GraphCompiler:
         update: UpdatePlanner,
         registry: GraphRegistry,
         passes: Sequence[GraphPass] = (),
-        init_weights: InitWeights | None = None,
+        live: LiveParameters | None = None,
     ) -> None:
         self.model = model
         self.train_fn = train_fn
@@ -84,7 +83,7 @@ class GraphCompiler:
         """Rank 0 writes the graph before and after each pass under here."""
         self.pytree_pre_hook: Callable[[], None] | None = None
         self.closure_watch: ClosureWatch | None = None
-        self.live = LiveParameters(model, init_weights)
+        self.live = live if live is not None else LiveParameters(model)
         """The one owner of changes to the model's parameters (TP, EP, FSDP, PP, in order) and
         of the allocation of a meta-built model's pieces."""
 
@@ -133,13 +132,10 @@ class GraphCompiler:
         return ACCUMULATE if fsdp or self.update.requested else STEP
 
     def compile(self, input: Any, label: Any, variant: str = STEP) -> JointGraph:
-        """The graph of ``variant`` for this (padded, device-resident) batch and the model's
-        module state: looked up, or traced, transformed and registered. The run must be
-        resolved (:meth:`resolve`)."""
+        """A new graph of ``variant`` for this (padded, device-resident) batch and the model's
+        module state, for which the registry has none (or another rank needs one): traced,
+        transformed and registered. The run must be resolved (:meth:`resolve`)."""
         cache = self.registry.cache(variant)
-        found = cache.lookup(input, label, self.model)
-        if found is not None:
-            return found
         cache.begin(input, label, self.model)  # the bound; the symbolic dims
         run = self.run
         first = self.registry.compile_count == 0
@@ -200,6 +196,14 @@ class GraphCompiler:
             dump_dir=dump_dir,
             after_pass=after_pass,
         )
+
+    @property
+    def row_shards(self) -> dict[str, RowShard]:
+        """Canonical FQN -> this rank's rows, for every parameter FSDP sharded (``{}`` before
+        the first compile and when nothing is sharded)."""
+        if self.sharding is None:
+            return {}
+        return {fqn: p.shard for fqn, p in self.sharding.params.items()}
 
     def materialize(self) -> None:
         """Allocate this rank's pieces of a meta-built model, once the layout is final (the

@@ -53,7 +53,13 @@ ORDER = (TP, EP, FSDP, PP)
 class LiveParameters:
     """Owner of every change to ``model``'s parameters (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, init_weights: InitWeights | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        init_weights: InitWeights | None = None,
+        *,
+        shapes_only: bool = False,
+    ) -> None:
         self.model = model
         self.done: list[str] = []
         """The changes made so far, in :data:`ORDER`."""
@@ -64,7 +70,7 @@ class LiveParameters:
         own ``reset_parameters()`` / Hugging Face's ``_init_weights``)."""
         self.meta: dict[str, tuple[torch.Size, torch.dtype]] = _meta_state(model)
         """Canonical FQN -> whole shape and dtype of each tensor still on the meta device."""
-        self.shapes_only = False
+        self.shapes_only = shapes_only
         """``True``: :meth:`materialize` leaves the meta tensors on meta, cut to this rank's
         pieces (what ``gm-train --plan`` measures: shapes, no memory, no initial values)."""
         self._rng_at_build = torch.get_rng_state() if self.meta else None

@@ -66,22 +66,20 @@ def train_loop(
 
         while max_steps is None or len(records) < max_steps:
             batch = next(batches, _END)
-            input = label = last = found = None
+            padded, weight, last = None, 0.0, None  # what a rank whose data ended agrees with
             if batch is not _END:
                 input, label = to_device(split_batch(batch))
-                size = batch_size(input)
+                padded, size = executor.pad(input, label), batch_size(input)
+                weight = window.weight(size)
                 last = window.last(size) if len(window) == accumulation_steps - 1 > 0 else None
-            accumulate = accumulation_steps > 1
-            if place.world_size > 1:
-                mine = None if batch is _END else (input, label)
-                ended, found = executor.agree(mine, accumulate, last is not None)
-                if ended:
-                    _warn_uneven(place.rank, place.world_size, ended, seen)
-                    break
-            elif batch is _END:
+            elif place.world_size == 1:
+                break
+            ran = executor.run(padded, weight, accumulation_steps > 1, last)
+            if ran.ended:
+                _warn_uneven(place.rank, place.world_size, ran.ended, seen)
                 break
             seen += 1
-            loss = executor.run(input, label, window.weight(size), accumulate, last, found)
+            loss = ran.loss
             state.consume()
             window.add(loss, size, count_tokens(input))
             if len(window) < accumulation_steps:
@@ -146,7 +144,7 @@ def _optimizer_step(
         "memory_kind": "host_rss" if topology.device.type == "cpu" else "device_peak",
         "lr": stepper.optimizer.param_groups[0].get("lr", float("nan")),
         "skipped_steps": state.skipped_steps,
-        **expert_load_metrics(executor.model, topology),
+        **expert_load_metrics(executor.context.model, topology),
     }
 
 

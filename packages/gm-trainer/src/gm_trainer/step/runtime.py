@@ -15,9 +15,10 @@ update), the activation measurement, the summary and the state other stages own.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -34,13 +35,56 @@ from gm_trainer.step.accumulation import LastOfWindow
 from gm_trainer.step.deferred import DeferredGrads
 from gm_trainer.step.stepper import OptimizerStepper
 
-Compile = Callable[[Any, Any, str], JointGraph]
-"""``compile(input, label, variant)``: the graph of a padded batch, compiled when missing (the
-executor's: it also builds the optimizer on the sharded parameters after the first)."""
 Where = tuple[int, int, torch.device]
-"""(rank, world size, collective device) of the ranks' agreement."""
+"""(rank, world size, collective device) of the ranks' agreement; ``None`` for one process,
+which agrees with nobody."""
 Inspection = Callable[[], AbstractContextManager[None]]
 """A block that leaves the run as it was (``GraphTrainer.inspection``)."""
+
+
+class MicroBatch(NamedTuple):
+    """One micro-batch as the executor hands it to the runtime."""
+
+    batch: tuple[Any, Any] | None
+    """Padded, device-resident ``(input, label)``; ``None``: this rank's data has ended."""
+    weight: float
+    """What its gradients are multiplied by before they are added."""
+    variant: str
+    """The graph variant it runs (``GraphCompiler.variant_for``)."""
+    last: LastOfWindow | None
+    """The last of an accumulation window (its graph may take the update), else ``None``."""
+
+
+class Ran(NamedTuple):
+    """What a micro-batch's step returns."""
+
+    loss: torch.Tensor | None
+    """This rank's loss (detached); ``None`` when nothing ran."""
+    ended: list[int]
+    """The ranks whose data has ended: when there are some, nothing ran on any rank."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """What the step executor and the runtime share, handed down once at construction."""
+
+    model: torch.nn.Module
+    """The live model: its parameters are this rank's pieces after the set-up."""
+    compiler: GraphCompiler
+    """Compiles a graph for a batch the registry has none for."""
+    registry: GraphRegistry
+    """The compiled graphs, looked up by variant, input signature and module state."""
+    deferred: DeferredGrads
+    """An accumulation window's gradient buffers (under FSDP)."""
+    stepper: OptimizerStepper
+    """The optimizer: built at the set-up, fed by a graph that takes the update."""
+
+
+def graph_for(context: StepContext, input: Any, label: Any, variant: str) -> JointGraph:
+    """The graph of ``variant`` for a padded batch and the model's module state: the
+    registry's, or compiled when it has none."""
+    joint = context.registry.cache(variant).lookup(input, label, context.model)
+    return joint if joint is not None else context.compiler.compile(input, label, variant)
 
 
 class StepRuntime(Protocol):
@@ -56,20 +100,20 @@ class StepRuntime(Protocol):
     def agree(
         self, batch: tuple[Any, Any] | None, variant: str, where: Where
     ) -> tuple[list[int], Found | None]:
-        """The ranks whose data has ended, and the graph found for the padded ``batch``."""
+        """The ranks whose data has ended, and the graph found for the padded ``batch``
+        (``None``: one must be compiled, on every rank)."""
 
-    def run(
-        self,
-        input: Any,
-        label: Any,
-        weight: float,
-        variant: str,
-        last: LastOfWindow | None,
-        found: Found | None,
-    ) -> torch.Tensor:
-        """Run one padded micro-batch, add ``weight`` x its gradients; its loss."""
+    def step(self, micro: MicroBatch, where: Where | None) -> Ran:
+        """One micro-batch: the ranks agree on it, its graph is found (compiled on a miss)
+        and run, ``micro.weight`` x its gradients added."""
 
-    def measure(self, input: Any, label: Any, inspection: Inspection) -> ActivationProfile:
+    def graph(self, input: Any, label: Any, variant: str) -> JointGraph:
+        """The graph a step of this padded batch runs on this rank (a pipeline's: its first
+        micro-batch's), compiled when missing; not yet prepared."""
+
+    def measure(
+        self, input: Any, label: Any, variant: str, inspection: Inspection
+    ) -> ActivationProfile:
         """The activations one padded batch holds: its graph compiled and prepared as for a
         step, then run inside ``inspection()``, which leaves the run as it was."""
 
@@ -78,8 +122,9 @@ class StepRuntime(Protocol):
         runs."""
 
     def release_foreign(self, joint: JointGraph) -> None:
-        """Free the parameters other ranks' stages own (a pipeline's, as ``joint`` tags them;
-        once), before anything allocates or holds them: called right after each compile."""
+        """Free the parameters other ranks' stages own (a pipeline's, as ``joint`` tags them),
+        before anything allocates or holds them: once, at the set-up, after the first
+        graph."""
 
     def summary(self) -> str:
         """What ``pass_summary()`` adds for this runtime ("" when nothing)."""
@@ -94,73 +139,62 @@ class SingleStage:
     pipeline: PipelineRunner | None = None
     plain_step_refusal: str | None = None
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        compiler: GraphCompiler,
-        registry: GraphRegistry,
-        deferred: DeferredGrads,
-        stepper: OptimizerStepper,
-        compile: Compile,
-        topology: Topology,
-    ) -> None:
-        self.model = model
-        self.compiler = compiler
-        self.registry = registry
-        self.deferred = deferred
-        self.stepper = stepper
-        self.compile = compile
+    def __init__(self, context: StepContext, topology: Topology) -> None:
+        self.context = context
         self.topology = topology
 
     def agree(
         self, batch: tuple[Any, Any] | None, variant: str, where: Where
     ) -> tuple[list[int], Found | None]:
-        return self.registry.cache(variant).agree(batch, self.model, *where)
+        return self.context.registry.cache(variant).agree(batch, self.context.model, *where)
 
-    def run(
-        self,
-        input: Any,
-        label: Any,
-        weight: float,
-        variant: str,
-        last: LastOfWindow | None,
-        found: Found | None,
-    ) -> torch.Tensor:
+    def graph(self, input: Any, label: Any, variant: str) -> JointGraph:
+        return graph_for(self.context, input, label, variant)
+
+    def step(self, micro: MicroBatch, where: Where | None) -> Ran:
+        context, found = self.context, None
+        if where is not None:
+            ended, found = self.agree(micro.batch, micro.variant, where)
+            if ended:
+                return Ran(None, ended)
+        (input, label), weight, variant, last = micro
         if found is None:
-            found = self.registry.cache(variant).find(input, label, self.model)
+            found = context.registry.cache(variant).find(input, label, context.model)
         if found is None:
-            joint, leaves = self.compile(input, label, variant), None
+            joint, leaves = context.compiler.compile(input, label, variant), None
         else:
             joint, input, label, leaves = found
-        self.compiler.closure_watch.check()
+        context.compiler.closure_watch.check()
         extra: list[Any] = []
         learned_weight = weight  # the graph weighs only the model's gradients itself
         if joint.last_micro_batch is not None:
             if not joint.optimizer_in_graph:  # the stepper scales .grad, as after any window
                 last = last._replace(scale=1.0)
-            extra = self.deferred.last_args(joint.last_micro_batch, self.model, weight, last)
+            extra = context.deferred.last_args(joint.last_micro_batch, context.model, weight, last)
             weight = 1.0  # the graph weighed this micro-batch's gradient itself
         elif joint.deferred is not None:
-            extra = self.deferred.args(joint.deferred, weight)
+            extra = context.deferred.args(joint.deferred, weight)
         if joint.optimizer_in_graph:
-            extra = [*extra, *self.stepper.graph_inputs(joint.optimizer_update)]
-        outputs = run_traced_graph(joint, self.model, input, label, extra, leaves=leaves)
+            extra = [*extra, *context.stepper.graph_inputs(joint.optimizer_update)]
+        outputs = run_traced_graph(joint, context.model, input, label, extra, leaves=leaves)
         if joint.optimizer_in_graph:
-            self.stepper.graph_ran(outputs.grad_norm)
+            context.stepper.graph_ran(outputs.grad_norm)
         elif joint.deferred is None:
-            accumulate_grads(self.model, joint, outputs.grads, weight)
+            accumulate_grads(context.model, joint, outputs.grads, weight)
         if outputs.learned:  # tensors train_fn reads from outside the model
             add_learned_grads(outputs.learned, learned_weight, self.topology)
-        return outputs.loss.detach()
+        return Ran(outputs.loss.detach(), [])
 
-    def measure(self, input: Any, label: Any, inspection: Inspection) -> ActivationProfile:
-        joint = self.compile(input, label, self.compiler.variant_for(accumulate=False))
+    def measure(
+        self, input: Any, label: Any, variant: str, inspection: Inspection
+    ) -> ActivationProfile:
+        joint, model = self.graph(input, label, variant), self.context.model
         with inspection():
             if not joint.optimizer_in_graph:
-                return measure_activations(joint, self.model, input, label)
+                return measure_activations(joint, model, input, label)
             # The graph writes copies of the weights and optimizer state.
-            with self.stepper.uncounted_graph_inputs(joint.optimizer_update) as extra:
-                return measure_activations(joint, self.model, input, label, extra)
+            with self.context.stepper.uncounted_graph_inputs(joint.optimizer_update) as extra:
+                return measure_activations(joint, model, input, label, extra)
 
     def prepare(self, joint: JointGraph) -> None:
         pass  # the graph runs as compiled
@@ -181,21 +215,9 @@ class PipelineStages:
     run in the schedule's order. Under FSDP that graph accumulates (the reduction of this
     rank's stages runs once, in the stepper's step)."""
 
-    def __init__(
-        self,
-        runner: PipelineRunner,
-        model: torch.nn.Module,
-        compiler: GraphCompiler,
-        registry: GraphRegistry,
-        deferred: DeferredGrads,
-        compile: Compile,
-    ) -> None:
+    def __init__(self, runner: PipelineRunner, context: StepContext) -> None:
         self.runner = runner
-        self.model = model
-        self.compiler = compiler
-        self.registry = registry
-        self.deferred = deferred
-        self.compile = compile
+        self.context = context
         self._foreign: frozenset[str] | None = None
         """The state other ranks' stages own, freed here (``None``: not yet)."""
         self.plain_step_refusal: str | None = (
@@ -214,33 +236,42 @@ class PipelineStages:
         if batch is not None:
             batch = self._split(*batch)[0]
         who = f"rank {where[0]} ({self.runner.describe_rank()})"
-        ended, _ = self.registry.cache(variant).agree(batch, self.model, *where, who=who)
-        return ended, None  # each step looks its graph up itself (_graph)
+        cache = self.context.registry.cache(variant)
+        return cache.agree(batch, self.context.model, *where, who=who)
 
-    def run(
-        self,
-        input: Any,
-        label: Any,
-        weight: float,
-        variant: str,
-        last: LastOfWindow | None,
-        found: Found | None,
-    ) -> torch.Tensor:
-        joint, micro = self._graph(input, label, variant)
+    def graph(self, input: Any, label: Any, variant: str) -> JointGraph:
+        return graph_for(self.context, *self._split(input, label)[0], variant)
+
+    def step(self, micro: MicroBatch, where: Where | None) -> Ran:
+        found = None
+        if where is not None:
+            ended, found = self.agree(micro.batch, micro.variant, where)
+            if ended:
+                return Ran(None, ended)
+        parts = self._split(*micro.batch)
+        # The agreement found the first part's graph: every part runs on it.
+        joint = (
+            found.joint if found is not None else graph_for(self.context, *parts[0], micro.variant)
+        )
+        self._prepare(joint)
         reduction, extra = self.runner.reduction, []
         if reduction is not None:
-            extra = self.deferred.args(reduction, weight / len(micro))
-        return self.runner.step(joint, micro, weight, extra)
+            extra = self.context.deferred.args(reduction, micro.weight / len(parts))
+        return Ran(self.runner.step(joint, parts, micro.weight, extra), [])
 
-    def measure(self, input: Any, label: Any, inspection: Inspection) -> ActivationProfile:
+    def measure(
+        self, input: Any, label: Any, variant: str, inspection: Inspection
+    ) -> ActivationProfile:
         """This rank's stages' held activations, measured in the pipeline's schedule (every
         rank of the pipeline calls it); nothing accumulates (under FSDP into scratch
         buffers). The accumulating variant a pipeline runs never takes the update."""
-        joint, micro = self._graph(input, label, self.compiler.variant_for(accumulate=True))
+        micro = self._split(input, label)
+        joint = graph_for(self.context, *micro[0], variant)
+        self._prepare(joint)
         reduction, extra = self.runner.reduction, []
         with inspection():
             if reduction is not None:
-                extra = self.deferred.scratch_args(reduction, 1 / len(micro))
+                extra = self.context.deferred.scratch_args(reduction, 1 / len(micro))
             measured = self.runner.measure(joint, micro, extra)
         return ActivationProfile(
             phases=[],
@@ -260,15 +291,9 @@ class PipelineStages:
     def _split(self, input: Any, label: Any) -> list[tuple[Any, Any]]:
         return split_microbatches(input, label, self.runner.config.pp_microbatches)
 
-    def _graph(self, input: Any, label: Any, variant: str) -> tuple[JointGraph, list[Any]]:
-        """The micro-batches of a batch and their graph, adopted by the pipeline."""
-        micro = self._split(input, label)
-        joint = self.registry.cache(variant).lookup(*micro[0], self.model)
-        if joint is None:
-            joint = self.compile(*micro[0], variant)
-        self.compiler.closure_watch.check()
+    def _prepare(self, joint: JointGraph) -> None:
+        self.context.compiler.closure_watch.check()
         self.prepare(joint)
-        return joint, micro
 
     def prepare(self, joint: JointGraph) -> None:
         self.runner.adopt(joint)
@@ -276,23 +301,15 @@ class PipelineStages:
     def release_foreign(self, joint: JointGraph) -> None:
         if self._foreign is None:  # every graph of one model tags its state alike
             self._foreign = self.runner.foreign_state(joint)
-            self.compiler.free_foreign(self._foreign)
+            self.context.compiler.free_foreign(self._foreign)
 
 
-def build_runtime(
-    run: ResolvedRun,
-    model: torch.nn.Module,
-    compiler: GraphCompiler,
-    registry: GraphRegistry,
-    deferred: DeferredGrads,
-    stepper: OptimizerStepper,
-    compile: Compile,
-) -> StepRuntime:
+def build_runtime(run: ResolvedRun, context: StepContext) -> StepRuntime:
     """The runtime of ``run``: this rank's pipeline stages under ``pp_degree > 1``, else one
     stage. The one place that decides between them."""
     if run.pass_config.pp_degree == 1:
-        return SingleStage(model, compiler, registry, deferred, stepper, compile, run.topology)
-    runner = PipelineRunner(run, model, compiler.pass_config.backend)
+        return SingleStage(context, run.topology)
+    runner = PipelineRunner(run, context.model, context.compiler.pass_config.backend)
     # Before anything draws from them, and before a checkpoint can restore them.
     runner.seed_generators()
-    return PipelineStages(runner, model, compiler, registry, deferred, compile)
+    return PipelineStages(runner, context)

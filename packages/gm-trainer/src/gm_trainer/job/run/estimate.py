@@ -27,9 +27,10 @@ folder, and its measured peak beside the estimate in ``summary.json``.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context
 from typing import TYPE_CHECKING, Any
@@ -240,10 +241,9 @@ def plan_rank(config: JobConfig, rank: int, world_size: int) -> dict[str, Any]:
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
         built = build_model(config)  # on the meta device, as every build
-        layout = lay_out_rank(config, built, rank, world_size)
-        trainer = layout.trainer
         # Traced on the run's device as fake tensors; the pieces are cut on meta, not allocated.
-        trainer.compiler.live.shapes_only = True
+        layout = lay_out_rank(config, built, rank, world_size, materialize=False)
+        trainer = layout.trainer
         t = config.train
         rows = t.global_batch_size // t.accumulation // layout.plan.dp
         tokens = torch.zeros(rows, config.model.seq_len, dtype=torch.long, device=trainer.device)
@@ -283,27 +283,34 @@ def plan_job(
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """The plan of ``config`` on ``world_size`` ranks: one entry per pipeline rank (the
-    stages it holds; each traced in a fresh process on the fake backend, one after the other;
-    ``progress`` is told as each one starts). ``seconds``: how long it took."""
+    stages it holds; each traced in a fresh process on the fake backend, as many at once as
+    this host has cores; ``progress`` is told as each one starts). ``seconds``: how long it
+    took."""
     start = time.perf_counter()
     config.check_world_size(world_size)
     layout = layout_of(config, world_size)
     stages = range(config.parallel.pp_degree)
     representatives = [ranks_of_stage(config, world_size, s)[0] for s in stages]
-    results = []
-    for stage, rank in enumerate(representatives):  # a fresh process each: one fake world
+
+    def plan_stage(stage: int, rank: int) -> dict[str, Any]:
         if progress is not None:
             progress(f"planning stage {stage + 1} of {len(representatives)} (rank {rank})")
+        # A fresh process each: one fake world.
         with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
             try:
-                result = pool.submit(_plan_rank, config.to_dict(), rank, world_size).result()
+                return pool.submit(_plan_rank, config.to_dict(), rank, world_size).result()
             except BrokenProcessPool as e:
                 raise TrainingError(
                     f"--plan: the process that traces {_kind(config, stage)} (rank {rank}) "
                     f"died ({e}); "
                     "run that layout's first step to see the error"
                 ) from None
-        results.append(result)
+
+    # Each plan process runs on one thread (plan_rank), so one per core.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = min(len(representatives), cores or 1)
+    with ThreadPoolExecutor(workers) as threads:
+        results = list(threads.map(plan_stage, stages, representatives))
     plan = report(config, layout, results, device_memory_gib)
     plan["seconds"] = time.perf_counter() - start
     return plan

@@ -53,9 +53,11 @@ def lay_out_rank(
     rank: int,
     world_size: int,
     graph_dump_dir: Path | None = None,
+    materialize: bool = True,
 ) -> RankLayout:
     """Build the mesh, split the model with its TP plan and wrap it in a ``GraphTrainer``
-    (a collective: every rank calls it)."""
+    (a collective: every rank calls it). ``materialize=False``: a plan's trainer, whose
+    meta-built model stays on meta (``GraphTrainer(materialize=...)``)."""
     from gm_trainer.trainer import GraphTrainer  # heavy: only on the ranks
 
     t = config.train
@@ -76,6 +78,7 @@ def lay_out_rank(
         lr_scheduler=t.lr_scheduler_factory(),
         graph_dump_dir=graph_dump_dir,
         mesh_context=mesh,
+        materialize=materialize,
     )
     return RankLayout(trainer, mesh, dp_index, plan)
 
