@@ -87,6 +87,37 @@ def test_init_weights_that_assigns_a_meta_tensor_is_refused_by_name() -> None:
         trainer.compile(torch.ones(2, 4), torch.ones(2, 4))
 
 
+class _Scaled(nn.Linear):
+    """Draws, then scales what it drew: reads its own values (the NaN probe must see them)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight)
+        self.weight.data.mul_(0.5)
+        nn.init.zeros_(self.bias)
+
+
+class _HalfWritten(nn.Linear):
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight[:2])  # the other rows keep whatever was there
+        nn.init.zeros_(self.bias)
+
+
+def test_an_init_that_reads_what_it_drew_is_replayed_bitwise() -> None:
+    torch.manual_seed(3)
+    real = _Scaled(4, 4)
+    torch.manual_seed(3)
+    trainer = _meta_trainer(lambda: _Scaled(4, 4))
+    trainer.compile(torch.ones(2, 4), torch.ones(2, 4))
+    for name, value in real.state_dict().items():
+        assert torch.equal(trainer.model.state_dict()[name], value), name
+
+
+def test_an_init_that_writes_part_of_a_tensor_is_refused_by_name() -> None:
+    trainer = _meta_trainer(lambda: _HalfWritten(4, 4))
+    with pytest.raises(ConfigError, match=r"'weight' of _HalfWritten"):
+        trainer.compile(torch.ones(2, 4), torch.ones(2, 4))
+
+
 def test_init_weights_fills_each_module_children_first() -> None:
     seen = []
 
@@ -99,9 +130,9 @@ def test_init_weights_fills_each_module_children_first() -> None:
         lambda: nn.Sequential(nn.Linear(4, 4), _NoReset()), init_weights=init_weights
     )
     trainer.compile(torch.ones(2, 4), torch.ones(2, 4))
-    # Two calls per module fill scratch first (to check every element is written).
+    # One call per module fills NaN scratch first (to check every element is written).
     assert seen[-2:] == ["Linear", "_NoReset"]
-    assert sorted(seen) == ["Linear"] * 3 + ["_NoReset"] * 3
+    assert sorted(seen) == ["Linear"] * 2 + ["_NoReset"] * 2
     assert all(torch.equal(p, torch.full_like(p, 0.5)) for p in trainer.model.parameters())
 
 

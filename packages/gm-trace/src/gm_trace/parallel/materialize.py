@@ -135,16 +135,24 @@ def materialize_meta(
         raise _cannot_create(unset[0], slots, init_weights)
     last = {fqn: idx[-1] for fqn, idx in owned.items()}
     done: set[str] = set()
+    arena = _Arena()
     for i, event in enumerate(events):
-        scratch = []
+        scratch, whole_now = [], []
         for slot in event.slots:
             mine = not slot.real and slot.fqn == slot.canonical and start[slot.canonical] <= i
             if mine and slot.canonical not in done:
-                if slot.tensor.is_meta:
+                if not slot.tensor.is_meta:
+                    continue  # whole since an earlier event
+                if last[slot.canonical] == i:  # whole for this event only: from the arena
+                    whole_now.append(slot)
+                else:
                     replace_storage(slot.tensor, torch.empty(slot.shape, dtype=slot.dtype))
             else:
                 scratch.append(slot)
-        with _scratch_for(scratch), torch.no_grad():
+        tensors = arena.take([*whole_now, *scratch])
+        for slot, whole in zip(whole_now, tensors):
+            replace_storage(slot.tensor, whole)
+        with _scratch_for(scratch, tensors[len(whole_now) :]), torch.no_grad():
             event.run()
         for slot in event.slots:
             if not slot.real and slot.fqn == slot.canonical and last[slot.canonical] == i:
@@ -303,44 +311,92 @@ def _first_needed(
 
 
 def _writes_all(event: _Event) -> set[str]:
-    """The FQNs of ``event``'s slots it writes every element of: it runs twice, on scratch
-    filled with 0 and with 1, the RNG put back after each, and a slot that ends the same
-    both times (and still of its shape, off the meta device) was written all over."""
-    results = []
-    for fill in (0, 1):
-        with (
-            torch.random.fork_rng(devices=[]),
-            _scratch_for(event.slots, fill),
-            torch.no_grad(),
-        ):
-            flag = event.module.__dict__.get("_is_hf_initialized")
-            event.run()
-            if flag is None:
-                event.module.__dict__.pop("_is_hf_initialized", None)
-            else:
-                event.module._is_hf_initialized = flag
-            results.append(
-                {
-                    slot.fqn: slot.tensor.detach().clone()
-                    for slot in event.slots
-                    if not slot.tensor.is_meta and slot.tensor.shape == slot.shape
-                }
-            )
-    return {
-        fqn
-        for fqn, first in results[0].items()
-        if fqn in results[1] and torch.equal(first, results[1][fqn])
-    }
+    """The FQNs of ``event``'s slots it writes every element of, found on scratch, the RNG put
+    back after each run. A floating-point slot is filled with NaN and run once: written all
+    over when no NaN is left (an initializer that reads the old value, ``mul_`` say, keeps
+    it). Other slots run twice, filled with 0 and with 1: written when both runs end the
+    same. Either way the slot must still be of its shape, off the meta device."""
+    floating = [slot for slot in event.slots if slot.dtype.is_floating_point]
+    other = [slot for slot in event.slots if not slot.dtype.is_floating_point]
+    written = {slot.fqn for slot in floating}
+    results: list[dict[str, Tensor]] = []
+    for fill in (0, 1) if other else (0,):
+        fills = [(floating, float("nan")), (other, fill)]
+        with _run_on_scratch(event, fills):
+            written -= {s.fqn for s in floating if not _whole(s, nan_free=True)}
+            results.append({s.fqn: s.tensor.clone() for s in other if _whole(s)})
+    same = set(results[0]) & set(results[-1]) if other else set()
+    written |= {fqn for fqn in same if torch.equal(results[0][fqn], results[1][fqn])}
+    return written
+
+
+def _whole(slot: _Slot, nan_free: bool = False) -> bool:
+    """Whether the slot holds a tensor of its shape off the meta device (``nan_free``: and
+    no NaN)."""
+    tensor = slot.tensor
+    if tensor.is_meta or tensor.shape != slot.shape:
+        return False
+    return not nan_free or not bool(torch.isnan(tensor).any())
 
 
 @contextlib.contextmanager
-def _scratch_for(slots: list[_Slot], fill: int | None = None) -> Iterator[None]:
-    """Put a whole-shaped scratch tensor (a fresh Parameter for a parameter, so no flag of the
-    real one shows) in each of ``slots`` for the block; the real tensors come back after."""
+def _run_on_scratch(event: _Event, fills: list[tuple[list[_Slot], float]]) -> Iterator[None]:
+    """Run ``event`` with its slots on scratch filled as ``fills`` says, the RNG and the Hugging
+    Face "initialized" flag put back after; the slots stay on their scratch in the block."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=[]))
+        for slots, fill in fills:
+            stack.enter_context(_scratch_for(slots, fill=fill))
+        stack.enter_context(torch.no_grad())
+        flag = event.module.__dict__.get("_is_hf_initialized")
+        event.run()
+        if flag is None:
+            event.module.__dict__.pop("_is_hf_initialized", None)
+        else:
+            event.module._is_hf_initialized = flag
+        yield
+
+
+class _Arena:
+    """One buffer that the whole tensors of an event are cut from, reused by the next event.
+    Allocated and freed one by one, they left the allocator holding memory between the
+    pieces kept (83 MB of a 1.1 GB GPT's 290 MB quarter on 4 ranks, measured)."""
+
+    def __init__(self) -> None:
+        self._buffer: Tensor | None = None
+
+    def take(self, slots: list[_Slot]) -> list[Tensor]:
+        """A whole-shaped tensor for each slot, in one buffer (valid until the next take)."""
+        sizes = [-(-_nbytes(slot) // 64) * 64 for slot in slots]  # each start 64-byte aligned
+        if self._buffer is None or self._buffer.numel() < sum(sizes):
+            self._buffer = None  # the old one goes before the new one comes
+            self._buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+        tensors, offset = [], 0
+        for slot, size in zip(slots, sizes):
+            flat = self._buffer[offset : offset + _nbytes(slot)].view(slot.dtype)
+            tensors.append(flat.view(slot.shape))
+            offset += size
+        return tensors
+
+
+def _nbytes(slot: _Slot) -> int:
+    return slot.shape.numel() * slot.dtype.itemsize
+
+
+@contextlib.contextmanager
+def _scratch_for(
+    slots: list[_Slot], tensors: list[Tensor] | None = None, fill: float | None = None
+) -> Iterator[None]:
+    """Put a whole-shaped scratch tensor (``tensors``, or new ones filled with ``fill``; a fresh
+    Parameter for a parameter, so no flag of the real one shows) in each of ``slots`` for the
+    block; the real tensors come back after."""
     saved = [(slot, slot.tensor) for slot in slots]
     try:
-        for slot, tensor in saved:
-            scratch = torch.empty(slot.shape, dtype=slot.dtype)
+        for i, (slot, tensor) in enumerate(saved):
+            if tensors is not None:
+                scratch = tensors[i]
+            else:
+                scratch = torch.empty(slot.shape, dtype=slot.dtype)
             if fill is not None:
                 scratch.fill_(fill)
             if slot.is_param:
