@@ -28,6 +28,7 @@ folder, and its measured peak beside the estimate in ``summary.json``.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -292,9 +293,12 @@ def plan_job(
     stages = range(config.parallel.pp_degree)
     representatives = [ranks_of_stage(config, world_size, s)[0] for s in stages]
 
+    told = threading.Lock()  # one line at a time from the threads
+
     def plan_stage(stage: int, rank: int) -> dict[str, Any]:
         if progress is not None:
-            progress(f"planning stage {stage + 1} of {len(representatives)} (rank {rank})")
+            with told:
+                progress(f"planning stage {stage + 1} of {len(representatives)} (rank {rank})")
         # A fresh process each: one fake world.
         with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
             try:
