@@ -180,8 +180,8 @@ class GraphTrainer:
             # Traces each parameter with its own group of the optimizer the stepper holds.
             GraphUpdatePlanner(self.optimizer_config, self.model, self.stepper),
             self.registry,
-            passes,
             LiveParameters(self.model, init_weights, shapes_only=not materialize),
+            passes,
         )
         self.graph_dump_dir = graph_dump_dir
         self.executor = StepExecutor(

@@ -60,8 +60,8 @@ class GraphCompiler:
         mesh: ResolvedMesh | None,
         update: UpdatePlanner,
         registry: GraphRegistry,
+        live: LiveParameters,
         passes: Sequence[GraphPass] = (),
-        live: LiveParameters | None = None,
     ) -> None:
         self.model = model
         self.train_fn = train_fn
@@ -83,7 +83,7 @@ class GraphCompiler:
         """Rank 0 writes the graph before and after each pass under here."""
         self.pytree_pre_hook: Callable[[], None] | None = None
         self.closure_watch: ClosureWatch | None = None
-        self.live = live if live is not None else LiveParameters(model)
+        self.live = live
         """The one owner of changes to the model's parameters (TP, EP, FSDP, PP, in order) and
         of the allocation of a meta-built model's pieces."""
 

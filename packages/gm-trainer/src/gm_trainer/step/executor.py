@@ -152,8 +152,8 @@ class StepExecutor:
     def measure(self, batch: Batch, inspection: Inspection) -> ActivationProfile:
         """The activations one padded batch holds, measured inside ``inspection()`` (every
         rank of the run calls it, as for a step)."""
-        variant = self.variant_for()
         runtime = self.resolve()
+        variant = self.context.compiler.variant_for(accumulate=False)
         if not self._laid_out:
             self._lay_out(runtime.graph(*batch, variant))
         return runtime.measure(*batch, variant, inspection)
